@@ -1,0 +1,183 @@
+"""The drafter's architecture, normalized across the flat and speculators formats.
+
+Flat format (AQ-MedAI, SpecForge, SGLang, vLLM): Llama fields at the top level of config.json,
+`architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size`, and
+`eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}`.
+
+speculators format: `speculators_model_type: "eagle3"`, Llama fields nested under
+`transformer_layer_config`, aux ids at the top level, `speculators_config` with the verifier.
+
+No torch here: `draftport compare` must start fast.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import DraftportError
+
+FLAT_ARCH = "LlamaForCausalLMEagle3"
+# Where the aux layer ids point: "vllm" = id k is the state *before* layer k
+# (transformers' hidden_states[k]); "sglang" = id k is the state after layer k (hidden_states[k+1]).
+CONVENTIONS = ("vllm", "sglang")
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int] | None
+    target_hidden_size: int | None = None
+    num_hidden_layers: int = 1
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    aux_convention: str | None = None
+    architectures: list[str] = field(default_factory=lambda: [FLAT_ARCH])
+    format: str = "flat"
+    extra: dict = field(default_factory=dict)  # fields we carry through untouched (bos/eos ids, ...)
+
+    @property
+    def fc_in(self) -> int:
+        return 3 * (self.target_hidden_size or self.hidden_size)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """config.json in the flat layout vLLM/SGLang read."""
+        out: dict[str, Any] = dict(self.extra)
+        out.update(
+            architectures=[FLAT_ARCH],
+            model_type="llama",
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=self.num_hidden_layers,
+            vocab_size=self.vocab_size,
+            draft_vocab_size=self.draft_vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            rms_norm_eps=self.rms_norm_eps,
+            hidden_act=self.hidden_act,
+            norm_before_residual=self.norm_before_residual,
+            tie_word_embeddings=False,
+            eagle_config={
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids or []),
+                "use_aux_hidden_state": True,
+            },
+        )
+        if self.target_hidden_size and self.target_hidden_size != self.hidden_size:
+            out["target_hidden_size"] = self.target_hidden_size
+        if self.aux_convention:
+            out["draftport_aux_convention"] = self.aux_convention
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+
+def _req(cfg: dict, key: str, path: str | Path, where: str = "") -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise DraftportError(path, f"config is missing {where}{key}")
+    val = cfg[key]
+    if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+        raise DraftportError(path, f"config {where}{key} must be a positive integer, got {val!r}")
+    return val
+
+
+def _from_llama_fields(llama: dict, top: dict, path, where: str, fmt: str) -> DrafterConfig:
+    hidden = _req(llama, "hidden_size", path, where)
+    heads = _req(llama, "num_attention_heads", path, where)
+    kv = llama.get("num_key_value_heads") or heads
+    head_dim = llama.get("head_dim") or hidden // heads
+    vocab = _req(llama, "vocab_size", path, where)
+    draft_vocab = top.get("draft_vocab_size") or llama.get("draft_vocab_size") or vocab
+    known = {
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "vocab_size", "draft_vocab_size", "num_hidden_layers",
+        "max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "hidden_act",
+        "architectures", "eagle_config", "target_hidden_size", "norm_before_residual",
+        "model_type", "tie_word_embeddings", "draftport_aux_convention",
+    }
+    extra = {k: v for k, v in top.items() if k not in known and fmt == "flat"}
+    return DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=_req(llama, "intermediate_size", path, where),
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=None,
+        target_hidden_size=top.get("target_hidden_size") or llama.get("target_hidden_size"),
+        num_hidden_layers=llama.get("num_hidden_layers", 1),
+        max_position_embeddings=llama.get("max_position_embeddings", 2048),
+        rope_theta=float(llama.get("rope_theta", 10000.0)),
+        rope_scaling=llama.get("rope_scaling"),
+        rms_norm_eps=float(llama.get("rms_norm_eps", 1e-6)),
+        hidden_act=llama.get("hidden_act", "silu"),
+        extra=extra,
+        format=fmt,
+    )
+
+
+def parse_config(raw: dict, path: str | Path = "config.json") -> DrafterConfig:
+    """Normalize a drafter config.json (either format) into a DrafterConfig."""
+    if not isinstance(raw, dict):
+        raise DraftportError(path, "config is not a JSON object")
+    if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
+        llama = raw.get("transformer_layer_config")
+        if not isinstance(llama, dict):
+            raise DraftportError(path, "speculators config has no transformer_layer_config object")
+        cfg = _from_llama_fields(llama, raw, path, "transformer_layer_config.", "speculators")
+        cfg.aux_layer_ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        # speculators defaults norm_before_residual to True, the flat format to False.
+        cfg.norm_before_residual = bool(raw.get("norm_before_residual", True))
+        cfg.architectures = list(raw.get("architectures") or ["Eagle3Speculator"])
+        spec = raw.get("speculators_config") or {}
+        verifier = spec.get("verifier") or {}
+        if verifier.get("name_or_path"):
+            cfg.extra["verifier"] = verifier.get("name_or_path")
+    else:
+        cfg = _from_llama_fields(raw, raw, path, "", "flat")
+        eagle = raw.get("eagle_config") or {}
+        cfg.aux_layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        cfg.norm_before_residual = bool(raw.get("norm_before_residual", False))
+        cfg.architectures = list(raw.get("architectures") or [])
+    cfg.aux_convention = raw.get("draftport_aux_convention")
+    if cfg.aux_layer_ids is not None:
+        ids = cfg.aux_layer_ids
+        if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise DraftportError(path, f"eagle_aux_hidden_state_layer_ids must be a list of non-negative ints, got {ids!r}")
+        if len(ids) != 3:
+            raise DraftportError(path, f"EAGLE-3 needs 3 aux layer ids, got {len(ids)}: {ids}")
+    if cfg.draft_vocab_size > cfg.vocab_size:
+        raise DraftportError(path, f"draft_vocab_size {cfg.draft_vocab_size} exceeds vocab_size {cfg.vocab_size}")
+    if cfg.aux_convention is not None and cfg.aux_convention not in CONVENTIONS:
+        raise DraftportError(path, f"draftport_aux_convention must be one of {CONVENTIONS}, got {cfg.aux_convention!r}")
+    return cfg
+
+
+def read_config(folder: str | Path) -> tuple[DrafterConfig, dict]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise DraftportError(path, "no config.json in the drafter folder")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftportError(path, f"not valid JSON ({e.__class__.__name__}: {e})") from None
+    return parse_config(raw, path), raw

@@ -1,0 +1,186 @@
+"""Feature shards: what the target computed on each training sample.
+
+A feature folder holds shard_NNNNN.safetensors files and index.json. Per shard, samples are
+concatenated along the token axis:
+    tokens [N] int32, loss_mask [N] bool (assistant tokens), aux [N, 3H], final [N, H],
+    offsets [n+1] int64 (sample i = rows offsets[i]:offsets[i+1]), response_start [n] int64.
+index.json records sample/token counts, dtype, hidden size, aux layer ids and their convention,
+the target's id and revision, and each shard's sha256 (checked before a shard is trusted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import atomic_write_text
+from .errors import DraftportError
+from .ttt import Batch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -> int:
+    """(3 aux + final) states x H x element size, + token id and mask."""
+    return (n_aux + 1) * hidden_size * DTYPES[dtype].itemsize + 4 + 1
+
+
+def check_disk(folder: Path, need: int, log=print) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    log(f"storage: need ~{human(need)}, free {human(free)} at {folder}")
+    if need * 1.05 > free:
+        raise DraftportError(folder, f"not enough disk for the features: need ~{human(need)}, {human(free)} free")
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]
+    response_start: int
+
+
+def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *, meta: dict,
+                   shard_samples: int = 256, batch_size: int = 16, dtype: str = "bfloat16",
+                   progress=None) -> dict:
+    """Run featurize(batch_of_sequences) -> (aux [B,T,3H], final [B,T,H]) and write shards.
+
+    Everything is written into a temporary sibling folder that replaces out_dir at the end, so
+    an interrupted run never leaves a folder a later step would trust.
+    """
+    out_dir = Path(out_dir)
+    if not sequences:
+        raise DraftportError(out_dir, "no samples to featurize (empty dataset)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    td = DTYPES[dtype]
+    try:
+        shards, total_tokens, hidden = [], 0, None
+        for s0 in range(0, len(sequences), shard_samples):
+            chunk = sequences[s0: s0 + shard_samples]
+            parts = {"aux": [], "final": [], "tokens": [], "loss_mask": []}
+            for b0 in range(0, len(chunk), batch_size):
+                bseq = chunk[b0: b0 + batch_size]
+                aux, final = featurize(bseq)
+                for i, sq in enumerate(bseq):
+                    n = len(sq.tokens)
+                    parts["aux"].append(aux[i, :n].to(td).cpu())
+                    parts["final"].append(final[i, :n].to(td).cpu())
+                    parts["tokens"].append(torch.tensor(sq.tokens, dtype=torch.int32))
+                    m = torch.zeros(n, dtype=torch.bool)
+                    m[sq.response_start:] = True
+                    parts["loss_mask"].append(m)
+                if progress is not None:
+                    progress(len(bseq))
+            lens = torch.tensor([len(sq.tokens) for sq in chunk], dtype=torch.int64)
+            tensors = {k: torch.cat(v) for k, v in parts.items()}
+            tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+            tensors["response_start"] = torch.tensor([sq.response_start for sq in chunk], dtype=torch.int64)
+            hidden = tensors["final"].shape[1]
+            name = f"shard_{len(shards):05d}.safetensors"
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / name))
+            shards.append({"file": name, "samples": len(chunk), "tokens": int(lens.sum()),
+                           "sha256": sha256_file(tmp / name)})
+            total_tokens += int(lens.sum())
+        index = dict(meta)
+        index.update(samples=len(sequences), tokens=total_tokens, dtype=dtype, hidden_size=hidden,
+                     bytes_per_token=bytes_per_token(hidden, dtype), shards=shards)
+        atomic_write_text(tmp / "index.json", json.dumps(index, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return index
+
+
+class FeatureSet:
+    """Random access to the samples of a feature folder (shards opened lazily)."""
+
+    def __init__(self, folder: str | Path, verify: bool = True):
+        self.folder = Path(folder)
+        idx_path = self.folder / "index.json"
+        if not idx_path.is_file():
+            raise DraftportError(self.folder, "not a feature folder (no index.json)")
+        try:
+            self.index = json.loads(idx_path.read_text())
+        except json.JSONDecodeError as e:
+            raise DraftportError(idx_path, f"corrupt index ({e})") from None
+        if not self.index.get("samples"):
+            raise DraftportError(idx_path, "feature folder holds no samples (empty dataset)")
+        self.shards = []
+        self.where = []  # sample -> (shard, local index)
+        for si, sh in enumerate(self.index["shards"]):
+            path = self.folder / sh["file"]
+            if not path.is_file():
+                raise DraftportError(path, "feature shard listed in index.json is missing")
+            if verify and sha256_file(path) != sh["sha256"]:
+                raise DraftportError(path, "feature shard is corrupted (sha256 differs from index.json)")
+            self.shards.append(None)
+            self.where.extend((si, i) for i in range(sh["samples"]))
+
+    def __len__(self):
+        return len(self.where)
+
+    def _shard(self, si):
+        if self.shards[si] is None:
+            from safetensors.torch import load_file
+            path = self.folder / self.index["shards"][si]["file"]
+            try:
+                self.shards[si] = load_file(str(path))
+            except Exception as e:  # safetensors raises its own error types
+                raise DraftportError(path, f"cannot read feature shard ({e})") from None
+        return self.shards[si]
+
+    def sample(self, i: int) -> dict:
+        si, li = self.where[i]
+        sh = self._shard(si)
+        a, b = int(sh["offsets"][li]), int(sh["offsets"][li + 1])
+        return {"tokens": sh["tokens"][a:b].long(), "loss_mask": sh["loss_mask"][a:b],
+                "aux": sh["aux"][a:b], "final": sh["final"][a:b],
+                "response_start": int(sh["response_start"][li])}
+
+
+def collate(samples: list[dict], dtype=torch.float32) -> tuple[Batch, list[int]]:
+    """Right-pad a list of samples into a Batch (+ their response starts)."""
+    B, T = len(samples), max(s["tokens"].shape[0] for s in samples)
+    H3, H = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
+    aux = torch.zeros(B, T, H3, dtype=dtype)
+    final = torch.zeros(B, T, H, dtype=dtype)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        n = s["tokens"].shape[0]
+        aux[i, :n], final[i, :n] = s["aux"].to(dtype), s["final"].to(dtype)
+        tokens[i, :n], mask[i, :n], valid[i, :n] = s["tokens"], s["loss_mask"], True
+    return Batch(aux, final, tokens, mask, valid), [s["response_start"] for s in samples]
+
+
+def iter_batches(fs: FeatureSet, ids: list[int], batch_size: int, dtype=torch.float32):
+    for s in range(0, len(ids), batch_size):
+        yield collate([fs.sample(i) for i in ids[s: s + batch_size]], dtype)

@@ -1,0 +1,94 @@
+"""Offline accept length, drafted exactly as a serving engine drafts.
+
+For every row p the drafter proposes k tokens greedily: step 0 from the target's aux features at
+p and the verified token p+1, later steps from its own pre-norm state and its own previous draft,
+attending to the step-0 keys of the verified prefix (what the engine's drafter KV cache holds).
+Draft j (0-based) is compared with the target's greedy choice at position p+1+j; `accepted[p]`
+is the length of the agreeing prefix.
+
+tau is measured the way SGLang and vLLM count it, over the cycles an engine actually runs:
+after the prompt, the first cycle drafts from the last prompt position; a cycle that accepts a
+drafts moves a+1 tokens on. tau = 1 + mean accepted over those cycles (the bonus token counts).
+The mean over *every* response position is reported too (`accept_length_all_positions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .drafter import Eagle3Drafter
+from .ttt import Batch, target_logits
+
+
+@torch.no_grad()
+def accepted_counts(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, k: int):
+    """[B, T] number of accepted drafts when drafting from row p, and [B, T] count of drafts
+    that could be checked (k, fewer near the end of a sequence)."""
+    hot = drafter.hot_ids
+    t_arg = target_logits(batch.final, target_head).argmax(-1)  # [B, T]
+    logits = drafter.unroll(batch.aux, batch.tokens, k, teacher_tokens=False, valid=batch.valid)
+    B, T = batch.tokens.shape
+    length = batch.valid.long().sum(-1)  # sequences are right-padded
+    rows = torch.arange(T, device=t_arg.device)[None]
+    alive = torch.ones(B, T, dtype=torch.bool, device=t_arg.device)
+    accepted = torch.zeros(B, T, dtype=torch.long, device=t_arg.device)
+    checkable = torch.zeros(B, T, dtype=torch.long, device=t_arg.device)
+    for j, lg in enumerate(logits):
+        q = rows + 1 + j  # the target position whose argmax draft j must match
+        inside = q <= (length[:, None] - 2)  # its prediction (token q+1) exists in the sequence
+        tq = torch.gather(t_arg, 1, q.clamp(max=T - 1).expand(B, T))
+        match = (hot[lg.argmax(-1)] == tq) & inside
+        alive = alive & match
+        accepted += alive.long()
+        checkable += inside.long()
+    return accepted, checkable
+
+
+def walk(accepted: list[int], checkable: list[int], start: int, end: int) -> list[int]:
+    """Rows an engine visits from `start` to `end` (exclusive): each cycle jumps a+1 tokens."""
+    p, seen = start, []
+    while p < end and checkable[p] > 0:
+        a = accepted[p]
+        seen.append(a)
+        p += a + 1
+    return seen
+
+
+def summarize(cycles: list[int], all_rows: list[int], k: int) -> dict:
+    n = max(len(cycles), 1)
+    out = {
+        "accept_length": 1.0 + sum(cycles) / n,
+        "num_cycles": len(cycles),
+        "num_draft_tokens": len(cycles) * k,
+        "num_accepted_tokens": sum(cycles),
+        "accept_length_all_positions": 1.0 + (sum(all_rows) / max(len(all_rows), 1)),
+        "k": k,
+    }
+    prev = 1.0
+    for i in range(1, k + 1):
+        rate = sum(1 for a in cycles if a >= i) / n
+        out[f"accept_rate_pos_{i - 1}"] = rate
+        out[f"cond_acc_{i - 1}"] = rate / prev if prev > 0 else 0.0
+        prev = rate
+    return out
+
+
+def offline_accept_length(drafter: Eagle3Drafter, batches: Iterable[tuple[Batch, list[int]]],
+                          target_head: torch.Tensor, k: int, progress=None) -> dict:
+    """batches yields (Batch, response_start per sequence). Returns the summary dict."""
+    drafter.eval()
+    cycles: list[int] = []
+    all_rows: list[int] = []
+    for batch, starts in batches:
+        acc, chk = accepted_counts(drafter, batch, target_head, k)
+        lengths = batch.valid.long().sum(-1).tolist()
+        for b, r in enumerate(starts):
+            a, c = acc[b].tolist(), chk[b].tolist()
+            end = lengths[b] - 1
+            cycles.extend(walk(a, c, max(r - 1, 0), end))
+            all_rows.extend(a[p] for p in range(max(r - 1, 0), end) if c[p] > 0)
+        if progress is not None:
+            progress(len(starts))
+    return summarize(cycles, all_rows, k)

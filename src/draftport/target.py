@@ -1,0 +1,163 @@
+"""Hidden-state capture from a `transformers` target, and greedy response regeneration.
+
+Aux layer convention (recorded with every shard): "vllm" reads id k as the state entering
+decoder layer k (transformers' hidden_states[k], so k = 0 is the embedding output); "sglang"
+reads id k as the state leaving layer k (hidden_states[k + 1]). The final state is taken after
+the model's last norm: through the target's lm_head it gives the logits the engine verifies with.
+Hooks rather than output_hidden_states: they mean the same thing in every transformers version
+and in wrapped (multimodal) models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import DraftportError
+
+
+def decoder_parts(model):
+    """(layers, final_norm, lm_head) of a causal LM, found through multimodal wrappers
+    (Kimi-K2.5 keeps its text model under `language_model`)."""
+    for _, mod in model.named_modules():
+        layers = getattr(mod, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and getattr(mod, "norm", None) is not None:
+            head = model.get_output_embeddings()
+            if head is None:
+                break
+            return layers, mod.norm, head
+    raise DraftportError(None, f"cannot find decoder layers / final norm / lm_head in {type(model).__name__}")
+
+
+def check_aux_ids(aux_ids, num_layers: int, convention: str, where=None):
+    if convention not in ("vllm", "sglang"):
+        raise DraftportError(where, f"aux convention must be vllm or sglang, got {convention!r}")
+    limit = num_layers if convention == "vllm" else num_layers - 1
+    bad = [i for i in aux_ids if not 0 <= i < limit + (0 if convention == "vllm" else 1)]
+    if bad:
+        raise DraftportError(where, f"aux layer ids {bad} out of range for a target with {num_layers} layers ({convention} convention)")
+
+
+def load_target(path: str | Path, *, dtype=torch.float32, device="cpu", trust_remote_code=False):
+    """A transformers causal LM from a local folder (never pickle, no remote code unless asked)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise DraftportError(path, "not a model folder (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise DraftportError(path, "no *.safetensors weights (pickle weights are refused)")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
+class Capture:
+    """Context manager: hooks that record aux states and the final normed state of one forward."""
+
+    def __init__(self, model, aux_ids, convention="vllm"):
+        self.layers, self.norm, self.head = decoder_parts(model)
+        check_aux_ids(aux_ids, len(self.layers), convention)
+        self.aux_ids, self.convention = list(aux_ids), convention
+        self.states: dict[int, torch.Tensor] = {}
+        self.final = None
+        self.handles = []
+
+    def __enter__(self):
+        for slot, k in enumerate(self.aux_ids):
+            if self.convention == "vllm":
+                def pre(mod, args, kwargs, slot=slot):
+                    hs = args[0] if args else kwargs["hidden_states"]
+                    self.states[slot] = hs.detach()
+                self.handles.append(self.layers[k].register_forward_pre_hook(pre, with_kwargs=True))
+            else:
+                def post(mod, args, out, slot=slot):
+                    hs = out[0] if isinstance(out, tuple) else out
+                    self.states[slot] = hs.detach()
+                self.handles.append(self.layers[k].register_forward_hook(post))
+
+        def fin(mod, args, out):
+            self.final = out.detach()
+        self.handles.append(self.norm.register_forward_hook(fin))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def result(self):
+        aux = torch.cat([self.states[i] for i in range(len(self.aux_ids))], dim=-1)
+        return aux, self.final
+
+
+@torch.no_grad()
+def capture_features(model, input_ids, attention_mask, aux_ids, convention="vllm"):
+    """aux [B, T, 3H] and final [B, T, H] for right-padded sequences."""
+    with Capture(model, aux_ids, convention) as cap:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return cap.result()
+
+
+@torch.no_grad()
+def regenerate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
+               batch_size: int = 32, progress=None) -> list[list[int]]:
+    """Greedy responses of the target itself (what it will verify), stopping at eos (kept)."""
+    out: list[list[int]] = []
+    dev = next(model.parameters()).device
+    for s in range(0, len(prompts), batch_size):
+        chunk = prompts[s: s + batch_size]
+        L = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), L), dtype=torch.long)
+        for i, p in enumerate(chunk):  # left padding for generation
+            ids[i, L - len(p):] = torch.tensor(p)
+            mask[i, L - len(p):] = 1
+        gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+        for row in gen[:, L:].tolist():
+            resp = []
+            for t in row:
+                resp.append(t)
+                if t == eos_id:
+                    break
+            out.append(resp)
+        if progress is not None:
+            progress(len(chunk))
+    return out
+
+
+def target_identity(path: str | Path) -> dict:
+    """{id, revision} of a target folder: from draftport_target.json, else the folder name."""
+    path = Path(path)
+    meta = path / "draftport_target.json"
+    if meta.is_file():
+        m = json.loads(meta.read_text())
+        return {"id": m.get("name", path.name), "revision": m.get("revision", "local")}
+    return {"id": path.name, "revision": "local"}
+
+
+def read_target_tensor(path: str | Path, suffix: str) -> torch.Tensor:
+    """One tensor of a target folder by name suffix (e.g. 'lm_head.weight'), without loading the
+    model: the drafter needs only the target's embedding and lm_head."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DraftportError(path, "no *.safetensors weights in the target folder")
+    hits = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                if name == suffix or name.endswith("." + suffix):
+                    hits.append((f, name))
+    if not hits:
+        if suffix == "lm_head.weight":  # tied embeddings
+            return read_target_tensor(path, "embed_tokens.weight")
+        raise DraftportError(path, f"target has no tensor named *{suffix}")
+    hits.sort(key=lambda h: len(h[1]))  # the text model's own tensor over a vision tower's
+    f, name = hits[0]
+    with safe_open(str(f), framework="pt") as sf:
+        return sf.get_tensor(name)
