@@ -12,7 +12,9 @@ multi-GB checkpoints in well under a second.
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import struct
 import tempfile
 from dataclasses import dataclass, field
@@ -85,7 +87,8 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict]:
                 raise DraftportError(path, f"truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER or 8 + n > size:
-                raise DraftportError(path, f"safetensors header claims {n} bytes but the file has {size}")
+                # Random bytes land here too: the first 8 bytes read as an absurd header length.
+                raise DraftportError(path, f"not a safetensors file or truncated: header length field says {n} bytes, the file has {size}")
             blob = f.read(n)
     except OSError as e:
         raise DraftportError(path, f"cannot read ({e.strerror})") from None
@@ -106,10 +109,13 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict]:
             raise DraftportError(path, f"malformed header entry for tensor {name!r}") from None
         if dtype not in DTYPE_BYTES:
             raise DraftportError(path, f"tensor {name!r} has unknown dtype {dtype!r}")
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise DraftportError(path, f"tensor {name!r} has a bad shape {list(shape)}")
-        want = int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
-        if not (isinstance(s, int) and isinstance(e, int)) or e - s != want or s < 0:
+        if not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in (s, e)):
+            raise DraftportError(path, f"tensor {name!r} has bad data_offsets {[s, e]}")
+        # math.prod: Python ints cannot overflow, so a huge lying shape cannot wrap around.
+        want = math.prod(shape) * DTYPE_BYTES[dtype]
+        if e - s != want:
             raise DraftportError(path, f"header lies about tensor {name!r}: {dtype}{list(shape)} needs {want} bytes, offsets give {e - s}")
         if base + e > size:
             raise DraftportError(path, f"truncated: tensor {name!r} ends at byte {base + e} but the file has {size}")
@@ -119,6 +125,15 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict]:
     for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise DraftportError(path, f"header lies: tensors {n0!r} and {n1!r} overlap")
+        if s1 > e0:
+            raise DraftportError(path, f"header lies: {s1 - e0} undescribed bytes between tensors {n0!r} and {n1!r}")
+    # The safetensors loader demands that the tensors tile the data section exactly; check it here
+    # so a file that passes `compare` also loads.
+    if spans and spans[0][0] != 0:
+        raise DraftportError(path, f"header lies: {spans[0][0]} undescribed bytes before tensor {spans[0][2]!r}")
+    data_end = spans[-1][1] if spans else 0
+    if base + data_end != size:
+        raise DraftportError(path, f"header describes {data_end} data bytes but the file holds {size - base}")
     return out, meta
 
 
@@ -202,6 +217,41 @@ def check_keys(info: DrafterInfo, *, require_vocab_maps: bool = True) -> None:
         raise DraftportError(info.folder, "checkpoint keys do not match an EAGLE-3 drafter: " + "; ".join(parts))
 
 
+def inspect_report(folder: str | Path) -> dict[str, Any]:
+    """`draftport inspect`: names, shapes, dtypes and config from headers, plus what looks wrong.
+
+    Problems are listed rather than raised: inspect is for looking at a drafter, broken or not.
+    Only an unreadable file (bad header, pickle) stops it.
+    """
+    from .vocab import check_maps
+
+    info = inspect_drafter(folder)
+    problems = []
+    for check in (check_keys, check_shapes):
+        try:
+            check(info)
+        except DraftportError as e:
+            problems.append(e.problem)
+    if "d2t" in info.tensors and not any("d2t" in p or "t2d" in p for p in problems):
+        try:
+            t2d = info.read_small("t2d") if "t2d" in info.tensors else None
+            check_maps(info.read_small("d2t"), t2d, info.config.vocab_size, info.config.draft_vocab_size)
+        except DraftportError as e:
+            problems.append(e.problem)
+    frozen = ("embed_tokens.weight", "d2t", "t2d")
+    return {
+        "folder": str(info.folder),
+        "format": info.format,
+        "files": [f.name for f in info.files],
+        "config": info.config.summary(),
+        "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "nbytes": t.nbytes,
+                     "file": t.file.name} for t in info.tensors.values()],
+        "trainable_params": sum(math.prod(t.shape) for n, t in info.tensors.items() if n not in frozen),
+        "total_bytes": sum(t.nbytes for t in info.tensors.values()),
+        "problems": problems,
+    }
+
+
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -230,21 +280,38 @@ def check_shapes(info: DrafterInfo) -> None:
             hint = ""
             if "q_proj" in name:
                 hint = f" (num_attention_heads {cfg.num_attention_heads} x head_dim {cfg.head_dim} = {want[0]})"
+            elif name in ("d2t", "lm_head.weight"):
+                hint = f" (draft_vocab_size {cfg.draft_vocab_size})"
+            elif name in ("t2d", "embed_tokens.weight"):
+                hint = f" (vocab_size {cfg.vocab_size})"
             raise DraftportError(t.file, f"tensor {name} has shape {list(t.shape)}, config.json implies {list(want)}{hint}")
 
 
 def load_drafter_state(folder: str | Path, *, require_vocab_maps: bool = True):
-    """Validated (DrafterConfig, {flat_name: torch.Tensor}) from a drafter folder."""
-    from safetensors import safe_open
+    """Validated (DrafterConfig, {flat_name: torch.Tensor}) from a drafter folder.
+
+    Keys, shapes and the vocab maps are all checked before the state is handed out: a drafter
+    with mismatched keys would otherwise load partly random, and a broken d2t scrambles tokens.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from .vocab import check_maps
 
     info = inspect_drafter(folder)
     check_keys(info, require_vocab_maps=require_vocab_maps)
     check_shapes(info)
+    if "d2t" in info.tensors:
+        d2t = info.tensors["d2t"]
+        t2d = info.read_small("t2d") if "t2d" in info.tensors else None
+        check_maps(read_tensor_np(d2t), t2d, info.config.vocab_size, info.config.draft_vocab_size, where=d2t.file)
     state = {}
     for f in info.files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                state[to_flat_name(name)] = sf.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    state[to_flat_name(name)] = sf.get_tensor(name)
+        except SafetensorError as e:
+            raise DraftportError(f, f"safetensors refused the file ({e})") from None
     return info.config, state
 
 
@@ -299,16 +366,13 @@ def save_drafter(folder: str | Path, cfg: DrafterConfig, state: dict[str, Any], 
         if folder.exists():
             old = folder.with_name(f".{folder.name}.old")
             if old.exists():
-                import shutil
                 shutil.rmtree(old)
             os.replace(folder, old)
             os.replace(tmp, folder)
-            import shutil
             shutil.rmtree(old)
         else:
             os.replace(tmp, folder)
     except BaseException:
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder

@@ -99,13 +99,44 @@ def _req(cfg: dict, key: str, path: str | Path, where: str = "") -> Any:
     return val
 
 
+def _opt_int(cfg: dict, key: str, default, path, where: str = ""):
+    """An optional positive int: absent/null -> default; anything else must be valid.
+
+    Without this a string or 0 in config.json surfaces later as a traceback deep in shape math.
+    """
+    if cfg.get(key) is None:
+        return default
+    return _req(cfg, key, path, where)
+
+
+def _opt_float(cfg: dict, key: str, default: float, path, where: str = "") -> float:
+    val = cfg.get(key)
+    if val is None:
+        return default
+    if isinstance(val, bool) or not isinstance(val, (int, float)):
+        raise DraftportError(path, f"config {where}{key} must be a number, got {val!r}")
+    return float(val)
+
+
 def _from_llama_fields(llama: dict, top: dict, path, where: str, fmt: str) -> DrafterConfig:
     hidden = _req(llama, "hidden_size", path, where)
     heads = _req(llama, "num_attention_heads", path, where)
-    kv = llama.get("num_key_value_heads") or heads
-    head_dim = llama.get("head_dim") or hidden // heads
+    kv = _opt_int(llama, "num_key_value_heads", heads, path, where)
+    if heads % kv:
+        raise DraftportError(path, f"config {where}num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    # head_dim from the config wins (Kimi: 128, not 7168 / 64 = 112).
+    head_dim = _opt_int(llama, "head_dim", hidden // heads, path, where)
     vocab = _req(llama, "vocab_size", path, where)
-    draft_vocab = top.get("draft_vocab_size") or llama.get("draft_vocab_size") or vocab
+    if top.get("draft_vocab_size") is not None:
+        draft_vocab = _req(top, "draft_vocab_size", path)
+    else:
+        draft_vocab = _opt_int(llama, "draft_vocab_size", vocab, path, where)
+    target_hidden = (_opt_int(top, "target_hidden_size", None, path) if top.get("target_hidden_size") is not None
+                     else _opt_int(llama, "target_hidden_size", None, path, where))
+    # A target_hidden_size equal to hidden_size says nothing new: normalize it away so that the
+    # flat (omits it) and speculators (always writes it) forms of one drafter compare equal.
+    if target_hidden == hidden:
+        target_hidden = None
     known = {
         "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
         "head_dim", "vocab_size", "draft_vocab_size", "num_hidden_layers",
@@ -123,12 +154,12 @@ def _from_llama_fields(llama: dict, top: dict, path, where: str, fmt: str) -> Dr
         vocab_size=vocab,
         draft_vocab_size=draft_vocab,
         aux_layer_ids=None,
-        target_hidden_size=top.get("target_hidden_size") or llama.get("target_hidden_size"),
-        num_hidden_layers=llama.get("num_hidden_layers", 1),
-        max_position_embeddings=llama.get("max_position_embeddings", 2048),
-        rope_theta=float(llama.get("rope_theta", 10000.0)),
-        rope_scaling=llama.get("rope_scaling"),
-        rms_norm_eps=float(llama.get("rms_norm_eps", 1e-6)),
+        target_hidden_size=target_hidden,
+        num_hidden_layers=_opt_int(llama, "num_hidden_layers", 1, path, where),
+        max_position_embeddings=_opt_int(llama, "max_position_embeddings", 2048, path, where),
+        rope_theta=_opt_float(llama, "rope_theta", 10000.0, path, where),
+        rope_scaling=llama.get("rope_scaling") or None,
+        rms_norm_eps=_opt_float(llama, "rms_norm_eps", 1e-6, path, where),
         hidden_act=llama.get("hidden_act", "silu"),
         extra=extra,
         format=fmt,

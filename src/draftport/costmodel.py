@@ -31,6 +31,9 @@ class CostModel:
             raise DraftportError(None, f"draft_ms must be >= 0, got {self.draft_ms}")
         if self.k is not None and self.k < 1:
             raise DraftportError(None, f"k must be >= 1, got {self.k}")
+        if self.draft_ms > 0 and self.k is None:
+            # Without k the cycle has no draft steps to charge: the cost would vanish silently.
+            raise DraftportError(None, "draft_ms needs k (the number of draft steps per cycle)")
 
     def cycle_s(self, k: int | None = None) -> float:
         k = self.k if k is None else k
@@ -48,6 +51,9 @@ class CostModel:
 
     def cond_acc_for(self, accept_length: float) -> float | None:
         """Per-draft conditional acceptance p that yields accept_length (None: unreachable with k)."""
+        if accept_length <= 1.0:
+            # A verify cheaper than a plain decode step: even tau = 1 (every draft rejected) pays.
+            return 0.0
         return cond_acc(accept_length, self.k)
 
     def table(self, targets=(100.0, 150.0, 200.0)) -> dict:
@@ -98,6 +104,9 @@ def best_k(accept_rate_pos: list[float], cm: CostModel) -> dict:
     """
     if not accept_rate_pos:
         raise DraftportError(None, "need at least one per-position acceptance rate")
+    bad = [r for r in accept_rate_pos if not 0.0 <= r <= 1.0]
+    if bad:
+        raise DraftportError(None, f"per-position acceptance rates must lie in [0, 1], got {bad[0]}")
     rows = []
     for k in range(1, len(accept_rate_pos) + 1):
         tau = 1.0 + sum(accept_rate_pos[:k])

@@ -39,20 +39,31 @@ def hot_ids(d2t: np.ndarray) -> np.ndarray:
     return np.arange(d2t.shape[0], dtype=np.int64) + d2t
 
 
-def d2t_format(d2t: np.ndarray, vocab_size: int) -> str:
+def _valid_ids(ids: np.ndarray, vocab_size: int) -> bool:
+    """In range and distinct. Sorted is the convention but engines do not need it."""
+    return bool(ids.min() >= 0 and ids.max() < vocab_size and np.unique(ids).size == ids.size)
+
+
+def d2t_format(d2t: np.ndarray, vocab_size: int, t2d: np.ndarray | None = None) -> str:
     """'delta' (the shared convention), 'absolute' (ids stored directly), or 'invalid'.
 
-    Absolute storage is strictly increasing (sorted distinct ids); delta storage is only
+    When t2d is given it decides: the reading whose hot set t2d marks wins. Without it:
+    absolute storage is strictly increasing (sorted distinct ids); delta storage is only
     non-decreasing and repeats wherever two hot ids are adjacent, which a frequency map always
     has. A strictly increasing, in-range d2t is therefore read as absolute.
     """
     d2t = np.asarray(d2t, dtype=np.int64)
-    if d2t.size == 0:
+    if d2t.ndim != 1 or d2t.size == 0:
         return "invalid"
-    if bool(np.all(np.diff(d2t) > 0)) and d2t[0] >= 0 and d2t[-1] < vocab_size and d2t.size > 1:
+    if t2d is not None and np.asarray(t2d).shape == (vocab_size,):
+        # Small toy maps can lack adjacent ids, so the heuristic below would misread them.
+        if _valid_ids(hot_ids(d2t), vocab_size) and t2d_consistent(d2t, t2d):
+            return "delta"
+        if _valid_ids(d2t, vocab_size) and t2d_consistent(d2t - np.arange(d2t.size), t2d):
+            return "absolute"
+    if d2t.size > 1 and bool(np.all(np.diff(d2t) > 0)) and d2t[0] >= 0 and d2t[-1] < vocab_size:
         return "absolute"
-    ids = hot_ids(d2t)
-    if ids[0] >= 0 and ids[-1] < vocab_size and bool(np.all(np.diff(ids) > 0)):
+    if _valid_ids(hot_ids(d2t), vocab_size):
         return "delta"
     return "invalid"
 
@@ -125,6 +136,13 @@ def remap_lm_head(lm_head, src_d2t, dst_d2t, init_rows=None, *, policy: str = "r
     policy 'keep': the source map and head are kept unchanged (the drafter keeps predicting
     over the old hot set). Returns (lm_head, src_d2t, stats).
     """
+    import torch
+
+    with torch.no_grad():  # weight surgery, not part of any graph
+        return _remap_rows(lm_head, src_d2t, dst_d2t, init_rows, policy)
+
+
+def _remap_rows(lm_head, src_d2t, dst_d2t, init_rows, policy):
     import torch
 
     src_ids, dst_ids = hot_ids(np.asarray(src_d2t)), hot_ids(np.asarray(dst_d2t))

@@ -1,0 +1,171 @@
+"""Rich renderings of the library's JSON reports, for humans at a terminal.
+
+The JSON dicts stay the source of truth (`--json` prints them as they are); these functions only
+lay them out. Imported lazily by the CLI commands that need it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+STATUS_STYLE = {"match": "green", "mismatch": "bold red", "missing_in_src": "yellow", "missing_in_dst": "yellow"}
+
+
+def console() -> Console:
+    # Piped output gets rich's 80 columns by default, which folds the weights table; give it room.
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=150 if wide else None, highlight=False)
+
+
+def _val(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
+    return str(v)
+
+
+def _tensor(shape, dtype) -> str:
+    return "-" if shape is None else f"{list(shape)} {dtype.lower()}"
+
+
+def _yes(flag) -> Text:
+    if flag is None:
+        return Text("-", style="dim")
+    return Text("yes", style="green") if flag else Text("no", style="bold red")
+
+
+def compare_renderables(rep: dict) -> list:
+    f = rep["folders"]
+    out: list = [Text.assemble(("src ", "bold"), f"{f['src']['path']} ({f['src']['format']})\n",
+                               ("dst ", "bold"), f"{f['dst']['path']} ({f['dst']['format']})")]
+
+    cfg = Table(title="config", box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
+    for col in ("field", "src", "dst", "match", "note"):
+        cfg.add_column(col)
+    for r in rep["config"]:
+        cfg.add_row(r["field"], escape(_val(r["src"])), escape(_val(r["dst"])), _yes(r["match"]),
+                    escape(r.get("note", "")))
+    out.append(cfg)
+
+    # Notes go under the table as numbered footnotes: a note column would be squeezed to nothing
+    # on a narrow terminal, and the notes (why embed_tokens may be missing) matter most.
+    w = Table(title="weights", box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
+    # On a narrow terminal, wrap "[shape] dtype" at its spaces rather than cut it with an ellipsis.
+    w.add_column("tensor", overflow="fold")
+    w.add_column("src", overflow="fold")
+    w.add_column("dst", overflow="fold")
+    w.add_column("status", no_wrap=True)
+    notes: list[tuple[str, str]] = []
+    for r in rep["weights"]:
+        status = Text(r["status"], style=STATUS_STYLE[r["status"]])
+        if r["note"]:
+            notes.append((f"  [{len(notes) + 1}]", f"{r['name']}: {r['note']}"))
+            status.append(f" [{len(notes)}]", style="dim")
+        w.add_row(r["name"], _tensor(r["src_shape"], r["src_dtype"]), _tensor(r["dst_shape"], r["dst_dtype"]), status)
+    out.append(w)
+    if notes:
+        out.append(_bullets(notes))
+        out.append(Text(""))
+
+    v = rep["vocab"]
+    vt = Table(title="vocab", box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
+    for col in ("", "src", "dst"):
+        vt.add_column(col)
+    for key in ("draft_vocab_size", "vocab_size", "d2t_present", "format", "t2d_consistent", "ids_out_of_range"):
+        a, b = v[key]["src"], v[key]["dst"]
+        cells = [_yes(x) if isinstance(x, bool) else _val(x) for x in (a, b)]
+        vt.add_row(key, *cells)
+    if v["overlap"] is not None:
+        vt.add_section()
+        vt.add_row("identical", _yes(v["identical"]), "")
+        vt.add_row("positions differ", f"{v['positions_differ']} of {v['positions_compared']}", "")
+        vt.add_row("overlap (shared ids)", str(v["overlap"]), "")
+        vt.add_row("jaccard", f"{v['jaccard']:.4f}", "")
+        vt.add_row("only in src / dst", str(v["src_only"]), str(v["dst_only"]))
+        vt.add_row("positions: sorting artifact", _yes(v["positions_artifact_of_sorting"]), "")
+    out.append(vt)
+    out.append(Text(v["explanation"]))
+
+    vd = rep["verdict"]
+    out.append(Text.assemble(("\nverdict: ", "bold"),
+                             ("compatible architecture", "bold green") if vd["compatible_architecture"]
+                             else ("INCOMPATIBLE architecture", "bold red")))
+    out.append(_bullets([("  -", r) for r in vd["reasons"]]
+                        + [(Text("  !", style="yellow"), Text(wl, style="yellow")) for wl in vd["warnings"]]))
+    out.append(_bullets([(Text("vocab action:", style="bold"), vd["vocab_action"])]))
+    return out
+
+
+def _bullets(rows) -> Table:
+    """Marker + text, with wrapped lines kept indented under their text."""
+    g = Table.grid(padding=(0, 1))
+    g.add_column(no_wrap=True)
+    g.add_column()
+    for marker, text in rows:
+        g.add_row(marker, text)
+    return g
+
+
+def costmodel_renderables(rep: dict) -> list:
+    k = rep["k"]
+    chain = f"k = {k} draft steps" if k else "unbounded chain (tau = 1 / (1 - p))"
+    head = Text.assemble(("cost model: ", "bold"),
+                         f"baseline {rep['baseline_tok_s']:g} tok/s, verify {rep['verify_ms']:g} ms, "
+                         f"draft {rep['draft_ms']:g} ms/step, {chain}\n",
+                         ("break-even: ", "bold"),
+                         f"accept length {rep['break_even_accept_length']:.2f}"
+                         + (f" (conditional acceptance {rep['break_even_cond_acc']:.0%})"
+                            if rep["break_even_cond_acc"] is not None else ""))
+    t = Table(box=box.SIMPLE_HEAD)
+    for col in ("tok/s", "speed-up", "accept length needed", "cond. acceptance needed"):
+        t.add_column(col, justify="right")
+    for r in rep["targets"]:
+        p = r["cond_acc"]
+        t.add_row(f"{r['tok_s']:g}", f"{r['tok_s'] / rep['baseline_tok_s']:.2f}x", f"{r['accept_length']:.2f}",
+                  f"{p:.1%}" if p is not None else Text(f"unreachable with k = {k}", style="red"))
+    out: list = [head, t]
+    if "best_k" in rep:
+        b = rep["best_k"]
+        out.append(Text.assemble(("best k from measured acceptance: ", "bold"),
+                                 f"k = {b['best_k']} ({b['best_tok_s']:.1f} tok/s)"))
+        bt = Table(box=box.SIMPLE_HEAD)
+        for col in ("k", "accept length", "tok/s"):
+            bt.add_column(col, justify="right")
+        for r in b["by_k"]:
+            bt.add_row(str(r["k"]), f"{r['accept_length']:.2f}", f"{r['tok_s']:.1f}")
+        out.append(bt)
+    return out
+
+
+def inspect_renderables(rep: dict) -> list:
+    head = Text.assemble(("folder ", "bold"), f"{rep['folder']} ({rep['format']}, "
+                         f"{rep['trainable_params'] / 1e6:,.1f}M trainable params, "
+                         f"{rep['total_bytes'] / 1e9:.2f} GB)")
+    t = Table(title="tensors", box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
+    for col in ("tensor", "shape", "dtype", "MB", "file"):
+        t.add_column(col, no_wrap=True)
+    for r in rep["tensors"]:
+        t.add_row(r["name"], str(r["shape"]), r["dtype"].lower(), f"{r['nbytes'] / 1e6:,.1f}", r["file"])
+    c = Table(title="config", box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
+    c.add_column("field")
+    c.add_column("value")
+    for key, val in rep["config"].items():
+        c.add_row(key, escape(_val(val)))
+    out: list = [head, c, t]
+    if rep["problems"]:
+        out.append(Text("problems:\n" + "\n".join(f"  ! {p}" for p in rep["problems"]), style="yellow"))
+    return out
+
+
+def show(renderables: list) -> None:
+    console().print(Group(*renderables))
