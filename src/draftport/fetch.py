@@ -34,6 +34,14 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def place(src: Path, dst: Path) -> None:
+    """Hard-link when on the same filesystem (multi-GB weights, no second copy), else copy."""
+    try:
+        os.link(os.path.realpath(src), dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
 def _match(name: str, patterns) -> bool:
     from fnmatch import fnmatch
     return any(fnmatch(name, p) for p in patterns)
@@ -54,7 +62,7 @@ def publish_to_cache(folder, cache_dir, repo_id: str, branch: str = "main") -> s
     for p in files:
         blob = root / "blobs" / sha256(p)
         if not blob.exists():
-            shutil.copyfile(p, blob)
+            place(p, blob)
         link = snap / p.name
         if link.is_symlink() or link.exists():
             link.unlink()
@@ -117,7 +125,7 @@ def fetch(source: str, out_dir, *, revision: str | None = None, cache_dir=None,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         for p in files:
-            shutil.copyfile(p, tmp / p.name)  # follows the cache's symlinks: a real copy
+            place(p, tmp / p.name)  # resolves the cache's symlinks
         (tmp / "fetch.lock.json").write_text(json.dumps(lock, indent=2) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
