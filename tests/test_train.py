@@ -101,3 +101,21 @@ def test_ddp_two_gloo_ranks_equal_one_process(tmp_path):
     for a, b in zip(one["losses"], two["losses"]):
         assert abs(a - b) < 1e-4 * max(1.0, abs(a))
     assert abs(one["weight_sum"] - two["weight_sum"]) < 1e-3
+
+
+def test_ddp_fused_path_two_gloo_ranks_equal_reference_one_process(tmp_path):
+    """The fused loss applies lm_head outside DDP's forward: its gradient must still be reduced."""
+    fs, head = make_features(tmp_path)
+    script = HERE / "ddp_worker.py"
+    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
+    runs = {}
+    for impl, nproc in (("reference", 1), ("fused", 2)):
+        out = tmp_path / f"{impl}{nproc}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script), str(tmp_path / "feats"), str(out), impl]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[impl] = json.loads((out / "result.json").read_text())
+    for a, b in zip(runs["reference"]["losses"], runs["fused"]["losses"]):
+        assert abs(a - b) < 1e-4 * max(1.0, abs(a))
+    assert abs(runs["reference"]["weight_sum"] - runs["fused"]["weight_sum"]) < 1e-3

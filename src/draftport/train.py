@@ -29,7 +29,7 @@ from .checkpoint import atomic_write_text
 from .data import FeatureSet, collate
 from .drafter import Eagle3Drafter
 from .errors import DraftportError
-from .ttt import combine, ttt_terms
+from .ttt import combine, compile_loss_kernels, stats_to_float, ttt_terms
 
 
 @dataclass
@@ -49,6 +49,10 @@ class TrainConfig:
     log_every: int = 10
     dtype: str = "auto"          # auto: float32 on CPU, bfloat16 autocast on CUDA
     train_lm_head: bool = True
+    # reference: dense-mask attention and whole-tensor loss (the readable definition);
+    # fused: flash attention + log-sum-exp merge, row-chunked fused soft-CE (same terms);
+    # compiled: fused + torch.compile of the per-step regions; auto: compiled on CUDA.
+    impl: str = "auto"
 
     @classmethod
     def from_dict(cls, d: dict, where="train") -> "TrainConfig":
@@ -190,6 +194,14 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         raise DraftportError("train.batch_size", f"{cfg.batch_size} is not divisible by {world} processes")
     device = target_head.device
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    impl = cfg.impl if cfg.impl != "auto" else ("compiled" if device.type == "cuda" else "reference")
+    if impl not in ("reference", "fused", "compiled"):
+        raise DraftportError("train.impl", f"{cfg.impl!r} is not one of auto, reference, fused, compiled")
+    if impl == "compiled":
+        drafter.compile_regions()
+        compile_loss_kernels()
+    # sum weight gradients in place across TTT steps; DDP needs them to pass through autograd
+    drafter.accumulate_wgrad = impl != "reference" and world == 1
     drafter.lm_head.weight.requires_grad_(cfg.train_lm_head)
     params = trainable(drafter)
     decay = [p for p in params.values() if p.ndim >= 2]
@@ -217,6 +229,10 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     n = len(features)
     done_this_call = 0
     t0 = time.time()
+    # The host reads the device only at log / checkpoint steps, so the CPU can queue the next
+    # step while the GPU runs this one; a non-finite loss is remembered and raised there,
+    # before any checkpoint could save it.
+    bad = torch.zeros((), dtype=torch.bool, device=device)
     while step < cfg.steps:
         ids = batch_ids(step, n, cfg.batch_size, cfg.seed)
         mine = ids[rank::world]
@@ -224,39 +240,35 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         batch = batch.to(device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            terms = ttt_terms(net, batch, target_head, cfg.ttt_steps)
-        counts = None
-        if world > 1:
-            counts = torch.stack([t[1] for t in terms]).float()
-            dist.all_reduce(counts)
-            counts = list(counts)
-        loss, stats = combine(terms, cfg.gamma, counts, scale=float(world))
-        if not torch.isfinite(loss):
-            raise DraftportError(f"train step {step}", f"loss is {float(loss)}; last good checkpoint kept in {ckpt_root}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
-        opt.step()
+        loss, terms, counts, stats_t, gnorm = train_step(net, batch, target_head, opt, list(params.values()),
+                                                         cfg, impl=impl, use_bf16=use_bf16, world=world)
+        bad |= ~torch.isfinite(loss.detach())
         step += 1
         done_this_call += 1
-        if world > 1:
-            stats = _reduce_stats(terms, counts)
-        stats.update(loss=sum(cfg.gamma ** j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
-                     lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm))
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            rec = {"step": step, **{k: round(v, 6) for k, v in stats.items()}}
-            history.append(rec)
-            if rank == 0:
-                logger.log_metrics({k: v for k, v in stats.items() if not k.startswith("n_")}, step)
+        last = stop_after is not None and done_this_call >= stop_after
+        log_now = step % cfg.log_every == 0 or step == cfg.steps
+        ckpt_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
+        if log_now or ckpt_now or last:
+            if bool(bad):
+                raise DraftportError(f"train step {step}", f"loss is not finite (at or before this step); "
+                                     f"last good checkpoint kept in {ckpt_root}")
+            stats = _reduce_stats(terms, counts) if world > 1 else stats_to_float(stats_t)
+            stats.update(loss=sum(cfg.gamma ** j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
+                         lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm))
+            if log_now:
+                rec = {"step": step, **{k: round(v, 6) for k, v in stats.items()}}
+                history.append(rec)
+                if rank == 0:
+                    logger.log_metrics({k: v for k, v in stats.items() if not k.startswith("n_")}, step)
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", acc0=f"{stats['acc_0']:.3f}")
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc0=f"{stats['acc_0']:.3f}")
-        if rank == 0 and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+        if rank == 0 and ckpt_now:
             save_checkpoint(ckpt_root, step, drafter, opt, history, cfg)
         if world > 1:
             dist.barrier()
-        if stop_after is not None and done_this_call >= stop_after:
+        if last:
             break
     if bar is not None:
         bar.close()
@@ -264,11 +276,46 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
             "seconds": time.time() - t0}
 
 
+def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: TrainConfig, *,
+               impl: str = "reference", use_bf16: bool = False, world: int = 1,
+               clip_in_optimizer: bool | None = None):
+    """One optimizer step (TTT loss, backward, clipping, AdamW) with no host sync, so the CPU
+    can queue the next step while this one runs (under DDP the row counts are all-reduced).
+
+    clip_in_optimizer (default: when the optimizer is fused AdamW) applies the gradient
+    clipping inside the optimizer's kernel. Returns (loss, terms, global counts or None, stats as
+    0-dim tensors, grad norm before clipping)."""
+    device = target_head.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        terms = ttt_terms(net, batch, target_head, cfg.ttt_steps, fused=impl != "reference")
+    counts = None
+    if world > 1:
+        counts = torch.stack([t[1] for t in terms]).float()
+        dist.all_reduce(counts)
+        counts = list(counts)
+    loss, stats = combine(terms, cfg.gamma, counts, scale=float(world), sync=False)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip_in_optimizer is None:
+        clip_in_optimizer = bool(opt.defaults.get("fused"))
+    if clip_in_optimizer:
+        # fused AdamW divides every gradient by `grad_scale` as it reads it: clipping there
+        # saves clip_grad_norm_'s in-place pass over all gradients
+        grads = [p.grad for p in params if p.grad is not None]
+        gnorm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        opt.grad_scale = ((gnorm + 1e-6) / cfg.grad_clip).clamp_min(1.0)
+    else:
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    return loss, terms, counts, stats, gnorm
+
+
 class _DDPView:
     """Lets ttt_terms call unroll() through DistributedDataParallel.forward."""
 
     def __init__(self, ddp):
         self.ddp = ddp
+        self.module = ddp.module      # the fused loss applies lm_head itself
         self.hot_ids = ddp.module.hot_ids
         self.t2d = ddp.module.t2d
 

@@ -5,6 +5,14 @@ its lm_head gives full-vocab logits at every position. The drafter learns the ta
 restricted to the draft vocab (soft cross-entropy); positions whose full-vocab argmax lies outside
 the draft vocab are masked (the drafter cannot propose that token anyway); step j is weighted
 gamma**j.
+
+`ttt_terms(..., fused=True)` computes the same terms without materializing what the reference
+does: target logits go through the (frozen) target head in row chunks, keeping only the argmax
+and the draft-vocab softmax; the drafter's lm_head and the soft-CE run per row chunk inside one
+autograd function (LinearSoftCE) that keeps only d(loss)/d(input) (lm_head frozen) or the bf16
+d(loss)/d(logits) (lm_head trainable), never fp32 logits for all positions of all steps; and the
+drafter uses its fused attention. On the GPU the target logits are computed in the head's dtype
+(bf16), where the reference upcasts to fp32.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafter import Eagle3Drafter, shift
+from .drafter import Eagle3Drafter, accumulate_grad, shift
 
 
 @dataclass
@@ -23,11 +31,15 @@ class Batch:
     tokens: torch.Tensor     # [B, T] long
     loss_mask: torch.Tensor  # [B, T] bool: token t is an assistant token
     valid: torch.Tensor      # [B, T] bool: not padding
+    # [B, T] long, optional: the target's full-vocab argmax at each position, when the capture
+    # stored it; the fused loss then needs only the draft-vocab rows of the target head.
+    target_arg: torch.Tensor | None = None
 
     def to(self, device, dtype=None):
         f = (lambda t: t.to(device=device, dtype=dtype)) if dtype else (lambda t: t.to(device))
         return Batch(f(self.aux), f(self.final), self.tokens.to(device), self.loss_mask.to(device),
-                     self.valid.to(device))
+                     self.valid.to(device),
+                     None if self.target_arg is None else self.target_arg.to(device))
 
 
 def target_logits(final: torch.Tensor, target_head: torch.Tensor) -> torch.Tensor:
@@ -35,14 +47,19 @@ def target_logits(final: torch.Tensor, target_head: torch.Tensor) -> torch.Tenso
     return final.float() @ target_head.float().t()
 
 
-def ttt_terms(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, steps: int):
+def ttt_terms(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, steps: int, *,
+              fused: bool = False, chunk: int = 1024):
     """Per-step (summed soft-CE, rows counted, rows where the argmax agrees), unnormalized, so
-    that data-parallel ranks can normalize by the global row count."""
+    that data-parallel ranks can normalize by the global row count.
+
+    fused: the memory-lean path (same terms; see the module docstring); chunk: rows per chunk."""
+    if fused:
+        return _ttt_terms_fused(drafter, batch, target_head, steps, chunk)
     hot = drafter.hot_ids
     t2d = drafter.t2d
     with torch.no_grad():
         full = target_logits(batch.final, target_head)            # [B, T, V]
-        t_arg = full.argmax(-1)                                    # target's next-token choice
+        t_arg = full.argmax(-1) if batch.target_arg is None else batch.target_arg  # target's choice
         in_draft = t2d[t_arg]                                      # argmax inside draft vocab?
         t_prob = torch.softmax(full[..., hot], dim=-1)             # restricted + renormalized
         del full
@@ -62,17 +79,177 @@ def ttt_terms(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, s
     return terms
 
 
-def combine(terms, gamma: float, counts=None, scale: float = 1.0):
-    """Weighted loss from ttt_terms; `counts` overrides the row counts (global under DDP)."""
+def _ok_rows(batch: Batch, in_draft: torch.Tensor, q: int) -> torch.Tensor:
+    T = batch.tokens.shape[1]
+    ok = (shift(batch.loss_mask.long(), q + 1).bool() & shift(batch.valid.long(), q + 1).bool()
+          & shift(in_draft.long(), q).bool())
+    return torch.zeros_like(ok) if T <= q + 1 else ok
+
+
+def logits_fp32(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 [N, H] @ w[V, H]^T in fp32 output. A bf16 head on CUDA stays a bf16 GEMM but its fp32
+    accumulator is kept (torch.mm out_dtype): logits rounded to bf16 flip near-tied argmaxes,
+    and with them the mask."""
+    with torch.autocast(x2.device.type, enabled=False):
+        if x2.is_cuda and w.dtype in (torch.bfloat16, torch.float16):
+            if _MM_OUT_DTYPE[0]:
+                try:
+                    return torch.mm(x2.to(w.dtype), w.t(), out_dtype=torch.float32)
+                except (TypeError, RuntimeError, NotImplementedError):
+                    _MM_OUT_DTYPE[0] = False
+            # an older torch: a fp32 GEMM would cost ~20x; keep the bf16 GEMM, rounded output
+            return (x2.to(w.dtype) @ w.t()).float()
+        return x2.float() @ w.float().t()
+
+
+_MM_OUT_DTYPE = [True]   # torch.mm(..., out_dtype=) works here (cleared at the first failure)
+
+
+@torch.no_grad()
+def target_stats(final: torch.Tensor, target_head: torch.Tensor, hot: torch.Tensor, chunk: int,
+                 pad: int = 0, target_arg: torch.Tensor | None = None):
+    """Row-chunked target side: (t_prob [B, T+pad, Vd] fp32, zero rows past T; t_arg [B, T]).
+
+    Full-vocab logits exist for `chunk` rows at a time (fp32). With target_arg (captured) only
+    the draft rows are computed; target_head may then hold just those rows, in slot order."""
+    B, T, _ = final.shape
+    Vd = hot.numel()
+    t_prob = torch.zeros(B, T + pad, Vd, dtype=torch.float32, device=final.device)
+    if target_arg is not None:
+        rows = target_head if target_head.shape[0] == Vd else target_head.index_select(0, hot)
+        for b in range(B):
+            for s in range(0, T, chunk):
+                e = min(T, s + chunk)
+                t_prob[b, s:e] = torch.softmax(logits_fp32(final[b, s:e], rows), dim=-1)
+        return t_prob, target_arg
+    t_arg = torch.empty(B, T, dtype=torch.long, device=final.device)
+    for b in range(B):
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            full = logits_fp32(final[b, s:e], target_head)                      # [c, V]
+            t_arg[b, s:e] = full.argmax(-1)
+            t_prob[b, s:e] = torch.softmax(full.index_select(1, hot), dim=-1)
+    return t_prob, t_arg
+
+
+def _softce_rows(lg, t, w):
+    """Soft-CE of logits lg [c, V] against probabilities t [c, V], rows weighted by w [c] (fp32).
+    -> (weighted loss per row [c] fp32, d(sum loss)/d(lg) in lg's dtype, argmax [c])."""
+    lg32, t32 = lg.float(), t.float()
+    logp = lg32 - torch.logsumexp(lg32, dim=-1, keepdim=True)
+    loss = -(t32 * logp).sum(-1) * w
+    g = (torch.exp(logp) * t32.sum(-1, keepdim=True) - t32) * w[:, None]
+    return loss, g.to(lg.dtype), lg32.argmax(-1)
+
+
+_LOSS_KERNELS = {"softce": _softce_rows}
+
+
+def compile_loss_kernels():
+    """Compile the per-chunk soft-CE elementwise kernel (GPU path; call once)."""
+    _LOSS_KERNELS["softce"] = torch.compile(_softce_rows, dynamic=False)
+
+
+class LinearSoftCE(torch.autograd.Function):
+    """sum_rows w * softCE(x @ W^T, t) over row chunks; -> (loss fp32 scalar, argmax [B, T]).
+
+    W frozen: d(loss)/dx is computed in the forward, chunk by chunk, and only it is kept.
+    W trainable: the bf16 d(loss)/d(logits) [B, T, V] is kept and both GEMMs run in backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, t, rw, chunk, accum=False):
+        B, T, H = x.shape
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(x.device.type, enabled=False):
+            wc = w.to(x.dtype)
+            loss = torch.zeros((), dtype=torch.float32, device=x.device)
+            arg = torch.empty(B, T, dtype=torch.long, device=x.device)
+            dx = torch.empty_like(x) if need_x and not need_w else None
+            g_all = torch.empty(B, T, w.shape[0], dtype=x.dtype, device=x.device) if need_w else None
+            kern = _LOSS_KERNELS["softce"]
+            for b in range(B):
+                for s in range(0, T, chunk):
+                    e = min(T, s + chunk)
+                    lg = x[b, s:e] @ wc.t()
+                    l_rows, g, a = kern(lg, t[b, s:e], rw[b, s:e])
+                    loss += l_rows.sum()
+                    arg[b, s:e] = a
+                    if g_all is not None:
+                        g_all[b, s:e] = g
+                    elif dx is not None:
+                        torch.mm(g, wc, out=dx[b, s:e])
+        ctx.mode = "w" if need_w else ("x" if need_x else None)
+        ctx.accum = accum
+        if need_w:
+            ctx.save_for_backward(x, w, g_all)
+        elif need_x:
+            ctx.save_for_backward(dx)
+        ctx.mark_non_differentiable(arg)
+        return loss, arg
+
+    @staticmethod
+    def backward(ctx, gl, _garg):
+        if ctx.mode is None:
+            return None, None, None, None, None, None
+        if ctx.mode == "x":
+            (dx,) = ctx.saved_tensors
+            return dx * gl.to(dx.dtype), None, None, None, None, None
+        x, w, g_all = ctx.saved_tensors
+        B, T, H = x.shape
+        g2 = g_all.view(B * T, -1)
+        wc = w.to(x.dtype)
+        dx = (g2 @ wc).view(B, T, H) * gl.to(x.dtype) if ctx.needs_input_grad[0] else None
+        x2 = x.reshape(B * T, H) * gl.to(x.dtype)   # the loss scale folded into the smaller side
+        dw = None
+        if ctx.accum:
+            accumulate_grad(w, g2, x2)
+        else:
+            dw = (g2.t() @ x2).to(w.dtype)
+        return dx, dw, None, None, None, None
+
+
+def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: int, chunk: int):
+    base = getattr(drafter, "module", drafter)  # the drafter behind a DDP view
+    hot, t2d = drafter.hot_ids, drafter.t2d
+    T = batch.tokens.shape[1]
+    t_prob, t_arg = target_stats(batch.final, target_head, hot, chunk, pad=steps, target_arg=batch.target_arg)
+    in_draft = t2d[t_arg]
+    normed = drafter.unroll(batch.aux, batch.tokens, steps, teacher_tokens=True, valid=batch.valid,
+                            fused=True, return_normed=True)
+    terms = []
+    for j, xn in enumerate(normed):
+        q = j + 1  # row p of step j is scored against the target's prediction at position p + q
+        ok = _ok_rows(batch, in_draft, q)
+        loss_sum, arg = LinearSoftCE.apply(xn, base.lm_head.weight, t_prob[:, q:q + T],
+                                           ok.float(), chunk, base.accumulate_wgrad)
+        with torch.no_grad():
+            correct = ((hot[arg] == shift(t_arg, q)) & ok).sum()
+        terms.append((loss_sum, ok.sum(), correct))
+    return terms
+
+
+def combine(terms, gamma: float, counts=None, scale: float = 1.0, sync: bool = True):
+    """Weighted loss from ttt_terms; `counts` overrides the row counts (global under DDP).
+
+    sync=False leaves the stats as 0-dim tensors (no host sync; see stats_to_float)."""
     total = 0.0
     stats = {}
     for j, (loss_sum, n, correct) in enumerate(terms):
         denom = (counts[j] if counts is not None else n).clamp_min(1)
         total = total + (gamma ** j) * loss_sum / denom
-        stats[f"loss_{j}"] = float(loss_sum.detach() / denom)
-        stats[f"acc_{j}"] = float(correct / denom)
-        stats[f"n_{j}"] = float(denom)
-    return total * scale, stats
+        stats[f"loss_{j}"] = loss_sum.detach() / denom
+        stats[f"acc_{j}"] = correct / denom
+        stats[f"n_{j}"] = denom
+    return total * scale, (stats_to_float(stats) if sync else stats)
+
+
+def stats_to_float(stats: dict) -> dict:
+    """0-dim tensor stats -> python floats, in one device-to-host copy."""
+    keys = list(stats)
+    if not keys:
+        return {}
+    vals = torch.stack([torch.as_tensor(stats[k]).float().reshape(()) for k in keys]).tolist()
+    return dict(zip(keys, vals))
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, steps: int,

@@ -1,0 +1,161 @@
+"""The training-speed work on the CPU: the benchmark runs at toy size and writes its fields, and
+the fused GPU path (flash attention + log-sum-exp merge, chunked fused soft-CE) computes the same
+loss and gradients as the reference path."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftport.config import DrafterConfig
+from draftport.drafter import Attention, ttt_attention
+from draftport.train import TrainConfig, train
+from draftport.ttt import combine, ttt_terms
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_drafter import toy_batch, toy_cfg, toy_drafter  # noqa: E402
+from test_train import make_features  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "bench_train_h200.py"
+
+
+def test_bench_runs_toy_on_cpu_and_writes_fields(tmp_path):
+    out, log = tmp_path / "r.json", tmp_path / "r.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(BENCH), "--size", "toy", "--no-speculators", "--iters", "1",
+                        "--warmup", "1", "--ladder", "--check", "--json", str(out), "--log", str(log)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for k in ("tokens_per_s", "mfu", "mfu_with_mask", "peak_mem_gib", "config", "versions",
+              "flops_per_token", "tokens_per_s_lm_head_trainable", "ours", "check"):
+        assert k in res, k
+    assert res["tokens_per_s"] > 0 and res["mfu"] > 0
+    assert res["config"]["ttt_steps"] == 7 and res["config"]["size"] == "toy"
+    assert [o["name"].split()[0] for o in res["ours"]][:4] == ["L0", "L1", "L2", "L3"]
+    assert {o["lm_head"] for o in res["ours"]} == {"frozen", "trainable"}
+    assert res["check"]["loss_rel_err"] < 1e-5 and res["check"]["grad_rel_err_max"] < 1e-4
+    text = log.read_text()
+    assert "tok/s" in text and "FLOPs/token" in text and "summary:" in text
+
+
+def test_flop_count_matches_the_anchor_formula_at_kimi_size():
+    sys.path.insert(0, str(BENCH.parent))
+    from bench_train_h200 import SIZES, flops_per_token
+
+    cfg = DrafterConfig(**SIZES["kimi"], aux_layer_ids=[2, 30, 58])
+    H, I, q, DV, T, S = 7168, 18432, 64 * 128, 32000, 2048, 7
+    layer = 2 * (3 * 2 * H * q + q * H + 3 * H * I)
+    anchor = S * (3 * layer + 2 * 2 * H * DV + 3 * 2 * 2 * (T / 2) * q) + 2 * 2 * 3 * H * H + 2 * H * DV
+    ours = flops_per_token(cfg, T, S, lm_head_trainable=False)
+    assert abs(ours["train"] / anchor - 1) < 1e-3   # differs only by the diagonal keys and (T+1)/2
+    assert flops_per_token(cfg, T, S, True)["train"] - ours["train"] == S * 2 * H * DV
+    assert ours["mask_extra"] == 2 * H * (163840 - DV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n_diag", [0, 1, 3])
+def test_fused_attention_matches_reference(dtype, n_diag):
+    g = torch.Generator().manual_seed(n_diag)
+    B, h, T, d = 2, 3, 17, 16
+
+    def r():
+        return torch.randn(B, h, T, d, dtype=dtype, generator=g).requires_grad_(True)
+
+    q, ks, vs = r(), [r() for _ in range(n_diag + 1)], [r() for _ in range(n_diag + 1)]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    bias = torch.zeros(1, 1, T, T, dtype=dtype).masked_fill(~causal, float("-inf"))
+
+    class Cfg:
+        head_dim = d
+
+    ref = Attention.attend_core(Cfg(), q, ks, vs, bias)
+    fast = ttt_attention(q, ks, vs, 1 / math.sqrt(d))
+    go = torch.randn(ref.shape, dtype=dtype, generator=g)
+    gr = torch.autograd.grad((ref * go).sum(), [q, *ks, *vs])
+    gf = torch.autograd.grad((fast * go).sum(), [q, *ks, *vs])
+    assert torch.allclose(fast, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(gf, gr):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("train_head", [False, True])
+def test_fused_ttt_terms_match_reference(train_head):
+    cfg = toy_cfg()
+    d = toy_drafter(cfg, seed=3)
+    d.lm_head.weight.requires_grad_(train_head)
+    batch = toy_batch(cfg, B=2, T=12)               # row 1 right-padded by 3
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    out = []
+    for fused in (False, True):
+        d.zero_grad(set_to_none=True)
+        terms = ttt_terms(d, batch, head, 4, fused=fused, chunk=5)   # chunk < T: several chunks
+        loss, stats = combine(terms, 0.8)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+        out.append((float(loss.detach()), stats, grads))
+    (l0, s0, g0), (l1, s1, g1) = out
+    assert abs(l0 - l1) < 1e-5 * abs(l0)
+    assert s0.keys() == s1.keys() and all(abs(s0[k] - s1[k]) < 1e-5 * max(1, abs(s0[k])) for k in s0)
+    assert g0.keys() == g1.keys() and ("lm_head.weight" in g0) == train_head
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], atol=1e-6, rtol=1e-4), k
+
+
+def test_fused_path_refuses_left_padding():
+    cfg = toy_cfg()
+    d = toy_drafter(cfg)
+    batch = toy_batch(cfg, B=2, T=12)
+    batch.valid[0, :2] = False
+    with pytest.raises(RuntimeError):
+        ttt_terms(d, batch, torch.randn(cfg.vocab_size, cfg.hidden_size), 3, fused=True)
+
+
+def test_train_fused_impl_follows_reference(tmp_path):
+    fs, head = make_features(tmp_path)
+    hist = {}
+    for impl in ("reference", "fused"):
+        cfg = TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
+                          impl=impl)
+        hist[impl] = train(toy_drafter(seed=5), fs, head, tmp_path / impl, cfg, progress=False)["history"]
+    for a, b in zip(hist["reference"], hist["fused"]):
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+
+
+def test_captured_target_argmax_needs_only_the_draft_rows_of_the_head():
+    cfg = toy_cfg()
+    d = toy_drafter(cfg, seed=4)
+    batch = toy_batch(cfg, B=2, T=12)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    ref, _ = combine(ttt_terms(d, batch, head, 3), 0.8)
+    batch.target_arg = (batch.final @ head.t()).argmax(-1)       # as a capture would store it
+    rows = head[d.hot_ids]                                        # draft rows only, slot order
+    fused, _ = combine(ttt_terms(d, batch, rows, 3, fused=True), 0.8)
+    assert abs(float(ref.detach()) - float(fused.detach())) < 1e-5 * abs(float(ref.detach()))
+
+
+def test_clipping_inside_fused_adamw_equals_clip_grad_norm():
+    from draftport.train import train_step
+
+    cfg = toy_cfg()
+    batch = toy_batch(cfg)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    out = []
+    for in_opt in (False, True):
+        d = toy_drafter(cfg, seed=2)
+        params = [p for p in d.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        tcfg = TrainConfig(ttt_steps=3, grad_clip=0.05)          # clipping active
+        for _ in range(3):
+            _, _, _, _, gnorm = train_step(d, batch, head, opt, params, tcfg, impl="fused",
+                                           clip_in_optimizer=in_opt)
+        out.append((float(gnorm), [p.detach().clone() for p in params]))
+    assert out[0][0] > 0.05 and abs(out[0][0] - out[1][0]) < 1e-5 * out[0][0]
+    for a, b in zip(out[0][1], out[1][1]):
+        assert torch.allclose(a, b, atol=1e-6)
