@@ -119,3 +119,13 @@ def test_ddp_fused_path_two_gloo_ranks_equal_reference_one_process(tmp_path):
     for a, b in zip(runs["reference"]["losses"], runs["fused"]["losses"]):
         assert abs(a - b) < 1e-4 * max(1.0, abs(a))
     assert abs(runs["reference"]["weight_sum"] - runs["fused"]["weight_sum"]) < 1e-3
+
+
+def test_checkpoint_of_other_config_is_set_aside_not_resumed(tmp_path):
+    fs, head = make_features(tmp_path)
+    cfg = TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2)
+    train(toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, progress=False)
+    edited = TrainConfig(steps=4, batch_size=4, lr=1e-3, warmup_steps=1, checkpoint_every=2, log_every=2)
+    res = train(toy_drafter(seed=5), fs, head, tmp_path / "run", edited, progress=False)
+    assert res["steps"] == 4 and len(res["history"]) == 2  # trained from step 0, not resumed
+    assert list(tmp_path.glob("run/checkpoints.stale-*"))

@@ -3,7 +3,11 @@
 A feature folder holds shard_NNNNN.safetensors files and index.json. Per shard, samples are
 concatenated along the token axis:
     tokens [N] int32, loss_mask [N] bool (assistant tokens), aux [N, 3H], final [N, H],
-    offsets [n+1] int64 (sample i = rows offsets[i]:offsets[i+1]), response_start [n] int64.
+    offsets [n+1] int64 (sample i = rows offsets[i]:offsets[i+1]), response_start [n] int64,
+    target_arg [N] int32 (optional): the target's full-vocab greedy choice at each position, taken
+    from the full-precision forward. Training then needs only the draft-vocab rows of the target
+    head, and evaluation compares drafts with exactly what the target chose (bf16 storage of
+    `final` can flip near-tied argmaxes).
 index.json records sample/token counts, dtype, hidden size, aux layer ids and their convention,
 the target's id and revision, and each shard's sha256 (checked before a shard is trusted).
 """
@@ -65,7 +69,8 @@ class Sequence:
 def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *, meta: dict,
                    shard_samples: int = 256, batch_size: int = 16, dtype: str = "bfloat16",
                    progress=None) -> dict:
-    """Run featurize(batch_of_sequences) -> (aux [B,T,3H], final [B,T,H]) and write shards.
+    """Run featurize(batch_of_sequences) -> (aux [B,T,3H], final [B,T,H][, target_arg [B,T]])
+    and write shards.
 
     Everything is written into a temporary sibling folder that replaces out_dir at the end, so
     an interrupted run never leaves a folder a later step would trust.
@@ -80,12 +85,14 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
         shards, total_tokens, hidden = [], 0, None
         for s0 in range(0, len(sequences), shard_samples):
             chunk = sequences[s0: s0 + shard_samples]
-            parts = {"aux": [], "final": [], "tokens": [], "loss_mask": []}
+            parts = {"aux": [], "final": [], "tokens": [], "loss_mask": [], "target_arg": []}
             for b0 in range(0, len(chunk), batch_size):
                 bseq = chunk[b0: b0 + batch_size]
-                aux, final = featurize(bseq)
+                aux, final, *arg = featurize(bseq)
                 for i, sq in enumerate(bseq):
                     n = len(sq.tokens)
+                    if arg:
+                        parts["target_arg"].append(arg[0][i, :n].to(torch.int32).cpu())
                     parts["aux"].append(aux[i, :n].to(td).cpu())
                     parts["final"].append(final[i, :n].to(td).cpu())
                     parts["tokens"].append(torch.tensor(sq.tokens, dtype=torch.int32))
@@ -95,7 +102,7 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
                 if progress is not None:
                     progress(len(bseq))
             lens = torch.tensor([len(sq.tokens) for sq in chunk], dtype=torch.int64)
-            tensors = {k: torch.cat(v) for k, v in parts.items()}
+            tensors = {k: torch.cat(v) for k, v in parts.items() if v}
             tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
             tensors["response_start"] = torch.tensor([sq.response_start for sq in chunk], dtype=torch.int64)
             hidden = tensors["final"].shape[1]
@@ -160,9 +167,12 @@ class FeatureSet:
         si, li = self.where[i]
         sh = self._shard(si)
         a, b = int(sh["offsets"][li]), int(sh["offsets"][li + 1])
-        return {"tokens": sh["tokens"][a:b].long(), "loss_mask": sh["loss_mask"][a:b],
-                "aux": sh["aux"][a:b], "final": sh["final"][a:b],
-                "response_start": int(sh["response_start"][li])}
+        out = {"tokens": sh["tokens"][a:b].long(), "loss_mask": sh["loss_mask"][a:b],
+               "aux": sh["aux"][a:b], "final": sh["final"][a:b],
+               "response_start": int(sh["response_start"][li])}
+        if "target_arg" in sh:
+            out["target_arg"] = sh["target_arg"][a:b].long()
+        return out
 
 
 def collate(samples: list[dict], dtype=torch.float32) -> tuple[Batch, list[int]]:
@@ -174,11 +184,15 @@ def collate(samples: list[dict], dtype=torch.float32) -> tuple[Batch, list[int]]
     tokens = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.bool)
     valid = torch.zeros(B, T, dtype=torch.bool)
+    has_arg = all("target_arg" in s for s in samples)
+    t_arg = torch.zeros(B, T, dtype=torch.long) if has_arg else None
     for i, s in enumerate(samples):
         n = s["tokens"].shape[0]
         aux[i, :n], final[i, :n] = s["aux"].to(dtype), s["final"].to(dtype)
         tokens[i, :n], mask[i, :n], valid[i, :n] = s["tokens"], s["loss_mask"], True
-    return Batch(aux, final, tokens, mask, valid), [s["response_start"] for s in samples]
+        if has_arg:
+            t_arg[i, :n] = s["target_arg"]
+    return Batch(aux, final, tokens, mask, valid, t_arg), [s["response_start"] for s in samples]
 
 
 def iter_batches(fs: FeatureSet, ids: list[int], batch_size: int, dtype=torch.float32):

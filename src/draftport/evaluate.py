@@ -27,7 +27,8 @@ def accepted_counts(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Ten
     """[B, T] number of accepted drafts when drafting from row p, and [B, T] count of drafts
     that could be checked (k, fewer near the end of a sequence)."""
     hot = drafter.hot_ids
-    t_arg = target_logits(batch.final, target_head).argmax(-1)  # [B, T]
+    # the target's greedy choice: as captured (full precision) when the features hold it
+    t_arg = batch.target_arg if batch.target_arg is not None else target_logits(batch.final, target_head).argmax(-1)
     logits = drafter.unroll(batch.aux, batch.tokens, k, teacher_tokens=False, valid=batch.valid)
     B, T = batch.tokens.shape
     length = batch.valid.long().sum(-1)  # sequences are right-padded

@@ -116,6 +116,8 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
             ids, start = encode_chat(tok, s["user"], s["assistant"])
             seqs.append(Sequence(ids[:ctx], start))
 
+    head_w = model.get_output_embeddings().weight.detach().float()
+
     def featurize(batch: list[Sequence]):
         T = max(len(s.tokens) for s in batch)
         ids = torch.full((len(batch), T), pad, dtype=torch.long)
@@ -123,7 +125,10 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
         for i, s in enumerate(batch):
             ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
             mask[i, : len(s.tokens)] = 1
-        return capture_features(model, ids.to(device), mask.to(device), aux_layer_ids, convention)
+        aux, final = capture_features(model, ids.to(device), mask.to(device), aux_layer_ids, convention)
+        with torch.no_grad():
+            t_arg = (final.float() @ head_w.t()).argmax(-1)
+        return aux, final, t_arg
 
     meta = {"aux_layer_ids": list(aux_layer_ids), "aux_convention": convention,
             "target": target_identity(target_dir), "regenerated": regenerate_responses,

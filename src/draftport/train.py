@@ -162,6 +162,17 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def resumable(path: Path, cfg: TrainConfig) -> bool:
+    """A checkpoint continues this run only if everything but the logging cadence matches."""
+    try:
+        saved = json.loads((path / "state.json").read_text()).get("config", {})
+    except (OSError, json.JSONDecodeError):
+        return False
+    cadence = {"log_every", "checkpoint_every", "keep_checkpoints"}
+    now = asdict(cfg)
+    return {k: v for k, v in saved.items() if k not in cadence} == {k: v for k, v in now.items() if k not in cadence}
+
+
 def load_checkpoint(path: Path, drafter, opt) -> tuple[int, list]:
     from safetensors.torch import load_file
 
@@ -216,6 +227,16 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     ckpt_root = out_dir / "checkpoints"
     step, history = 0, []
     last = latest_checkpoint(ckpt_root)
+    if last is not None and not resumable(last, cfg):
+        # A checkpoint of another configuration (edited params.yaml) must not be continued:
+        # that would mix two runs. Its folder is set aside, never deleted.
+        aside = ckpt_root.with_name(f"checkpoints.stale-{int(time.time())}")
+        if rank == 0:
+            os.replace(ckpt_root, aside)
+            print(f"checkpoints in {ckpt_root} belong to another training configuration; moved to {aside}", flush=True)
+        if world > 1:
+            dist.barrier()
+        last = None
     if last is not None:
         step, history = load_checkpoint(last, drafter, opt)
         if rank == 0:
