@@ -32,10 +32,12 @@ def decoder_parts(model):
 
 
 def check_aux_ids(aux_ids, num_layers: int, convention: str, where=None):
+    """vllm: 0..L (L = the state leaving the last layer, before the final norm: vLLM collects
+    it after the loop too); sglang: 0..L-1."""
     if convention not in ("vllm", "sglang"):
         raise DraftportError(where, f"aux convention must be vllm or sglang, got {convention!r}")
     limit = num_layers if convention == "vllm" else num_layers - 1
-    bad = [i for i in aux_ids if not 0 <= i < limit + (0 if convention == "vllm" else 1)]
+    bad = [i for i in aux_ids if not 0 <= i <= limit]
     if bad:
         raise DraftportError(where, f"aux layer ids {bad} out of range for a target with {num_layers} layers ({convention} convention)")
 
@@ -71,7 +73,9 @@ class Capture:
                 def pre(mod, args, kwargs, slot=slot):
                     hs = args[0] if args else kwargs["hidden_states"]
                     self.states[slot] = hs.detach()
-                self.handles.append(self.layers[k].register_forward_pre_hook(pre, with_kwargs=True))
+                # id L: what enters the final norm (the state leaving the last layer)
+                where = self.layers[k] if k < len(self.layers) else self.norm
+                self.handles.append(where.register_forward_pre_hook(pre, with_kwargs=True))
             else:
                 def post(mod, args, out, slot=slot):
                     hs = out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,426 @@
+"""Accept length measured by a serving engine (vLLM), and the offline figure on the same prompts.
+
+`measure` serves the target with an exported drafter through vLLM's EAGLE-3 speculative
+decoding (greedy) and reads tau from vLLM's own counters: tau = 1 + accepted / drafts, with
+the per-position accepted counts. vLLM lives in its own venv (`make vllm-venv`); the script
+scripts/online_vllm.py runs there as a subprocess, so the main environment never imports it.
+
+`offline_same_prompts` replays exactly the sequences vLLM produced (same prompt tokens, vLLM's
+greedy outputs) through the target in transformers and the offline evaluator. Two engine facts
+decide the last cycle of every request (read in vLLM 0.32's scheduler, checked on the counters):
+  - a request stops once it has its N output tokens; every verify step before that counts one
+    draft of k tokens: cycles run while the verified prefix is shorter than prompt + N;
+  - the accepted count of a step is taken before the stop truncates the output, so drafts that
+    run past EOS or max_tokens still count when the target (fed the drafts) agrees with them.
+The features are therefore captured on each sequence extended by k greedy tokens of the target
+(what vLLM's verifier sees past the end), and the walk stops at the served length. The plain
+evaluator (which cannot see past the end) is reported next to it: the difference is the size
+of that end effect.
+
+`agreement_check` fails when the two tau differ by more than the tolerance: a difference means
+a bug (aux-layer convention, masks, RoPE positions, d2t handling), not noise: both run greedy
+on identical tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import DraftportError
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_SCRIPT = REPO / "scripts" / "online_vllm.py"
+DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def vllm_python(path: str | os.PathLike | None = None) -> Path:
+    """The vLLM venv's interpreter: argument, else $DRAFTPORT_VLLM_PYTHON, else .venv-vllm."""
+    p = Path(path or os.environ.get("DRAFTPORT_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
+    if not p.exists():
+        raise DraftportError(p, "no vLLM interpreter: run `make vllm-venv` (or set DRAFTPORT_VLLM_PYTHON)")
+    return p
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+def encode_prompts(target_dir, prompts_path, n_prompts: int | None, *, offset: int = 0) -> list[list[int]]:
+    """Held-out chat prompts rendered through the target's chat template (generation prompt on):
+    the same token ids go to vLLM and to the offline evaluator."""
+    from .plan import encode_prompt, load_tokenizer, read_samples
+
+    tok = load_tokenizer(target_dir)
+    return [encode_prompt(tok, s["user"]) for s in read_samples(prompts_path, n_prompts, offset)]
+
+
+def _target_context(target_dir) -> int:
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg) if "max_position_embeddings" not in cfg else cfg
+    return int(cfg.get("max_position_embeddings", 2048))
+
+
+# ---- vLLM ---------------------------------------------------------------------------------------
+def run_vllm(target_dir, drafter_dir, prompt_ids: list[list[int]], *, k: int, max_new_tokens: int,
+             vllm_python_path=None, work_dir=None, max_num_seqs: int = 8, dtype: str = "float32",
+             script=None, timeout: float | None = 3600, log_path=None) -> dict:
+    """Run scripts/online_vllm.py in the vLLM venv; return its result (counters + outputs)."""
+    py = vllm_python(vllm_python_path)
+    script = Path(script or DEFAULT_SCRIPT)
+    if not script.is_file():
+        raise DraftportError(script, "the vLLM runner script is missing")
+    ctx = _target_context(target_dir)
+    longest = max(len(p) for p in prompt_ids)
+    if longest + max_new_tokens + k > ctx:
+        raise DraftportError(target_dir, f"prompt of {longest} tokens + {max_new_tokens} new + {k} drafts "
+                             f"exceeds the target's context of {ctx}")
+    with tempfile.TemporaryDirectory(prefix="draftport-vllm-", dir=work_dir) as tmp:
+        tmp = Path(tmp)
+        (tmp / "prompts.json").write_text(json.dumps({"prompt_token_ids": prompt_ids}))
+        out = tmp / "result.json"
+        cmd = [str(py), str(script), "--target", str(target_dir), "--drafter", str(drafter_dir),
+               "--prompts", str(tmp / "prompts.json"), "--out", str(out), "--k", str(k),
+               "--max-tokens", str(max_new_tokens), "--max-num-seqs", str(max_num_seqs),
+               "--dtype", dtype, "--max-model-len", str(ctx)]
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # the vLLM venv must not see the project's site-packages through PYTHONPATH
+        env.pop("PYTHONPATH", None)
+        log_path = Path(log_path) if log_path else tmp / "vllm.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        with open(log_path, "w") as lf:
+            try:
+                rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        wall = time.time() - t0
+        if rc != 0 or not out.is_file():
+            lines = log_path.read_text(errors="replace").strip().splitlines()
+            # the root cause is the first exception line (the engine's own wrap-ups come later)
+            errs = [ln for ln in lines if re.search(r"\b\w*(Error|Exception): ", ln)]
+            why = errs[0] if errs else (lines[-1] if lines else "no output")
+            raise DraftportError(drafter_dir, f"vLLM run failed (exit {rc}): {why.strip()[-400:]} [log: {log_path}]")
+        res = json.loads(out.read_text())
+    res["wall_seconds"] = wall
+    return res
+
+
+def summarize_online(raw: dict) -> dict:
+    """The engine's counters as metrics, named like the offline ones with an `online_` prefix."""
+    k, drafts = raw["k"], raw["num_drafts"]
+    if drafts <= 0:
+        raise DraftportError("vllm", "vLLM counted no drafts: speculative decoding did not run")
+    out = {
+        "online_accept_length": 1.0 + raw["num_accepted_tokens"] / drafts,
+        "online_num_drafts": drafts,
+        "online_num_draft_tokens": raw["num_draft_tokens"],
+        "online_num_accepted_tokens": raw["num_accepted_tokens"],
+        "online_k": k,
+        "online_num_prompts": raw["num_prompts"],
+        "online_output_tokens": raw["output_tokens"],
+        "online_seconds": raw.get("wall_seconds", raw["load_seconds"] + raw["generate_seconds"]),
+        "online_load_seconds": raw["load_seconds"],
+        "online_generate_seconds": raw["generate_seconds"],
+        "vllm_version": raw.get("vllm_version"),
+        "vllm_device": raw.get("device"),
+    }
+    prev = 1.0
+    for i, a in enumerate(raw["accepted_per_pos"]):
+        rate = a / drafts
+        out[f"online_accept_rate_pos_{i}"] = rate
+        out[f"online_cond_acc_{i}"] = rate / prev if prev > 0 else 0.0
+        prev = rate
+    return out
+
+
+def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_new_tokens: int,
+            vllm_python_path=None, *, offset: int = 0, max_num_seqs: int = 8, dtype: str = "float32",
+            validate: bool = True, raw_out=None, log_path=None, return_raw: bool = False):
+    """Online accept length of an exported drafter served by vLLM next to target_dir.
+
+    Validates the export first (see draftport.export). Returns the `online_*` metrics (with
+    `online_seconds`, the whole vLLM run); vLLM's raw result (prompt and output tokens,
+    per-request cycles) is written to raw_out when given (for `offline_same_prompts`), and
+    returned as a second value with return_raw.
+    """
+    if validate:
+        from .export import validate_export
+
+        validate_export(drafter_dir, target_dir)
+    prompts = encode_prompts(target_dir, prompts_path, n_prompts, offset=offset)
+    raw = run_vllm(target_dir, drafter_dir, prompts, k=k, max_new_tokens=max_new_tokens,
+                   vllm_python_path=vllm_python_path, max_num_seqs=max_num_seqs, dtype=dtype,
+                   log_path=log_path)
+    raw["prompt_token_ids"] = prompts
+    if raw_out is not None:
+        from .checkpoint import atomic_write_text
+
+        atomic_write_text(raw_out, json.dumps(raw) + "\n")
+    res = summarize_online(raw)
+    return (res, raw) if return_raw else res
+
+
+# ---- the offline evaluator on the same sequences --------------------------------------------
+def _extend_greedy(model, seqs: list[list[int]], n: int, pad: int, batch_size: int = 16) -> list[list[int]]:
+    """Each sequence + n greedy tokens of the target, EOS or not (vLLM's verifier keeps scoring
+    drafts past the end of a request). Batched, left padded; n is small (k - 2), so n full
+    forwards per batch cost little and avoid the cache API, which moves between transformers
+    versions."""
+    import torch
+
+    dev = next(model.parameters()).device
+    out: list[list[int]] = [list(x) for x in seqs]
+    for s0 in range(0, len(out), batch_size):
+        chunk = out[s0: s0 + batch_size]
+        for _ in range(n):
+            L = max(len(x) for x in chunk)
+            ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), L), dtype=torch.long)
+            for i, x in enumerate(chunk):
+                ids[i, L - len(x):] = torch.tensor(x)
+                mask[i, L - len(x):] = 1
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)
+            with torch.no_grad():
+                logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                               use_cache=False, logits_to_keep=1).logits[:, -1]
+            for x, t in zip(chunk, logits.argmax(-1).tolist()):
+                x.append(int(t))
+    return out
+
+
+def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[list[int]] | None = None,
+                         responses: list[list[int]] | None = None, online_raw: dict | str | None = None,
+                         max_new_tokens: int = 128, batch_size: int = 16, device: str = "cpu") -> dict:
+    """Offline accept length on exactly the sequences vLLM served.
+
+    Give `online_raw` (the dict or the raw JSON file `measure` wrote), or prompt_ids and the
+    responses vLLM generated; with prompt_ids alone the transformers target regenerates the
+    responses greedily (the same tokens as vLLM's unless the two disagree on a near-tie).
+    Returns `accept_length` (engine-exact end of each request), per-position rates, the plain
+    evaluator's figure on the same sequences (`accept_length_plain`), per-request cycles and
+    the wall time.
+    """
+    import torch
+
+    from .checkpoint import load_drafter_state
+    from .data import Sequence
+    from .evaluate import accepted_counts, summarize, walk
+    from .plan import drafter_for_target, load_tokenizer, target_head
+    from .target import capture_features, load_target, regenerate
+    from .ttt import Batch
+
+    if online_raw is not None:
+        if not isinstance(online_raw, dict):
+            online_raw = json.loads(Path(online_raw).read_text())
+        prompt_ids = online_raw["prompt_token_ids"]
+        responses = [r["output_token_ids"] for r in online_raw["requests"]]
+    if not prompt_ids:
+        raise DraftportError(drafter_dir, "no prompts to evaluate")
+    t0 = time.time()
+    cfg, state = load_drafter_state(drafter_dir)
+    if cfg.aux_convention and cfg.aux_convention != "vllm":
+        raise DraftportError(drafter_dir, f"drafter trained under the {cfg.aux_convention} aux convention; vLLM reads vllm's")
+    drafter = drafter_for_target(cfg, target_dir, state).to(device).eval()
+    head = target_head(target_dir).to(device)
+    model = load_target(target_dir, device=device)
+    tok = load_tokenizer(target_dir)
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    if responses is None:
+        responses = regenerate(model, prompt_ids, max_new_tokens=max_new_tokens, eos_id=eos, pad_id=pad,
+                               batch_size=batch_size)
+    seqs = [Sequence(list(p) + list(r), len(p)) for p, r in zip(prompt_ids, responses)]
+    t_load = time.time() - t0
+    t1 = time.time()
+    # The last verify step of a request starts at most 3 tokens before its end and checks k
+    # drafts: the target's choices up to position L-3+k are needed, so the sequence grows by
+    # k-2 greedy tokens plus one placeholder (which only makes position L-3+k "inside" for
+    # accepted_counts; nothing reads its value).
+    extended = _extend_greedy(model, [s.tokens for s in seqs], max(k - 2, 0), pad, batch_size)
+    if k >= 2:
+        extended = [x + [pad] for x in extended]
+    t_ext = time.time() - t1
+    t_feat = t_eval = 0.0
+    cycles_exact, cycles_plain, rows_all, per_request = [], [], [], []
+    for b0 in range(0, len(seqs), batch_size):
+        chunk, ext = seqs[b0: b0 + batch_size], extended[b0: b0 + batch_size]
+        T = max(len(x) for x in ext)
+        ids = torch.full((len(ext), T), pad, dtype=torch.long)
+        mask = torch.zeros((len(ext), T), dtype=torch.long)
+        for i, x in enumerate(ext):
+            ids[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(x)] = 1
+        t1 = time.time()
+        aux, final = capture_features(model, ids.to(device), mask.to(device), cfg.aux_layer_ids, "vllm")
+        t_feat += time.time() - t1
+        valid = mask.bool().to(device)
+        ext_batch = Batch(aux.float(), final.float(), ids.to(device), valid, valid)
+        t1 = time.time()
+        acc_e, chk_e = accepted_counts(drafter, ext_batch, head, k)
+        t_eval += time.time() - t1
+        for i, s in enumerate(chunk):
+            r, L = s.response_start, len(s.tokens)
+            a, c = acc_e[i].tolist(), chk_e[i].tolist()
+            cyc = walk(a, c, r - 1, L - 2)  # a verify step while fewer than N outputs are verified
+            cycles_exact.extend(cyc)
+            per_request.append(cyc)
+            # The plain evaluator on the served sequence alone: row p is causal, so only its
+            # checkable drafts shrink (those whose target position lies inside the sequence).
+            cp = [max(0, min(k, L - 2 - p)) for p in range(len(a))]
+            ap = [min(x, y) for x, y in zip(a, cp)]
+            cycles_plain.extend(walk(ap, cp, r - 1, L - 1))
+            rows_all.extend(ap[p] for p in range(r - 1, L - 1) if cp[p] > 0)
+    res = summarize(cycles_exact, rows_all, k)
+    plain = summarize(cycles_plain, rows_all, k)
+    res["accept_length_plain"] = plain["accept_length"]
+    res["num_cycles_plain"] = plain["num_cycles"]
+    res["num_prompts"] = len(seqs)
+    res["output_tokens"] = sum(len(s.tokens) - s.response_start for s in seqs)
+    res["offline_seconds"] = time.time() - t0
+    res["offline_load_seconds"] = t_load        # imports, target + drafter (+ regeneration)
+    res["offline_extend_seconds"] = t_ext       # k greedy tokens past each end
+    res["offline_feature_seconds"] = t_feat     # the target's aux/final states
+    res["offline_eval_seconds"] = t_eval        # the drafter: the offline evaluator proper
+    res["per_request_cycles"] = per_request
+    return res
+
+
+# ---- agreement ----------------------------------------------------------------------------------
+def agreement_check(online: dict, offline: dict, tol: float = 0.05) -> dict:
+    """Raise DraftportError (both numbers in the message) when |tau_online - tau_offline| > tol."""
+    on, off = float(online["online_accept_length"]), float(offline["accept_length"])
+    diff = on - off
+    k = int(online.get("online_k", offline.get("k", 0)))
+    pos = {i: (online.get(f"online_accept_rate_pos_{i}"), offline.get(f"accept_rate_pos_{i}")) for i in range(k)}
+    detail = ", ".join(f"pos {i}: vLLM {a:.3f} / offline {b:.3f}" for i, (a, b) in pos.items()
+                       if a is not None and b is not None)
+    if abs(diff) > tol:
+        raise DraftportError("online", f"vLLM accept length {on:.4f} and offline {off:.4f} differ by {diff:+.4f} "
+                             f"(> {tol}): a bug in aux layers, masks, RoPE positions or d2t handling ({detail})")
+    return {"online_accept_length": on, "offline_accept_length": off, "difference": diff, "tolerance": tol}
+
+
+def cycle_mismatches(online_raw: dict, offline: dict, limit: int = 5) -> dict:
+    """Requests whose per-step accepted counts differ between vLLM and the offline walk."""
+    bad = []
+    reqs = online_raw.get("requests", [])
+    for i, (r, cyc) in enumerate(zip(reqs, offline.get("per_request_cycles", []))):
+        on = r.get("per_step_accepted")
+        if on is not None and list(on) != list(cyc):
+            first = next((j for j, (x, y) in enumerate(zip(on, cyc)) if x != y), min(len(on), len(cyc)))
+            bad.append({"request": i, "first_step": first, "vllm": on[first: first + 6], "offline": cyc[first: first + 6],
+                        "vllm_steps": len(on), "offline_steps": len(cyc)})
+    return {"requests_differing": len(bad), "requests": len(reqs), "examples": bad[:limit]}
+
+
+def side_by_side(online: dict, offline: dict) -> list[dict]:
+    """Rows for a report: tau and each position's acceptance rate, vLLM next to offline."""
+    k = int(online.get("online_k", offline.get("k", 0)))
+    rows = [{"metric": "accept length (tau)", "vllm": online["online_accept_length"],
+             "offline": offline["accept_length"]}]
+    for i in range(k):
+        rows.append({"metric": f"accept rate pos {i}", "vllm": online[f"online_accept_rate_pos_{i}"],
+                     "offline": offline[f"accept_rate_pos_{i}"]})
+    rows.append({"metric": "drafts (cycles)", "vllm": online["online_num_drafts"], "offline": offline["num_cycles"]})
+    rows.append({"metric": "seconds", "vllm": online["online_seconds"], "offline": offline["offline_seconds"]})
+    return rows
+
+
+def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, k: int,
+             max_new_tokens: int, tol: float = 0.05, vllm_python_path=None, max_num_seqs: int = 8,
+             offset: int = 0, check: bool = True) -> dict:
+    """The pipeline's online step: validate the export, serve it through vLLM, replay the same
+    sequences offline, compare. Writes under out_dir: vllm.log, online_raw.json (vLLM's tokens
+    and per-request cycles), online.json (both sides, per position, cycle mismatches, times).
+    Returns flat metrics for metrics.json / MLflow: online_accept_length,
+    online_accept_rate_pos_{i}, offline_same_prompts_accept_length (+ _rate_pos_{i}),
+    online_offline_difference, online_seconds, offline_same_prompts_seconds, online_time_ratio.
+    Raises DraftportError (after writing the files) when the two tau differ by more than tol.
+    """
+    from .checkpoint import atomic_write_text
+    from .export import validate_export
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    export = validate_export(drafter_dir, target_dir)
+    on, raw = measure(target_dir, drafter_dir, prompts_path, n_prompts, k, max_new_tokens, vllm_python_path,
+                      offset=offset, max_num_seqs=max_num_seqs, validate=False,
+                      raw_out=out_dir / "online_raw.json", log_path=out_dir / "vllm.log", return_raw=True)
+    off = offline_same_prompts(drafter_dir, target_dir, k=k, online_raw=raw)
+    mism = cycle_mismatches(raw, off)
+    metrics = dict(on)
+    metrics["offline_same_prompts_accept_length"] = off["accept_length"]
+    metrics["offline_same_prompts_accept_length_plain"] = off["accept_length_plain"]
+    for i in range(k):
+        metrics[f"offline_same_prompts_accept_rate_pos_{i}"] = off[f"accept_rate_pos_{i}"]
+    metrics["offline_same_prompts_num_cycles"] = off["num_cycles"]
+    metrics["offline_same_prompts_seconds"] = off["offline_seconds"]
+    metrics["offline_same_prompts_eval_seconds"] = off["offline_eval_seconds"]
+    metrics["online_offline_difference"] = on["online_accept_length"] - off["accept_length"]
+    # vLLM's whole run against the replay from scratch (target load, features, drafter), and
+    # against the offline evaluator proper (the drafter over captured features)
+    metrics["online_time_ratio"] = on["online_seconds"] / max(off["offline_seconds"], 1e-9)
+    metrics["online_time_ratio_eval"] = on["online_seconds"] / max(off["offline_eval_seconds"], 1e-9)
+    metrics["online_requests_with_differing_cycles"] = mism["requests_differing"]
+    metrics["online_tolerance"] = tol
+    report = {"metrics": metrics, "export": export, "rows": side_by_side(on, off), "cycle_mismatches": mism,
+              "offline": {key: v for key, v in off.items() if key != "per_request_cycles"},
+              "settings": {"n_prompts": n_prompts, "k": k, "max_new_tokens": max_new_tokens, "offset": offset,
+                           "prompts": str(prompts_path), "target": str(target_dir), "drafter": str(drafter_dir)}}
+    atomic_write_text(out_dir / "online.json", json.dumps(report, indent=2) + "\n")
+    if check:
+        agreement_check(on, off, tol)
+    return metrics
+
+
+def main(argv=None) -> int:
+    """python -m draftport.online TARGET DRAFTER PROMPTS OUT_DIR --n 100 --k 3 --max-new-tokens 128"""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="vLLM vs offline accept length on the same prompts")
+    ap.add_argument("target")
+    ap.add_argument("drafter")
+    ap.add_argument("prompts")
+    ap.add_argument("out_dir")
+    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--tol", type=float, default=0.05)
+    a = ap.parse_args(argv)
+    try:
+        m = run_step(a.target, a.drafter, a.prompts, a.out_dir, n_prompts=a.n, k=a.k,
+                     max_new_tokens=a.max_new_tokens, tol=a.tol, max_num_seqs=a.max_num_seqs,
+                     offset=a.offset, check=False)
+    except DraftportError as e:
+        log(f"error: {e}")
+        return 2
+    rep = json.loads((Path(a.out_dir) / "online.json").read_text())
+    for row in rep["rows"]:
+        log(f"{row['metric']:>22}: vLLM {row['vllm']:.4f}  offline {row['offline']:.4f}")
+    log(f"plain evaluator on the same sequences: {m['offline_same_prompts_accept_length_plain']:.4f}; "
+        f"requests with differing cycles: {m['online_requests_with_differing_cycles']}/{a.n}; "
+        f"time: vLLM {m['online_seconds']:.1f}s (generate {m['online_generate_seconds']:.1f}s), offline replay "
+        f"{m['offline_same_prompts_seconds']:.1f}s (evaluator {m['offline_same_prompts_eval_seconds']:.1f}s): "
+        f"{m['online_time_ratio']:.1f}x / {m['online_time_ratio_eval']:.1f}x")
+    try:
+        agreement_check({**m, "online_k": a.k}, {"accept_length": m["offline_same_prompts_accept_length"]}, a.tol)
+    except DraftportError as e:
+        log(str(e))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
