@@ -6,9 +6,15 @@ everything a resume needs (model, optimizer moments, step, RNG, history) in safe
 no pickle, even for our own files. The data order is a pure function of (seed, step), so a resume
 continues with exactly the batch an uninterrupted run would have drawn: bit-exact on CPU.
 
-Runs as one process or under torchrun (DDP, gloo on CPU, nccl on GPU); every rank takes a slice
-of the same global batch and the loss is normalized by the global row count, so N processes
-compute the same update as one.
+Runs as one process or under torchrun (gloo on CPU, nccl on GPU), data-parallel either way:
+every rank takes a slice of the same global batch and the loss is normalized by the global row
+count, so N processes compute the same update as one. `parallel: ddp` replicates the drafter;
+`parallel: fsdp` shards its trainable weights, their gradients and the AdamW moments over the
+ranks (FSDP2 `fully_shard`, one group: the drafter is a single layer unrolled K times, so every
+weight is needed in every TTT step and finer groups would only gather the same weights again).
+The frozen embed_tokens stays replicated: every step looks up arbitrary rows of it, so sharding
+would gather all of it each step and save no peak memory. Checkpoints are the same flat files
+either way (gathered to rank 0), so a run resumes under either mode or in one process.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class TrainConfig:
     # fused: flash attention + log-sum-exp merge, row-chunked fused soft-CE (same terms);
     # compiled: fused + torch.compile of the per-step regions; auto: compiled on CUDA.
     impl: str = "auto"
+    # under torchrun: ddp (replicated drafter) or fsdp (weights, grads, AdamW moments sharded)
+    parallel: str = "ddp"
 
     @classmethod
     def from_dict(cls, d: dict, where="train") -> "TrainConfig":
@@ -124,15 +132,18 @@ def trainable(drafter: Eagle3Drafter) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in drafter.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: TrainConfig) -> Path:
+def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: TrainConfig,
+                    sharded=None) -> Path | None:
+    """sharded: the FSDP module of train() under parallel: fsdp. Then every rank must call: the
+    full state is gathered to rank 0, which alone writes (the same files as one process)."""
     from safetensors.torch import save_file
 
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step_{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:07d}.", dir=ckpt_root))
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in drafter.export_state().items()},
-                  str(tmp / "model.safetensors"))
+    if sharded is not None:
+        model, moments, steps = _gather_full_state(sharded, opt)
+        if dist.get_rank() != 0:
+            return None
+    else:
+        model = {k: v.detach().cpu().contiguous() for k, v in drafter.export_state().items()}
         params = trainable(drafter)
         name_of = {id(p): n for n, p in params.items()}
         moments, steps = {}, {}
@@ -141,6 +152,11 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
             moments[f"{n}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
             moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
             steps[n] = float(st["step"])
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step_{step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:07d}.", dir=ckpt_root))
+    try:
+        save_file(model, str(tmp / "model.safetensors"))
         moments["rng.torch"] = torch.get_rng_state()
         save_file(moments, str(tmp / "optimizer.safetensors"))
         state = {"step": step, "adam_steps": steps, "history": history, "config": asdict(cfg)}
@@ -168,26 +184,143 @@ def resumable(path: Path, cfg: TrainConfig) -> bool:
         saved = json.loads((path / "state.json").read_text()).get("config", {})
     except (OSError, json.JSONDecodeError):
         return False
-    cadence = {"log_every", "checkpoint_every", "keep_checkpoints"}
+    # parallel: ddp and fsdp make the same updates (and older checkpoints predate the key)
+    cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel"}
     now = asdict(cfg)
     return {k: v for k, v in saved.items() if k not in cadence} == {k: v for k, v in now.items() if k not in cadence}
 
 
 def load_checkpoint(path: Path, drafter, opt) -> tuple[int, list]:
+    load_model_state(path, drafter)
+    return load_optimizer_state(path, drafter, opt)
+
+
+def load_model_state(path: Path, drafter) -> None:
+    """The weights of a checkpoint into an unsharded drafter (train() loads them before
+    sharding, so FSDP shards what was saved)."""
     from safetensors.torch import load_file
 
-    model = load_file(str(path / "model.safetensors"))
-    drafter.load_flat_state(model)
+    drafter.load_flat_state(load_file(str(path / "model.safetensors")))
+
+
+def load_optimizer_state(path: Path, drafter, opt) -> tuple[int, list]:
+    """AdamW moments and the RNG; under FSDP each rank keeps its shard of the saved moments.
+    -> (step, history)."""
+    from safetensors.torch import load_file
+
     moments = load_file(str(path / "optimizer.safetensors"))
     state = json.loads((path / "state.json").read_text())
     params = trainable(drafter)
+    # fused (and capturable) AdamW keep the step count on the parameter's device
+    step_on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
     for n, p in params.items():
         if f"{n}.exp_avg" in moments:
-            opt.state[p] = {"step": torch.tensor(state["adam_steps"][n]),
-                            "exp_avg": moments[f"{n}.exp_avg"].to(p.device),
-                            "exp_avg_sq": moments[f"{n}.exp_avg_sq"].to(p.device)}
+            opt.state[p] = {"step": torch.tensor(float(state["adam_steps"][n]), dtype=torch.float32,
+                                                 device=p.device if step_on_device else "cpu"),
+                            "exp_avg": _like(moments[f"{n}.exp_avg"], p),
+                            "exp_avg_sq": _like(moments[f"{n}.exp_avg_sq"], p)}
     torch.set_rng_state(moments["rng.torch"])
     return state["step"], state["history"]
+
+
+# ---- DDP / FSDP -------------------------------------------------------------------------------
+def wrap_parallel(drafter: Eagle3Drafter, parallel: str, device):
+    """What train_step runs: the drafter itself ("none"), its DDP view ("ddp"), or the FSDP module
+    holding it ("fsdp": the drafter's parameters become this rank's shards, so build the optimizer
+    after this). The last two need an initialized process group (of any size, 1 included)."""
+    if parallel == "none":
+        return drafter
+    if parallel == "ddp":
+        # DDP's gradient hooks must see the call, so under torchrun the unroll goes through it.
+        return _DDPView(torch.nn.parallel.DistributedDataParallel(drafter))
+    if parallel == "fsdp":
+        return shard_fsdp(drafter, device)
+    raise DraftportError("train.parallel", f"{parallel!r} is not one of ddp, fsdp")
+
+
+class _FSDPTerms(torch.nn.Module):
+    """The FSDP2 root: holds the drafter so that the whole TTT loss, the drafter's lm_head that
+    the fused loss applies itself included, runs inside one forward. FSDP gathers the weights in
+    its pre-forward hook and reduce-scatters (averages) the gradients once backward has finished
+    (no forward input needs a gradient, so its final callback does it; the fused path's in-place
+    gradient sums are complete by then)."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch, target_head, steps: int, fused: bool):
+        return ttt_terms(self.drafter, batch, target_head, steps, fused=fused)
+
+
+def shard_fsdp(drafter: Eagle3Drafter, device) -> _FSDPTerms:
+    """Shard the drafter's parameters over the process group in place (embed_tokens excepted:
+    see the module docstring); -> the module that train_step runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _, world = dist_info()
+    net = _FSDPTerms(drafter)
+    # one group, the root: it keeps the weights gathered from forward through backward anyway
+    fully_shard(net, mesh=init_device_mesh(torch.device(device).type, (world,)),
+                reshard_after_forward=False, ignored_params={drafter.embed_tokens.weight})
+    return net
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _like(full: torch.Tensor, p) -> torch.Tensor:
+    """A saved full tensor placed like parameter p (this rank's shard under FSDP)."""
+    if _is_dtensor(p):
+        from torch.distributed.tensor import distribute_tensor
+        return distribute_tensor(full.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements)
+    return full.to(p.device)
+
+
+def _gather_full_state(sharded: _FSDPTerms, opt):
+    """Collective: the flat model state (export_state's keys) and AdamW moments as full CPU
+    tensors on rank 0 (empty elsewhere). -> (model, moments, adam steps)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(sharded, options=o)
+    osd = get_optimizer_state_dict(sharded, opt, options=o)
+    pre = "drafter."
+    model = {k[len(pre):]: v.detach().contiguous() for k, v in msd.items()
+             if not k[len(pre):].startswith("embed_tokens")}
+    moments, steps = {}, {}
+    for fqn, st in osd.get("state", {}).items():
+        n = fqn[len(pre):]
+        moments[f"{n}.exp_avg"] = st["exp_avg"].detach().contiguous()
+        moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().contiguous()
+        steps[n] = float(st["step"])
+    return model, moments, steps
+
+
+def unshard_fsdp(drafter: Eagle3Drafter) -> None:
+    """Collective: replace the sharded parameters by full ones on every rank, so that train()
+    hands back the drafter as DDP or one process would (export, evaluation, another train())."""
+    for mod in drafter.modules():
+        for name, p in list(mod._parameters.items()):
+            if _is_dtensor(p):
+                full = p.full_tensor().detach().clone()
+                mod._parameters[name] = torch.nn.Parameter(full, requires_grad=p.requires_grad)
+
+
+def _sharded_grad_norm(local_grads: list[torch.Tensor], device) -> torch.Tensor:
+    """The global 2-norm of gradients sharded without overlap over the ranks."""
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in local_grads:
+        sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    dist.all_reduce(sq)
+    return sq.sqrt()
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -208,20 +341,16 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     impl = cfg.impl if cfg.impl != "auto" else ("compiled" if device.type == "cuda" else "reference")
     if impl not in ("reference", "fused", "compiled"):
         raise DraftportError("train.impl", f"{cfg.impl!r} is not one of auto, reference, fused, compiled")
+    if cfg.parallel not in ("ddp", "fsdp"):
+        raise DraftportError("train.parallel", f"{cfg.parallel!r} is not one of ddp, fsdp")
+    fsdp = cfg.parallel == "fsdp" and world > 1
     if impl == "compiled":
         drafter.compile_regions()
         compile_loss_kernels()
-    # sum weight gradients in place across TTT steps; DDP needs them to pass through autograd
-    drafter.accumulate_wgrad = impl != "reference" and world == 1
+    # sum weight gradients in place across TTT steps; DDP needs them to pass through autograd,
+    # FSDP reads .grad once backward has finished (see _FSDPTerms)
+    drafter.accumulate_wgrad = impl != "reference" and (world == 1 or fsdp)
     drafter.lm_head.weight.requires_grad_(cfg.train_lm_head)
-    params = trainable(drafter)
-    decay = [p for p in params.values() if p.ndim >= 2]
-    no_decay = [p for p in params.values() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
-                            betas=(0.9, 0.95), fused=device.type == "cuda")
-    # DDP's gradient hooks must see the call, so under torchrun the unroll goes through it.
-    net = _DDPView(torch.nn.parallel.DistributedDataParallel(drafter)) if world > 1 else drafter
 
     out_dir = Path(out_dir)
     ckpt_root = out_dir / "checkpoints"
@@ -238,7 +367,17 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
             dist.barrier()
         last = None
     if last is not None:
-        step, history = load_checkpoint(last, drafter, opt)
+        load_model_state(last, drafter)   # before sharding: FSDP shards the saved weights
+
+    net = wrap_parallel(drafter, cfg.parallel if world > 1 else "none", device)
+    params = trainable(drafter)           # under FSDP: this rank's shards
+    decay = [p for p in params.values() if p.ndim >= 2]
+    no_decay = [p for p in params.values() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
+                            betas=(0.9, 0.95), fused=device.type == "cuda")
+    if last is not None:
+        step, history = load_optimizer_state(last, drafter, opt)
         if rank == 0:
             print(f"resuming from {last} (step {step})", flush=True)
     torch.manual_seed(cfg.seed + step)
@@ -285,14 +424,16 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", acc0=f"{stats['acc_0']:.3f}")
         if bar is not None:
             bar.update(1)
-        if rank == 0 and ckpt_now:
-            save_checkpoint(ckpt_root, step, drafter, opt, history, cfg)
+        if ckpt_now and (rank == 0 or fsdp):   # under FSDP every rank joins the gather
+            save_checkpoint(ckpt_root, step, drafter, opt, history, cfg, sharded=net if fsdp else None)
         if world > 1:
             dist.barrier()
         if last:
             break
     if bar is not None:
         bar.close()
+    if fsdp:
+        unshard_fsdp(drafter)
     return {"history": history, "final": history[-1] if history else {}, "steps": step,
             "seconds": time.time() - t0}
 
@@ -301,14 +442,19 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
                impl: str = "reference", use_bf16: bool = False, world: int = 1,
                clip_in_optimizer: bool | None = None):
     """One optimizer step (TTT loss, backward, clipping, AdamW) with no host sync, so the CPU
-    can queue the next step while this one runs (under DDP the row counts are all-reduced).
+    can queue the next step while this one runs (under DDP/FSDP the row counts are all-reduced).
 
-    clip_in_optimizer (default: when the optimizer is fused AdamW) applies the gradient
-    clipping inside the optimizer's kernel. Returns (loss, terms, global counts or None, stats as
-    0-dim tensors, grad norm before clipping)."""
+    net: the drafter, its DDP view, or the FSDP module of shard_fsdp (params then hold this
+    rank's shards). clip_in_optimizer (default: when the optimizer is fused AdamW and the
+    parameters are not sharded) applies the gradient clipping inside the optimizer's kernel.
+    Returns (loss, terms, global counts or None, stats as 0-dim tensors, grad norm before
+    clipping)."""
     device = target_head.device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-        terms = ttt_terms(net, batch, target_head, cfg.ttt_steps, fused=impl != "reference")
+        if isinstance(net, _FSDPTerms):
+            terms = net(batch, target_head, cfg.ttt_steps, impl != "reference")
+        else:
+            terms = ttt_terms(net, batch, target_head, cfg.ttt_steps, fused=impl != "reference")
     counts = None
     if world > 1:
         counts = torch.stack([t[1] for t in terms]).float()
@@ -317,9 +463,20 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
     loss, stats = combine(terms, cfg.gamma, counts, scale=float(world), sync=False)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    sharded = bool(params) and _is_dtensor(params[0])
     if clip_in_optimizer is None:
-        clip_in_optimizer = bool(opt.defaults.get("fused"))
-    if clip_in_optimizer:
+        clip_in_optimizer = bool(opt.defaults.get("fused")) and not sharded
+    if sharded:
+        # FSDP: the norm over this rank's gradient shards, summed over the ranks; the same
+        # coefficient as clip_grad_norm_, applied to the local shards
+        with torch.no_grad():
+            grads = [p.grad.to_local() for p in params if p.grad is not None]
+            gnorm = _sharded_grad_norm(grads, device)
+            if clip_in_optimizer:
+                opt.grad_scale = ((gnorm + 1e-6) / cfg.grad_clip).clamp_min(1.0)
+            elif grads:
+                torch._foreach_mul_(grads, (cfg.grad_clip / (gnorm + 1e-6)).clamp_max(1.0))
+    elif clip_in_optimizer:
         # fused AdamW divides every gradient by `grad_scale` as it reads it: clipping there
         # saves clip_grad_norm_'s in-place pass over all gradients
         grads = [p.grad for p in params if p.grad is not None]
