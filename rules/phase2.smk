@@ -1,0 +1,18 @@
+# Phase 2: Phase 1's drafter continued on the scaled data.
+rule phase2:
+    input:
+        "scripts/phase2.py",
+        world_done(),
+        done("fetch", "features_eval", "features_phase2", "vocab_new", "phase1"),
+    output:
+        pl.done("phase2"),
+    params:
+        values=values("phase2"),
+        extra=extra("phase2"),
+    conda:
+        ENV
+    log:
+        "logs/phase2.log",
+    threads: 2
+    shell:
+        "python scripts/phase2.py{params.extra} --log {log}"

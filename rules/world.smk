@@ -1,0 +1,19 @@
+# The embedded analog world: targets old/new, corpus, and the source drafter in a hub cache.
+if CFG["world"]["build"]:
+
+    rule world:
+        input:
+            "scripts/world.py",
+            "src/draftport/world.py",
+        output:
+            pl.done("world"),
+        params:
+            values=values("world"),
+            extra=extra("world"),
+        conda:
+            ENV
+        log:
+            "logs/world.log",
+        threads: CFG["world"]["threads"]
+        shell:
+            "python scripts/world.py{params.extra} --log {log}"

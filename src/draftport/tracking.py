@@ -1,0 +1,170 @@
+"""MLflow tracking: one experiment per profile, one run per phase, the same metric names.
+
+The tracking store is MLFLOW_TRACKING_URI when set, else `sqlite:///mlflow.db` (MLflow 3 refuses
+the ./mlruns file store). A server that does not answer fails the step before any compute, with
+the URI in the message. Several pipeline jobs may write one sqlite file at once: the experiment
+is created up front (the Snakefile's onstart, `python -m draftport.tracking init`) and every
+store call retries on "database is locked".
+
+Runs are named after the phase (phase0, phase1, phase1_scratch, phase2) and tagged with the git
+commit and the source drafter's revision, so `mlflow ui`'s compare view lines phases up.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import DraftportError
+from .train import Logger
+
+DEFAULT_URI = "sqlite:///mlflow.db"
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+
+
+def experiment_name(profile: str) -> str:
+    return f"draftport-{profile}"
+
+
+def check_reachable(uri: str | None = None, timeout: float = 5.0) -> str:
+    """Fail fast (before compute) when the tracking store cannot be used; returns the URI."""
+    import urllib.error
+    import urllib.request
+
+    uri = uri or tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                if r.status != 200:
+                    raise DraftportError(uri, f"MLflow tracking server answered {r.status} on /health")
+        except (urllib.error.URLError, OSError, TimeoutError) as e:
+            reason = getattr(e, "reason", e)
+            raise DraftportError(uri, f"MLflow tracking server unreachable ({reason}); start it or "
+                                      f"unset MLFLOW_TRACKING_URI to log to {DEFAULT_URI}") from None
+    elif uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        parent = db.parent if str(db.parent) else Path(".")
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise DraftportError(uri, f"cannot write the tracking database's folder {parent}")
+    return uri
+
+
+def retry(fn: Callable, *args, attempts: int = 20, **kw):
+    """Call an MLflow store function, retrying while sqlite says the database is locked."""
+    delay = 0.1
+    for i in range(attempts):
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # MlflowException, sqlalchemy OperationalError
+            msg = str(e).lower()
+            if i == attempts - 1 or not ("database is locked" in msg or "busy" in msg):
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+def client(uri: str | None = None):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri or tracking_uri())
+
+
+def ensure_experiment(profile: str, uri: str | None = None, c=None) -> str:
+    """The experiment id of the profile, created if missing (race-safe)."""
+    c = c or client(uri)
+    name = experiment_name(profile)
+    for _ in range(5):
+        exp = retry(c.get_experiment_by_name, name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                retry(c.restore_experiment, exp.experiment_id)
+            return exp.experiment_id
+        try:
+            return retry(c.create_experiment, name, tags={"draftport.profile": profile})
+        except Exception as e:  # created by a parallel job in between
+            if "already exists" not in str(e).lower() and "unique" not in str(e).lower():
+                raise
+    raise DraftportError(uri or tracking_uri(), f"cannot create or find experiment {name}")
+
+
+def git_commit(cwd: str | Path = ".") -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class PhaseRun(Logger):
+    """One MLflow run; also the training loop's Logger (loss/accuracy by step)."""
+
+    def __init__(self, profile: str, phase: str, *, tags: dict[str, str] | None = None,
+                 uri: str | None = None):
+        from mlflow.entities import RunTag
+
+        self.uri = check_reachable(uri)
+        self.c = client(self.uri)
+        self.exp_id = ensure_experiment(profile, self.uri, self.c)
+        all_tags = {"mlflow.runName": phase, "draftport.phase": phase, "draftport.profile": profile,
+                    "mlflow.source.git.commit": git_commit(), **(tags or {})}
+        run = retry(self.c.create_run, self.exp_id, run_name=phase,
+                    tags={k: str(v) for k, v in all_tags.items()})
+        self.run_id = run.info.run_id
+        self._RunTag = RunTag
+
+    # train.Logger
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            retry(self.c.log_batch, self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, int(step)) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for i in range(0, len(items), 500):
+            retry(self.c.log_batch, self.run_id, metrics=items[i:i + 500])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        retry(self.c.log_batch, self.run_id, tags=[self._RunTag(k, str(v)) for k, v in tags.items()])
+
+    def finish(self, ok: bool = True) -> None:
+        retry(self.c.set_terminated, self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m draftport.tracking init PROFILE`: check the store, create the experiment."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "init":
+        print("usage: python -m draftport.tracking init PROFILE", file=sys.stderr)
+        return 2
+    try:
+        uri = check_reachable()
+        exp = ensure_experiment(args[1], uri)
+    except DraftportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"mlflow: experiment {experiment_name(args[1])} ({exp}) at {uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""End to end on the micro profile, in a copy of the repository: Snakemake and DVC on one pipeline,
+a real MLflow server on 127.0.0.1.
+
+The copy's params.yaml is the micro profile merged in (DVC tracks params.yaml, so this makes the
+micro profile the one both tools see). Checked, in order:
+  snakemake phase1 -> dvc status clean, snakemake -n plans nothing, a second run does nothing;
+  snakemake all + --report;  MLflow (REST) has phase0/phase1/phase1_scratch/phase2 with the
+  same metric names, tags, loss by step;  edit a Phase 2 value -> dvc repro reruns phase2 and the
+  report only -> snakemake -n plans nothing;  dvc checkout (new mtimes) -> snakemake plans nothing;
+  dvc push to a local remote;  an unreachable tracking server fails before compute.
+Slow (a few minutes on 2 cores); CI runs it.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftport import params as P
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TIMES: dict[str, float] = {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Repo:
+    def __init__(self, path: Path, env: dict):
+        self.path, self.env = path, env
+
+    def run(self, *cmd, check=True, timeout=1200, env=None) -> subprocess.CompletedProcess:
+        t = time.time()
+        r = subprocess.run(list(cmd), cwd=self.path, capture_output=True, text=True, timeout=timeout,
+                           env={**self.env, **(env or {})})
+        TIMES[" ".join(cmd[:4])] = time.time() - t
+        if check and r.returncode:
+            raise AssertionError(f"{' '.join(cmd)} -> {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}")
+        return r
+
+    def smk(self, *args, **kw):
+        return self.run(str(BIN / "snakemake"), *args, **kw)
+
+    def dvc(self, *args, **kw):
+        return self.run(str(BIN / "dvc"), *args, **kw)
+
+    def metrics(self, step) -> dict:
+        return json.loads((self.path / "artifacts" / step / "metrics.json").read_text())
+
+
+def copy_repo(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        src = ROOT / f
+        if src.is_file() and not f.startswith(("artifacts/", "logs/")):
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / f)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    path = tmp / "repo"
+    copy_repo(path)
+    micro = P.merge(P.read_yaml(path / "params.yaml"), P.read_yaml(path / "configs/micro.yaml"))
+    (path / "params.yaml").write_text("# the micro profile, merged (test copy)\n" + yaml.safe_dump(micro, sort_keys=False))
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(path / "src"),
+           "MLFLOW_TRACKING_URI": uri, "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env.pop("OMP_NUM_THREADS", None)
+    r = Repo(path, env)
+    r.run("git", "init", "-q")
+    if not (path / ".dvc").is_dir():
+        r.dvc("init", "-q")
+    r.run("git", "add", "-A")
+    r.run("git", "commit", "-qm", "test copy")
+    server = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp}/mlflow-server.db", "--default-artifact-root", str(tmp / "mlart")],
+        cwd=tmp, env=env, stdout=open(tmp / "mlflow-server.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as h:
+                    if h.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                raise AssertionError("mlflow server did not start:\n" + (tmp / "mlflow-server.log").read_text()[-3000:])
+            time.sleep(0.5)
+        r.uri = uri
+        yield r
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server's own session: it and its workers
+        server.wait(timeout=30)
+        print("\ntimings (s):", json.dumps({k: round(v, 1) for k, v in TIMES.items()}, indent=1))
+
+
+def rest(uri, path, body=None):
+    req = urllib.request.Request(f"{uri}/api/2.0/mlflow/{path}", method="POST" if body is not None else "GET",
+                                 data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def runs_by_name(uri, profile="micro") -> dict[str, list[dict]]:
+    exp = rest(uri, f"experiments/get-by-name?experiment_name=draftport-{profile}")["experiment"]
+    runs = rest(uri, "runs/search", {"experiment_ids": [exp["experiment_id"]], "max_results": 100})["runs"]
+    out: dict[str, list[dict]] = {}
+    for run in runs:
+        out.setdefault(run["info"]["run_name"], []).append(run)
+    return out
+
+
+def test_phase1_from_scratch(repo):
+    r = repo.smk("--cores", "2", "phase1")
+    for step in ("world", "fetch", "compare", "phase0", "features_new", "phase1", "phase1_scratch"):
+        assert (repo.path / "artifacts" / step / "metrics.json").is_file(), step
+    assert (repo.path / "artifacts/phase1/drafter/model.safetensors").is_file()
+    assert "dvc.lock: committed" in r.stderr
+    m = repo.metrics("phase1")
+    for key in ("accept_length", "projected_tok_s", "break_even_accept_length", "gain_vs_phase0",
+                "gain_vs_phase1_scratch", "accept_rate_pos_0", "cond_acc_0"):
+        assert key in m, key
+    assert m["break_even_accept_length"] == pytest.approx(82.0 * 0.030)
+    assert not (repo.path / "artifacts/phase2").exists()
+
+
+def test_dvc_agrees_after_snakemake(repo):
+    out = repo.dvc("status", "--json", "phase1").stdout
+    assert json.loads(out) == {}, out
+
+
+def test_snakemake_plans_nothing_after_itself(repo):
+    assert "Nothing to be done" in repo.smk("-n", "phase1").stdout
+    r = repo.smk("--cores", "2", "phase1")
+    assert "Nothing to be done" in r.stdout + r.stderr
+
+
+def test_all_and_the_report(repo):
+    repo.smk("--cores", "2", "all")
+    assert json.loads(repo.dvc("status", "--json").stdout) == {}
+    repo.smk("--report", "report.html")
+    html = (repo.path / "report.html").read_text()
+    assert len(html) > 50_000 and "Summary" in html
+    for f in ("tau.png", "positions.png", "loss.png", "summary.html", "compare.html", "phases.csv"):
+        assert (repo.path / "artifacts/report" / f).stat().st_size > 0
+    shown = repo.dvc("metrics", "show", "--json").stdout
+    assert "accept_length" in shown
+
+
+def test_mlflow_has_every_phase_with_the_same_metrics(repo):
+    runs = runs_by_name(repo.uri)
+    assert set(runs) >= {"phase0", "phase1", "phase1_scratch", "phase2"}
+    sha = repo.run("git", "rev-parse", "HEAD").stdout.strip()
+    rev = json.loads((repo.path / "artifacts/fetch/revision.json").read_text())["commit"]
+    for name in ("phase0", "phase1", "phase1_scratch", "phase2"):
+        run = runs[name][0]
+        metrics = {m["key"] for m in run["data"].get("metrics", [])}
+        assert {"accept_length", "projected_tok_s", "break_even_accept_length", "accept_rate_pos_0",
+                "cond_acc_0"} <= metrics, (name, metrics)
+        tags = {t["key"]: t["value"] for t in run["data"].get("tags", [])}
+        assert tags["mlflow.source.git.commit"].startswith(sha), tags
+        assert tags["draftport.source_revision"] == rev
+        assert run["info"]["status"] == "FINISHED"
+        params = {p["key"] for p in run["data"].get("params", [])}
+        assert "eval.k" in params
+        if name != "phase0":
+            hist = rest(repo.uri, f"metrics/get-history?run_id={run['info']['run_id']}&metric_key=loss")
+            assert len(hist["metrics"]) >= 2, name
+
+
+def test_dvc_repro_reruns_only_what_a_param_edit_touches(repo):
+    p = repo.path / "params.yaml"
+    cfg = yaml.safe_load(p.read_text())
+    cfg["phase2"]["train"]["steps"] -= 2
+    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    status = json.loads(repo.dvc("status", "--json").stdout)
+    assert set(status) == {"phase2"}, status
+    out = repo.dvc("repro").stdout
+    ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
+    assert ran == {"phase2", "report"}, out
+    assert json.loads(repo.dvc("status", "--json").stdout) == {}
+    r = repo.smk("-n", "all")
+    assert "Nothing to be done" in r.stdout, r.stdout[-3000:]
+    runs = runs_by_name(repo.uri)["phase2"]
+    assert len(runs) == 2
+    assert {t["value"] for run in runs for t in run["data"]["tags"] if t["key"] == "draftport.runner"} == {"dvc", "snakemake"}
+
+
+def test_dvc_repro_with_nothing_changed(repo):
+    out = repo.dvc("repro").stdout
+    assert "Running stage" not in out
+    assert "Data and pipelines are up to date" in out
+
+
+def test_dvc_checkout_does_not_make_snakemake_rerun(repo):
+    shutil.rmtree(repo.path / "artifacts/phase1")
+    shutil.rmtree(repo.path / "artifacts/world")
+    repo.dvc("checkout")  # restored from the cache with new mtimes, newer than every downstream file
+    assert (repo.path / "artifacts/phase1/drafter/model.safetensors").is_file()
+    r = repo.smk("-n", "all")
+    assert "Nothing to be done" in r.stdout, r.stdout[-3000:]
+    assert json.loads(repo.dvc("status", "--json").stdout) == {}
+
+
+def test_dvc_push_to_a_local_remote(repo, tmp_path):
+    repo.dvc("remote", "add", "-d", "local", str(tmp_path / "remote"))
+    repo.dvc("push")
+    pushed = [p for p in (tmp_path / "remote").rglob("*") if p.is_file()]
+    lock = yaml.safe_load((repo.path / "dvc.lock").read_text())
+    phase1 = lock["stages"]["phase1"]["outs"][0]["md5"]
+    assert any(p.name.endswith(phase1[2:]) or phase1[2:] in str(p) for p in pushed)
+
+
+def test_unreachable_tracking_server_fails_before_compute(repo):
+    bad = "http://127.0.0.1:9"
+    t = time.time()
+    r = repo.smk("--cores", "1", "--forcerun", "phase0", "phase0", check=False,
+                 env={"MLFLOW_TRACKING_URI": bad})
+    assert r.returncode != 0
+    assert f"{bad}: MLflow tracking server unreachable" in r.stdout + r.stderr
+    assert "Execute 1 jobs" not in r.stdout + r.stderr  # stopped in onstart, before the job
+    assert time.time() - t < 120
+    r = repo.run(sys.executable, "scripts/phase0.py", check=False, env={"MLFLOW_TRACKING_URI": bad})
+    assert r.returncode == 2 and r.stderr.strip().endswith(f"error: {bad}: MLflow tracking server "
+                                                           f"unreachable ([Errno 111] Connection refused); "
+                                                           f"start it or unset MLFLOW_TRACKING_URI to log "
+                                                           f"to sqlite:///mlflow.db")
