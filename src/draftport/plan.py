@@ -8,6 +8,7 @@ target's own chat template, weights through safetensors only.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from .data import FeatureSet, Sequence, bytes_per_token, check_disk, iter_batche
 from .drafter import Eagle3Drafter
 from .errors import DraftportError
 from .evaluate import offline_accept_length
+from .fetch import publish_to_cache
 from .target import capture_features, load_target, read_target_tensor, regenerate, target_identity
 from .vocab import build_maps, check_maps, compare_maps, remap_lm_head
 
@@ -309,7 +311,8 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
 
     world = Path(world_dir)
     target = world / "target_old"
-    work = Path(tempfile_dir(world))
+    world.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".source-build.", dir=world))
     try:
         build_features(target, world / "corpus" / "old.jsonl", work / "features", n_samples=n_samples,
                        aux_layer_ids=aux_layer_ids, convention=convention, max_new_tokens=max_new_tokens,
@@ -327,19 +330,9 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
                           train_cfg=train_cfg, progress=progress)
         ev = evaluate(work / "train" / "drafter", target, work / "features", k=train_cfg.ttt_steps,
                       max_samples=min(n_samples, 200))
-        commit = publish_to_cache_(work / "train" / "drafter", world / "hub", repo_id, branch)
+        commit = publish_to_cache(work / "train" / "drafter", world / "hub", repo_id, branch)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"repo_id": repo_id, "commit": commit, "branch": branch, "draft_vocab_size": dv,
             "vocab": vstats, "train": rep, "train_set_accept_length": ev["accept_length"]}
 
-
-def tempfile_dir(parent: Path) -> str:
-    import tempfile
-    parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkdtemp(prefix=".source-build.", dir=parent)
-
-
-def publish_to_cache_(folder, cache_dir, repo_id, branch):
-    from .fetch import publish_to_cache
-    return publish_to_cache(folder, cache_dir, repo_id, branch)
