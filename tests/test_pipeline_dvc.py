@@ -61,7 +61,8 @@ def test_snakemake_lint_is_clean():
 
 
 def test_dry_run_plans_phase1_with_the_dvc_commands(tmp_path):
-    r = smk("-n", "-p", "phase1", "--directory", str(ROOT))
+    # --forceall: the plan must be the whole chain even where a user's `make phase1` already ran
+    r = smk("-n", "-p", "--forceall", "phase1", "--directory", str(ROOT))
     out = r.stdout + r.stderr
     for step in ("world", "fetch", "features_new", "features_eval", "vocab_new", "compare", "phase0",
                  "phase1_scratch", "phase1"):
@@ -183,7 +184,7 @@ def test_report_builds_from_metrics(tmp_path):
 
 
 def test_kimi_profile_plans_without_the_embedded_world():
-    r = smk("-n", "phase2", "--configfile", "configs/kimi-k2.5.yaml")
+    r = smk("-n", "--forceall", "phase2", "--configfile", "configs/kimi-k2.5.yaml")
     stats = (r.stdout + r.stderr).split("Job stats")[1]
     assert "world" not in stats and "phase2" in stats and "fetch" in stats
 
