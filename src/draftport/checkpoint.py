@@ -17,6 +17,7 @@ import os
 import shutil
 import struct
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,30 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(Path(path), lambda p: p.write_text(text))
 
 
+@contextmanager
+def atomic_dir(folder: str | Path):
+    """Yield a temporary sibling folder; on success it replaces `folder` (the old one is moved
+    aside first, then removed), on any error it is deleted. A killed write never leaves a
+    half-written folder under the final name."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        yield tmp
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save_drafter(folder: str | Path, cfg: DrafterConfig, state: dict[str, Any], *,
                  fmt: str = "flat", metadata: dict[str, str] | None = None) -> Path:
     """Write config.json + model.safetensors into a fresh folder, atomically (temp dir + rename).
@@ -350,9 +375,7 @@ def save_drafter(folder: str | Path, cfg: DrafterConfig, state: dict[str, Any], 
     unexpected = sorted(set(state) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
     if unexpected:
         raise DraftportError(folder, f"refusing to save unexpected tensors {', '.join(unexpected)}")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with atomic_dir(folder) as tmp:
         if fmt == "flat":
             tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
             conf = cfg.to_flat_dict()
@@ -363,18 +386,6 @@ def save_drafter(folder: str | Path, cfg: DrafterConfig, state: dict[str, Any], 
             raise DraftportError(folder, f"unknown checkpoint format {fmt!r} (flat or speculators)")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", **(metadata or {})})
         (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 

@@ -15,15 +15,13 @@ the target's id and revision, and each shard's sha256 (checked before a shard is
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_write_text
+from .checkpoint import atomic_dir, atomic_write_text
 from .errors import DraftportError
 from .fetch import sha256 as sha256_file
 from .ttt import Batch
@@ -70,10 +68,8 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
     out_dir = Path(out_dir)
     if not sequences:
         raise DraftportError(out_dir, "no samples to featurize (empty dataset)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     td = DTYPES[dtype]
-    try:
+    with atomic_dir(out_dir) as tmp:
         shards, total_tokens, hidden = [], 0, None
         for s0 in range(0, len(sequences), shard_samples):
             chunk = sequences[s0: s0 + shard_samples]
@@ -108,12 +104,6 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
         index.update(samples=len(sequences), tokens=total_tokens, dtype=dtype, hidden_size=hidden,
                      bytes_per_token=bytes_per_token(hidden, dtype), shards=shards)
         atomic_write_text(tmp / "index.json", json.dumps(index, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return index
 
 

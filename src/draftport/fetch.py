@@ -15,10 +15,9 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from .checkpoint import PICKLE_SUFFIXES, atomic_write_text
+from .checkpoint import PICKLE_SUFFIXES, atomic_dir, atomic_write_text
 from .errors import DraftportError
 
 DRAFTER_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
@@ -120,19 +119,10 @@ def fetch(source: str, out_dir, *, revision: str | None = None, cache_dir=None,
         if old.get("source") == source and old.get("commit") == commit and old.get("files") != hashes:
             changed = sorted(k for k in set(old["files"]) | set(hashes) if old["files"].get(k) != hashes.get(k))
             raise DraftportError(lock_file, f"files changed at the same revision {commit}: {', '.join(changed)}")
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         for p in files:
             place(p, tmp / p.name)  # resolves the cache's symlinks
         (tmp / "fetch.lock.json").write_text(json.dumps(lock, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if lock_file is not None:
         atomic_write_text(lock_file, json.dumps(lock, indent=2) + "\n")
     return lock

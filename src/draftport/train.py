@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import atomic_write_text
+from .checkpoint import atomic_dir
 from .data import FeatureSet, collate
 from .drafter import Eagle3Drafter
 from .errors import DraftportError
@@ -154,19 +153,12 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
             steps[n] = float(st["step"])
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:07d}.", dir=ckpt_root))
-    try:
+    with atomic_dir(final) as tmp:
         save_file(model, str(tmp / "model.safetensors"))
         moments["rng.torch"] = torch.get_rng_state()
         save_file(moments, str(tmp / "optimizer.safetensors"))
         state = {"step": step, "adam_steps": steps, "history": history, "config": asdict(cfg)}
         (tmp / "state.json").write_text(json.dumps(state) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     olds = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
     for old in olds[: -cfg.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
