@@ -69,15 +69,13 @@ def micro(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("online")
     p = copy.deepcopy(world.WORLD_PRESETS["micro"])
-    # vLLM's CPU attention kernels exist for head sizes >= 32 only.
-    if p["model"]["head_dim"] < 32:
-        p["model"].update(num_attention_heads=p["model"]["hidden_size"] // 32,
-                          num_key_value_heads=p["model"]["hidden_size"] // 32, head_dim=32)
+    # vLLM's CPU attention kernels exist for head sizes >= 32 only: the preset has 32.
+    assert p["model"]["head_dim"] >= 32
     world.build_world_base(root / "w", p, progress=False)
     target = root / "w" / "target_new"
     tcfg = json.loads((target / "config.json").read_text())
     L = tcfg["num_hidden_layers"]
-    aux = [0, L // 2, L] if L >= 2 else [0, 1, 1]  # distinct and increasing, as vLLM needs
+    aux = [0, L // 2, L]  # distinct and increasing, as vLLM needs
     plan.build_features(target, root / "w/corpus/new.jsonl", root / "feat", n_samples=64, aux_layer_ids=aux,
                         max_new_tokens=48, dtype="float32", batch_size=32)
     dv = tcfg["vocab_size"] // 4

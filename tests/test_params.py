@@ -102,6 +102,15 @@ def test_values_that_do_not_fit_together(base, dotted, value, expect):
     assert error_of(bad(base, dotted, value)).startswith(expect)
 
 
+def test_aux_id_L_is_vllm_only(base):
+    """vLLM also collects the state leaving the last layer (id L); SGLang's ids stop at L-1."""
+    L = base["world"]["model"]["num_hidden_layers"]
+    ok = bad(base, "features.aux_layer_ids", [0, 1, L])
+    assert P.validate(ok)["features"]["aux_layer_ids"] == [0, 1, L]
+    ok["features"]["aux_convention"] = "sglang"
+    assert error_of(ok).startswith(f"features.aux_layer_ids: [{L}] out of range")
+
+
 def test_merge_is_recursive_like_snakemake():
     out = P.merge({"a": {"b": 1, "c": 2}, "d": [1]}, {"a": {"b": 5}, "d": [2, 3]})
     assert out == {"a": {"b": 5, "c": 2}, "d": [2, 3]}

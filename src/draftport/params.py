@@ -257,8 +257,9 @@ def _cross_checks(cfg: dict) -> None:
                           "Phase 2 scales the data (the total count, Phase 1's samples included)")
     if w["build"]:
         layers = w["model"]["num_hidden_layers"]
+        # as draftport.target.check_aux_ids: vllm 0..L (L = leaving the last layer), sglang 0..L-1
         limit = layers if f["aux_convention"] == "vllm" else layers - 1
-        bad = [i for i in f["aux_layer_ids"] if i >= limit + (0 if f["aux_convention"] == "vllm" else 1)]
+        bad = [i for i in f["aux_layer_ids"] if i > limit]
         if bad:
             raise ParamsError("features.aux_layer_ids", f"{bad} out of range for the world's "
                               f"{layers}-layer targets ({f['aux_convention']} convention)")

@@ -73,9 +73,9 @@ WORLD_PRESETS: dict[str, dict[str, Any]] = {
             "hidden_size": 64,
             "intermediate_size": 192,
             "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "head_dim": 16,
+            "num_attention_heads": 2,   # head_dim 32: vLLM's CPU attention has no smaller kernel
+            "num_key_value_heads": 2,
+            "head_dim": 32,
             "max_position_embeddings": 512,
         },
         "target_old": {"steps": 12, "lr": 3e-3, "batch_size": 8, "seq_len": 64, "warmup": 2},
