@@ -50,5 +50,10 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
-.PHONY: vllm-venv
+.PHONY: vllm-venv online
 vllm-venv: $(VLLM_STAMP)
+
+# Phase 0 and Phase 1 served by vLLM next to the offline evaluator (runs the plan up to phase1 first)
+online: $(STAMP) $(VLLM_STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH DRAFTPORT_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
+		$(BIN)/snakemake --cores 8 online

@@ -3,6 +3,7 @@
     snakemake --cores 8 phase1     world, fetch, compare, Phase 0 probe, data, Phase 1 + control
     snakemake --cores 8 phase2     + scaled data, continued training
     snakemake --cores 8 all        + the report;  snakemake --report report.html
+    snakemake --cores 8 online     vLLM serves the Phase 0 / Phase 1 drafters (make vllm-venv first)
     snakemake --configfile configs/micro.yaml ...   another profile layered on params.yaml
 
 params.yaml is the only parameter file; it is validated before any job. dvc.yaml is generated
@@ -36,16 +37,19 @@ include: "rules/phase0.smk"
 include: "rules/phase1.smk"
 include: "rules/phase2.smk"
 include: "rules/report.smk"
+include: "rules/online.smk"
 
 
 localrules:
     all,
+    online,
 
 
 rule all:
     default_target: True
     input:
         pl.done("report"),
+        online_done(),
 
 
 onstart:

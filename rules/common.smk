@@ -18,6 +18,11 @@ def world_done():
     return done("world") if CFG["world"]["build"] else []
 
 
+def online_done():
+    """The online steps (rules/online.smk) when params online.enabled is on: `all` and the report."""
+    return done(*pl.ONLINE) if CFG["online"]["enabled"] else []
+
+
 def values(step):
     return pl.P.step_params(CFG, step)
 

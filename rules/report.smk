@@ -4,6 +4,7 @@ rule report:
         "scripts/report.py",
         world_done(),
         done("compare", "phase0", "phase1_scratch", "phase1", "phase2"),
+        online_done(),
     output:
         pl.done("report"),
         report(pl.art("report", "summary.html"), caption="../report/summary.rst", category="1. Summary"),

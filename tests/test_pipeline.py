@@ -30,6 +30,10 @@ from draftport import params as P
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# The online step (vLLM) runs when the vLLM venv exists; CI sets DRAFTPORT_REQUIRE_VLLM.
+VLLM_PY = Path(os.environ.get("DRAFTPORT_VLLM_PYTHON") or ROOT / ".venv-vllm/bin/python")
+HAVE_VLLM = VLLM_PY.exists()
+REQUIRE_VLLM = bool(os.environ.get("DRAFTPORT_REQUIRE_VLLM"))
 TIMES: dict[str, float] = {}
 
 
@@ -78,13 +82,15 @@ def repo(tmp_path_factory):
     path = tmp / "repo"
     copy_repo(path)
     micro = P.merge(P.read_yaml(path / "params.yaml"), P.read_yaml(path / "configs/micro.yaml"))
+    micro["online"]["enabled"] = HAVE_VLLM  # `all` and the report then include the online steps
     (path / "params.yaml").write_text("# the micro profile, merged (test copy)\n" + yaml.safe_dump(micro, sort_keys=False))
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(path / "src"),
            "MLFLOW_TRACKING_URI": uri, "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+           "GIT_COMMITTER_EMAIL": "t@t", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+           "DRAFTPORT_VLLM_PYTHON": str(VLLM_PY)}
     env.pop("OMP_NUM_THREADS", None)
     r = Repo(path, env)
     r.run("git", "init", "-q")
@@ -159,6 +165,39 @@ def test_snakemake_plans_nothing_after_itself(repo):
     assert "Nothing to be done" in r.stdout + r.stderr
 
 
+def test_online_step_agrees_with_offline(repo):
+    """vLLM serves the Phase 0 and Phase 1 drafters of the micro world; its tau agrees with the
+    offline evaluator on the same sequences and lands next to accept_length and in MLflow."""
+    if not HAVE_VLLM:
+        if REQUIRE_VLLM:
+            pytest.fail(f"DRAFTPORT_REQUIRE_VLLM is set but {VLLM_PY} is missing: run `make vllm-venv`")
+        pytest.skip(f"no vLLM venv at {VLLM_PY} (make vllm-venv)")
+    repo.smk("--cores", "2", "online", timeout=1800)
+    tol = yaml.safe_load((repo.path / "params.yaml").read_text())["online"]["tolerance"]
+    runs = runs_by_name(repo.uri)
+    for phase in ("phase0", "phase1"):
+        m = repo.metrics(f"online_{phase}")
+        assert m["accept_length"] == repo.metrics(phase)["accept_length"]
+        assert m["online_num_drafts"] > 0 and m["online_num_prompts"] == 24
+        assert abs(m["online_accept_length"] - m["offline_same_prompts_accept_length"]) <= tol, m
+        assert 1.0 <= m["online_accept_length"] <= 4.0
+        assert m["online_time_ratio"] > 0
+        report = json.loads((repo.path / f"artifacts/online_{phase}/online.json").read_text())
+        assert report["export"] and report["rows"][0]["metric"] == "accept length (tau)"
+        run = runs[phase][-1]
+        logged = {x["key"]: x["value"] for x in run["data"]["metrics"]}
+        assert logged["online_accept_length"] == pytest.approx(m["online_accept_length"])
+        assert logged["accept_length"] == pytest.approx(m["accept_length"])
+        tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+        assert tags["draftport.online"] == "agrees"
+    # online steps are Snakemake-only: DVC still has nothing to do, and a rerun plans nothing
+    assert json.loads(repo.dvc("status", "--json").stdout) == {}
+    assert "Nothing to be done" in repo.smk("-n", "online").stdout
+    print(f"\nonline (micro): " + ", ".join(
+        f"{ph}: vLLM {repo.metrics('online_' + ph)['online_accept_length']:.4f} / offline "
+        f"{repo.metrics('online_' + ph)['offline_same_prompts_accept_length']:.4f}" for ph in ("phase0", "phase1")))
+
+
 def test_all_and_the_report(repo):
     repo.smk("--cores", "2", "all")
     assert json.loads(repo.dvc("status", "--json").stdout) == {}
@@ -169,6 +208,13 @@ def test_all_and_the_report(repo):
         assert (repo.path / "artifacts/report" / f).stat().st_size > 0
     shown = repo.dvc("metrics", "show", "--json").stdout
     assert "accept_length" in shown
+    summary = (repo.path / "artifacts/report/summary.html").read_text()
+    if HAVE_VLLM:  # online.enabled: both tau side by side, per position
+        assert "Accept length in vLLM" in summary and "pos 1: vLLM / offline" in summary
+        rows = (repo.path / "artifacts/report/online.csv").read_text().splitlines()
+        assert [r.split(",")[0] for r in rows[1:]] == ["phase0", "phase1"]
+    else:
+        assert "Accept length in vLLM" not in summary
 
 
 def test_mlflow_has_every_phase_with_the_same_metrics(repo):

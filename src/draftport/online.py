@@ -338,7 +338,7 @@ def side_by_side(online: dict, offline: dict) -> list[dict]:
 
 def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, k: int,
              max_new_tokens: int, tol: float = 0.05, vllm_python_path=None, max_num_seqs: int = 8,
-             offset: int = 0, check: bool = True) -> dict:
+             offset: int = 0, dtype: str = "float32", check: bool = True) -> dict:
     """The pipeline's online step: validate the export, serve it through vLLM, replay the same
     sequences offline, compare. Writes under out_dir: vllm.log, online_raw.json (vLLM's tokens
     and per-request cycles), online.json (both sides, per position, cycle mismatches, times).
@@ -354,7 +354,7 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
     out_dir.mkdir(parents=True, exist_ok=True)
     export = validate_export(drafter_dir, target_dir)
     on, raw = measure(target_dir, drafter_dir, prompts_path, n_prompts, k, max_new_tokens, vllm_python_path,
-                      offset=offset, max_num_seqs=max_num_seqs, validate=False,
+                      offset=offset, max_num_seqs=max_num_seqs, dtype=dtype, validate=False,
                       raw_out=out_dir / "online_raw.json", log_path=out_dir / "vllm.log", return_raw=True)
     off = offline_same_prompts(drafter_dir, target_dir, k=k, online_raw=raw)
     mism = cycle_mismatches(raw, off)

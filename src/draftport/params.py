@@ -177,6 +177,11 @@ def schema() -> Group:
             "n_samples": I(1), "vocab_policy": S(("remap", "keep")), "train": train_group(),
         }),
         "phase2": Group({"n_samples": I(1), "train": train_group()}),
+        "online": Group({
+            "enabled": Spec("bool", doc="true: `all` and the report include the online steps"),
+            "n_prompts": I(1), "max_new_tokens": I(1), "max_num_seqs": I(1), "tolerance": F(0, 1),
+            "dtype": S(("float32", "bfloat16", "float16")), "vllm_python": Spec("path", nullable=True),
+        }),
     })
 
 
@@ -293,8 +298,15 @@ STEP_KEYS: dict[str, list[str]] = {
     "phase1": ["profile", "targets.new", "phase1", "eval", "costmodel"],
     "features_phase2": ["targets", "features", "phase1.n_samples", "phase2.n_samples"],
     "phase2": ["profile", "targets.new", "phase2", "eval", "costmodel"],
-    "report": ["profile", "costmodel", "eval.k"],
+    "report": ["profile", "costmodel", "eval.k", "online.enabled"],
 }
+# The online steps (vLLM serving a phase's drafter): all of `online` but the switch, which only
+# decides whether `all` and the report include them.
+ONLINE_KEYS = ["profile", "targets.new", "targets.prompts_eval_new", "eval.k", "online.n_prompts",
+               "online.max_new_tokens", "online.max_num_seqs", "online.tolerance", "online.dtype",
+               "online.vllm_python"]
+ONLINE_PHASES = ("phase0", "phase1")
+STEP_KEYS.update({f"online_{ph}": ONLINE_KEYS for ph in ONLINE_PHASES})
 
 
 def get(cfg: dict, dotted: str) -> Any:

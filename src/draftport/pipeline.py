@@ -43,6 +43,10 @@ from .errors import DraftportError
 
 ARTIFACTS = "artifacts"
 TRACKED = ("phase0", "phase1", "phase1_scratch", "phase2")  # one MLflow run each
+ONLINE = tuple(f"online_{ph}" for ph in P.ONLINE_PHASES)  # vLLM serving a phase's drafter
+# Snakemake-only steps: no DVC stage (they need the vLLM venv; `dvc repro` must run without it)
+SNAKEMAKE_ONLY = ONLINE
+RUN_FILE = "mlflow_run.json"  # in a phase's folder: its MLflow run, which the online step extends
 UNCACHED = ("features_new", "features_eval", "features_phase2")  # DVC outs not cached
 SMK_PARAMS_DIR = ".snakemake/draftport/params"
 REPORT_PLOTS = ("tau.png", "positions.png", "loss.png")
@@ -96,7 +100,7 @@ def uses_params_yaml(cfg: dict, base: dict, steps) -> bool:
 
 def dvc_commit(stages: list[str], log=print) -> None:
     """Record finished Snakemake steps in dvc.lock (so `dvc status` agrees with Snakemake)."""
-    stages = [s for s in stages if Path(done(s)).is_file()]
+    stages = [s for s in stages if Path(done(s)).is_file() and s not in SNAKEMAKE_ONLY]
     if not stages or not Path(".dvc").is_dir() or not Path("dvc.yaml").is_file():
         return
     if _lock_current(stages):
@@ -253,6 +257,9 @@ def run_step(step: str, fn: Callable[[Step], dict], argv: list[str] | None = Non
         if step in TRACKED:
             s.run = _start_run(step, p)  # before any compute: an unreachable server fails here
         _prepare_folder(folder, p)
+        if s.run is not None:
+            (folder / RUN_FILE).write_text(json.dumps({"run_id": s.run.run_id, "uri": s.run.uri,
+                                                       "experiment_id": s.run.exp_id}) + "\n")
         try:
             metrics = fn(s)
         except BaseException:
@@ -449,6 +456,38 @@ def train_and_evaluate(s: "Step", group: str, *, features: str, init: str, vocab
     return {k: v for k, v in out.items() if v is not None}
 
 
+def online_phase(s: "Step", phase: str) -> dict:
+    """The online step of a phase: its drafter served by vLLM next to the offline evaluator on the
+    same sequences (draftport.online.run_step). The figures go to metrics.json, next to the
+    phase's own offline accept_length, and into the phase's MLflow run. Fails (after writing
+    online.json and logging both figures) when the two tau differ by more than online.tolerance."""
+    from . import online
+    from .tracking import PhaseRun
+
+    o, k = s.p["online"], s.p["eval"]["k"]
+    ran = read_json(done(phase))
+    run_info = read_json(art(phase, RUN_FILE))
+    run = PhaseRun.attach(run_info["run_id"], where=art(phase, RUN_FILE))  # before compute
+    drafter = source_dir() if phase == "phase0" else Path(art(phase, "drafter"))
+    m = online.run_step(target_dir(s.p["targets"]["new"]), drafter, s.p["targets"]["prompts_eval_new"], s.dir,
+                        n_prompts=o["n_prompts"], k=k, max_new_tokens=o["max_new_tokens"], tol=o["tolerance"],
+                        vllm_python_path=o["vllm_python"], max_num_seqs=o["max_num_seqs"], dtype=o["dtype"],
+                        check=False)
+    out = {"accept_length": ran["accept_length"], **{key: v for key, v in m.items() if not isinstance(v, str)}}
+    agree = abs(m["online_offline_difference"]) <= o["tolerance"]
+    run.log_metrics({key: v for key, v in out.items() if key != "accept_length"}, step=int(ran.get("train_steps", 0)))
+    run.set_tags({"draftport.online": "agrees" if agree else "DISAGREES", "draftport.vllm": m.get("vllm_version")})
+    print(f"{s.name}: vLLM tau {m['online_accept_length']:.4f} ({m['online_seconds']:.0f} s) vs offline on the "
+          f"same sequences {m['offline_same_prompts_accept_length']:.4f} "
+          f"({m['offline_same_prompts_seconds']:.0f} s); the phase's offline tau {ran['accept_length']:.4f}; "
+          f"logged to MLflow run {run.run_id}")
+    if not agree:
+        online.agreement_check(m, {"accept_length": m["offline_same_prompts_accept_length"], "k": k,
+                                   **{f"accept_rate_pos_{i}": m[f"offline_same_prompts_accept_rate_pos_{i}"]
+                                      for i in range(k)}}, o["tolerance"])
+    return out
+
+
 # ---- dvc.yaml from the Snakefile -------------------------------------------------------------
 DVC_HEADER = """\
 # GENERATED from the Snakefile by `python -m draftport.pipeline dvc-yaml`: do not edit.
@@ -509,6 +548,8 @@ def dvc_yaml_text(snakefile: str = "Snakefile") -> str:
         for rule in wf.rules:
             if rule.shellcmd is None:
                 continue  # aggregating targets (all): `dvc repro` without a target is their DVC twin
+            if rule.name in SNAKEMAKE_ONLY:
+                continue
             if rule.name not in P.STEP_KEYS:
                 raise DraftportError(f"rule {rule.name}", "has no entry in params.STEP_KEYS")
             stages[rule.name] = stage_of(rule)

@@ -225,6 +225,43 @@ PHASE_COLS = ["phase", "accept_length", "projected_tok_s", "speedup_vs_baseline"
               "accept_length_all_positions", "train_steps", "final_loss", "eval_samples"]
 
 
+def online_rows(A: Path, k: int) -> list[dict]:
+    """One row per online step that ran: the phase's offline tau, the offline evaluator on vLLM's
+    own sequences, vLLM's tau, per-position rates side by side, and the time each took."""
+    rows = []
+    for ph in ("phase0", "phase1"):
+        m = _read(A / f"online_{ph}" / "metrics.json")
+        if m is None:
+            continue
+        row = {"phase": ph, "offline_eval_set": m["accept_length"],
+               "offline_same": m["offline_same_prompts_accept_length"], "vllm": m["online_accept_length"],
+               "difference": m["online_offline_difference"], "prompts": m["online_num_prompts"],
+               "vllm_seconds": m["online_seconds"], "offline_seconds": m["offline_same_prompts_seconds"],
+               "offline_eval_seconds": m["offline_same_prompts_eval_seconds"],
+               "time_ratio": m["online_time_ratio"]}
+        for i in range(k):
+            row[f"pos_{i + 1}"] = (f"{m[f'online_accept_rate_pos_{i}']:.3f} / "
+                                   f"{m[f'offline_same_prompts_accept_rate_pos_{i}']:.3f}")
+        rows.append(row)
+    return rows
+
+
+def online_section(rows: list[dict], k: int, enabled: bool) -> list[str]:
+    if not enabled:
+        return []
+    if not rows:
+        return ["<h2>Accept length in vLLM</h2><p>The online steps have not run (<code>snakemake online"
+                "</code>).</p>"]
+    cols = ["phase", "offline_eval_set", "offline_same", "vllm", "difference"] + [
+        f"pos_{i + 1}" for i in range(k)] + ["prompts", "vllm_seconds", "offline_seconds", "time_ratio"]
+    heads = ["phase", "τ offline (eval set)", "τ offline (vLLM's sequences)", "τ vLLM", "vLLM − offline"] + [
+        f"pos {i + 1}: vLLM / offline" for i in range(k)] + ["prompts", "vLLM s", "offline s", "vLLM / offline time"]
+    return ["<h2>Accept length in vLLM</h2><p class='lead'>The drafter exported flat and served by vLLM's "
+            "EAGLE-3 speculative decoding (greedy); τ = 1 + accepted / drafts from vLLM's counters, next to "
+            "the offline evaluator replaying exactly the sequences vLLM served. Offline seconds include "
+            "loading the target and capturing its states.</p>", html_table(rows, cols, heads)]
+
+
 def build_report(out_dir, p: dict, artifacts: str = "artifacts") -> dict:
     out_dir = Path(out_dir)
     A = Path(artifacts)
@@ -266,6 +303,12 @@ def build_report(out_dir, p: dict, artifacts: str = "artifacts") -> dict:
                                           "τ (every position)", "train steps", "final loss", "eval samples"]),
             "<h2>Acceptance by draft position</h2>", _img(out_dir / "positions.png"),
             "<h2>Training curves</h2>", _img(out_dir / "loss.png")]
+    # only when the DAG made the online steps inputs of this one (params online.enabled)
+    on_enabled = bool(p.get("online", {}).get("enabled"))
+    on_rows = online_rows(A, k) if on_enabled else []
+    if on_rows:
+        write_csv(out_dir / "online.csv", on_rows, list(on_rows[0]))
+    body += online_section(on_rows, k, on_enabled)
     if compare is not None:
         (out_dir / "compare.html").write_text(_page("Source drafter vs the new target's layout",
                                                     compare_html(compare)))

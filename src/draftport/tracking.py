@@ -124,6 +124,24 @@ class PhaseRun(Logger):
         self.run_id = run.info.run_id
         self._RunTag = RunTag
 
+    @classmethod
+    def attach(cls, run_id: str, where=None, uri: str | None = None) -> "PhaseRun":
+        """An existing run (a phase's, reopened by a later step to add its figures). Fails before
+        any compute when the store is unreachable or does not hold the run."""
+        from mlflow.entities import RunTag
+
+        self = cls.__new__(cls)
+        self._q = None
+        self.uri = check_reachable(uri)
+        self.c = client(self.uri)
+        try:
+            run = retry(self.c.get_run, run_id)
+        except Exception as e:  # MlflowException: RESOURCE_DOES_NOT_EXIST
+            raise DraftportError(where or self.uri, f"MLflow run {run_id} is not in {self.uri} "
+                                 f"({str(e).splitlines()[0][:120]}); rerun the phase to log it there") from None
+        self.run_id, self.exp_id, self._RunTag = run_id, run.info.experiment_id, RunTag
+        return self
+
     # train.Logger
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param
