@@ -8,7 +8,7 @@ def features_new(s):
     t, f = s.p["targets"], s.p["features"]
     check_source_fits(f)
     return {"train": build_features(s.path("train"), target_dir(t["new"]), t["prompts_train"], f,
-                                    n=s.p["phase1"]["n_samples"])}
+                                    n=s.p["phase1"]["n_samples"], trust=t["trust_remote_code"])}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ def features_phase2(s):
     check_source_fits(f)
     n1, n2 = s.p["phase1"]["n_samples"], s.p["phase2"]["n_samples"]
     return {"train": build_features(s.path("train"), target_dir(t["new"]), t["prompts_train"], f,
-                                    n=n2 - n1, offset=n1), "offset": n1}
+                                    n=n2 - n1, offset=n1, trust=t["trust_remote_code"]), "offset": n1}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ multi-GB checkpoints in well under a second.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -316,6 +317,33 @@ def load_drafter_state(folder: str | Path, *, require_vocab_maps: bool = True):
     return info.config, state
 
 
+_FULL_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file size limit exceeded"}
+# safetensors (Rust) reports the OS error inside its own message
+_FULL_TEXTS = (("no space left", "no space left on device"), ("storagefull", "no space left on device"),
+               ("os error 28", "no space left on device"), ("quota exceeded", "disk quota exceeded"),
+               ("filetoolarge", "file size limit exceeded"), ("file too large", "file size limit exceeded"),
+               ("os error 27", "file size limit exceeded"))
+
+
+def disk_full_error(e: BaseException, where) -> str | None:
+    """'disk full (<why>, <n> KiB free)' when e is a write that ran out of space, else None."""
+    if isinstance(e, DraftportError) and e.problem.startswith("disk full ("):
+        return e.problem.split(";")[0]  # already said by a nested atomic write
+    what = _FULL_ERRNOS.get(getattr(e, "errno", None))
+    if what is None:
+        text = str(e).lower().replace(" ", "") if not isinstance(e, OSError) else ""
+        what = next((w for t, w in _FULL_TEXTS if t.replace(" ", "") in text), None)
+    if what is None:
+        return None
+    try:
+        free = shutil.disk_usage(Path(where).parent if not Path(where).is_dir() else where).free
+        free_s = f", {free // 1024} KiB free"
+    except OSError:
+        free_s = ""
+    return f"disk full ({what}{free_s})"
+
+
 def atomic_write_bytes(path: Path, writer) -> None:
     """Call writer(tmp_path), then rename onto path: a killed write leaves no trusted file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -326,8 +354,11 @@ def atomic_write_bytes(path: Path, writer) -> None:
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        full = disk_full_error(e, path)
+        if full is not None:
+            raise DraftportError(path, f"{full}; not written (an older file of that name is unchanged)") from None
         raise
 
 

@@ -69,6 +69,18 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
     if not sequences:
         raise DraftportError(out_dir, "no samples to featurize (empty dataset)")
     td = DTYPES[dtype]
+    try:
+        return _write_shards(out_dir, sequences, featurize, meta, shard_samples, batch_size, dtype, td, progress)
+    except Exception as e:
+        from .checkpoint import disk_full_error
+
+        full = disk_full_error(e, out_dir)
+        if full is None:
+            raise
+        raise DraftportError(out_dir, f"{full}; no features written (the folder is as it was before)") from None
+
+
+def _write_shards(out_dir: Path, sequences, featurize, meta, shard_samples, batch_size, dtype, td, progress) -> dict:
     with atomic_dir(out_dir) as tmp:
         shards, total_tokens, hidden = [], 0, None
         for s0 in range(0, len(sequences), shard_samples):

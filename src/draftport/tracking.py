@@ -6,6 +6,12 @@ the URI in the message. Several pipeline jobs may write one sqlite file at once:
 is created up front (the Snakefile's onstart, `python -m draftport.tracking init`) and every
 store call retries on "database is locked".
 
+A tracking hiccup never stops training: metrics logged while training go through a background
+sender that retries transient failures (connection refused/reset, timeouts, HTTP 5xx) with
+backoff for up to DRAFTPORT_MLFLOW_RETRY_S seconds (default 300) each, then drops them with a
+warning; closing the run (finish) waits for the sender and retries the same way. MLflow's own
+HTTP retries are shortened (unless set in the environment) so that this loop is in charge.
+
 Runs are named after the phase (phase0, phase1, phase1_scratch, phase2) and tagged with the git
 commit and the source drafter's revision, so `mlflow ui`'s compare view lines phases up.
 """
@@ -13,7 +19,11 @@ commit and the source drafter's revision, so `mlflow ui`'s compare view lines ph
 from __future__ import annotations
 
 import os
+import queue
+import re
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -70,6 +80,49 @@ def retry(fn: Callable, *args, attempts: int = 20, **kw):
             delay = min(delay * 2, 2.0)
 
 
+_TRANSIENT = re.compile(
+    r"connection ?(refused|reset|aborted|error)|max retries exceeded|timed ?out|timeout|temporar|"
+    r"remote ?end ?closed|newconnectionerror|error code 5\d\d|too many 5\d\d|\b50[0234]\b|"
+    r"unavailable|bad gateway|database is locked|busy")
+
+
+def transient(e: BaseException) -> bool:
+    """A failure worth retrying: the store is (briefly) away, overloaded or locked."""
+    return isinstance(e, (ConnectionError, TimeoutError)) or bool(_TRANSIENT.search(str(e).lower()))
+
+
+def retry_seconds() -> float:
+    return float(os.environ.get("DRAFTPORT_MLFLOW_RETRY_S") or 300)
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def patient(fn: Callable, *args, deadline: float, what: str, **kw) -> bool:
+    """Call fn until it succeeds, retrying transient failures with backoff until `deadline`
+    (time.monotonic()). False, with a warning, when it kept failing or failed otherwise: the
+    caller goes on (tracking must not cost the compute)."""
+    delay, tries = 0.5, 0
+    while True:
+        tries += 1
+        try:
+            fn(*args, **kw)
+            if tries > 1:
+                print(f"MLflow: {what} logged after {tries} tries", file=sys.stderr, flush=True)
+            return True
+        except Exception as e:  # MlflowException, requests/urllib3 errors
+            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            if not transient(e):
+                warn(f"MLflow: {what} not logged ({line})")
+                return False
+            if time.monotonic() + delay > deadline:
+                warn(f"MLflow: {what} dropped after {tries} tries ({line})")
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
 def client(uri: str | None = None):
     from mlflow.tracking import MlflowClient
 
@@ -114,7 +167,9 @@ class PhaseRun(Logger):
                  uri: str | None = None):
         from mlflow.entities import RunTag
 
+        self._q = None  # the background sender's queue (background())
         self.uri = check_reachable(uri)
+        _short_http_retries()
         self.c = client(self.uri)
         self.exp_id = ensure_experiment(profile, self.uri, self.c)
         all_tags = {"mlflow.runName": phase, "draftport.phase": phase, "draftport.profile": profile,
@@ -151,19 +206,66 @@ class PhaseRun(Logger):
             retry(self.c.log_batch, self.run_id, params=items[i:i + 100])
 
     def log_metrics(self, metrics: dict, step: int) -> None:
+        """Retried on transient failures, dropped with a warning if they last: never raises.
+        In the background (background()) when a training loop calls it."""
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
         items = [Metric(k, float(v), ts, int(step)) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
         for i in range(0, len(items), 500):
-            retry(self.c.log_batch, self.run_id, metrics=items[i:i + 500])
+            self._send(self.c.log_batch, self.run_id, metrics=items[i:i + 500],
+                       what=f"{len(items[i:i + 500])} metric(s) at step {step} for run {self.run_id} at {self.uri}")
+
+    def background(self) -> "PhaseRun":
+        """From now on log_metrics queues and returns at once; a daemon thread sends (the
+        training loop never waits for the store). finish() and interpreter exit flush it."""
+        if getattr(self, "_q", None) is None:
+            self._q = queue.Queue()
+            threading.Thread(target=self._work, name="mlflow-sender", daemon=True).start()
+            import atexit
+
+            atexit.register(self.flush)
+        return self
+
+    def flush(self) -> None:
+        if getattr(self, "_q", None) is not None:
+            self._q.join()  # bounded: every queued call has its own deadline
+
+    def _send(self, fn, *args, what: str, **kw) -> None:
+        deadline = time.monotonic() + retry_seconds()
+        if getattr(self, "_q", None) is not None:
+            self._q.put((fn, args, kw, deadline, what))
+        else:
+            patient(fn, *args, deadline=deadline, what=what, **kw)
+
+    def _work(self) -> None:
+        while True:
+            fn, args, kw, deadline, what = self._q.get()
+            try:
+                patient(fn, *args, deadline=deadline, what=what, **kw)
+            except BaseException as e:  # pragma: no cover - never let the sender die silently
+                warn(f"MLflow: {what} not logged ({e})")
+            finally:
+                self._q.task_done()
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         retry(self.c.log_batch, self.run_id, tags=[self._RunTag(k, str(v)) for k, v in tags.items()])
 
     def finish(self, ok: bool = True) -> None:
-        retry(self.c.set_terminated, self.run_id, "FINISHED" if ok else "FAILED")
+        """Wait for queued metrics, then close the run (retried like them; never raises)."""
+        self.flush()
+        patient(self.c.set_terminated, self.run_id, "FINISHED" if ok else "FAILED",
+                deadline=time.monotonic() + retry_seconds(), what=f"closing run {self.run_id} at {self.uri}")
+
+
+def _short_http_retries() -> None:
+    """MLflow retries a failed HTTP call for minutes on its own (7 tries, backoff factor 2,
+    120 s timeout), blocking the caller; ours (patient) does the waiting instead. Values set in
+    the environment are kept."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,10 +132,14 @@ def trainable(drafter: Eagle3Drafter) -> dict[str, torch.nn.Parameter]:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: TrainConfig,
-                    sharded=None) -> Path | None:
+                    sharded=None, inputs: dict | None = None) -> Path | None:
     """sharded: the FSDP module of train() under parallel: fsdp. Then every rank must call: the
-    full state is gathered to rank 0, which alone writes (the same files as one process)."""
+    full state is gathered to rank 0, which alone writes (the same files as one process).
+    inputs: what the run was trained on (train()'s `inputs`), kept so a resume can check it.
+    A full disk is a DraftportError; the previous checkpoints stay as they were."""
     from safetensors.torch import save_file
+
+    from .checkpoint import disk_full_error
 
     if sharded is not None:
         model, moments, steps = _gather_full_state(sharded, opt)
@@ -153,12 +157,21 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
             steps[n] = float(st["step"])
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:07d}"
-    with atomic_dir(final) as tmp:
-        save_file(model, str(tmp / "model.safetensors"))
-        moments["rng.torch"] = torch.get_rng_state()
-        save_file(moments, str(tmp / "optimizer.safetensors"))
-        state = {"step": step, "adam_steps": steps, "history": history, "config": asdict(cfg)}
-        (tmp / "state.json").write_text(json.dumps(state) + "\n")
+    try:
+        with atomic_dir(final) as tmp:
+            save_file(model, str(tmp / "model.safetensors"))
+            moments["rng.torch"] = torch.get_rng_state()
+            save_file(moments, str(tmp / "optimizer.safetensors"))
+            state = {"step": step, "adam_steps": steps, "history": history, "config": asdict(cfg),
+                     "inputs": inputs}
+            (tmp / "state.json").write_text(json.dumps(state) + "\n")
+    except Exception as e:
+        err = disk_full_error(e, final)
+        if err is None:
+            raise
+        prev = latest_checkpoint(ckpt_root)
+        raise DraftportError(final, f"{err}; checkpoint not written, the last good one is kept: "
+                             f"{prev if prev is not None else 'none yet'}") from None
     olds = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
     for old in olds[: -cfg.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
@@ -170,12 +183,16 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def resumable(path: Path, cfg: TrainConfig) -> bool:
-    """A checkpoint continues this run only if everything but the logging cadence matches."""
+def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None) -> bool:
+    """A checkpoint continues this run only if everything but the logging cadence matches, the
+    inputs (train()'s `inputs`: data, vocab, init) included."""
     try:
-        saved = json.loads((path / "state.json").read_text()).get("config", {})
+        state = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
+    if state.get("inputs") != inputs:
+        return False
+    saved = state.get("config", {})
     # parallel: ddp and fsdp make the same updates (and older checkpoints predate the key)
     cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel"}
     now = asdict(cfg)
@@ -318,10 +335,13 @@ def _sharded_grad_norm(local_grads: list[torch.Tensor], device) -> torch.Tensor:
 # ---- the loop ----------------------------------------------------------------------------------
 def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tensor, out_dir,
           cfg: TrainConfig, logger: Logger | None = None, progress: bool = True,
-          stop_after: int | None = None) -> dict:
-    """Train in place; checkpoints under out_dir/checkpoints, resumed automatically.
+          stop_after: int | None = None, ckpt_dir=None, inputs: dict | None = None) -> dict:
+    """Train in place; checkpoints under ckpt_dir (default out_dir/checkpoints), resumed
+    automatically when they were made with the same config and the same `inputs` (a JSON-able
+    fingerprint of the data, vocab and init: a rerun on other data must not continue them).
 
-    Returns {"history": [...per logged step...], "final": {...last step metrics...}}.
+    Returns {"history": [...per logged step...], "final": {...last step metrics...},
+    "steps", "seconds", "resumed_from" (the checkpoint's step, 0 for a fresh start)}.
     stop_after: return after this many steps of this call (tests interrupt a run with it).
     """
     logger = logger or Logger()
@@ -345,16 +365,18 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     drafter.lm_head.weight.requires_grad_(cfg.train_lm_head)
 
     out_dir = Path(out_dir)
-    ckpt_root = out_dir / "checkpoints"
+    ckpt_root = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
     step, history = 0, []
     last = latest_checkpoint(ckpt_root)
-    if last is not None and not resumable(last, cfg):
-        # A checkpoint of another configuration (edited params.yaml) must not be continued:
-        # that would mix two runs. Its folder is set aside, never deleted.
-        aside = ckpt_root.with_name(f"checkpoints.stale-{int(time.time())}")
+    if last is not None and not resumable(last, cfg, inputs):
+        # A checkpoint of another configuration (edited params.yaml) or of other inputs (new
+        # features, another init) must not be continued: that would mix two runs. Its folder is
+        # set aside, never deleted.
+        aside = ckpt_root.with_name(f"{ckpt_root.name}.stale-{int(time.time())}")
         if rank == 0:
             os.replace(ckpt_root, aside)
-            print(f"checkpoints in {ckpt_root} belong to another training configuration; moved to {aside}", flush=True)
+            print(f"checkpoints in {ckpt_root} belong to another training configuration or other inputs; "
+                  f"moved to {aside}", flush=True)
         if world > 1:
             dist.barrier()
         last = None
@@ -372,6 +394,10 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         step, history = load_optimizer_state(last, drafter, opt)
         if rank == 0:
             print(f"resuming from {last} (step {step})", flush=True)
+            for rec in history:  # a new tracking run: give it the curve up to the checkpoint
+                logger.log_metrics({k: v for k, v in rec.items() if k != "step" and not k.startswith("n_")},
+                                   rec["step"])
+    resumed_from = step
     torch.manual_seed(cfg.seed + step)
 
     bar = None
@@ -417,7 +443,8 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         if bar is not None:
             bar.update(1)
         if ckpt_now and (rank == 0 or fsdp):   # under FSDP every rank joins the gather
-            save_checkpoint(ckpt_root, step, drafter, opt, history, cfg, sharded=net if fsdp else None)
+            save_checkpoint(ckpt_root, step, drafter, opt, history, cfg, sharded=net if fsdp else None,
+                            inputs=inputs)
         if world > 1:
             dist.barrier()
         if last:
@@ -427,7 +454,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     if fsdp:
         unshard_fsdp(drafter)
     return {"history": history, "final": history[-1] if history else {}, "steps": step,
-            "seconds": time.time() - t0}
+            "seconds": time.time() - t0, "resumed_from": resumed_from}
 
 
 def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: TrainConfig, *,
