@@ -23,6 +23,7 @@ configfile: "params.yaml"
 
 
 CFG, BASE = pl.configure(config)
+pl.clear_stale_locks()  # left by a killed snakemake: the same command resumes, no --unlock
 
 
 report: "report/workflow.rst"

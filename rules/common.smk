@@ -1,4 +1,4 @@
-# Helpers shared by the rules. Every step is `python scripts/<step>.py --log logs/<step>.log`,
+# Helpers shared by the rules. Every step is `python scripts/<step>.py --logfile logs/<step>.log`,
 # the exact command its DVC stage runs; values reach it through params.yaml, or through
 # --params <file> under another profile (pl.params_arg), and `params: values=` lets
 # Snakemake's params trigger see them.
@@ -23,6 +23,20 @@ def online_done():
     return done(*pl.ONLINE) if CFG["online"]["enabled"] else []
 
 
+def res(rule, key):
+    """The rule's `resources.<rule>` value layered on `resources.default` (draftport.cluster)."""
+    from draftport import cluster
+
+    return cluster.rule_resources(CFG, rule)[key]
+
+
+def launch(rule):
+    """`python`, or `torchrun --standalone --nproc_per_node <gpu>` for a training rule that asks."""
+    from draftport import cluster
+
+    return cluster.launcher(CFG, rule)
+
+
 def values(step):
     return pl.P.step_params(CFG, step)
 
@@ -32,6 +46,7 @@ def extra(step):
 
 
 def on_start():
+    pl.note_lock_owner(workflow.persistence)  # a kill -9 leaves the lock: the next run clears it
     if os.environ.get("DVC_STAGE"):
         return  # a DVC stage recording its run (--touch): nothing runs
     runs = {j.rule.name for j in workflow.dag.needrun_jobs()}

@@ -13,5 +13,10 @@ rule compare:
         ENV
     log:
         "logs/compare.log",
+    resources:
+        gpu=res("compare", "gpu"),
+        mem_mb=res("compare", "mem_mb"),
+        runtime=res("compare", "runtime"),
+    threads: res("compare", "threads")
     shell:
-        "python scripts/compare.py{params.extra} --log {log}"
+        "python scripts/compare.py{params.extra} --logfile {log}"

@@ -13,8 +13,13 @@ rule features_new:
         ENV
     log:
         "logs/features_new.log",
+    resources:
+        gpu=res("features_new", "gpu"),
+        mem_mb=res("features_new", "mem_mb"),
+        runtime=res("features_new", "runtime"),
+    threads: res("features_new", "threads")
     shell:
-        "python scripts/features_new.py{params.extra} --log {log}"
+        "python scripts/features_new.py{params.extra} --logfile {log}"
 
 
 rule features_eval:
@@ -31,8 +36,13 @@ rule features_eval:
         ENV
     log:
         "logs/features_eval.log",
+    resources:
+        gpu=res("features_eval", "gpu"),
+        mem_mb=res("features_eval", "mem_mb"),
+        runtime=res("features_eval", "runtime"),
+    threads: res("features_eval", "threads")
     shell:
-        "python scripts/features_eval.py{params.extra} --log {log}"
+        "python scripts/features_eval.py{params.extra} --logfile {log}"
 
 
 rule vocab_new:
@@ -48,8 +58,13 @@ rule vocab_new:
         ENV
     log:
         "logs/vocab_new.log",
+    resources:
+        gpu=res("vocab_new", "gpu"),
+        mem_mb=res("vocab_new", "mem_mb"),
+        runtime=res("vocab_new", "runtime"),
+    threads: res("vocab_new", "threads")
     shell:
-        "python scripts/vocab_new.py{params.extra} --log {log}"
+        "python scripts/vocab_new.py{params.extra} --logfile {log}"
 
 
 rule features_phase2:
@@ -66,5 +81,10 @@ rule features_phase2:
         ENV
     log:
         "logs/features_phase2.log",
+    resources:
+        gpu=res("features_phase2", "gpu"),
+        mem_mb=res("features_phase2", "mem_mb"),
+        runtime=res("features_phase2", "runtime"),
+    threads: res("features_phase2", "threads")
     shell:
-        "python scripts/features_phase2.py{params.extra} --log {log}"
+        "python scripts/features_phase2.py{params.extra} --logfile {log}"

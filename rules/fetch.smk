@@ -12,5 +12,10 @@ rule fetch:
         ENV
     log:
         "logs/fetch.log",
+    resources:
+        gpu=res("fetch", "gpu"),
+        mem_mb=res("fetch", "mem_mb"),
+        runtime=res("fetch", "runtime"),
+    threads: res("fetch", "threads")
     shell:
-        "python scripts/fetch.py{params.extra} --log {log}"
+        "python scripts/fetch.py{params.extra} --logfile {log}"

@@ -17,9 +17,13 @@ rule online_phase0:
         ENV
     log:
         "logs/online_phase0.log",
-    threads: 2
+    resources:
+        gpu=res("online_phase0", "gpu"),
+        mem_mb=res("online_phase0", "mem_mb"),
+        runtime=res("online_phase0", "runtime"),
+    threads: res("online_phase0", "threads")
     shell:
-        "python scripts/online_phase0.py{params.extra} --log {log}"
+        "python scripts/online_phase0.py{params.extra} --logfile {log}"
 
 
 rule online_phase1:
@@ -37,9 +41,13 @@ rule online_phase1:
         ENV
     log:
         "logs/online_phase1.log",
-    threads: 2
+    resources:
+        gpu=res("online_phase1", "gpu"),
+        mem_mb=res("online_phase1", "mem_mb"),
+        runtime=res("online_phase1", "runtime"),
+    threads: res("online_phase1", "threads")
     shell:
-        "python scripts/online_phase1.py{params.extra} --log {log}"
+        "python scripts/online_phase1.py{params.extra} --logfile {log}"
 
 
 rule online:

@@ -13,5 +13,10 @@ rule phase0:
         ENV
     log:
         "logs/phase0.log",
+    resources:
+        gpu=res("phase0", "gpu"),
+        mem_mb=res("phase0", "mem_mb"),
+        runtime=res("phase0", "runtime"),
+    threads: res("phase0", "threads")
     shell:
-        "python scripts/phase0.py{params.extra} --log {log}"
+        "python scripts/phase0.py{params.extra} --logfile {log}"

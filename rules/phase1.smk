@@ -9,13 +9,18 @@ rule phase1_scratch:
     params:
         values=values("phase1_scratch"),
         extra=extra("phase1_scratch"),
+        launch=launch("phase1_scratch"),
     conda:
         ENV
     log:
         "logs/phase1_scratch.log",
-    threads: 2
+    threads: res("phase1_scratch", "threads")
+    resources:
+        gpu=res("phase1_scratch", "gpu"),
+        mem_mb=res("phase1_scratch", "mem_mb"),
+        runtime=res("phase1_scratch", "runtime"),
     shell:
-        "python scripts/phase1_scratch.py{params.extra} --log {log}"
+        "{params.launch} scripts/phase1_scratch.py{params.extra} --logfile {log}"
 
 
 rule phase1:
@@ -28,10 +33,15 @@ rule phase1:
     params:
         values=values("phase1"),
         extra=extra("phase1"),
+        launch=launch("phase1"),
     conda:
         ENV
     log:
         "logs/phase1.log",
-    threads: 2
+    threads: res("phase1", "threads")
+    resources:
+        gpu=res("phase1", "gpu"),
+        mem_mb=res("phase1", "mem_mb"),
+        runtime=res("phase1", "runtime"),
     shell:
-        "python scripts/phase1.py{params.extra} --log {log}"
+        "{params.launch} scripts/phase1.py{params.extra} --logfile {log}"

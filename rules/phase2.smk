@@ -9,10 +9,15 @@ rule phase2:
     params:
         values=values("phase2"),
         extra=extra("phase2"),
+        launch=launch("phase2"),
     conda:
         ENV
     log:
         "logs/phase2.log",
-    threads: 2
+    threads: res("phase2", "threads")
+    resources:
+        gpu=res("phase2", "gpu"),
+        mem_mb=res("phase2", "mem_mb"),
+        runtime=res("phase2", "runtime"),
     shell:
-        "python scripts/phase2.py{params.extra} --log {log}"
+        "{params.launch} scripts/phase2.py{params.extra} --logfile {log}"

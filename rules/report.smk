@@ -20,5 +20,10 @@ rule report:
         ENV
     log:
         "logs/report.log",
+    resources:
+        gpu=res("report", "gpu"),
+        mem_mb=res("report", "mem_mb"),
+        runtime=res("report", "runtime"),
+    threads: res("report", "threads")
     shell:
-        "python scripts/report.py{params.extra} --log {log}"
+        "python scripts/report.py{params.extra} --logfile {log}"

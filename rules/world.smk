@@ -15,5 +15,9 @@ if CFG["world"]["build"]:
         log:
             "logs/world.log",
         threads: CFG["world"]["threads"]
+        resources:
+            gpu=res("world", "gpu"),
+            mem_mb=res("world", "mem_mb"),
+            runtime=res("world", "runtime"),
         shell:
-            "python scripts/world.py{params.extra} --log {log}"
+            "python scripts/world.py{params.extra} --logfile {log}"

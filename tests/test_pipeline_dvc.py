@@ -46,7 +46,7 @@ def test_stages_are_the_rules_with_their_commands_keys_and_outs(generated):
              "compare", "phase0", "phase1_scratch", "phase1", "phase2", "report"]
     assert list(stages) == rules
     for name, st in stages.items():
-        assert st["cmd"] == f"python scripts/{name}.py --log logs/{name}.log"
+        assert st["cmd"] == f"python scripts/{name}.py --logfile logs/{name}.log"
         assert st["params"] == P.STEP_KEYS[name]
         out = st["outs"][0]
         assert (next(iter(out)) if isinstance(out, dict) else out) == f"artifacts/{name}"
@@ -66,7 +66,7 @@ def test_dry_run_plans_phase1_with_the_dvc_commands(tmp_path):
     out = r.stdout + r.stderr
     for step in ("world", "fetch", "features_new", "features_eval", "vocab_new", "compare", "phase0",
                  "phase1_scratch", "phase1"):
-        assert f"python scripts/{step}.py --log logs/{step}.log" in out
+        assert f"python scripts/{step}.py --logfile logs/{step}.log" in out
     assert "phase2" not in out.split("Job stats")[-1]
 
 
@@ -183,10 +183,7 @@ def test_report_builds_from_metrics(tmp_path):
     assert "data:image/png;base64," in (out / "summary.html").read_text()
 
 
-def test_kimi_profile_plans_without_the_embedded_world():
-    r = smk("-n", "--forceall", "phase2", "--configfile", "configs/kimi-k2.5.yaml")
-    stats = (r.stdout + r.stderr).split("Job stats")[1]
-    assert "world" not in stats and "phase2" in stats and "fetch" in stats
+# The kimi profile's plan (jobs, resources, torchrun commands): tests/test_kimi_plan.py
 
 
 def test_params_yaml_world_is_the_worlds_default_preset():

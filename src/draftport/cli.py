@@ -92,6 +92,28 @@ def inspect(
         show(inspect_renderables(rep))
 
 
+@app.command()
+def estimate(
+    profile: Annotated[list[Path], typer.Option("--profile", help="Profile(s) layered on params.yaml.")],
+    params: Annotated[Path, typer.Option(help="The base parameter file.")] = Path("params.yaml"),
+    tokens_per_sample: Annotated[int | None, typer.Option(help="Default: the benchmark's sequence length.")] = None,
+    gpus: Annotated[int | None, typer.Option(help="Default: each rule's resources gpu.")] = None,
+    efficiency: Annotated[float, typer.Option(help="Scaling efficiency over the GPUs (assumed).")] = 0.9,
+    bench: Annotated[Path | None, typer.Option(help="A benchmarks/results/*.json of bench_train_h200.")] = None,
+    as_json: JsonFlag = False,
+):
+    """Training wall time of a profile's phases on its GPUs, from the measured one-GPU throughput."""
+    from . import estimate as E
+    from .params import load
+
+    rep = E.estimate(load(*profile, base=params), tokens_per_sample=tokens_per_sample, gpus=gpus,
+                     efficiency=efficiency, bench=bench or E.DEFAULT_BENCH)
+    if as_json:
+        _print_json(rep)
+    else:
+        print(E.render(rep))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, prog_name="draftport")

