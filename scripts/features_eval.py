@@ -8,10 +8,10 @@ def features_eval(s):
     t, f = s.p["targets"], s.p["features"]
     check_source_fits(f)
     out = {"eval_new": build_features(s.path("eval_new"), target_dir(t["new"]), t["prompts_eval_new"], f,
-                                      n=f["eval_samples"])}
+                                      n=f["eval_samples"], trust=t["trust_remote_code"])}
     if t["old"] and t["prompts_eval_old"]:
-        out["eval_old"] = build_features(s.path("eval_old"), target_dir(t["old"]), t["prompts_eval_old"], f,
-                                         n=f["eval_samples"])
+        out["eval_old"] = build_features(s.path("eval_old"), target_dir(t["old"], "old"), t["prompts_eval_old"], f,
+                                         n=f["eval_samples"], trust=t["trust_remote_code"])
     return out
 
 

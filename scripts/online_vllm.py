@@ -62,7 +62,9 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="default: 0.85 on a GPU, 0.2 of the memory on the CPU engine")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -73,7 +75,11 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     prompts = json.loads(open(args.prompts).read())["prompt_token_ids"]
+    import torch
+
     kw = {}
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.85 if torch.cuda.is_available() else 0.2
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
     llm = LLM(
@@ -84,6 +90,7 @@ def main() -> int:
         dtype=args.dtype,
         enforce_eager=True,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization,
         disable_log_stats=False,

@@ -161,3 +161,28 @@ def test_speculators_config_is_not_the_flat_format(world):
     target, drafter = world
     rewrite_config(drafter, lambda c: c.update(architectures=["Eagle3Speculator"]))
     only_problem(drafter, target, "lack 'LlamaForCausalLMEagle3'")
+
+
+def test_sglang_numbered_drafter_is_served_to_vllm_with_ids_plus_one(tmp_path):
+    """SGLang's aux id k (leaving layer k) is vLLM's k + 1 (entering layer k + 1)."""
+    from draftport.export import for_vllm
+
+    target = make_target(tmp_path / "target")
+    src = make_export(tmp_path / "sglang", target, aux_layer_ids=[0, 1, 2], aux_convention="sglang")
+    before = {f.name: f.read_bytes() for f in src.iterdir()}
+    out, how = for_vllm(src, tmp_path / "served", None)
+    assert out == tmp_path / "served" and "[0, 1, 2]" in how and "[1, 2, 3]" in how
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["draftport_aux_convention"] == "vllm"
+    assert (out / "model.safetensors").read_bytes() == before["model.safetensors"]
+    assert {f.name: f.read_bytes() for f in src.iterdir()} == before  # the source is untouched
+    assert export_problems(out, target) == []  # servable as vLLM reads it
+    # a vLLM-numbered drafter is served as it is; an unrecorded one follows the profile's convention
+    vl = make_export(tmp_path / "vllm", target)
+    assert for_vllm(vl, tmp_path / "unused", "sglang")[0] == vl and not (tmp_path / "unused").exists()
+    raw = json.loads((vl / "config.json").read_text())
+    del raw["draftport_aux_convention"]
+    (vl / "config.json").write_text(json.dumps(raw))
+    assert for_vllm(vl, tmp_path / "hub", "sglang")[0] == tmp_path / "hub"
+    assert for_vllm(vl, tmp_path / "unused", None)[0] == vl

@@ -27,7 +27,10 @@ def _target_config(target_dir) -> dict:
     path = Path(target_dir) / "config.json"
     if not path.is_file():
         raise DraftportError(target_dir, "not a model folder (no config.json)")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftportError(path, f"not valid JSON ({e.__class__.__name__}: {e})") from None
     return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
 
 
@@ -192,3 +195,42 @@ def validate_export(drafter_dir, target_dir, *, context: int | None = None,
             "draft_vocab_size": raw.get("draft_vocab_size"),
             "max_position_embeddings": raw.get("max_position_embeddings"),
             "embed_tokens": "exported (equal to the target's)" if "embed_tokens.weight" in tables else "shared from the target"}
+
+
+def for_vllm(drafter_dir, out_dir, convention: str | None) -> tuple[Path, str]:
+    """The drafter as vLLM must be given it, and what was done.
+
+    vLLM's aux id k is the state entering decoder layer k; SGLang's (the capture SpecForge trains
+    with) is the state leaving layer k, the one entering layer k + 1. A drafter trained under
+    SGLang's numbering is served by vLLM with every id + 1: the same states, vLLM's numbers. The
+    copy is config.json rewritten and every other file hard-linked (copied across devices).
+    `convention`: the drafter's, when its config.json does not record one (draftport writes
+    `draftport_aux_convention`; published drafters usually do not).
+    """
+    import json
+    import os
+    import shutil
+
+    from .checkpoint import atomic_dir
+
+    drafter_dir = Path(drafter_dir)
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    conv = raw.get("draftport_aux_convention") or convention
+    if conv != "sglang":
+        return drafter_dir, f"served as is ({conv or 'unrecorded'} aux-layer numbering)"
+    holder = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else raw
+    ids = holder.get("eagle_aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not ids:
+        raise DraftportError(drafter_dir / "config.json", "no eagle_aux_hidden_state_layer_ids to renumber for vLLM")
+    holder["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in ids]
+    raw["draftport_aux_convention"] = "vllm"
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        for f in drafter_dir.iterdir():
+            if f.is_file() and f.name != "config.json":
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:
+                    shutil.copy2(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return out_dir, f"aux ids {ids} (SGLang numbering) served to vLLM as {[int(i) + 1 for i in ids]}"

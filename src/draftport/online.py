@@ -71,7 +71,7 @@ def _target_context(target_dir) -> int:
 # ---- vLLM ---------------------------------------------------------------------------------------
 def run_vllm(target_dir, drafter_dir, prompt_ids: list[list[int]], *, k: int, max_new_tokens: int,
              vllm_python_path=None, work_dir=None, max_num_seqs: int = 8, dtype: str = "float32",
-             script=None, timeout: float | None = 3600, log_path=None) -> dict:
+             script=None, timeout: float | None = 3600, log_path=None, tensor_parallel_size: int = 1) -> dict:
     """Run scripts/online_vllm.py in the vLLM venv; return its result (counters + outputs)."""
     py = vllm_python(vllm_python_path)
     script = Path(script or DEFAULT_SCRIPT)
@@ -89,7 +89,7 @@ def run_vllm(target_dir, drafter_dir, prompt_ids: list[list[int]], *, k: int, ma
         cmd = [str(py), str(script), "--target", str(target_dir), "--drafter", str(drafter_dir),
                "--prompts", str(tmp / "prompts.json"), "--out", str(out), "--k", str(k),
                "--max-tokens", str(max_new_tokens), "--max-num-seqs", str(max_num_seqs),
-               "--dtype", dtype, "--max-model-len", str(ctx)]
+               "--dtype", dtype, "--max-model-len", str(ctx), "--tensor-parallel-size", str(tensor_parallel_size)]
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -145,7 +145,8 @@ def summarize_online(raw: dict) -> dict:
 
 def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_new_tokens: int,
             vllm_python_path=None, *, offset: int = 0, max_num_seqs: int = 8, dtype: str = "float32",
-            validate: bool = True, raw_out=None, log_path=None, return_raw: bool = False):
+            validate: bool = True, raw_out=None, log_path=None, return_raw: bool = False,
+            tensor_parallel_size: int = 1):
     """Online accept length of an exported drafter served by vLLM next to target_dir.
 
     Validates the export first (see draftport.export). Returns the `online_*` metrics (with
@@ -158,9 +159,15 @@ def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_n
 
         validate_export(drafter_dir, target_dir)
     prompts = encode_prompts(target_dir, prompts_path, n_prompts, offset=offset)
+    ctx = _target_context(target_dir)
+    too_long = [i for i, ids in enumerate(prompts) if len(ids) + max_new_tokens + k > ctx]
+    if too_long:  # named by its line, before vLLM is even looked for
+        i = too_long[0]
+        raise DraftportError(f"{prompts_path}:{offset + i + 1}", f"prompt of {len(prompts[i])} tokens + {max_new_tokens} "
+                             f"new + {k} drafts exceeds the target's context of {ctx}")
     raw = run_vllm(target_dir, drafter_dir, prompts, k=k, max_new_tokens=max_new_tokens,
                    vllm_python_path=vllm_python_path, max_num_seqs=max_num_seqs, dtype=dtype,
-                   log_path=log_path)
+                   log_path=log_path, tensor_parallel_size=tensor_parallel_size)
     raw["prompt_token_ids"] = prompts
     if raw_out is not None:
         from .checkpoint import atomic_write_text
@@ -338,7 +345,8 @@ def side_by_side(online: dict, offline: dict) -> list[dict]:
 
 def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, k: int,
              max_new_tokens: int, tol: float = 0.05, vllm_python_path=None, max_num_seqs: int = 8,
-             offset: int = 0, dtype: str = "float32", check: bool = True) -> dict:
+             offset: int = 0, dtype: str = "float32", tensor_parallel_size: int = 1,
+             check: bool = True, log_path=None) -> dict:
     """The pipeline's online step: validate the export, serve it through vLLM, replay the same
     sequences offline, compare. Writes under out_dir: vllm.log, online_raw.json (vLLM's tokens
     and per-request cycles), online.json (both sides, per position, cycle mismatches, times).
@@ -351,11 +359,13 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
     from .export import validate_export
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # out_dir is created by the first file written into it (vLLM's log): bad input leaves nothing
     export = validate_export(drafter_dir, target_dir)
     on, raw = measure(target_dir, drafter_dir, prompts_path, n_prompts, k, max_new_tokens, vllm_python_path,
                       offset=offset, max_num_seqs=max_num_seqs, dtype=dtype, validate=False,
-                      raw_out=out_dir / "online_raw.json", log_path=out_dir / "vllm.log", return_raw=True)
+                      tensor_parallel_size=tensor_parallel_size,
+                      raw_out=out_dir / "online_raw.json", log_path=log_path or out_dir / "vllm.log",
+                      return_raw=True)
     off = offline_same_prompts(drafter_dir, target_dir, k=k, online_raw=raw)
     mism = cycle_mismatches(raw, off)
     metrics = dict(on)
@@ -404,7 +414,7 @@ def main(argv=None) -> int:
                      max_new_tokens=a.max_new_tokens, tol=a.tol, max_num_seqs=a.max_num_seqs,
                      offset=a.offset, check=False)
     except DraftportError as e:
-        log(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     rep = json.loads((Path(a.out_dir) / "online.json").read_text())
     for row in rep["rows"]:

@@ -35,7 +35,7 @@ class ParamsError(DraftportError):
 # ---- schema ------------------------------------------------------------------------------------
 @dataclass
 class Spec:
-    kind: str                      # int float bool str intlist path hubid
+    kind: str                      # int float bool str intlist path hubid hubidlist
     min: float | None = None
     max: float | None = None
     choices: tuple | None = None
@@ -63,6 +63,13 @@ class Spec:
                 raise ParamsError(key, f"expected a non-empty string, got {_show(v)}")
             if k == "hubid" and (v.count("/") != 1 or v.startswith("/") or v.endswith("/")):
                 raise ParamsError(key, f"expected a hub id like org/name, got {_show(v)}")
+        elif k == "hubidlist":  # may be empty
+            if not isinstance(v, list):
+                raise ParamsError(key, f"expected a list of hub ids like org/name, got {_show(v)}")
+            for x in v:
+                if not isinstance(x, str) or x.count("/") != 1 or x.startswith("/") or x.endswith("/"):
+                    raise ParamsError(key, f"expected hub ids like org/name, got {_show(x)}")
+            return list(v)
         elif k == "intlist":
             if not isinstance(v, list) or not v or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
                 raise ParamsError(key, f"expected a non-empty list of integers, got {_show(v)}")
@@ -119,7 +126,20 @@ def train_group(steps_min: int = 1) -> Group:
         "warmup_steps": I(0), "weight_decay": F(0, 1), "grad_clip": F(0), "ttt_steps": I(1, 16),
         "gamma": F(0, 1), "seed": I(0), "checkpoint_every": I(1), "keep_checkpoints": I(1),
         "log_every": I(1), "dtype": S(("auto", "float32", "bfloat16")), "train_lm_head": Spec("bool"),
+        "parallel": S(("ddp", "fsdp"), doc="under torchrun (resources.<rule>.torchrun)"),
     }, optional=True)
+
+
+RESOURCE_RULES = ("default", "world", "fetch", "features_new", "features_eval", "vocab_new",
+                  "features_phase2", "compare", "phase0", "phase1_scratch", "phase1", "phase2", "report",
+                  "online_phase0", "online_phase1")
+TRAINING_RULES = ("phase1_scratch", "phase1", "phase2")
+
+
+def resource_group(optional: bool) -> Group:
+    """What a rule asks of the machine or the cluster; torchrun: one process per GPU (training)."""
+    return Group({"gpu": I(0), "mem_mb": I(1), "runtime": I(1, doc="minutes"), "threads": I(1),
+                  "torchrun": Spec("bool")}, optional=optional)
 
 
 def _world_group() -> Group:
@@ -159,16 +179,28 @@ def schema() -> Group:
         "source": Group({
             "repo_id": Spec("hubid"), "revision": S(), "cache_dir": Spec("path", nullable=True),
             "offline": Spec("bool"), "lock_file": Spec("path", nullable=True),
+            # pickle weights (.bin/.pt) can run code: refused unless true, then converted to
+            # safetensors at fetch with torch.load(weights_only=True)
+            "allow_pickle": Spec("bool"),
         }),
         "targets": Group({
             "new": S(), "old": S(nullable=True),
             "prompts_train": Spec("path"), "prompts_eval_new": Spec("path"),
             "prompts_eval_old": Spec("path", nullable=True),
+            # hub repos whose own code (config.json auto_map: model, tokenizer) may run; [] = none
+            "trust_remote_code": Spec("hubidlist"),
         }),
         "features": Group({
             "aux_layer_ids": Spec("intlist", min=0, max=3), "aux_convention": S(("vllm", "sglang")),
             "max_new_tokens": I(1), "batch_size": I(1), "dtype": S(("bfloat16", "float16", "float32")),
             "device": S(), "eval_samples": I(1),
+            # hidden states: transformers in this process (device_map over the visible GPUs), or
+            # vLLM's extract_hidden_states with tensor parallelism (draftport.vllm_features)
+            "engine": S(("transformers", "vllm")), "tensor_parallel_size": I(1),
+            # the target's own answers: generated here, or by the target served behind an
+            # OpenAI-compatible API (vLLM, SGLang) at base_url under the name served_model
+            "regenerate": S(("local", "openai")), "base_url": S(nullable=True),
+            "served_model": S(nullable=True),
         }),
         "vocab_new": Group({"draft_vocab_size": I(8)}),
         "eval": Group({"k": I(1, 16), "batch_size": I(1), "max_samples": I(1, nullable=True)}),
@@ -177,10 +209,19 @@ def schema() -> Group:
             "n_samples": I(1), "vocab_policy": S(("remap", "keep")), "train": train_group(),
         }),
         "phase2": Group({"n_samples": I(1), "train": train_group()}),
+        # a published drafter trained for the new target itself (an upper bound): fetched like the
+        # source (source.cache_dir, source.offline), evaluated in Phase 0 next to it
+        "reference": Group({"repo_id": Spec("hubid"), "revision": S(), "note": S(nullable=True)},
+                           nullable=True),
+        # Snakemake resources per rule (draftport.cluster): `default` for every rule, a rule's
+        # entry overrides keys of it
+        "resources": Group({r: resource_group(optional=r != "default") for r in RESOURCE_RULES},
+                           optional=True),
         "online": Group({
             "enabled": Spec("bool", doc="true: `all` and the report include the online steps"),
             "n_prompts": I(1), "max_new_tokens": I(1), "max_num_seqs": I(1), "tolerance": F(0, 1),
             "dtype": S(("float32", "bfloat16", "float16")), "vllm_python": Spec("path", nullable=True),
+            "tensor_parallel_size": I(1),
         }),
     })
 
@@ -278,6 +319,18 @@ def _cross_checks(cfg: dict) -> None:
         if cfg["vocab_new"]["draft_vocab_size"] > w["vocab_size"]:
             raise ParamsError("vocab_new.draft_vocab_size", f"{cfg['vocab_new']['draft_vocab_size']} exceeds "
                               f"the vocab (world.vocab_size = {w['vocab_size']})")
+    res = cfg["resources"]
+    if "default" not in res:
+        raise ParamsError("resources.default", "missing (every rule's gpu, mem_mb, runtime, threads, torchrun)")
+    for rule, r in res.items():
+        if r.get("torchrun") and rule not in TRAINING_RULES:
+            raise ParamsError(f"resources.{rule}.torchrun", f"only training rules run under torchrun "
+                              f"({', '.join(TRAINING_RULES)})")
+        if r.get("torchrun") and {**res["default"], **r}["gpu"] < 1:
+            raise ParamsError(f"resources.{rule}.torchrun", "needs gpu >= 1 (one process per GPU)")
+    if f["regenerate"] == "openai" and not (f["base_url"] and f["served_model"]):
+        raise ParamsError("features.base_url" if not f["base_url"] else "features.served_model",
+                          "must be set when features.regenerate is openai")
     if cfg["eval"]["k"] > 16:
         raise ParamsError("eval.k", "at most 16 draft tokens")
 
@@ -288,12 +341,12 @@ def _cross_checks(cfg: dict) -> None:
 # sees only these (a KeyError otherwise): no step can read a value neither tool tracks.
 STEP_KEYS: dict[str, list[str]] = {
     "world": ["world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"],
-    "fetch": ["source", "targets.new", "world.build"],
+    "fetch": ["source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"],
     "features_new": ["targets", "features", "phase1.n_samples"],
     "features_eval": ["targets", "features"],
     "vocab_new": ["targets.new", "vocab_new"],
     "compare": ["targets.new"],
-    "phase0": ["profile", "targets", "eval", "costmodel"],
+    "phase0": ["profile", "targets", "eval", "costmodel", "reference"],
     "phase1_scratch": ["profile", "targets.new", "phase1", "eval", "costmodel"],
     "phase1": ["profile", "targets.new", "phase1", "eval", "costmodel"],
     "features_phase2": ["targets", "features", "phase1.n_samples", "phase2.n_samples"],
@@ -302,9 +355,9 @@ STEP_KEYS: dict[str, list[str]] = {
 }
 # The online steps (vLLM serving a phase's drafter): all of `online` but the switch, which only
 # decides whether `all` and the report include them.
-ONLINE_KEYS = ["profile", "targets.new", "targets.prompts_eval_new", "eval.k", "online.n_prompts",
+ONLINE_KEYS = ["profile", "targets.new", "targets.prompts_eval_new", "features.aux_convention", "eval.k", "online.n_prompts",
                "online.max_new_tokens", "online.max_num_seqs", "online.tolerance", "online.dtype",
-               "online.vllm_python"]
+               "online.vllm_python", "online.tensor_parallel_size"]
 ONLINE_PHASES = ("phase0", "phase1")
 STEP_KEYS.update({f"online_{ph}": ONLINE_KEYS for ph in ONLINE_PHASES})
 

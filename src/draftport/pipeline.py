@@ -2,7 +2,7 @@
 
 How the two coexist (the traps are in DESIGN.md):
 
-* One command per step, `python scripts/<step>.py --log logs/<step>.log`, run by a Snakemake
+* One command per step, `python scripts/<step>.py --logfile logs/<step>.log`, run by a Snakemake
   `shell:` rule and, verbatim, by the DVC stage of the same name. dvc.yaml is generated from the
   Snakefile's rules (`python -m draftport.pipeline dvc-yaml`), never edited by hand; a test fails
   when it drifts.
@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from base64 import urlsafe_b64decode, urlsafe_b64encode
 from pathlib import Path
@@ -48,12 +49,20 @@ ONLINE = tuple(f"online_{ph}" for ph in P.ONLINE_PHASES)  # vLLM serving a phase
 SNAKEMAKE_ONLY = ONLINE
 RUN_FILE = "mlflow_run.json"  # in a phase's folder: its MLflow run, which the online step extends
 UNCACHED = ("features_new", "features_eval", "features_phase2")  # DVC outs not cached
+# Training checkpoints live outside the step folders: `dvc repro` deletes a stage's outs before it
+# runs and a step empties its folder, and a resumed run needs them. Neither tool tracks this
+# folder; a step removes its own checkpoints once it has finished (metrics.json written).
+CHECKPOINTS = "checkpoints"
 SMK_PARAMS_DIR = ".snakemake/draftport/params"
 REPORT_PLOTS = ("tau.png", "positions.png", "loss.png")
 
 
 def art(step: str, *parts: str) -> str:
     return str(Path(ARTIFACTS, step, *parts))
+
+
+def checkpoints(step: str) -> Path:
+    return Path(CHECKPOINTS, step)
 
 
 def done(step: str) -> str:
@@ -92,6 +101,77 @@ def params_arg(cfg: dict, base: dict, step: str) -> str:
         tmp.write_text(text)
         tmp.replace(path)
     return f" --params {path}"
+
+
+# ---- Snakemake's lock after a kill -9 -----------------------------------------------------------
+# A Snakemake process killed hard (kill -9, a preempted machine) leaves .snakemake/locks behind,
+# and the next identical command stops with a LockException asking for --unlock. The onstart hook
+# records which lock files this process holds and who it is (pid, its start time, boot id, host);
+# at parse time, before Snakemake checks its lock, the lock files of a recorded process that is
+# gone are removed. A lock of a live process, of another host, or not recorded is left alone.
+LOCK_OWNERS = ".snakemake/draftport/lock-owners"
+
+
+def _proc_identity(pid: int) -> str | None:
+    """'<boot id>:<start ticks>' of a live process, None when there is none with that pid (or
+    only its zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else f"{boot}:{fields[19]}"
+
+
+def _lock_id(path) -> str:
+    st = os.stat(path)
+    return f"{st.st_ino}:{st.st_mtime_ns}"
+
+
+def note_lock_owner(persistence, root: str = LOCK_OWNERS) -> None:
+    """onstart (the lock is held by then): record this process as the owner of its lock files."""
+    import socket
+
+    locks = [str(f) for f in getattr(persistence, "_lockfile", {}).values() if Path(f).is_file()]
+    if not locks:
+        return
+    pid = os.getpid()
+    rec = {"pid": pid, "process": _proc_identity(pid), "host": socket.gethostname(),
+           "locks": {f: _lock_id(f) for f in locks}}
+    from .checkpoint import atomic_write_text
+
+    atomic_write_text(Path(root, f"{pid}.json"), json.dumps(rec) + "\n")
+
+
+def clear_stale_locks(root: str = LOCK_OWNERS, log=None) -> int:
+    """Parse time: remove the lock files of recorded Snakemake processes that died holding them."""
+    import socket
+
+    base = Path(root)
+    if not base.is_dir():
+        return 0
+    n, gone = 0, []
+    for rec_file in sorted(base.glob("*.json")):
+        try:
+            rec = json.loads(rec_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if rec.get("host") != socket.gethostname():
+            continue  # a shared folder: that host's processes cannot be seen from here
+        if rec.get("process") is not None and _proc_identity(rec["pid"]) == rec["process"]:
+            continue  # still running: its lock stands
+        for f, ident in rec.get("locks", {}).items():
+            with contextlib.suppress(OSError):
+                if _lock_id(f) == ident:  # the very file it wrote, not a later run's
+                    os.unlink(f)
+                    n += 1
+        gone.append(str(rec["pid"]))
+        rec_file.unlink(missing_ok=True)
+    if n:
+        (log or (lambda m: print(m, file=sys.stderr)))(
+            f"removed {n} Snakemake lock file(s) left by killed run(s) (pid {', '.join(gone)}); "
+            f"their unfinished steps run again and resume from their checkpoints")
+    return n
 
 
 def uses_params_yaml(cfg: dict, base: dict, steps) -> bool:
@@ -228,17 +308,22 @@ def load_step_params(step: str, params_file: str | None) -> dict:
 
 
 def run_step(step: str, fn: Callable[[Step], dict], argv: list[str] | None = None) -> int:
-    """Parse the step's command line, clear artifacts/<step>/, run fn, write metrics.json last.
+    """Parse the step's command line, run fn in a fresh folder, write metrics.json last, then
+    let that folder replace artifacts/<step>/.
 
     fn returns the step's metrics (numbers, nested dicts of numbers); MLflow phases get their
-    run in step.run before any compute. A DraftportError is one line on stderr, exit code 2.
+    run in step.run before any compute. A DraftportError is one line on stderr, exit code 2; a
+    run that fails leaves artifacts/<step>/ as it was (no partial file, the older run kept).
     """
     import argparse
 
     ap = argparse.ArgumentParser(prog=f"scripts/{step}.py")
     ap.add_argument("--params", help="the step's values (a profile's; default: params.yaml)")
-    ap.add_argument("--log", help="also write stdout/stderr to this file")
+    # --logfile: torchrun reads a bare --log as an abbreviation of its own --log-dir
+    ap.add_argument("--logfile", "--log", dest="log", help="also write stdout/stderr to this file")
     a = ap.parse_args(argv)
+    if torchrun_rank() > 0:
+        return _run_worker(step, fn, a.params)
     log_fh = None
     if a.log:
         Path(a.log).parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +331,7 @@ def run_step(step: str, fn: Callable[[Step], dict], argv: list[str] | None = Non
         sys.stdout, sys.stderr = Tee(sys.__stdout__, log_fh), Tee(sys.__stderr__, log_fh)
     t0 = time.time()
     _set_threads()
+    building = None
     try:
         p = load_step_params(step, a.params)
         if os.environ.get("DVC_STAGE"):
@@ -256,7 +342,8 @@ def run_step(step: str, fn: Callable[[Step], dict], argv: list[str] | None = Non
         s = Step(step, p, folder)
         if step in TRACKED:
             s.run = _start_run(step, p)  # before any compute: an unreachable server fails here
-        _prepare_folder(folder, p)
+        final = folder
+        folder = s.dir = building = _prepare_folder(final, p)
         if s.run is not None:
             (folder / RUN_FILE).write_text(json.dumps({"run_id": s.run.run_id, "uri": s.run.uri,
                                                        "experiment_id": s.run.exp_id}) + "\n")
@@ -273,6 +360,10 @@ def run_step(step: str, fn: Callable[[Step], dict], argv: list[str] | None = Non
         from .checkpoint import atomic_write_text
 
         atomic_write_text(folder / "metrics.json", json.dumps(metrics, indent=2, default=_jsonable) + "\n")
+        _publish(folder, final)
+        folder = s.dir = final
+        if checkpoints(step).is_dir():  # finished: the step's outputs replace its resume state
+            shutil.rmtree(checkpoints(step), ignore_errors=True)
         if os.environ.get("DVC_STAGE") and Path(".snakemake").is_dir():
             record_for_snakemake(step)
         print(f"{step}: done in {time.time() - t0:.1f} s -> {folder}/")
@@ -281,9 +372,28 @@ def run_step(step: str, fn: Callable[[Step], dict], argv: list[str] | None = Non
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
+        if building is not None and building.exists():  # the step failed: drop what it wrote
+            shutil.rmtree(building, ignore_errors=True)
         if log_fh is not None:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
             log_fh.close()
+
+
+def torchrun_rank() -> int:
+    """This process's rank when a training rule runs under torchrun (resources.<rule>.torchrun)."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
+def _run_worker(step: str, fn: Callable[[Step], dict], params_file: str | None) -> int:
+    """A torchrun rank other than 0: it joins the training (fn), and leaves the step's folder,
+    its log, MLflow and metrics.json to rank 0."""
+    _set_threads()
+    try:
+        fn(Step(step, load_step_params(step, params_file), Path(art(step))))
+        return 0
+    except DraftportError as e:
+        print(f"error: [rank {torchrun_rank()}] {e}", file=sys.stderr)
+        return 2
 
 
 def _set_threads() -> None:
@@ -311,16 +421,27 @@ def _start_run(step: str, p: dict):
     return run
 
 
-def _prepare_folder(folder: Path, p: dict) -> None:
-    """An empty step folder (a rerun never mixes with an older run's files), with the values used."""
-    if folder.exists():
-        for child in folder.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "step_params.json").write_text(json.dumps(p, indent=2, sort_keys=True) + "\n")
+def _prepare_folder(folder: Path, p: dict) -> Path:
+    """A fresh hidden sibling of the step's folder, holding the values used, for the step to
+    write into: a rerun never mixes with an older run's files, and until _publish swaps it in,
+    the older run's outputs (a good checkpoint, its metrics.json) stay untouched."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*folder.parent.glob(f".{folder.name}.*.building"), *folder.parent.glob(f".{folder.name}.*.old")]:
+        shutil.rmtree(stale, ignore_errors=True)  # left by a killed run of this step
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".building", dir=folder.parent))
+    tmp.chmod(0o755)
+    (tmp / "step_params.json").write_text(json.dumps(p, indent=2, sort_keys=True) + "\n")
+    return tmp
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """The finished run's folder replaces artifacts/<step>/ (two renames, the old one removed last)."""
+    old = folder.with_name(f".{folder.name}.{os.getpid()}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists() or folder.is_symlink():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _jsonable(o):
@@ -341,7 +462,10 @@ def read_json(path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise DraftportError(path, "missing (has the step that writes it run?)")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftportError(path, f"not valid JSON ({e.__class__.__name__}: {e})") from None
 
 
 # ---- shared by the step scripts ------------------------------------------------------------
@@ -351,8 +475,9 @@ def is_hub_id(value: str) -> bool:
             and not value.startswith(ARTIFACTS + "/"))
 
 
-def target_dir(value: str) -> Path:
-    return Path(art("fetch", "target_new")) if is_hub_id(value) else Path(value)
+def target_dir(value: str, which: str = "new") -> Path:
+    """A target folder: the fetch step's copy when given as a hub id (targets.new / targets.old)."""
+    return Path(art("fetch", f"target_{which}")) if is_hub_id(value) else Path(value)
 
 
 def source_dir() -> Path:
@@ -382,13 +507,26 @@ def check_source_fits(features: dict) -> None:
                              f"was trained under {cfg.aux_convention}")
 
 
-def build_features(out_dir, target, prompts, f: dict, *, n: int, offset: int = 0) -> dict:
+def trusted(target, trust_remote_code) -> bool:
+    """Whether a target folder may run its own code: its hub repo (the fetch recorded it), or the
+    folder itself, is named in targets.trust_remote_code."""
+    lock = Path(target) / "fetch.lock.json"
+    repo = json.loads(lock.read_text()).get("source") if lock.is_file() else str(target)
+    return repo in set(trust_remote_code or ())
+
+
+def build_features(out_dir, target, prompts, f: dict, *, n: int, offset: int = 0, trust=()) -> dict:
+    """trust: targets.trust_remote_code (repo ids whose own code may run)."""
     from . import plan
 
     idx = plan.build_features(target, prompts, out_dir, n_samples=n, offset=offset,
+                              trust_remote_code=trusted(target, trust),
                               aux_layer_ids=f["aux_layer_ids"], convention=f["aux_convention"],
                               regenerate_responses=True, max_new_tokens=f["max_new_tokens"],
-                              batch_size=f["batch_size"], dtype=f["dtype"], device=f["device"])
+                              batch_size=f["batch_size"], dtype=f["dtype"], device=f["device"],
+                              engine=f["engine"], tensor_parallel_size=f["tensor_parallel_size"],
+                              regenerate_via=f["regenerate"], base_url=f["base_url"],
+                              served_model=f["served_model"])
     return {"samples": idx["samples"], "tokens": idx["tokens"],
             "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2)}
 
@@ -431,12 +569,23 @@ def train_and_evaluate(s: "Step", group: str, *, features: str, init: str, vocab
     from . import plan
     from .train import TrainConfig
 
+    from .train import init_distributed
+
     tp = s.p[group]["train"]
     target = target_dir(s.p["targets"]["new"])
+    rank, _ = init_distributed()  # under torchrun: every rank trains on its slice of each batch
+    if rank > 0:  # the same run, its files written by rank 0 (checkpoints: shared ckpt_dir)
+        with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
+            plan.train_phase(scratch, features_dir=features, target_dir=target,
+                             vocab_path=art("vocab_new", "vocab.safetensors"), init=init,
+                             source_dir=source_dir(), vocab_policy=vocab_policy, train_cfg=TrainConfig(**tp),
+                             logger=None, progress=False, ckpt_dir=checkpoints(s.name))
+        return {}
     rep = plan.train_phase(s.dir, features_dir=features, target_dir=target,
                            vocab_path=art("vocab_new", "vocab.safetensors"), init=init,
                            source_dir=source_dir(), vocab_policy=vocab_policy,
-                           train_cfg=TrainConfig(**tp), logger=s.run, progress=True)
+                           train_cfg=TrainConfig(**tp), logger=s.run.background() if s.run else None,
+                           progress=True, ckpt_dir=checkpoints(s.name))
     hist = json.loads(s.path("train_history.json").read_text())
     cols = ["step", "loss", "acc_0", "lr"]
     with open(s.path("history.csv"), "w", newline="") as fh:
@@ -448,8 +597,12 @@ def train_and_evaluate(s: "Step", group: str, *, features: str, init: str, vocab
     write_json(s.path("eval.json"), res)
     out = phase_metrics(res, s.p)
     fin = rep.get("final", {})
+    from .train import dist_info
+
+    out.update(train_processes=dist_info()[1])  # > 1 under torchrun (resources.<rule>.torchrun)
     out.update(train_steps=rep["train_steps"], train_seconds=round(rep["train_seconds"], 1),
-               final_loss=fin.get("loss"), final_acc_0=fin.get("acc_0"))
+               final_loss=fin.get("loss"), final_acc_0=fin.get("acc_0"),
+               resumed_from_step=rep["resumed_from_step"])
     if "vocab" in rep:
         out["lm_head_rows_kept"] = rep["vocab"].get("kept_rows")
         out["lm_head_rows_new"] = rep["vocab"].get("new_rows")
@@ -461,7 +614,7 @@ def online_phase(s: "Step", phase: str) -> dict:
     same sequences (draftport.online.run_step). The figures go to metrics.json, next to the
     phase's own offline accept_length, and into the phase's MLflow run. Fails (after writing
     online.json and logging both figures) when the two tau differ by more than online.tolerance."""
-    from . import online
+    from . import export, online
     from .tracking import PhaseRun
 
     o, k = s.p["online"], s.p["eval"]["k"]
@@ -469,10 +622,14 @@ def online_phase(s: "Step", phase: str) -> dict:
     run_info = read_json(art(phase, RUN_FILE))
     run = PhaseRun.attach(run_info["run_id"], where=art(phase, RUN_FILE))  # before compute
     drafter = source_dir() if phase == "phase0" else Path(art(phase, "drafter"))
+    drafter, how = export.for_vllm(drafter, s.path("export"), s.p["features"]["aux_convention"])
+    print(f"{s.name}: {drafter}: {how}")
     m = online.run_step(target_dir(s.p["targets"]["new"]), drafter, s.p["targets"]["prompts_eval_new"], s.dir,
                         n_prompts=o["n_prompts"], k=k, max_new_tokens=o["max_new_tokens"], tol=o["tolerance"],
                         vllm_python_path=o["vllm_python"], max_num_seqs=o["max_num_seqs"], dtype=o["dtype"],
-                        check=False)
+                        tensor_parallel_size=o["tensor_parallel_size"], check=False,
+                        # beside the step's log: it outlives a failed step, whose folder is dropped
+                        log_path=Path("logs", f"{s.name}.vllm.log"))
     out = {"accept_length": ran["accept_length"], **{key: v for key, v in m.items() if not isinstance(v, str)}}
     agree = abs(m["online_offline_difference"]) <= o["tolerance"]
     run.log_metrics({key: v for key, v in out.items() if key != "accept_length"}, step=int(ran.get("train_steps", 0)))
