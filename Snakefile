@@ -4,7 +4,7 @@
     snakemake --cores 8 phase2     + scaled data, continued training
     snakemake --cores 8 all        + the report;  snakemake --report report.html
     snakemake --cores 8 online     vLLM serves the Phase 0 / Phase 1 drafters (make vllm-venv first)
-    snakemake --configfile configs/micro.yaml ...   another profile layered on params.yaml
+    snakemake --configfile=configs/micro.yaml ...   another profile layered on params.yaml
 
 params.yaml is the only parameter file; it is validated before any job. dvc.yaml is generated
 from this file (python -m draftport.pipeline dvc-yaml): stage = rule, same command.

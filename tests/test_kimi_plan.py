@@ -100,3 +100,13 @@ def test_slurm_profile_plans_with_the_rules_resources():
     jobs = plan(*args)
     assert set(jobs) == JOBS
     assert int(jobs["phase2"]["resources"]["gpu"]) == 8
+
+
+
+def test_the_readme_spelling_of_the_kimi_plan_works():
+    """`snakemake -n --configfile=configs/kimi-k2.5.yaml phase2`, as the README writes it: with the
+    `=`, the target stays a target (a bare --configfile would take `phase2` for a file)."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"snakemake -n --configfile={KIMI} phase2" in readme
+    r = smk("-n", f"--configfile={KIMI}", "phase2")
+    assert "phase2" in r.stdout and "This was a dry-run" in r.stdout
