@@ -83,6 +83,8 @@ def repo(tmp_path_factory):
     copy_repo(path)
     micro = P.merge(P.read_yaml(path / "params.yaml"), P.read_yaml(path / "configs/micro.yaml"))
     micro["online"]["enabled"] = HAVE_VLLM  # `all` and the report then include the online steps
+    # a reference row (the upper bound Phase 0 reports): here the source itself, fetched again
+    micro["reference"] = {"repo_id": micro["source"]["repo_id"], "revision": "main", "note": "the source (test)"}
     (path / "params.yaml").write_text("# the micro profile, merged (test copy)\n" + yaml.safe_dump(micro, sort_keys=False))
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
@@ -152,6 +154,9 @@ def test_phase1_from_scratch(repo):
         assert key in m, key
     assert m["break_even_accept_length"] == pytest.approx(82.0 * 0.030)
     assert not (repo.path / "artifacts/phase2").exists()
+    p0 = repo.metrics("phase0")  # the reference, fetched like the source, on the same eval set
+    assert (repo.path / "artifacts/fetch/reference/config.json").is_file()
+    assert p0["reference_accept_length"] == pytest.approx(p0["accept_length"])
 
 
 def test_dvc_agrees_after_snakemake(repo):
