@@ -212,3 +212,21 @@ def read_config(folder: str | Path) -> tuple[DrafterConfig, dict]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DraftportError(path, f"not valid JSON ({e.__class__.__name__}: {e})") from None
     return parse_config(raw, path), raw
+
+
+def target_text_config(path) -> dict:
+    """A target's text decoder config: its config.json, or the `text_config` of a multimodal
+    wrapper (Kimi-K2.5). One-line errors name the folder or the file. No torch."""
+    path = Path(path)
+    f = path / "config.json"
+    if not f.is_file():
+        raise DraftportError(path, "not a model folder (no config.json)")
+    try:
+        cfg = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftportError(f, f"not valid JSON ({e.__class__.__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise DraftportError(f, "config is not a JSON object")
+    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
+        return cfg["text_config"]
+    return cfg

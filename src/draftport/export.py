@@ -19,19 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import REQUIRED_KEYS, OPTIONAL_KEYS, expected_shapes, read_header
-from .config import FLAT_ARCH, parse_config
+from .config import FLAT_ARCH, parse_config, target_text_config
 from .errors import DraftportError
-
-
-def _target_config(target_dir) -> dict:
-    path = Path(target_dir) / "config.json"
-    if not path.is_file():
-        raise DraftportError(target_dir, "not a model folder (no config.json)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DraftportError(path, f"not valid JSON ({e.__class__.__name__}: {e})") from None
-    return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
 
 
 def _raw_tables(folder: Path) -> dict:
@@ -77,7 +66,7 @@ def export_problems(drafter_dir, target_dir, *, context: int | None = None,
         cfg = parse_config(raw, cpath)
     except DraftportError as e:
         return [e.problem]
-    tcfg = _target_config(target_dir)
+    tcfg = target_text_config(target_dir)
 
     # -- format: flat, as the engines' LlamaForCausalLMEagle3 loaders expect ------------------
     if raw.get("speculators_model_type") or "transformer_layer_config" in raw:

@@ -63,12 +63,37 @@ def encode_prompts(target_dir, prompts_path, n_prompts: int | None, *, offset: i
 
 
 def _target_context(target_dir) -> int:
-    cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg) if "max_position_embeddings" not in cfg else cfg
-    return int(cfg.get("max_position_embeddings", 2048))
+    from .config import target_text_config
+
+    return int(target_text_config(target_dir).get("max_position_embeddings", 2048))
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------
+def run_in_vllm_venv(cmd: list[str], log_path, result: Path, *, where, what: str,
+                     timeout: float | None = 3600) -> float:
+    """Run a script under the vLLM venv's interpreter (cmd[0]), its output to log_path; the wall
+    seconds. Fails, naming `where`, unless it exits 0 having written `result`: the message
+    quotes the root cause, the first exception line (the engine's own wrap-ups come later)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the CPU engine: a small KV cache (GiB)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.pop("PYTHONPATH", None)  # the vLLM venv must not see the project's packages
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log_path, "w") as lf:
+        try:
+            rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not Path(result).is_file():
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+        errs = [ln for ln in lines if re.search(r"\b\w*(Error|Exception): ", ln)]
+        why = errs[0] if errs else (lines[-1] if lines else "no output")
+        raise DraftportError(where, f"{what} failed (exit {rc}): {why.strip()[-400:]} [log: {log_path}]")
+    return time.time() - t0
+
+
 def run_vllm(target_dir, drafter_dir, prompt_ids: list[list[int]], *, k: int, max_new_tokens: int,
              vllm_python_path=None, work_dir=None, max_num_seqs: int = 8, dtype: str = "float32",
              script=None, timeout: float | None = 3600, log_path=None, tensor_parallel_size: int = 1) -> dict:
@@ -90,26 +115,8 @@ def run_vllm(target_dir, drafter_dir, prompt_ids: list[list[int]], *, k: int, ma
                "--prompts", str(tmp / "prompts.json"), "--out", str(out), "--k", str(k),
                "--max-tokens", str(max_new_tokens), "--max-num-seqs", str(max_num_seqs),
                "--dtype", dtype, "--max-model-len", str(ctx), "--tensor-parallel-size", str(tensor_parallel_size)]
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        # the vLLM venv must not see the project's site-packages through PYTHONPATH
-        env.pop("PYTHONPATH", None)
-        log_path = Path(log_path) if log_path else tmp / "vllm.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
-        with open(log_path, "w") as lf:
-            try:
-                rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        wall = time.time() - t0
-        if rc != 0 or not out.is_file():
-            lines = log_path.read_text(errors="replace").strip().splitlines()
-            # the root cause is the first exception line (the engine's own wrap-ups come later)
-            errs = [ln for ln in lines if re.search(r"\b\w*(Error|Exception): ", ln)]
-            why = errs[0] if errs else (lines[-1] if lines else "no output")
-            raise DraftportError(drafter_dir, f"vLLM run failed (exit {rc}): {why.strip()[-400:]} [log: {log_path}]")
+        wall = run_in_vllm_venv(cmd, log_path or tmp / "vllm.log", out, where=drafter_dir, what="vLLM run",
+                                timeout=timeout)
         res = json.loads(out.read_text())
     res["wall_seconds"] = wall
     return res

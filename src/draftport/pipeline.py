@@ -490,8 +490,9 @@ def source_revision() -> str:
 
 
 def target_config(target) -> dict:
-    cfg = read_json(Path(target) / "config.json")
-    return cfg.get("text_config", cfg) if "vocab_size" not in cfg else cfg
+    from .config import target_text_config
+
+    return target_text_config(target)
 
 
 def check_source_fits(features: dict) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .config import target_text_config
 from .errors import DraftportError
 
 
@@ -48,19 +49,7 @@ def check_aux_ids(aux_ids, num_layers: int, convention: str, where=None):
 TEXT_PREFIXES = ("", "language_model.", "model.language_model.")
 
 
-def text_config(path: str | Path) -> dict:
-    """The text decoder's config: config.json, or its `text_config` in a multimodal wrapper."""
-    path = Path(path)
-    f = path / "config.json"
-    if not f.is_file():
-        raise DraftportError(path, "not a model folder (no config.json)")
-    try:
-        cfg = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DraftportError(f, f"not valid JSON ({e.__class__.__name__}: {e})") from None
-    if "text_config" in cfg and "num_hidden_layers" not in cfg:
-        return cfg["text_config"]
-    return cfg
+text_config = target_text_config  # the text decoder's config (also of a multimodal wrapper)
 
 
 def _tensor_names(path: Path) -> dict[str, Path]:

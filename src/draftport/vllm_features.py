@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from .data import Sequence, write_features
 from .errors import DraftportError
-from .online import REPO, vllm_python
+from .online import REPO, run_in_vllm_venv, vllm_python
 from .target import check_aux_ids, read_text_tensor, text_config
 
 SCRIPT = REPO / "scripts" / "features_vllm.py"
@@ -60,28 +57,13 @@ def run_extraction(target_dir, sequences: list[list[int]], out_dir, layer_ids: l
            "--max-num-seqs", str(max_num_seqs)]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.pop("PYTHONPATH", None)  # the vLLM venv must not see the project's packages
-    log_path = Path(log_path) if log_path else out_dir / "vllm.log"
-    t0 = time.time()
-    with open(log_path, "w") as lf:
-        try:
-            rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
     res_path = out_dir / "result.json"
-    if rc != 0 or not res_path.is_file():
-        lines = log_path.read_text(errors="replace").strip().splitlines()
-        errs = [ln for ln in lines if re.search(r"\b\w*(Error|Exception): ", ln)]
-        why = errs[0] if errs else (lines[-1] if lines else "no output")
-        raise DraftportError(target_dir, f"vLLM hidden-state extraction failed (exit {rc}): "
-                             f"{why.strip()[-400:]} [log: {log_path}]")
+    wall = run_in_vllm_venv(cmd, log_path or out_dir / "vllm.log", res_path, where=target_dir,
+                            what="vLLM hidden-state extraction", timeout=timeout)
     res = json.loads(res_path.read_text())
     if len(res["files"]) != len(sequences):
         raise DraftportError(res_path, f"{len(res['files'])} files for {len(sequences)} sequences")
-    res["wall_seconds"] = time.time() - t0
+    res["wall_seconds"] = wall
     return res
 
 
