@@ -69,7 +69,7 @@ def worker(what: str, mode: str, folder: str, limit: int, extra: str) -> None:
             from test_drafter import toy_drafter
 
             from draftport.data import FeatureSet
-            from draftport.train import TrainConfig, train
+            from draftport.train import train
 
             from safetensors.torch import load_file
 

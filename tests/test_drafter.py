@@ -6,7 +6,7 @@ import torch
 
 from draftport.config import DrafterConfig
 from draftport.drafter import Eagle3Drafter
-from draftport.evaluate import accepted_counts, offline_accept_length, walk
+from draftport.evaluate import offline_accept_length, walk
 from draftport.ttt import Batch, ttt_loss
 from draftport.vocab import build_maps
 

@@ -14,18 +14,18 @@ Slow (a few minutes on 2 cores); CI runs it.
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from draftport import params as P
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mlflow_server import MlflowServer, rest  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,12 +35,6 @@ VLLM_PY = Path(os.environ.get("DRAFTPORT_VLLM_PYTHON") or ROOT / ".venv-vllm/bin
 HAVE_VLLM = VLLM_PY.exists()
 REQUIRE_VLLM = bool(os.environ.get("DRAFTPORT_REQUIRE_VLLM"))
 TIMES: dict[str, float] = {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Repo:
@@ -86,8 +80,8 @@ def repo(tmp_path_factory):
     # a reference row (the upper bound Phase 0 reports): here the source itself, fetched again
     micro["reference"] = {"repo_id": micro["source"]["repo_id"], "revision": "main", "note": "the source (test)"}
     (path / "params.yaml").write_text("# the micro profile, merged (test copy)\n" + yaml.safe_dump(micro, sort_keys=False))
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
+    server = MlflowServer(tmp)
+    uri = server.uri
     env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(path / "src"),
            "MLFLOW_TRACKING_URI": uri, "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
@@ -100,37 +94,14 @@ def repo(tmp_path_factory):
         r.dvc("init", "-q")
     r.run("git", "add", "-A")
     r.run("git", "commit", "-qm", "test copy")
-    server = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp}/mlflow-server.db", "--default-artifact-root", str(tmp / "mlart")],
-        cwd=tmp, env=env, stdout=open(tmp / "mlflow-server.log", "w"), stderr=subprocess.STDOUT,
-        start_new_session=True)
+    server.env = env
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as h:
-                    if h.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise AssertionError("mlflow server did not start:\n" + (tmp / "mlflow-server.log").read_text()[-3000:])
-            time.sleep(0.5)
+        server.start()
         r.uri = uri
         yield r
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the server's own session: it and its workers
-        server.wait(timeout=30)
+        server.stop()
         print("\ntimings (s):", json.dumps({k: round(v, 1) for k, v in TIMES.items()}, indent=1))
-
-
-def rest(uri, path, body=None):
-    req = urllib.request.Request(f"{uri}/api/2.0/mlflow/{path}", method="POST" if body is not None else "GET",
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
 
 
 def runs_by_name(uri, profile="micro") -> dict[str, list[dict]]:
@@ -198,7 +169,7 @@ def test_online_step_agrees_with_offline(repo):
     # online steps are Snakemake-only: DVC still has nothing to do up to phase1, a rerun plans nothing
     assert json.loads(repo.dvc("status", "--json", "phase1").stdout) == {}
     assert "Nothing to be done" in repo.smk("-n", "online").stdout
-    print(f"\nonline (micro): " + ", ".join(
+    print("\nonline (micro): " + ", ".join(
         f"{ph}: vLLM {repo.metrics('online_' + ph)['online_accept_length']:.4f} / offline "
         f"{repo.metrics('online_' + ph)['offline_same_prompts_accept_length']:.4f}" for ph in ("phase0", "phase1")))
 

@@ -3,14 +3,8 @@ short outage arrives once the server is back, what outlasts the retry budget is 
 warning, and the run is closed at the end. A real `mlflow server`, killed and restarted on the
 same port and backend store."""
 
-import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,47 +12,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_drafter import toy_drafter  # noqa: E402
 from test_train import make_features  # noqa: E402
+from mlflow_server import MlflowServer  # noqa: E402
 
 from draftport.tracking import PhaseRun, transient  # noqa: E402
 from draftport.train import Logger, TrainConfig, train  # noqa: E402
 
-BIN = Path(sys.executable).parent
-
-
-class Server:
-    def __init__(self, tmp: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.tmp, self.proc, self.starts = tmp, None, 0
-
-    def start(self):
-        self.starts += 1
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        self.proc = subprocess.Popen(
-            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{self.tmp}/mlflow.db", "--default-artifact-root", str(self.tmp / "art")],
-            cwd=self.tmp, env=env, stdout=open(self.tmp / f"server{self.starts}.log", "w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
-        deadline = time.time() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as h:
-                    if h.status == 200:
-                        return
-            except OSError:
-                pass
-            assert self.proc.poll() is None and time.time() < deadline, (self.tmp / f"server{self.starts}.log").read_text()[-2000:]
-            time.sleep(0.3)
-
-    def kill(self):
-        os.killpg(self.proc.pid, signal.SIGKILL)  # a crash, not a shutdown
-        self.proc.wait()
-
-    def rest(self, path):
-        with urllib.request.urlopen(f"{self.uri}/api/2.0/mlflow/{path}", timeout=30) as r:
-            return json.loads(r.read())
 
 
 @pytest.fixture
@@ -66,7 +24,7 @@ def server(tmp_path, monkeypatch):
     for k, v in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
                  ("MLFLOW_HTTP_REQUEST_TIMEOUT", "30"), ("DRAFTPORT_MLFLOW_RETRY_S", "120")):
         monkeypatch.setenv(k, v)
-    s = Server(tmp_path)
+    s = MlflowServer(tmp_path)
     s.start()
     yield s
     if s.proc.poll() is None:
@@ -76,7 +34,7 @@ def server(tmp_path, monkeypatch):
 class Outages(Logger):
     """Passes every call to the run; around chosen steps, takes the server down and up again."""
 
-    def __init__(self, run: PhaseRun, server: Server):
+    def __init__(self, run: PhaseRun, server: MlflowServer):
         self.run, self.server, self.seen = run, server, []
 
     def log_metrics(self, metrics, step):

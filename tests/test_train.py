@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from draftport.data import FeatureSet, Sequence, write_features
-from draftport.drafter import Eagle3Drafter
 from draftport.train import TrainConfig, batch_ids, lr_at, train
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -4,7 +4,6 @@ transformers greedy regeneration (no fake servers). Both need the vLLM venv (`ma
 it, failing when DRAFTPORT_REQUIRE_VLLM is set."""
 
 import copy
-import json
 import os
 import socket
 import subprocess

@@ -431,7 +431,7 @@ class Eagle3Drafter(nn.Module):
         fused: flash-based attention, and the linears and MLP as custom functions (the MLP keeps
         only gate/up outputs; with self.accumulate_wgrad the weight gradients are summed in
         place across TTT steps)."""
-        L, A, M = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
+        A, M = self.midlayer.self_attn, self.midlayer.mlp
         R = self._regions()
         if fused:
             acc = self.accumulate_wgrad

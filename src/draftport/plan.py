@@ -329,7 +329,7 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     ckpt_dir: where the periodic checkpoints live (default out_dir/checkpoints); a run on the
     same config and inputs (inputs_fingerprint) resumes from them.
     """
-    from .train import TrainConfig, train
+    from .train import train
 
     out_dir = Path(out_dir)
     fs = FeatureSet(features_dir)
