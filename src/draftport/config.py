@@ -203,28 +203,29 @@ def parse_config(raw: dict, path: str | Path = "config.json") -> DrafterConfig:
     return cfg
 
 
-def read_config(folder: str | Path) -> tuple[DrafterConfig, dict]:
-    path = Path(folder) / "config.json"
+def load_json(path: str | Path, missing: str, where=None) -> Any:
+    """A JSON file; one-line errors: `where` (default the file) + `missing` when it is absent,
+    the file + the parser's complaint when it is not JSON."""
+    path = Path(path)
     if not path.is_file():
-        raise DraftportError(path, "no config.json in the drafter folder")
+        raise DraftportError(path if where is None else where, missing)
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DraftportError(path, f"not valid JSON ({e.__class__.__name__}: {e})") from None
+
+
+def read_config(folder: str | Path) -> tuple[DrafterConfig, dict]:
+    path = Path(folder) / "config.json"
+    raw = load_json(path, "no config.json in the drafter folder")
     return parse_config(raw, path), raw
 
 
 def target_text_config(path) -> dict:
     """A target's text decoder config: its config.json, or the `text_config` of a multimodal
     wrapper (Kimi-K2.5). One-line errors name the folder or the file. No torch."""
-    path = Path(path)
-    f = path / "config.json"
-    if not f.is_file():
-        raise DraftportError(path, "not a model folder (no config.json)")
-    try:
-        cfg = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DraftportError(f, f"not valid JSON ({e.__class__.__name__}: {e})") from None
+    f = Path(path) / "config.json"
+    cfg = load_json(f, "not a model folder (no config.json)", where=path)
     if not isinstance(cfg, dict):
         raise DraftportError(f, "config is not a JSON object")
     if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:

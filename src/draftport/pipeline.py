@@ -459,13 +459,9 @@ def write_json(path, obj) -> None:
 
 
 def read_json(path) -> Any:
-    path = Path(path)
-    if not path.is_file():
-        raise DraftportError(path, "missing (has the step that writes it run?)")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DraftportError(path, f"not valid JSON ({e.__class__.__name__}: {e})") from None
+    from .config import load_json
+
+    return load_json(path, "missing (has the step that writes it run?)")
 
 
 # ---- shared by the step scripts ------------------------------------------------------------
