@@ -32,6 +32,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_pipeline import micro_copy  # noqa: E402
 BIN = Path(sys.executable).parent
 PY = sys.executable
 # Run once for the fixture; phase0 and phase1 are left out (no case needs their outputs).
@@ -342,16 +344,6 @@ CASES = [
 
 
 # ---- the micro world -----------------------------------------------------------------------------
-def copy_repo(dst: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
-    for f in filter(None, files):
-        src = ROOT / f
-        if src.is_file() and not f.startswith(("artifacts/", "logs/", "tests/")):
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / f)
-
-
 def env_for(repo: Path, tmp: Path) -> dict:
     env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(repo / "src"),
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "HF_HUB_OFFLINE": "1",
@@ -363,13 +355,9 @@ def env_for(repo: Path, tmp: Path) -> dict:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A repository copy whose params.yaml is the micro profile, with the steps a case needs run."""
-    from draftport import params as P
-
     tmp = tmp_path_factory.mktemp("bad_inputs")
     repo = tmp / "world"
-    copy_repo(repo)
-    micro = P.merge(P.read_yaml(repo / "params.yaml"), P.read_yaml(repo / "configs/micro.yaml"))
-    (repo / "params.yaml").write_text(yaml.safe_dump(micro, sort_keys=False))
+    micro_copy(repo)
     env = env_for(repo, tmp)
     for s in FIXTURE_STEPS:
         r = subprocess.run(step(s), cwd=repo, env=env, capture_output=True, text=True, timeout=600)

@@ -70,16 +70,28 @@ def copy_repo(dst: Path) -> None:
             shutil.copy2(src, dst / f)
 
 
+def micro_copy(dst: Path, edit=None) -> dict:
+    """A copy of the repository whose params.yaml is the micro profile merged in (DVC tracks
+    params.yaml, so both tools see it), changed by edit(cfg) first; returns those params."""
+    copy_repo(dst)
+    cfg = P.merge(P.read_yaml(dst / "params.yaml"), P.read_yaml(dst / "configs/micro.yaml"))
+    if edit is not None:
+        edit(cfg)
+    (dst / "params.yaml").write_text("# the micro profile, merged (test copy)\n" + yaml.safe_dump(cfg, sort_keys=False))
+    return cfg
+
+
+def _online_and_reference(micro: dict) -> None:
+    micro["online"]["enabled"] = HAVE_VLLM  # `all` and the report then include the online steps
+    # a reference row (the upper bound Phase 0 reports): here the source itself, fetched again
+    micro["reference"] = {"repo_id": micro["source"]["repo_id"], "revision": "main", "note": "the source (test)"}
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
     path = tmp / "repo"
-    copy_repo(path)
-    micro = P.merge(P.read_yaml(path / "params.yaml"), P.read_yaml(path / "configs/micro.yaml"))
-    micro["online"]["enabled"] = HAVE_VLLM  # `all` and the report then include the online steps
-    # a reference row (the upper bound Phase 0 reports): here the source itself, fetched again
-    micro["reference"] = {"repo_id": micro["source"]["repo_id"], "revision": "main", "note": "the source (test)"}
-    (path / "params.yaml").write_text("# the micro profile, merged (test copy)\n" + yaml.safe_dump(micro, sort_keys=False))
+    micro_copy(path, _online_and_reference)
     server = MlflowServer(tmp)
     uri = server.uri
     env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(path / "src"),

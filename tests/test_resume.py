@@ -20,12 +20,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from draftport import params as P
 from draftport import pipeline as pl
 from draftport.train import TrainConfig, train
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline import copy_repo  # noqa: E402
+from test_pipeline import micro_copy  # noqa: E402
 from test_train import make_features  # noqa: E402
 from test_drafter import toy_drafter  # noqa: E402
 
@@ -72,10 +71,8 @@ def base(tmp_path_factory):
     """The micro profile with a longer control phase; everything upstream of it built once."""
     root = tmp_path_factory.mktemp("resume")
     path = root / "base"
-    copy_repo(path)
-    cfg = P.merge(P.read_yaml(path / "params.yaml"), P.read_yaml(path / "configs/micro.yaml"))
-    cfg["phase1"]["train"].update(steps=STEPS, checkpoint_every=EVERY, log_every=EVERY // 2)
-    (path / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    micro_copy(path, lambda cfg: cfg["phase1"]["train"].update(steps=STEPS, checkpoint_every=EVERY,
+                                                               log_every=EVERY // 2))
     c = Copy(path)
     c.run("git", "init", "-q")
     if not (path / ".dvc").is_dir():
