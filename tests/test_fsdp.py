@@ -120,8 +120,8 @@ def test_fsdp_resume_is_exact_and_a_single_process_can_resume_it(runs, tmp_path)
 
 def test_unknown_parallel_mode_is_refused(tmp_path):
     fs, head = make_features(tmp_path)
-    cfg = TrainConfig(steps=1, batch_size=2, parallel="zero3")
-    with pytest.raises(DraftportError, match="parallel"):
+    with pytest.raises(DraftportError, match="parallel"):  # TrainConfig itself refuses it (a ParamsError)
+        cfg = TrainConfig(steps=1, batch_size=2, parallel="zero3")
         train(toy_drafter(), fs, head, tmp_path / "run", cfg, progress=False)
 
 

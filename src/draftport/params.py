@@ -4,10 +4,15 @@ Every value a step uses lives in params.yaml, grouped by step. A profile (config
 is a partial params.yaml layered on top (`snakemake --configfile configs/micro.yaml`); the merge
 is a recursive dict update, exactly what Snakemake does with its configfiles.
 
-`validate` runs before any work (the Snakefile calls it at parse time, every script again):
-an unknown key, a wrong type or a bad value is one line naming the dotted key. The schema is
-plain data below; the `world` group takes its keys and types from draftport.world's "default"
-preset, so the world keeps one definition of what it accepts.
+The schema is one pydantic model tree, `Params` (a group of params.yaml is a model: unknown keys
+refused, strict types, ranges, a description on every field). Two of its models are used as they
+are by the code: `TrainConfig` (every `train` group: the training loop's config) and
+`WorldParams` (the `world` group; `WorldParams().model_dump()` is the embedded world). Their
+defaults are the only defaults; params.yaml still writes every value out (a test checks it).
+
+`validate` runs before any work (the Snakefile calls it at parse time, every script again): an
+unknown key, a wrong type or a bad value is one line naming the dotted key, the first problem in
+the order of the file.
 
 No torch, no snakemake here: the Snakefile imports this on every start.
 """
@@ -17,85 +22,24 @@ from __future__ import annotations
 import copy
 import difflib
 import json
-from dataclasses import dataclass, field
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal, Optional
 
 import yaml
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      create_model, model_serializer)
+from pydantic_core import PydanticCustomError
 
 from .errors import DraftportError
+from .steps.registry import STEP_NAMES, TRAINING_STEPS
 
 PARAMS_FILE = "params.yaml"
 
 
 class ParamsError(DraftportError):
     """A bad parameter: str() is one line, `key: problem`."""
-
-
-# ---- schema ------------------------------------------------------------------------------------
-@dataclass
-class Spec:
-    kind: str                      # int float bool str intlist path hubid hubidlist
-    min: float | None = None
-    max: float | None = None
-    choices: tuple | None = None
-    nullable: bool = False
-    doc: str = ""
-
-    def check(self, key: str, v: Any) -> Any:
-        if v is None:
-            if self.nullable:
-                return None
-            raise ParamsError(key, "must be set (null is not allowed here)")
-        k = self.kind
-        if k == "int":
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ParamsError(key, f"expected an integer, got {_show(v)}")
-        elif k == "float":
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ParamsError(key, f"expected a number, got {_show(v)}")
-            v = float(v)
-        elif k == "bool":
-            if not isinstance(v, bool):
-                raise ParamsError(key, f"expected true or false, got {_show(v)}")
-        elif k in ("str", "path", "hubid"):
-            if not isinstance(v, str) or not v.strip():
-                raise ParamsError(key, f"expected a non-empty string, got {_show(v)}")
-            if k == "hubid" and (v.count("/") != 1 or v.startswith("/") or v.endswith("/")):
-                raise ParamsError(key, f"expected a hub id like org/name, got {_show(v)}")
-        elif k == "hubidlist":  # may be empty
-            if not isinstance(v, list):
-                raise ParamsError(key, f"expected a list of hub ids like org/name, got {_show(v)}")
-            for x in v:
-                if not isinstance(x, str) or x.count("/") != 1 or x.startswith("/") or x.endswith("/"):
-                    raise ParamsError(key, f"expected hub ids like org/name, got {_show(x)}")
-            return list(v)
-        elif k == "intlist":
-            if not isinstance(v, list) or not v or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
-                raise ParamsError(key, f"expected a non-empty list of integers, got {_show(v)}")
-            if self.min is not None and min(v) < self.min:
-                raise ParamsError(key, f"every entry must be >= {_num(self.min)}, got {v}")
-            if self.max is not None and len(v) > self.max:
-                raise ParamsError(key, f"expected at most {_num(self.max)} entries, got {len(v)}")
-            return list(v)
-        else:  # pragma: no cover - a schema bug
-            raise AssertionError(k)
-        if self.choices is not None and v not in self.choices:
-            raise ParamsError(key, f"must be one of {', '.join(map(str, self.choices))}; got {_show(v)}")
-        if k in ("int", "float"):
-            if self.min is not None and v < self.min:
-                raise ParamsError(key, f"must be >= {_num(self.min)}, got {_num(v)}")
-            if self.max is not None and v > self.max:
-                raise ParamsError(key, f"must be <= {_num(self.max)}, got {_num(v)}")
-        return v
-
-
-@dataclass
-class Group:
-    keys: dict[str, "Spec | Group"] = field(default_factory=dict)
-    doc: str = ""
-    nullable: bool = False
-    optional: bool = False  # keys may be left out (their defaults live in the code, e.g. TrainConfig)
 
 
 def _show(v: Any) -> str:
@@ -107,123 +51,499 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(x)
 
 
-def I(min=None, max=None, **kw) -> Spec:
-    return Spec("int", min=min, max=max, **kw)
+# ---- leaf types --------------------------------------------------------------------------------
+# Plain int / float / bool / Literal fields are strict (the models' config): an int refuses "32"
+# and 1.5, a float refuses true (an int is taken, as a float), a bool refuses 1. The kinds below
+# add what pydantic has no word for; their problems are already params.yaml's one-line wording.
+def _problem(text: str) -> PydanticCustomError:
+    return PydanticCustomError("draftport", "{problem}", {"problem": text})
 
 
-def F(min=None, max=None, **kw) -> Spec:
-    return Spec("float", min=min, max=max, **kw)
+def _non_empty(v: str) -> str:
+    if not v.strip():
+        raise _problem(f"expected a non-empty string, got {_show(v)}")
+    return v
 
 
-def S(choices=None, **kw) -> Spec:
-    return Spec("str", choices=tuple(choices) if choices else None, **kw)
+def _is_hub_id(v: Any) -> bool:
+    return isinstance(v, str) and v.count("/") == 1 and not v.startswith("/") and not v.endswith("/")
 
 
-def train_group(steps_min: int = 1) -> Group:
-    """draftport.train.TrainConfig's fields (the loop's knobs), with ranges."""
-    return Group({
-        "steps": I(steps_min), "batch_size": I(1), "lr": F(1e-7, 1.0), "min_lr_ratio": F(0, 1),
-        "warmup_steps": I(0), "weight_decay": F(0, 1), "grad_clip": F(0), "ttt_steps": I(1, 16),
-        "gamma": F(0, 1), "seed": I(0), "checkpoint_every": I(1), "keep_checkpoints": I(1),
-        "log_every": I(1), "dtype": S(("auto", "float32", "bfloat16")), "train_lm_head": Spec("bool"),
-        "parallel": S(("ddp", "fsdp"), doc="under torchrun (resources.<rule>.torchrun)"),
-    }, optional=True)
+def _hub_id(v: str) -> str:
+    if not _is_hub_id(v):
+        raise _problem(f"expected a hub id like org/name, got {_show(v)}")
+    return v
 
 
-RESOURCE_RULES = ("default", "world", "fetch", "features_new", "features_eval", "vocab_new",
-                  "features_phase2", "compare", "phase0", "phase1_scratch", "phase1", "phase2", "report",
-                  "online_phase0", "online_phase1")
-TRAINING_RULES = ("phase1_scratch", "phase1", "phase2")
+def _hub_ids(v: Any) -> Any:
+    if not isinstance(v, list):
+        raise _problem(f"expected a list of hub ids like org/name, got {_show(v)}")
+    for x in v:
+        if not _is_hub_id(x):
+            raise _problem(f"expected hub ids like org/name, got {_show(x)}")
+    return v
 
 
-def resource_group(optional: bool) -> Group:
-    """What a rule asks of the machine or the cluster; torchrun: one process per GPU (training)."""
-    return Group({"gpu": I(0), "mem_mb": I(1), "runtime": I(1, doc="minutes"), "threads": I(1),
-                  "torchrun": Spec("bool")}, optional=optional)
+def _int_list(min_entry: int | None = None, max_len: int | None = None):
+    def check(v: Any) -> Any:
+        if not isinstance(v, list) or not v or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+            raise _problem(f"expected a non-empty list of integers, got {_show(v)}")
+        if min_entry is not None and min(v) < min_entry:
+            raise _problem(f"every entry must be >= {_num(min_entry)}, got {v}")
+        if max_len is not None and len(v) > max_len:
+            raise _problem(f"expected at most {_num(max_len)} entries, got {len(v)}")
+        return v
+    return BeforeValidator(check)
 
 
-def _world_group() -> Group:
-    """Keys and types of draftport.world.WORLD_PRESETS['default'], plus what the pipeline adds."""
-    from .world import WORLD_PRESETS
-
-    def from_value(v):
-        if isinstance(v, dict):
-            return Group({k: from_value(x) for k, x in v.items()})
-        if isinstance(v, bool):
-            return Spec("bool")
-        if isinstance(v, int):
-            return I(0)
-        if isinstance(v, float):
-            return F(0)
-        if isinstance(v, list):
-            return Spec("intlist")
-        return S()
-
-    g = from_value(WORLD_PRESETS["default"])
-    g.keys.update({
-        "build": Spec("bool", doc="false: no embedded world (a real target, e.g. the kimi profile)"),
-        "source_drafter": Group({
-            "n_samples": I(1), "max_new_tokens": I(1), "draft_vocab_ratio": F(0.001, 1.0),
-            "batch_size": I(1), "arch": Group({"num_attention_heads": I(1), "intermediate_size": I(1), "num_key_value_heads": I(1),
-                           "head_dim": I(1), "rope_theta": F(1)}, optional=True),
-            "train": train_group(),
-        }),
-    })
-    return g
+Str = Annotated[str, AfterValidator(_non_empty)]          # a non-empty string
+PathStr = Annotated[str, AfterValidator(_non_empty)]      # a file or folder (relative: to the repo)
+HubId = Annotated[str, AfterValidator(_non_empty), AfterValidator(_hub_id)]   # org/name
+HubIdList = Annotated[list[str], BeforeValidator(_hub_ids)]                   # may be empty
 
 
-def schema() -> Group:
-    return Group({
-        "profile": S(doc="names the MLflow experiment (draftport-<profile>)"),
-        "world": _world_group(),
-        "source": Group({
-            "repo_id": Spec("hubid"), "revision": S(), "cache_dir": Spec("path", nullable=True),
-            "offline": Spec("bool"), "lock_file": Spec("path", nullable=True),
-            # pickle weights (.bin/.pt) can run code: refused unless true, then converted to
-            # safetensors at fetch with torch.load(weights_only=True)
-            "allow_pickle": Spec("bool"),
-        }),
-        "targets": Group({
-            "new": S(), "old": S(nullable=True),
-            "prompts_train": Spec("path"), "prompts_eval_new": Spec("path"),
-            "prompts_eval_old": Spec("path", nullable=True),
-            # hub repos whose own code (config.json auto_map: model, tokenizer) may run; [] = none
-            "trust_remote_code": Spec("hubidlist"),
-        }),
-        "features": Group({
-            "aux_layer_ids": Spec("intlist", min=0, max=3), "aux_convention": S(("vllm", "sglang")),
-            "max_new_tokens": I(1), "batch_size": I(1), "dtype": S(("bfloat16", "float16", "float32")),
-            "device": S(), "eval_samples": I(1),
-            # hidden states: transformers in this process (device_map over the visible GPUs), or
-            # vLLM's extract_hidden_states with tensor parallelism (draftport.vllm_features)
-            "engine": S(("transformers", "vllm")), "tensor_parallel_size": I(1),
-            # the target's own answers: generated here, or by the target served behind an
-            # OpenAI-compatible API (vLLM, SGLang) at base_url under the name served_model
-            "regenerate": S(("local", "openai")), "base_url": S(nullable=True),
-            "served_model": S(nullable=True),
-        }),
-        "vocab_new": Group({"draft_vocab_size": I(8)}),
-        "eval": Group({"k": I(1, 16), "batch_size": I(1), "max_samples": I(1, nullable=True)}),
-        "costmodel": Group({"baseline_tok_s": F(1e-9), "verify_ms": F(1e-9), "draft_ms": F(0)}),
-        "phase1": Group({
-            "n_samples": I(1), "vocab_policy": S(("remap", "keep")), "train": train_group(),
-        }),
-        "phase2": Group({"n_samples": I(1), "train": train_group()}),
-        # a published drafter trained for the new target itself (an upper bound): fetched like the
-        # source (source.cache_dir, source.offline), evaluated in Phase 0 next to it
-        "reference": Group({"repo_id": Spec("hubid"), "revision": S(), "note": S(nullable=True)},
-                           nullable=True),
-        # Snakemake resources per rule (draftport.cluster): `default` for every rule, a rule's
-        # entry overrides keys of it
-        "resources": Group({r: resource_group(optional=r != "default") for r in RESOURCE_RULES},
-                           optional=True),
-        "online": Group({
-            "enabled": Spec("bool", doc="true: `all` and the report include the online steps"),
-            "n_prompts": I(1), "max_new_tokens": I(1), "max_num_seqs": I(1), "tolerance": F(0, 1),
-            "dtype": S(("float32", "bfloat16", "float16")), "vllm_python": Spec("path", nullable=True),
-            "tensor_parallel_size": I(1),
-        }),
-    })
+def F(default: Any = ..., doc: str = "", **kw) -> Any:
+    """A field: its default (... = required in the model), its description, its ranges."""
+    return Field(default, description=doc, **kw)
+
+
+class Group(BaseModel):
+    """A group of params.yaml. In a params file every key of a group must be written out,
+    unless the group says `keys_optional` (then a key left out takes the model's default)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    keys_optional: ClassVar[bool] = False
+
+
+# ---- the training config (every `train` group) -------------------------------------------------
+class TrainConfig(Group):
+    """The training loop's knobs (draftport.train.train): AdamW, linear warmup + cosine decay,
+    gradient clipping, the TTT loss. `TrainConfig(**d)` and `TrainConfig.from_dict(d, where)`
+    raise a ParamsError (a DraftportError) naming the key."""
+
+    keys_optional: ClassVar[bool] = True
+
+    steps: int = F(200, "optimizer steps", ge=1)
+    batch_size: int = F(8, "global batch, in samples (split over the torchrun processes)", ge=1)
+    lr: float = F(1e-3, "peak learning rate (AdamW), reached after the warmup", ge=1e-7, le=1.0)
+    min_lr_ratio: float = F(0.1, "the cosine decay ends at lr * min_lr_ratio", ge=0, le=1)
+    warmup_steps: int = F(20, "linear warmup from 0 to lr, in steps", ge=0)
+    weight_decay: float = F(0.0, "AdamW weight decay", ge=0, le=1)
+    grad_clip: float = F(1.0, "clip of the global gradient norm", ge=0)
+    ttt_steps: int = F(3, "TTT steps: draft positions the drafter is unrolled over in training", ge=1, le=16)
+    gamma: float = F(0.8, "TTT loss weight: step j's loss counts gamma**j", ge=0, le=1)
+    seed: int = F(0, "data order: a step's batch is a pure function of (seed, step)", ge=0)
+    checkpoint_every: int = F(50, "steps between checkpoints (a run resumes from the last)", ge=1)
+    keep_checkpoints: int = F(2, "checkpoints kept, the older ones removed", ge=1)
+    log_every: int = F(10, "steps between logged metrics (MLflow)", ge=1)
+    dtype: Literal["auto", "float32", "bfloat16"] = F(
+        "auto", "auto: float32 on CPU, bfloat16 autocast on CUDA")
+    train_lm_head: bool = F(True, "train the drafter's lm_head (false: frozen; Phase 1's vocab remap needs it)")
+    impl: Literal["auto", "reference", "fused", "compiled"] = F(
+        "auto", "reference: dense-mask attention and whole-tensor loss (the readable definition); "
+        "fused: flash attention + log-sum-exp merge, row-chunked fused soft-CE (same terms); "
+        "compiled: fused + torch.compile of the per-step regions; auto: compiled on CUDA, else reference")
+    parallel: Literal["ddp", "fsdp"] = F(
+        "ddp", "under torchrun (resources.<step>.torchrun): ddp replicates the drafter; fsdp shards "
+        "its weights, gradients and AdamW moments over the ranks")
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _params_error(e, data, type(self), "train.") from None
+
+    # only a wrapper of BaseModel.__init__ (pydantic's own mark, as RootModel's): validation of a
+    # params file goes on calling pydantic's, so its errors stay ValidationErrors placed in the file
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "train") -> "TrainConfig":
+        unknown = sorted(set(d) - set(cls.model_fields))
+        if unknown:
+            raise DraftportError(where, f"unknown training key(s): {', '.join(map(str, unknown))}")
+        return _checked(cls, d, f"{where}.")
+
+
+# ---- the world (step world) --------------------------------------------------------------------
+class WorldModel(Group):
+    """The targets' shape (a small Llama-like decoder; both targets share it)."""
+
+    hidden_size: int = F(128, "hidden size H of the targets", ge=1)
+    intermediate_size: int = F(384, "MLP width", ge=1)
+    num_hidden_layers: int = F(4, "decoder layers L (bounds features.aux_layer_ids)", ge=1)
+    num_attention_heads: int = F(4, "attention heads", ge=1)
+    num_key_value_heads: int = F(4, "key/value heads (grouped-query attention when fewer)", ge=1)
+    head_dim: int = F(32, "per-head size (vLLM's CPU attention has no kernel below 32)", ge=1)
+    max_position_embeddings: int = F(512, "longest sequence (also the tokenizer's model_max_length)", ge=1)
+
+
+class TargetTraining(Group):
+    """How a world target is trained (target_old from scratch, target_new continued from it)."""
+
+    steps: int = F(..., "optimizer steps", ge=1)
+    lr: float = F(..., "peak learning rate (linear warmup, cosine down to 10%)", ge=0)
+    batch_size: int = F(..., "sequences per step", ge=1)
+    seq_len: int = F(..., "tokens per training sequence", ge=1)
+    warmup: int = F(..., "warmup steps", ge=0)
+
+
+class DrafterArch(Group):
+    """The source drafter's shape; a key left out is derived from the target
+    (draftport.bind.new_drafter_config): heads 4, key/value heads = heads, head_dim =
+    hidden / heads, intermediate 3 x hidden, rope_theta 10000."""
+
+    keys_optional: ClassVar[bool] = True
+
+    num_attention_heads: int = F(None, "attention heads (left out: 4)", ge=1)
+    intermediate_size: int = F(None, "MLP width (left out: 3 x hidden_size)", ge=1)
+    num_key_value_heads: int = F(None, "key/value heads (left out: = num_attention_heads)", ge=1)
+    head_dim: int = F(None, "per-head size (left out: hidden_size / num_attention_heads)", ge=1)
+    rope_theta: float = F(None, "RoPE base (left out: 10000)", ge=1)
+
+    @model_serializer(mode="wrap")
+    def _leave_out_derived(self, handler):  # a key not given stays out: bind derives it
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class SourceDrafterParams(Group):
+    """The world's "AQ-MedAI drafter": an EAGLE-3 drafter trained for target_old, published as
+    the hub repo source.repo_id in artifacts/world/hub."""
+
+    n_samples: int = F(600, "training samples (answers of target_old to its own prompts)", ge=1)
+    max_new_tokens: int = F(96, "answer length", ge=1)
+    draft_vocab_ratio: float = F(0.25, "draft vocabulary size as a share of the vocab (at least 8 ids)",
+                                 ge=0.001, le=1.0)
+    batch_size: int = F(32, "generation batch", ge=1)
+    arch: DrafterArch = F(default_factory=lambda: DrafterArch(num_attention_heads=4, intermediate_size=384),
+                          doc="the drafter's shape; keys left out are derived from the target")
+    train: TrainConfig = F(default_factory=lambda: TrainConfig(
+        steps=200, batch_size=16, lr=0.003, warmup_steps=20, ttt_steps=3, log_every=10, checkpoint_every=200),
+        doc="its training (draftport.train)")
+
+
+class WorldParams(Group):
+    """Step world: the embedded K2 -> K2.5 analog (corpus, tokenizer, target_old, target_new,
+    the source drafter). The defaults are the embedded world: `WorldParams().model_dump()`.
+    (Field order: the world's own keys, then what the pipeline adds, as a missing key is named.)"""
+
+    seed: int = F(0, "corpus and training seed (everything is deterministic from seed, language_seed)", ge=0)
+    language_seed: int = F(20250711, "seed of the synthetic language (its words and grammar)", ge=0)
+    n_old: int = F(6000, "samples of the old corpus (target_old's training data)", ge=1)
+    n_new: int = F(6000, "samples of the new corpus (target_new's; bounds phase2.n_samples)", ge=1)
+    n_heldout: int = F(300, "held-out prompts per corpus (the eval sets; bounds features.eval_samples)", ge=1)
+    vocab_size: int = F(2048, "the tokenizer's vocabulary (bounds vocab_new.draft_vocab_size)", ge=1)
+    threads: int = F(2, "torch threads while the world is built", ge=0)
+    model: WorldModel = F(default_factory=WorldModel, doc="the targets' shape")
+    target_old: TargetTraining = F(
+        default_factory=lambda: TargetTraining(steps=300, lr=0.003, batch_size=16, seq_len=128, warmup=30),
+        doc='"K2": trained from scratch on the old corpus')
+    target_new: TargetTraining = F(
+        default_factory=lambda: TargetTraining(steps=160, lr=0.0015, batch_size=16, seq_len=128, warmup=10),
+        doc='"K2.5": target_old continued on the new corpus')
+    measure_samples: int = F(200, "held-out prompts the two targets are measured on", ge=1)
+    build: bool = F(True, "false: no embedded world (a real target, e.g. the kimi profile)")
+    source_drafter: SourceDrafterParams = F(default_factory=SourceDrafterParams,
+                                            doc="the source drafter, trained for target_old")
+
+
+# ---- the other groups --------------------------------------------------------------------------
+class SourceParams(Group):
+    """Step fetch: the source drafter, pinned."""
+
+    repo_id: HubId = F(..., "hub repo of the source drafter (org/name)")
+    revision: Str = F(..., "branch, tag or commit (the resolved commit is recorded)")
+    cache_dir: Optional[PathStr] = F(..., "hub cache; null = the default HF cache")
+    offline: bool = F(..., "HF_HUB_OFFLINE=1: nothing leaves the machine")
+    lock_file: Optional[PathStr] = F(..., "a sha256-per-file lock kept outside the outputs; a later fetch must match")
+    allow_pickle: bool = F(..., "pickle weights (.bin/.pt) can run code: refused unless true, then converted "
+                           "to safetensors at fetch with torch.load(weights_only=True)")
+
+
+class TargetsParams(Group):
+    """The targets and prompt sets (an existing folder, a pipeline output, or a hub id)."""
+
+    new: Str = F(..., "the new target (the one the drafter is ported to)")
+    old: Optional[Str] = F(..., "the old target (the source's own); null: no source-on-its-own-target reference")
+    prompts_train: PathStr = F(..., 'training prompts, JSONL ({"user": ...} per line)')
+    prompts_eval_new: PathStr = F(..., "held-out prompts for the new target (the eval set)")
+    prompts_eval_old: Optional[PathStr] = F(..., "held-out prompts for the old target; null: none")
+    trust_remote_code: HubIdList = F(..., "hub repos whose own code (config.json auto_map: model, tokenizer) "
+                                     "may run; [] = none")
+
+
+class FeaturesParams(Group):
+    """Steps features_new / features_eval / features_phase2: answers regenerated by the target
+    itself, and its hidden states at the aux layers."""
+
+    aux_layer_ids: Annotated[list[int], _int_list(0, 3)] = F(
+        ..., "the layers the drafter reads (at most 3, must be the source drafter's)")
+    aux_convention: Literal["vllm", "sglang"] = F(
+        ..., "vllm: id k = the state entering layer k; sglang: leaving it")
+    max_new_tokens: int = F(..., "answer length", ge=1)
+    batch_size: int = F(..., "generation batch", ge=1)
+    dtype: Literal["bfloat16", "float16", "float32"] = F(..., "the target's dtype")
+    device: Str = F(..., "torch device of the target (engine transformers)")
+    eval_samples: int = F(..., "held-out prompts with features (the offline eval)", ge=1)
+    engine: Literal["transformers", "vllm"] = F(
+        ..., "hidden states: transformers in this process (device_map over the visible GPUs), or vLLM's "
+        "extract_hidden_states with tensor parallelism")
+    tensor_parallel_size: int = F(..., "engine vllm: GPUs the target is sharded over", ge=1)
+    regenerate: Literal["local", "openai"] = F(
+        ..., "the target's own answers: generated here, or by the target served behind an "
+        "OpenAI-compatible API (vLLM, SGLang) at base_url")
+    base_url: Optional[Str] = F(..., "regenerate openai: the server, e.g. http://127.0.0.1:8000/v1")
+    served_model: Optional[Str] = F(..., "regenerate openai: the name the server knows the target by")
+
+
+class VocabNewParams(Group):
+    """Step vocab_new: the new target's draft vocabulary (top-N ids of its own answers)."""
+
+    draft_vocab_size: int = F(..., "ids in the draft vocabulary", ge=8)
+
+
+class EvalParams(Group):
+    """Every phase: the offline accept length, drafted as an engine drafts."""
+
+    k: int = F(..., "draft tokens per verify cycle", ge=1, le=16)
+    batch_size: int = F(..., "eval batch", ge=1)
+    max_samples: Optional[int] = F(..., "held-out samples evaluated; null: all of them", ge=1)
+
+
+class CostModelParams(Group):
+    """Every phase: projected tok/s = tau / (verify + k * draft); break-even tau at the baseline."""
+
+    baseline_tok_s: float = F(..., "tok/s of the target without a drafter", ge=1e-9)
+    verify_ms: float = F(..., "one verify cycle of the target, ms (drafting included when draft_ms is 0)", ge=1e-9)
+    draft_ms: float = F(..., "one draft token, ms", ge=0)
+
+
+class Phase1Params(Group):
+    """Steps train_phase1 (fine-tune the source) and train_phase1_scratch (the control: same data
+    and budget), and their evals."""
+
+    n_samples: int = F(..., "training samples (new target's answers)", ge=1)
+    vocab_policy: Literal["remap", "keep"] = F(
+        ..., "remap: lm_head rows move onto the new draft map by target id; keep: the source's map")
+    train: TrainConfig = F(..., "the training run")
+
+
+class Phase2Params(Group):
+    """Steps features_phase2 + train_phase2: scaled data, Phase 1's drafter continued."""
+
+    n_samples: int = F(..., "samples in all (Phase 1's included); must exceed phase1.n_samples", ge=1)
+    train: TrainConfig = F(..., "the training run")
+
+
+class ReferenceParams(Group):
+    """A published drafter trained for the new target itself (an upper bound): fetched like the
+    source (source.cache_dir, source.offline), evaluated in Phase 0 next to it."""
+
+    repo_id: HubId = F(..., "hub repo (org/name)")
+    revision: Str = F(..., "branch, tag or commit")
+    note: Optional[Str] = F(..., "shown in the report next to it")
+
+
+_RESOURCE_DOCS = {"gpu": "GPUs", "mem_mb": "memory, MB", "runtime": "minutes", "threads": "threads (cores)",
+                  "torchrun": "training steps only: one process per GPU (torchrun --nproc_per_node <gpu>)"}
+
+
+class ResourceDefault(Group):
+    """What every step asks of the machine or the cluster (draftport.cluster)."""
+
+    gpu: int = F(..., _RESOURCE_DOCS["gpu"], ge=0)
+    mem_mb: int = F(..., _RESOURCE_DOCS["mem_mb"], ge=1)
+    runtime: int = F(..., _RESOURCE_DOCS["runtime"], ge=1)
+    threads: int = F(..., _RESOURCE_DOCS["threads"], ge=1)
+    torchrun: bool = F(..., _RESOURCE_DOCS["torchrun"])
+
+
+class ResourceOverride(Group):
+    """A step's resources: the keys given override resources.default's."""
+
+    keys_optional: ClassVar[bool] = True
+
+    gpu: int = F(None, _RESOURCE_DOCS["gpu"], ge=0)
+    mem_mb: int = F(None, _RESOURCE_DOCS["mem_mb"], ge=1)
+    runtime: int = F(None, _RESOURCE_DOCS["runtime"], ge=1)
+    threads: int = F(None, _RESOURCE_DOCS["threads"], ge=1)
+    torchrun: bool = F(None, _RESOURCE_DOCS["torchrun"])
+
+
+RESOURCE_RULES = ("default", *STEP_NAMES)
+TRAINING_RULES = TRAINING_STEPS
+
+
+class _ResourcesGroup(Group):
+    keys_optional: ClassVar[bool] = True
+
+
+# one field per step of draftport.steps.registry (a step left out takes resources.default)
+ResourcesParams = create_model(
+    "ResourcesParams", __base__=_ResourcesGroup, __module__=__name__,
+    __doc__="Snakemake resources per step: `default` for every step, a step's entry overrides keys of it.",
+    default=(ResourceDefault, F(None, "every step's gpu, mem_mb, runtime, threads, torchrun (required)")),
+    **{r: (ResourceOverride, F(None, f"step {r}: overrides of resources.default")) for r in STEP_NAMES},
+)
+
+
+class OnlineParams(Group):
+    """Steps online_phase0 / online_phase1: the phase's drafter served by vLLM's EAGLE-3
+    speculative decoding (greedy, k = eval.k); tau from vLLM's counters next to the offline
+    evaluator on the same sequences."""
+
+    enabled: bool = F(..., "true: `all` and the report include the online steps")
+    n_prompts: int = F(..., "prompts from targets.prompts_eval_new", ge=1)
+    max_new_tokens: int = F(..., "answer length", ge=1)
+    max_num_seqs: int = F(..., "vLLM's concurrent sequences", ge=1)
+    tolerance: float = F(..., "the step fails when online and offline tau differ by more (a bug, not noise)",
+                         ge=0, le=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = F(..., "vLLM's dtype")
+    vllm_python: Optional[PathStr] = F(..., "vLLM's venv python; null: $DRAFTPORT_VLLM_PYTHON, else "
+                                       ".venv-vllm/bin/python")
+    tensor_parallel_size: int = F(..., "GPUs vLLM shards the target over", ge=1)
+    embed_tokens: Literal["drop", "target"] = F(
+        "drop", "the export's embed_tokens (vLLM serves a drafter's own copy, SGLang always the target's): "
+        "drop = none, so vLLM takes the target's as SGLang does; target = the new target's, bit for bit. "
+        "A drafter carrying another embedding (the old target's) is never exported as is")
+
+
+class DriftParams(Group):
+    """Step drift (beside Phase 0): the old and the new target on the same tokens (the new
+    target's answers to the eval prompts): how far the hidden states moved, and what that costs
+    the source drafter (draftport.drift)."""
+
+    enabled: bool = F(..., "run the probe (needs targets.old); the kimi profile turns it off: two "
+                      "1T-parameter prefills over the eval set")
+    max_tokens: int = F(4096, "tokens sampled for linear CKA (cosine and norms use every assistant token)", ge=2)
+
+
+class Params(Group):
+    """The whole of params.yaml (a profile layered on it)."""
+
+    profile: Str = F(..., "names the MLflow experiment (draftport-<profile>)")
+    world: WorldParams = F(..., "step world: the embedded K2 -> K2.5 analog and its source drafter")
+    source: SourceParams = F(..., "step fetch: the source drafter, pinned")
+    targets: TargetsParams = F(..., "the targets and prompt sets")
+    features: FeaturesParams = F(..., "the features steps: the target's answers and hidden states")
+    vocab_new: VocabNewParams = F(..., "step vocab_new: the new target's draft vocabulary")
+    eval: EvalParams = F(..., "every phase: the offline accept length")
+    costmodel: CostModelParams = F(..., "every phase: projected tok/s")
+    drift: DriftParams = F(..., "step drift: how far the new target's hidden states moved")
+    phase1: Phase1Params = F(..., "Phase 1: fine-tune the source (and the from-scratch control)")
+    phase2: Phase2Params = F(..., "Phase 2: scaled data, continued")
+    reference: Optional[ReferenceParams] = F(..., "a published drafter for the new target (an upper bound); "
+                                             "null: none")
+    resources: ResourcesParams = F(..., "Snakemake resources per step")
+    online: OnlineParams = F(..., "the online steps (vLLM)")
+
+
+# ---- pydantic's errors, as params.yaml's one-line problems --------------------------------------
+def _unwrap(ann: Any) -> tuple[Any, bool]:
+    """(the annotation without Optional, nullable?)."""
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) < len(typing.get_args(ann)) and len(args) == 1:
+            return args[0], True
+    return ann, False
+
+
+def _model_of(ann: Any) -> type[BaseModel] | None:
+    ann, _ = _unwrap(ann)
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def _leaf_problem(err: dict, field, value: Any) -> str:
+    t, ctx = err["type"], err.get("ctx") or {}
+    ann, nullable = _unwrap(field.annotation) if field is not None else (None, False)
+    if _model_of(ann) is not None:
+        return f"expected a group of keys, got {_show(value)}"
+    if value is None and not nullable:
+        return "must be set (null is not allowed here)"
+    if t == "draftport":
+        return err["msg"]
+    if t in ("int_type", "int_from_float", "int_parsing"):
+        return f"expected an integer, got {_show(value)}"
+    if t in ("float_type", "float_parsing"):
+        return f"expected a number, got {_show(value)}"
+    if t in ("bool_type", "bool_parsing"):
+        return f"expected true or false, got {_show(value)}"
+    if t == "string_type" or (t == "literal_error" and not (isinstance(value, str) and value.strip())):
+        return f"expected a non-empty string, got {_show(value)}"
+    if t == "literal_error":
+        return f"must be one of {', '.join(map(str, typing.get_args(ann)))}; got {_show(value)}"
+    if t == "greater_than_equal":
+        return f"must be >= {_num(ctx['ge'])}, got {_num(value)}"
+    if t == "less_than_equal":
+        return f"must be <= {_num(ctx['le'])}, got {_num(value)}"
+    return err["msg"]  # pragma: no cover - a kind of problem the schema does not use
+
+
+def _located(err: dict, data: Any, model: type[BaseModel], prefix: str) -> tuple[tuple, str, str]:
+    """(where the key stands in the file, dotted key, problem) of one pydantic error."""
+    loc, order, keys = err["loc"], [], []
+    cur, owner, field = data, model, None
+    for i, part in enumerate(loc):
+        here = list(cur) if isinstance(cur, dict) else []
+        if owner is None or part not in owner.model_fields:
+            if err["type"] == "extra_forbidden" and i == len(loc) - 1 and part in here:
+                parent = prefix + "".join(f"{k}." for k in keys)
+                close = difflib.get_close_matches(str(part), list(owner.model_fields), n=1) if owner else []
+                hint = f" (did you mean {parent}{close[0]}?)" if close else ""
+                return (*order, here.index(part)), f"{parent}{part}", f"unknown key{hint}"
+            break  # a list entry or a union member: the problem is the field's
+        order.append(here.index(part) if part in here else len(here))
+        keys.append(part)
+        field = owner.model_fields[part]
+        cur = cur.get(part) if isinstance(cur, dict) else None
+        owner = _model_of(field.annotation)
+    dotted = prefix + ".".join(map(str, keys)) if keys else prefix.rstrip(".") or "params"
+    return tuple(order), dotted, _leaf_problem(err, field, cur)
+
+
+def _missing(data: dict, model: type[BaseModel], prefix: str, order: tuple = ()) -> list[tuple]:
+    """Keys a params file must write out but leaves out: after the group's own keys."""
+    out = []
+    for i, (k, v) in enumerate(data.items()):
+        sub = _model_of(model.model_fields[k].annotation) if k in model.model_fields else None
+        if sub is not None and isinstance(v, dict):
+            out += _missing(v, sub, f"{prefix}{k}.", (*order, i))
+    if not getattr(model, "keys_optional", False):
+        out += [((*order, len(data) + j), f"{prefix}{name}", "missing")
+                for j, name in enumerate(model.model_fields) if name not in data]
+    return out
+
+
+def _params_error(e: ValidationError, data: dict, model: type[BaseModel], prefix: str = "") -> ParamsError:
+    """The first problem in the order of the file (as a reader walks it, a group's missing keys
+    after its own), as ParamsError(dotted key, problem)."""
+    found = [_located(err, data, model, prefix) for err in e.errors(include_url=False)
+             if err["type"] != "missing"]
+    found += _missing(data, model, prefix)
+    if not found:  # pragma: no cover
+        raise e
+    _, key, problem = min(found, key=lambda f: f[0])
+    return ParamsError(key, problem)
+
+
+def _checked(model: type[BaseModel], data: dict, prefix: str = "") -> BaseModel:
+    """model validated from data; ParamsError otherwise (also for a key a file must write out)."""
+    try:
+        m = model.model_validate(data)
+    except ValidationError as e:
+        raise _params_error(e, data, model, prefix) from None
+    missing = _missing(data, model, prefix)
+    if missing:
+        _, key, problem = min(missing, key=lambda f: f[0])
+        raise ParamsError(key, problem)
+    return m
+
+
+def _in_order(out: Any, given: Any) -> Any:
+    """A dump in the order of the user's keys (as the file reads)."""
+    if isinstance(out, dict) and isinstance(given, dict):
+        return {k: _in_order(out[k], given[k]) for k in given if k in out}
+    return out
 
 
 # ---- load / merge / validate -------------------------------------------------------------------
@@ -263,35 +583,18 @@ def load(*overlays: str | Path, base: str | Path = PARAMS_FILE) -> dict:
     return validate(cfg)
 
 
-def validate(cfg: dict, group: Group | None = None, prefix: str = "", cross: bool = True) -> dict:
-    """A validated copy of cfg (ints stay ints, floats become floats). Raises ParamsError.
+def validate(cfg: dict, group: type[Group] | None = None, prefix: str = "", cross: bool = True) -> dict:
+    """A validated copy of cfg (ints stay ints, floats become floats; only the keys given, in their
+    order: a key left out of a `keys_optional` group stays out). Raises ParamsError.
 
-    cross: also check values against each other (sizes that must fit together).
+    group: the model (default Params, the whole file; e.g. WorldParams with prefix "world.").
+    cross: also check values against each other (sizes that must fit together; Params only).
     """
-    group = group or schema()
+    model = group or Params
     if not isinstance(cfg, dict):
         raise ParamsError(prefix.rstrip(".") or "params", f"expected a mapping, got {_show(cfg)}")
-    out = {}
-    for k, v in cfg.items():
-        key = f"{prefix}{k}"
-        spec = group.keys.get(k)
-        if spec is None:
-            close = difflib.get_close_matches(str(k), list(group.keys), n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            raise ParamsError(key, f"unknown key{hint}")
-        if isinstance(spec, Group):
-            if v is None and spec.nullable:
-                out[k] = None
-                continue
-            if not isinstance(v, dict):
-                raise ParamsError(key, f"expected a group of keys, got {_show(v)}")
-            out[k] = validate(v, spec, key + ".", cross=False)
-        else:
-            out[k] = spec.check(key, v)
-    missing = [] if group.optional else [k for k in group.keys if k not in cfg]
-    if missing:
-        raise ParamsError(f"{prefix}{missing[0]}", "missing")
-    if not prefix and cross:
+    out = _in_order(_checked(model, cfg, prefix).model_dump(exclude_unset=True), cfg)
+    if model is Params and not prefix and cross:
         _cross_checks(out)
     return out
 
@@ -331,35 +634,10 @@ def _cross_checks(cfg: dict) -> None:
     if f["regenerate"] == "openai" and not (f["base_url"] and f["served_model"]):
         raise ParamsError("features.base_url" if not f["base_url"] else "features.served_model",
                           "must be set when features.regenerate is openai")
+    if cfg["drift"]["enabled"] and not cfg["targets"]["old"]:
+        raise ParamsError("drift.enabled", "needs targets.old (the probe runs the old target on the new one's tokens)")
     if cfg["eval"]["k"] > 16:
         raise ParamsError("eval.k", "at most 16 draft tokens")
-
-
-# ---- the keys each step reads ------------------------------------------------------------------
-# One table for both tools: the Snakefile passes these values through `params:` (Snakemake's
-# params trigger), dvc.yaml lists the same dotted keys (DVC's params tracking), and a script
-# sees only these (a KeyError otherwise): no step can read a value neither tool tracks.
-STEP_KEYS: dict[str, list[str]] = {
-    "world": ["world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"],
-    "fetch": ["source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"],
-    "features_new": ["targets", "features", "phase1.n_samples"],
-    "features_eval": ["targets", "features"],
-    "vocab_new": ["targets.new", "vocab_new"],
-    "compare": ["targets.new"],
-    "phase0": ["profile", "targets", "eval", "costmodel", "reference"],
-    "phase1_scratch": ["profile", "targets.new", "phase1", "eval", "costmodel"],
-    "phase1": ["profile", "targets.new", "phase1", "eval", "costmodel"],
-    "features_phase2": ["targets", "features", "phase1.n_samples", "phase2.n_samples"],
-    "phase2": ["profile", "targets.new", "phase2", "eval", "costmodel"],
-    "report": ["profile", "costmodel", "eval.k", "online.enabled"],
-}
-# The online steps (vLLM serving a phase's drafter): all of `online` but the switch, which only
-# decides whether `all` and the report include them.
-ONLINE_KEYS = ["profile", "targets.new", "targets.prompts_eval_new", "features.aux_convention", "eval.k", "online.n_prompts",
-               "online.max_new_tokens", "online.max_num_seqs", "online.tolerance", "online.dtype",
-               "online.vllm_python", "online.tensor_parallel_size"]
-ONLINE_PHASES = ("phase0", "phase1")
-STEP_KEYS.update({f"online_{ph}": ONLINE_KEYS for ph in ONLINE_PHASES})
 
 
 def get(cfg: dict, dotted: str) -> Any:
@@ -381,10 +659,6 @@ def subset(cfg: dict, keys: list[str]) -> dict:
             cur = cur.setdefault(p, {})
         cur[parts[-1]] = copy.deepcopy(get(cfg, dotted))
     return out
-
-
-def step_params(cfg: dict, step: str) -> dict:
-    return subset(cfg, STEP_KEYS[step])
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
