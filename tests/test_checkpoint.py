@@ -236,3 +236,108 @@ def test_inspect_report_lists_problems_instead_of_failing(tmp_path):
     assert any("missing norm.weight" in p for p in rep["problems"])
     assert rep["config"]["hidden_size"] == 64
     assert {t["name"] for t in rep["tensors"]} >= {"fc.weight", "d2t", "t2d"}
+
+
+# ---- deterministic safetensors writer --------------------------------------------------------
+
+WRITE_IN_A_PROCESS = """
+import sys, torch
+from draftport.checkpoint import save_drafter, save_safetensors
+from draftport.drafter import Eagle3Drafter
+sys.path.insert(0, sys.argv[2])
+from test_checkpoint import toy_state
+g = torch.Generator().manual_seed(0)
+tensors = {"w": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g).bfloat16(),
+           "ids": torch.arange(7), "mask": torch.arange(6) % 2 == 0}
+meta = {f"key_{i}": f"value {i}" for i in range(12)}
+save_safetensors(tensors, sys.argv[1] + "/raw.safetensors", metadata=meta)
+cfg, state = toy_state()
+save_drafter(sys.argv[1] + "/drafter", cfg, state, metadata={"source": "org/a", "commit": "abc", "step": "7"})
+"""
+
+
+def test_identical_writes_in_two_processes_give_identical_bytes(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"seed{seed}"
+        out.mkdir()
+        subprocess.run([sys.executable, "-c", WRITE_IN_A_PROCESS, str(out), str(Path(__file__).parent)],
+                       check=True, env={**os.environ, "PYTHONHASHSEED": seed}, timeout=300)
+        outs.append(out)
+    for rel in ("raw.safetensors", "drafter/model.safetensors", "drafter/config.json"):
+        assert (outs[0] / rel).read_bytes() == (outs[1] / rel).read_bytes(), rel
+    with safe_open(str(outs[0] / "raw.safetensors"), framework="pt") as f:
+        assert f.metadata() == {f"key_{i}": f"value {i}" for i in range(12)}
+    raw = (outs[0] / "raw.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    assert (8 + n) % 8 == 0  # the data section starts 8-byte aligned
+    assert list(json.loads(raw[8:8 + n])["__metadata__"]) == sorted(f"key_{i}" for i in range(12))
+
+
+def test_save_safetensors_round_trips_every_dtype_and_matches_safetensors(tmp_path):
+    from safetensors.numpy import load_file as load_np
+    from safetensors.torch import load_file
+
+    from draftport.checkpoint import save_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(4, 3, generator=g), "bf16": torch.randn(2, 5, generator=g).bfloat16(),
+               "i64": torch.arange(-3, 9).reshape(3, 4), "bool": torch.rand(7, generator=g) > 0.5,
+               "f16": torch.randn(3, generator=g).half(), "i32": torch.arange(5, dtype=torch.int32),
+               "fp8": torch.randn(6, generator=g).to(torch.float8_e4m3fn), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 3), "strided": torch.randn(4, 6, generator=g)[:, ::2]}
+    save_safetensors(tensors, tmp_path / "a.safetensors")
+    back = load_file(str(tmp_path / "a.safetensors"))
+    assert set(back) == set(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
+        assert torch.equal(back[k].view(torch.uint8), v.contiguous().view(torch.uint8)) if v.dtype == torch.float8_e4m3fn \
+            else torch.equal(back[k], v), k
+    # with at most one metadata key, safetensors' own writer gives the very same bytes
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "b.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, tmp_path / "c.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "b.safetensors").read_bytes() == (tmp_path / "c.safetensors").read_bytes()
+    # numpy arrays, a big-endian one included; read_header reads what it wrote
+    arrays = {"d2t": np.arange(5, dtype=">i8"), "t2d": np.array([True, False, True]),
+              "counts": np.arange(6, dtype=np.int64).reshape(2, 3).T}
+    save_safetensors(arrays, tmp_path / "v.safetensors")
+    got = load_np(str(tmp_path / "v.safetensors"))
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(got[k], v)
+    table, meta = read_header(tmp_path / "v.safetensors")
+    assert meta == {} and table["counts"].shape == (3, 2)
+    np.testing.assert_array_equal(read_tensor_np(table["d2t"]), np.arange(5))
+    with pytest.raises(TypeError, match="metadata"):
+        save_safetensors(arrays, tmp_path / "w.safetensors", metadata={"step": 7})
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_feature_shards_and_save_drafter_write_the_same_bytes_twice(tmp_path):
+    from draftport.data import Sequence, write_features
+
+    def featurize(batch):
+        g = torch.Generator().manual_seed(len(batch[0].tokens))
+        T = max(len(s.tokens) for s in batch)
+        return (torch.randn(len(batch), T, 12, generator=g), torch.randn(len(batch), T, 4, generator=g),
+                torch.randint(0, 50, (len(batch), T), generator=g))
+
+    seqs = [Sequence(list(range(5 + i)), 2) for i in range(6)]
+    for name in ("a", "b"):
+        write_features(tmp_path / name, seqs, featurize, meta={"aux_layer_ids": [1, 2, 3]}, shard_samples=4,
+                       batch_size=2)
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == ["index.json", "shard_00000.safetensors", "shard_00001.safetensors"]
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    cfg, state = toy_state()
+    for name in ("d1", "d2"):
+        save_drafter(tmp_path / name, cfg, state, metadata={"z": "1", "a": "2", "m": "3"})
+    for f in ("model.safetensors", "config.json"):
+        assert (tmp_path / "d1" / f).read_bytes() == (tmp_path / "d2" / f).read_bytes(), f

@@ -238,4 +238,5 @@ def test_compare_never_imports_torch(k2):
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'transformers', 'safetensors'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == []
+    # the headers are read by safetensors' Rust core (under 1 ms to import), never safetensors.torch
+    assert set(json.loads(out.stdout)) <= {"safetensors", "safetensors._safetensors_rust"}

@@ -31,12 +31,16 @@ def _print_json(obj) -> None:
 def compare(
     src: Annotated[Path, typer.Argument(help="Source drafter folder (config.json + *.safetensors).")],
     dst: Annotated[Path, typer.Argument(help="Drafter folder to compare against.")],
+    target: Annotated[Path | None, typer.Option(
+        "--target", help="Target folder: check each drafter's own embed_tokens against its embedding "
+                         "(sha256 of the tensor bytes; report key `embedding`).")] = None,
     as_json: JsonFlag = False,
 ):
-    """Config, weights and vocab maps of two drafters side by side, from headers only."""
+    """Config, weights and vocab maps of two drafters side by side, from headers only (with
+    --target, also the bytes of embed_tokens where a drafter carries one)."""
     from .compare import compare_drafters
 
-    rep = compare_drafters(src, dst)
+    rep = compare_drafters(src, dst, target=target)
     if as_json:
         _print_json(rep)
     else:
@@ -111,7 +115,9 @@ def estimate(
     if as_json:
         _print_json(rep)
     else:
-        print(E.render(rep))
+        from .render import estimate_renderables, show
+
+        show(estimate_renderables(rep))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,8 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
     rows = []
     for rule, group in PHASES:
         tr = cfg[group]["train"]
-        n_gpu = gpus or max(1, int({**cfg["resources"]["default"], **cfg["resources"].get(rule, {})}["gpu"]))
+        step = f"train_{rule}"  # the training step's resources (draftport.steps.registry)
+        n_gpu = gpus or max(1, int({**cfg["resources"]["default"], **cfg["resources"].get(step, {})}["gpu"]))
         trainable = tr.get("train_lm_head", True)
         rate = b["lm_head_trainable"] if trainable else b["lm_head_frozen"]
         steps, batch = int(tr["steps"]), int(tr["batch_size"])
@@ -75,20 +76,13 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
 
 
 def render(rep: dict) -> str:
-    from .data import human
+    """The table `draftport estimate` prints (render.estimate_renderables), as plain text."""
+    import io
 
-    b = rep["bench"]
-    lines = [f"measured: {b['device']} ({b['date']}), seq {b['seq']}, TTT {b['ttt_steps']}, bf16, one GPU",
-             f"assumed: {rep['tokens_per_sample']} tokens per sample (every sample a full sequence), "
-             f"scaling efficiency {rep['efficiency']:.2f} over the GPUs",
-             f"  {'rule':<15}{'steps':>7}{'batch':>7}{'epochs':>8}{'tokens':>14}{'lm_head':>11}"
-             f"{'tok/s/GPU':>11}{'GPUs':>6}{'hours':>8}"]
-    for r in rep["rows"]:
-        lines.append(f"  {r['rule']:<15}{r['steps']:>7}{r['batch_size']:>7}{r['epochs']:>8.2f}{r['tokens']:>14,}"
-                     f"{r['lm_head']:>11}{r['tok_s_per_gpu']:>11,}{r['gpus']:>6}{r['hours']:>8.2f}")
-    lines.append(f"Phase 1 (control + fine-tune): {rep['phase1_hours']:.2f} h;  Phase 2: {rep['phase2_hours']:.2f} h "
-                 "(training only; data generation not included)")
-    st = rep["storage_bytes"]
-    lines.append(f"features at {rep['bytes_per_token'] / 1000:.1f} KB/token (H {rep['hidden_size']}): "
-                 f"Phase 1 {human(st['phase1'])}, Phase 2 {human(st['phase2'])} (all samples)")
-    return "\n".join(lines)
+    from rich.console import Console, Group
+
+    from .render import estimate_renderables
+
+    buf = io.StringIO()
+    Console(file=buf, width=150, color_system=None, highlight=False).print(Group(*estimate_renderables(rep)))
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())

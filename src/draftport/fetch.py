@@ -21,7 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .checkpoint import PICKLE_SUFFIXES, atomic_dir, atomic_write_text
+from .checkpoint import PICKLE_SUFFIXES, atomic_dir, atomic_write_text, save_safetensors, sha256
 from .errors import DraftportError
 
 DRAFTER_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
@@ -32,14 +32,6 @@ TARGET_PATTERNS = DRAFTER_PATTERNS + ["tokenizer.json", "tokenizer_config.json",
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "pytorch_model.bin.index.json"]
 CODE_PATTERNS = ["*.py"]
 PICKLE_HINT = "set source.allow_pickle: true to convert them with torch.load(weights_only=True)"
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def place(src: Path, dst: Path) -> None:
@@ -60,7 +52,6 @@ def convert_pickles(src: Path, pickles: list[Path], out: Path) -> dict[str, str]
     unpickles tensors and plain containers and refuses any other object, so no code runs.
     -> {pickle name: safetensors name}."""
     import torch
-    from safetensors.torch import save_file
 
     names = {}
     for p in pickles:
@@ -78,7 +69,7 @@ def convert_pickles(src: Path, pickles: list[Path], out: Path) -> dict[str, str]
             tensors[k] = v.contiguous().clone() if ptr in seen else v.contiguous()
             seen.add(ptr)
         name = p.with_suffix(".safetensors").name
-        save_file(tensors, str(out / name), metadata={"format": "pt", "converted_from": p.name})
+        save_safetensors(tensors, out / name, metadata={"format": "pt", "converted_from": p.name})
         names[p.name] = name
     index = src / "pytorch_model.bin.index.json"
     if index.is_file():

@@ -96,6 +96,9 @@ def compare_renderables(rep: dict) -> list:
     out.append(vt)
     out.append(Text(v["explanation"]))
 
+    if "embedding" in rep:
+        out.append(_embedding_table(rep["embedding"]))
+
     vd = rep["verdict"]
     out.append(Text.assemble(("\nverdict: ", "bold"),
                              ("compatible architecture", "bold green") if vd["compatible_architecture"]
@@ -104,6 +107,29 @@ def compare_renderables(rep: dict) -> list:
                         + [(Text("  !", style="yellow"), Text(wl, style="yellow")) for wl in vd["warnings"]]))
     out.append(_bullets([(Text("vocab action:", style="bold"), vd["vocab_action"])]))
     return out
+
+
+def _sha(h) -> str:
+    return "-" if h is None else h[:16]
+
+
+def _embedding_table(emb: dict) -> Group:
+    """embed_tokens of each drafter against the target's (`draftport compare --target`)."""
+    any_side = emb["src"]
+    t = Table(title=f"embedding (target {emb['target']}: {any_side['target_tensor']})", box=box.SIMPLE_HEAD,
+              title_justify="left", title_style="bold")
+    for col in ("", "embed_tokens", "sha256", "equal to the target's", "vLLM embeds with", "SGLang embeds with"):
+        t.add_column(col, no_wrap=col == "sha256", overflow="fold")
+    for side in ("src", "dst"):
+        c = emb[side]
+        same = c["equal"] if c["equal_values"] is None else c["equal_values"]
+        t.add_row(side, _tensor(c["drafter_shape"], c["drafter_dtype"]) if c["carries_embed_tokens"] else "-",
+                  _sha(c["drafter_sha256"]), _yes(same) if c["carries_embed_tokens"] else Text("-", style="dim"),
+                  c["vllm"], c["sglang"])
+    t.add_row("target", _tensor(any_side["target_shape"], any_side["target_dtype"]),
+              _sha(emb["src"]["target_sha256"] or emb["dst"]["target_sha256"]), "", "", "")
+    notes = [(f"  {side}", emb[side]["note"]) for side in ("src", "dst")]
+    return Group(t, _bullets(notes), Text(""))
 
 
 def _bullets(rows) -> Table:
@@ -165,6 +191,34 @@ def inspect_renderables(rep: dict) -> list:
     if rep["problems"]:
         out.append(Text("problems:\n" + "\n".join(f"  ! {p}" for p in rep["problems"]), style="yellow"))
     return out
+
+
+def estimate_renderables(rep: dict) -> list:
+    """`draftport estimate`: the inputs, the per-rule table, the phase totals and the storage."""
+    from .data import human
+
+    b = rep["bench"]
+    head = Text.assemble(("measured: ", "bold"), f"{b['device']} ({b['date']}), seq {b['seq']}, TTT {b['ttt_steps']}, "
+                         "bf16, one GPU\n",
+                         ("assumed: ", "bold"), f"{rep['tokens_per_sample']} tokens per sample (every sample a full "
+                         f"sequence), scaling efficiency {rep['efficiency']:.2f} over the GPUs")
+    # no cell padding (the box's column divider is a space): the nine columns fit an 80-column
+    # terminal without cutting a figure
+    t = Table(box=box.SIMPLE_HEAD, padding=0)
+    t.add_column("rule", no_wrap=True)
+    for col in ("steps", "batch", "epochs", "tokens", "lm_head", "tok/s/GPU", "GPUs", "hours"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in rep["rows"]:
+        t.add_row(r["rule"], str(r["steps"]), str(r["batch_size"]), f"{r['epochs']:.2f}", f"{r['tokens']:,}",
+                  r["lm_head"], f"{r['tok_s_per_gpu']:,}", str(r["gpus"]), f"{r['hours']:.2f}")
+    st = rep["storage_bytes"]
+    foot = Text.assemble(("Phase 1 (control + fine-tune): ", "bold"), f"{rep['phase1_hours']:.2f} h;  ",
+                         ("Phase 2: ", "bold"), f"{rep['phase2_hours']:.2f} h "
+                         "(training only; data generation not included)\n",
+                         ("features ", "bold"), f"at {rep['bytes_per_token'] / 1000:.1f} KB/token "
+                         f"(H {rep['hidden_size']}): Phase 1 {human(st['phase1'])}, Phase 2 {human(st['phase2'])} "
+                         "(all samples)")
+    return [head, t, foot]
 
 
 def show(renderables: list) -> None:
