@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from draftport.data import FeatureSet
-from draftport.train import Logger, TrainConfig, init_distributed, train
+from draftport.tracking import Logger
+from draftport.train import TrainConfig, init_distributed, train
 from test_drafter import toy_drafter
 
 

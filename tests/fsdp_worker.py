@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from draftport.data import FeatureSet
-from draftport.train import Logger, TrainConfig, init_distributed, train
+from draftport.tracking import Logger
+from draftport.train import TrainConfig, init_distributed, train
 from test_drafter import toy_drafter
 
 

@@ -15,7 +15,8 @@ from test_train import make_features  # noqa: E402
 from mlflow_server import MlflowServer  # noqa: E402
 
 from draftport.tracking import PhaseRun, transient  # noqa: E402
-from draftport.train import Logger, TrainConfig, train  # noqa: E402
+from draftport.tracking import Logger
+from draftport.train import TrainConfig, train  # noqa: E402
 
 
 

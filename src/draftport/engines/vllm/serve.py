@@ -2,8 +2,9 @@
 
 `measure` serves the target with an exported drafter through vLLM's EAGLE-3 speculative
 decoding (greedy) and reads tau from vLLM's own counters: tau = 1 + accepted / drafts, with
-the per-position accepted counts. vLLM lives in its own venv (`make vllm-venv`); the script
-scripts/online_vllm.py runs there as a subprocess, so the main environment never imports it.
+the per-position accepted counts. vLLM lives in its own venv (`make vllm-venv`, see
+draftport.engines.vllm.venv); runners/online_vllm.py runs there as a subprocess, so the main
+environment never imports it.
 
 `offline_same_prompts` replays exactly the sequences vLLM produced (same prompt tokens, vLLM's
 greedy outputs) through the target in transformers and the offline evaluator. Two engine facts
@@ -19,87 +20,50 @@ of that end effect.
 
 `agreement_check` fails when the two tau differ by more than the tolerance: a difference means
 a bug (aux-layer convention, masks, RoPE positions, d2t handling), not noise: both run greedy
-on identical tokens.
+on identical tokens. `for_vllm` renumbers an SGLang-numbered drafter's aux ids for vLLM and
+drops or replaces a drafter's own embed_tokens (params online.embed_tokens);
+`run_step` is the pipeline's online step (also `python -m draftport.engines.vllm.serve`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .errors import DraftportError
-
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_SCRIPT = REPO / "scripts" / "online_vllm.py"
-DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+from ...errors import DraftportError
+from .venv import run_in_vllm_venv, runner, vllm_python
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def vllm_python(path: str | os.PathLike | None = None) -> Path:
-    """The vLLM venv's interpreter: argument, else $DRAFTPORT_VLLM_PYTHON, else .venv-vllm."""
-    p = Path(path or os.environ.get("DRAFTPORT_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON)
-    if not p.exists():
-        raise DraftportError(p, "no vLLM interpreter: run `make vllm-venv` (or set DRAFTPORT_VLLM_PYTHON)")
-    return p
-
-
 # ---- prompts ---------------------------------------------------------------------------------
 def encode_prompts(target_dir, prompts_path, n_prompts: int | None, *, offset: int = 0) -> list[list[int]]:
     """Held-out chat prompts rendered through the target's chat template (generation prompt on):
     the same token ids go to vLLM and to the offline evaluator."""
-    from .plan import encode_prompt, load_tokenizer, read_samples
+    from ...features import encode_prompt, load_tokenizer, read_samples
 
     tok = load_tokenizer(target_dir)
     return [encode_prompt(tok, s["user"]) for s in read_samples(prompts_path, n_prompts, offset)]
 
 
 def _target_context(target_dir) -> int:
-    from .config import target_text_config
+    from ...config import target_text_config
 
     return int(target_text_config(target_dir).get("max_position_embeddings", 2048))
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------
-def run_in_vllm_venv(cmd: list[str], log_path, result: Path, *, where, what: str,
-                     timeout: float | None = 3600) -> float:
-    """Run a script under the vLLM venv's interpreter (cmd[0]), its output to log_path; the wall
-    seconds. Fails, naming `where`, unless it exits 0 having written `result`: the message
-    quotes the root cause, the first exception line (the engine's own wrap-ups come later)."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the CPU engine: a small KV cache (GiB)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.pop("PYTHONPATH", None)  # the vLLM venv must not see the project's packages
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    with open(log_path, "w") as lf:
-        try:
-            rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    if rc != 0 or not Path(result).is_file():
-        lines = log_path.read_text(errors="replace").strip().splitlines()
-        errs = [ln for ln in lines if re.search(r"\b\w*(Error|Exception): ", ln)]
-        why = errs[0] if errs else (lines[-1] if lines else "no output")
-        raise DraftportError(where, f"{what} failed (exit {rc}): {why.strip()[-400:]} [log: {log_path}]")
-    return time.time() - t0
-
-
 def run_vllm(target_dir, drafter_dir, prompt_ids: list[list[int]], *, k: int, max_new_tokens: int,
              vllm_python_path=None, work_dir=None, max_num_seqs: int = 8, dtype: str = "float32",
              script=None, timeout: float | None = 3600, log_path=None, tensor_parallel_size: int = 1) -> dict:
-    """Run scripts/online_vllm.py in the vLLM venv; return its result (counters + outputs)."""
+    """Run runners/online_vllm.py in the vLLM venv; return its result (counters + outputs)."""
     py = vllm_python(vllm_python_path)
-    script = Path(script or DEFAULT_SCRIPT)
+    script = Path(script) if script else runner("online_vllm.py")
     if not script.is_file():
         raise DraftportError(script, "the vLLM runner script is missing")
     ctx = _target_context(target_dir)
@@ -147,6 +111,12 @@ def summarize_online(raw: dict) -> dict:
         out[f"online_accept_rate_pos_{i}"] = rate
         out[f"online_cond_acc_{i}"] = rate / prev if prev > 0 else 0.0
         prev = rate
+    # SpecForge's and vLLM's log's definitions on vLLM's own counters (draftport.evaluate)
+    from ...evaluate import acceptance_rate, simulated_acc_len
+
+    out["online_simulated_acc_len"] = simulated_acc_len(out[f"online_cond_acc_{i}"]
+                                                        for i in range(len(raw["accepted_per_pos"])))
+    out["online_acceptance_rate"] = acceptance_rate(raw["num_accepted_tokens"], raw["num_draft_tokens"])
     return out
 
 
@@ -162,7 +132,7 @@ def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_n
     returned as a second value with return_raw.
     """
     if validate:
-        from .export import validate_export
+        from ...export import validate_export
 
         validate_export(drafter_dir, target_dir)
     prompts = encode_prompts(target_dir, prompts_path, n_prompts, offset=offset)
@@ -177,7 +147,7 @@ def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_n
                    log_path=log_path, tensor_parallel_size=tensor_parallel_size)
     raw["prompt_token_ids"] = prompts
     if raw_out is not None:
-        from .checkpoint import atomic_write_text
+        from ...checkpoint import atomic_write_text
 
         atomic_write_text(raw_out, json.dumps(raw) + "\n")
     res = summarize_online(raw)
@@ -226,12 +196,13 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
     """
     import torch
 
-    from .checkpoint import load_drafter_state
-    from .data import Sequence
-    from .evaluate import accepted_counts, summarize, walk
-    from .plan import drafter_for_target, load_tokenizer, target_head
-    from .target import capture_features, load_target, regenerate
-    from .ttt import Batch
+    from ...checkpoint import load_drafter_state
+    from ...data import Sequence
+    from ...evaluate import accepted_counts, summarize, walk
+    from ...bind import drafter_for_target, target_head
+    from ...features import load_tokenizer
+    from ...target import capture_features, load_target, regenerate
+    from ...data import Batch
 
     if online_raw is not None:
         if not isinstance(online_raw, dict):
@@ -350,10 +321,129 @@ def side_by_side(online: dict, offline: dict) -> list[dict]:
     return rows
 
 
+# ---- the pipeline's step ----------------------------------------------------------------------
+def for_vllm(drafter_dir, out_dir, convention: str | None, embed_tokens: str = "drop",
+             target_dir=None) -> tuple[Path, str]:
+    """The drafter as vLLM must be given it, and what was done.
+
+    Aux ids: vLLM's aux id k is the state entering decoder layer k; SGLang's (the capture
+    SpecForge trains with) is the state leaving layer k, the one entering layer k + 1. A drafter
+    trained under SGLang's numbering is served by vLLM with every id + 1: the same states, vLLM's
+    numbers. `convention`: the drafter's, when its config.json does not record one (draftport
+    writes `draftport_aux_convention`; published drafters usually do not).
+
+    embed_tokens (params online.embed_tokens): vLLM 0.32 embeds with the drafter checkpoint's own
+    embed_tokens when it has one (unless it is torch.equal to the target's), SGLang always with the
+    target's. So a drafter carrying another embedding (the old target's) is never served as is:
+      "drop"    the export carries no embed_tokens: vLLM takes the target's, as SGLang does;
+      "target"  the export carries the target's (target_dir) embed_tokens, bit for bit (its
+                dtype, shape and bytes), copied by byte range.
+    Both serve the same embedding; "target" makes the export self-contained.
+
+    Nothing to change: the drafter folder itself is returned. Otherwise out_dir gets a copy:
+    config.json rewritten when renumbered, the safetensors file holding embed_tokens rewritten
+    (tensors copied bit for bit, torch-free), every other file hard-linked (copied across devices).
+    """
+    import os
+    import shutil
+
+    from ...checkpoint import (atomic_dir, copy_tensors_safetensors, find_target_embedding, read_header,
+                               tensor_sha256, to_flat_name)
+    from ...config import load_json
+    from ...export import EMBED_CHOICES
+
+    if embed_tokens not in EMBED_CHOICES:
+        raise DraftportError("online.embed_tokens", f"must be one of {', '.join(EMBED_CHOICES)}, got {embed_tokens!r}")
+    if embed_tokens == "target" and target_dir is None:
+        raise DraftportError(drafter_dir, "online.embed_tokens target: the export needs the target folder")
+    drafter_dir = Path(drafter_dir)
+    cpath = drafter_dir / "config.json"
+    raw = load_json(cpath, "no config.json in the drafter folder")
+    done: list[str] = []
+
+    # -- aux ids -------------------------------------------------------------------------------
+    conv = raw.get("draftport_aux_convention") or convention
+    new_config = None
+    if conv == "sglang":
+        holder = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else raw
+        ids = holder.get("eagle_aux_hidden_state_layer_ids")
+        if not isinstance(ids, list) or not ids:
+            raise DraftportError(cpath, "no eagle_aux_hidden_state_layer_ids to renumber for vLLM")
+        holder["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in ids]
+        raw["draftport_aux_convention"] = "vllm"
+        new_config = raw
+        done.append(f"aux ids {ids} (SGLang numbering) served to vLLM as {[int(i) + 1 for i in ids]}")
+
+    # -- embed_tokens ----------------------------------------------------------------------------
+    files = sorted(drafter_dir.glob("*.safetensors"))
+    if not files:
+        raise DraftportError(drafter_dir, "no *.safetensors weights in the drafter folder")
+    tables = {f: read_header(f) for f in files}  # {file: ({stored name: TensorInfo}, metadata)}
+    holders = [(f, n) for f, (t, _) in tables.items() for n in t if to_flat_name(n) == "embed_tokens.weight"]
+    rewrite: dict[Path, dict] = {}  # file -> the tensors it will hold
+    index_patch: dict[str, str | None] = {}
+    if embed_tokens == "drop":
+        for f, n in holders:
+            rewrite.setdefault(f, dict(tables[f][0])).pop(n)
+            index_patch[n] = None
+        if holders:
+            done.append("embed_tokens dropped (vLLM embeds with the target's, as SGLang does)")
+        else:
+            done.append("no embed_tokens: vLLM and SGLang embed with the target's")
+    else:
+        theirs = find_target_embedding(target_dir)
+        if len(holders) == 1 and holders[0][1] == "embed_tokens.weight":
+            mine = tables[holders[0][0]][0][holders[0][1]]
+            keep = ((tuple(mine.shape), mine.dtype) == (tuple(theirs.shape), theirs.dtype)
+                    and tensor_sha256(mine) == tensor_sha256(theirs))
+        else:
+            keep = False
+        if keep:
+            done.append("embed_tokens kept: it is the target's, bit for bit")
+        else:
+            for f, n in holders:
+                rewrite.setdefault(f, dict(tables[f][0])).pop(n)
+                index_patch[n] = None
+            home = holders[0][0] if holders else (drafter_dir / "model.safetensors"
+                                                  if drafter_dir / "model.safetensors" in tables else files[0])
+            rewrite.setdefault(home, dict(tables[home][0]))["embed_tokens.weight"] = theirs
+            index_patch["embed_tokens.weight"] = home.name
+            done.append(f"embed_tokens {'replaced by' if holders else 'set to'} the target's "
+                        f"({theirs.file.parent.name}/{theirs.file.name}: {theirs.name}, {theirs.dtype}), bit for bit")
+
+    if new_config is None and not rewrite:
+        return drafter_dir, f"served as is ({conv or 'unrecorded'} aux-layer numbering; {done[-1]})"
+    index_name = "model.safetensors.index.json"
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        for f in drafter_dir.iterdir():
+            if not f.is_file():
+                continue
+            if f in rewrite:
+                copy_tensors_safetensors(rewrite[f], tmp / f.name, metadata=tables[f][1] or {"format": "pt"})
+            elif f.name == "config.json" and new_config is not None:
+                (tmp / f.name).write_text(json.dumps(new_config, indent=2) + "\n")
+            elif f.name == index_name and index_patch:
+                index = load_json(f, "missing")
+                wmap = index.setdefault("weight_map", {})
+                for n, where in index_patch.items():
+                    if where is None:
+                        wmap.pop(n, None)
+                    else:
+                        wmap[n] = where
+                (tmp / f.name).write_text(json.dumps(index, indent=2) + "\n")
+            else:
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:
+                    shutil.copy2(f, tmp / f.name)
+    return out_dir, "; ".join(done)
+
+
 def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, k: int,
              max_new_tokens: int, tol: float = 0.05, vllm_python_path=None, max_num_seqs: int = 8,
              offset: int = 0, dtype: str = "float32", tensor_parallel_size: int = 1,
-             check: bool = True, log_path=None) -> dict:
+             check: bool = True, log_path=None, embed_tokens: str | None = None) -> dict:
     """The pipeline's online step: validate the export, serve it through vLLM, replay the same
     sequences offline, compare. Writes under out_dir: vllm.log, online_raw.json (vLLM's tokens
     and per-request cycles), online.json (both sides, per position, cycle mismatches, times).
@@ -361,13 +451,15 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
     online_accept_rate_pos_{i}, offline_same_prompts_accept_length (+ _rate_pos_{i}),
     online_offline_difference, online_seconds, offline_same_prompts_seconds, online_time_ratio.
     Raises DraftportError (after writing the files) when the two tau differ by more than tol.
+    embed_tokens: what for_vllm made the export carry (online.embed_tokens: "drop" / "target"),
+    checked by validate_export; None accepts either.
     """
-    from .checkpoint import atomic_write_text
-    from .export import validate_export
+    from ...checkpoint import atomic_write_text
+    from ...export import validate_export
 
     out_dir = Path(out_dir)
     # out_dir is created by the first file written into it (vLLM's log): bad input leaves nothing
-    export = validate_export(drafter_dir, target_dir)
+    export = validate_export(drafter_dir, target_dir, embed_tokens=embed_tokens)
     on, raw = measure(target_dir, drafter_dir, prompts_path, n_prompts, k, max_new_tokens, vllm_python_path,
                       offset=offset, max_num_seqs=max_num_seqs, dtype=dtype, validate=False,
                       tensor_parallel_size=tensor_parallel_size,
@@ -401,7 +493,7 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
 
 
 def main(argv=None) -> int:
-    """python -m draftport.online TARGET DRAFTER PROMPTS OUT_DIR --n 100 --k 3 --max-new-tokens 128"""
+    """python -m draftport.engines.vllm.serve TARGET DRAFTER PROMPTS OUT_DIR --n 100 --k 3 --max-new-tokens 128"""
     import argparse
 
     ap = argparse.ArgumentParser(description="vLLM vs offline accept length on the same prompts")

@@ -1,10 +1,10 @@
 """Serve a target with an EAGLE-3 drafter through vLLM and report vLLM's own acceptance counters.
 
 Runs INSIDE the vLLM venv (.venv-vllm), never in the project's: it imports only vllm and the
-standard library. draftport.online.measure() calls it as a subprocess:
+standard library. draftport.engines.vllm.serve.measure() calls it as a subprocess:
 
-    .venv-vllm/bin/python scripts/online_vllm.py --target T --drafter D --prompts prompts.json \
-        --k 3 --max-tokens 128 --out result.json
+    .venv-vllm/bin/python src/draftport/engines/vllm/runners/online_vllm.py --target T --drafter D \
+        --prompts prompts.json --k 3 --max-tokens 128 --out result.json
 
 prompts.json: {"prompt_token_ids": [[...], ...]} already rendered through the target's chat
 template by draftport (so vLLM and the offline evaluator see exactly the same tokens).

@@ -1,6 +1,6 @@
 """Hidden states through vLLM (`extract_hidden_states`), for targets that do not fit one device.
 
-scripts/features_vllm.py runs in the vLLM venv (as draftport.online runs scripts/online_vllm.py):
+runners/features_vllm.py runs in the vLLM venv (as engines.vllm.serve runs runners/online_vllm.py):
 vLLM shards the target over `tensor_parallel_size` GPUs, prefills every sequence once and writes
 the residual stream entering each requested layer. Here those files become the same shards
 data.write_features writes for the transformers path, so nothing downstream knows which engine
@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 
-from .data import Sequence, write_features
-from .errors import DraftportError
-from .online import REPO, run_in_vllm_venv, vllm_python
-from .target import check_aux_ids, read_text_tensor, text_config
-
-SCRIPT = REPO / "scripts" / "features_vllm.py"
+from ...data import Sequence, write_features
+from ...errors import DraftportError
+from ...target import check_aux_ids, read_text_tensor, text_config
+from .venv import run_runner, vllm_python
 
 
 def vllm_layer_ids(aux_ids, convention: str, num_layers: int) -> list[int]:
@@ -46,20 +44,19 @@ def run_extraction(target_dir, sequences: list[list[int]], out_dir, layer_ids: l
                    tensor_parallel_size: int = 1, dtype: str = "float32", max_model_len: int | None = None,
                    max_num_seqs: int = 8, vllm_python_path=None, timeout: float | None = None,
                    log_path=None) -> dict:
-    """Run scripts/features_vllm.py; returns its result.json (one file per sequence, in order)."""
-    py = vllm_python(vllm_python_path)
+    """Run runners/features_vllm.py; returns its result.json (one file per sequence, in order)."""
+    py = vllm_python(vllm_python_path)  # before anything is written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sequences.json").write_text(json.dumps({"token_ids": sequences}))
-    cmd = [str(py), str(SCRIPT), "--target", str(target_dir), "--sequences", str(out_dir / "sequences.json"),
-           "--layer-ids", ",".join(map(str, layer_ids)), "--out-dir", str(out_dir),
-           "--tensor-parallel-size", str(tensor_parallel_size), "--dtype", dtype,
-           "--max-num-seqs", str(max_num_seqs)]
+    args = ["--target", target_dir, "--sequences", out_dir / "sequences.json",
+            "--layer-ids", ",".join(map(str, layer_ids)), "--out-dir", out_dir,
+            "--tensor-parallel-size", tensor_parallel_size, "--dtype", dtype, "--max-num-seqs", max_num_seqs]
     if max_model_len:
-        cmd += ["--max-model-len", str(max_model_len)]
+        args += ["--max-model-len", max_model_len]
     res_path = out_dir / "result.json"
-    wall = run_in_vllm_venv(cmd, log_path or out_dir / "vllm.log", res_path, where=target_dir,
-                            what="vLLM hidden-state extraction", timeout=timeout)
+    wall = run_runner("features_vllm.py", args, log_path or out_dir / "vllm.log", res_path, where=target_dir,
+                      what="vLLM hidden-state extraction", vllm_python_path=py, timeout=timeout)
     res = json.loads(res_path.read_text())
     if len(res["files"]) != len(sequences):
         raise DraftportError(res_path, f"{len(res['files'])} files for {len(sequences)} sequences")
