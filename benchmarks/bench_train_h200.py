@@ -38,9 +38,11 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from draftport import ttt as ttt_mod  # noqa: E402
 from draftport.config import DrafterConfig  # noqa: E402
-from draftport.drafter import Eagle3Drafter, ttt_attention  # noqa: E402
+from draftport.drafter import Eagle3Drafter  # noqa: E402
+from draftport.kernels import ttt_attention  # noqa: E402
 from draftport.train import TrainConfig, train_step  # noqa: E402
-from draftport.ttt import Batch, combine, stats_to_float, ttt_terms  # noqa: E402
+from draftport.data import Batch  # noqa: E402
+from draftport.ttt import combine, stats_to_float, ttt_terms  # noqa: E402
 
 SIZES = {
     # H, I, heads, kv heads, head_dim, draft vocab, vocab

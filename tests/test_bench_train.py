@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from draftport.config import DrafterConfig
-from draftport.drafter import Attention, ttt_attention
+from draftport.drafter import Attention
+from draftport.kernels import ttt_attention
 from draftport.train import TrainConfig, train
 from draftport.ttt import combine, ttt_terms
 

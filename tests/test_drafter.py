@@ -7,7 +7,8 @@ import torch
 from draftport.config import DrafterConfig
 from draftport.drafter import Eagle3Drafter
 from draftport.evaluate import offline_accept_length, walk
-from draftport.ttt import Batch, ttt_loss
+from draftport.data import Batch
+from draftport.ttt import ttt_loss
 from draftport.vocab import build_maps
 
 

@@ -21,12 +21,29 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_dir, atomic_write_text
+from .checkpoint import atomic_dir, atomic_write_text, save_safetensors
+from .checkpoint import sha256 as sha256_file
 from .errors import DraftportError
-from .fetch import sha256 as sha256_file
-from .ttt import Batch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Batch:
+    aux: torch.Tensor        # [B, T, 3*Ht]
+    final: torch.Tensor      # [B, T, Ht] target's last hidden state after its final norm
+    tokens: torch.Tensor     # [B, T] long
+    loss_mask: torch.Tensor  # [B, T] bool: token t is an assistant token
+    valid: torch.Tensor      # [B, T] bool: not padding
+    # [B, T] long, optional: the target's full-vocab argmax at each position, when the capture
+    # stored it; the fused loss then needs only the draft-vocab rows of the target head.
+    target_arg: torch.Tensor | None = None
+
+    def to(self, device, dtype=None):
+        f = (lambda t: t.to(device=device, dtype=dtype)) if dtype else (lambda t: t.to(device))
+        return Batch(f(self.aux), f(self.final), self.tokens.to(device), self.loss_mask.to(device),
+                     self.valid.to(device),
+                     None if self.target_arg is None else self.target_arg.to(device))
 
 
 def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -> int:
@@ -107,8 +124,7 @@ def _write_shards(out_dir: Path, sequences, featurize, meta, shard_samples, batc
             tensors["response_start"] = torch.tensor([sq.response_start for sq in chunk], dtype=torch.int64)
             hidden = tensors["final"].shape[1]
             name = f"shard_{len(shards):05d}.safetensors"
-            from safetensors.torch import save_file
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / name))
+            save_safetensors(tensors, tmp / name)
             shards.append({"file": name, "samples": len(chunk), "tokens": int(lens.sum()),
                            "sha256": sha256_file(tmp / name)})
             total_tokens += int(lens.sum())

@@ -17,29 +17,11 @@ drafter uses its fused attention. On the GPU the target logits are computed in t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .drafter import Eagle3Drafter, accumulate_grad, shift
-
-
-@dataclass
-class Batch:
-    aux: torch.Tensor        # [B, T, 3*Ht]
-    final: torch.Tensor      # [B, T, Ht] target's last hidden state after its final norm
-    tokens: torch.Tensor     # [B, T] long
-    loss_mask: torch.Tensor  # [B, T] bool: token t is an assistant token
-    valid: torch.Tensor      # [B, T] bool: not padding
-    # [B, T] long, optional: the target's full-vocab argmax at each position, when the capture
-    # stored it; the fused loss then needs only the draft-vocab rows of the target head.
-    target_arg: torch.Tensor | None = None
-
-    def to(self, device, dtype=None):
-        f = (lambda t: t.to(device=device, dtype=dtype)) if dtype else (lambda t: t.to(device))
-        return Batch(f(self.aux), f(self.final), self.tokens.to(device), self.loss_mask.to(device),
-                     self.valid.to(device),
-                     None if self.target_arg is None else self.target_arg.to(device))
+from .data import Batch
+from .drafter import Eagle3Drafter, shift
+from .kernels import accumulate_grad
 
 
 def target_logits(final: torch.Tensor, target_head: torch.Tensor) -> torch.Tensor:
