@@ -1,30 +1,38 @@
-"""The embedded world: corpus, tokenizer and the two targets, on the micro preset."""
+"""The embedded world: corpus, tokenizer and the two targets, on the micro profile's world."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from draftport.world import (
-    CHAT_TEMPLATE,
-    WORLD_PRESETS,
-    build_world_base,
-    encode_chat,
-    encode_prompt,
-    generate_corpus,
-    load_tokenizer,
-    make_language,
-    read_jsonl,
-    topic_distribution,
-)
+from draftport import params as P
+from draftport.world import PIPELINE_KEYS, base_params, build_world_base
+from draftport.world.language import generate_corpus, make_language, read_jsonl, topic_distribution
+from draftport.world.tokenizer import CHAT_TEMPLATE, encode_world_chat, encode_world_prompt, load_world_tokenizer
 
-MICRO = dict(WORLD_PRESETS["micro"], threads=1)  # one thread: the suite shares the cores
+ROOT = Path(__file__).resolve().parents[1]
+# the micro profile's world group, as the pipeline passes it (build and source_drafter included)
+MICRO_GROUP = dict(P.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"], threads=1)
+MICRO = base_params(MICRO_GROUP)  # one thread: the suite shares the cores
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     out = tmp_path_factory.mktemp("world")
-    return out, build_world_base(out, MICRO, progress=False)
+    return out, build_world_base(out, MICRO_GROUP, progress=False)
+
+
+@pytest.mark.slow  # builds a micro world
+def test_the_world_is_built_from_the_params_world_group(world):
+    """No copy of the world's values outside params: its defaults are WorldParams', the micro
+    world is the micro profile's, and it reads only keys the params model has."""
+    _, manifest = world
+    assert manifest["params"] == MICRO and set(MICRO) <= set(P.WorldParams.model_fields)
+    default = P.WorldParams().model_dump()
+    assert base_params() == {k: v for k, v in default.items() if k not in PIPELINE_KEYS}
+    assert base_params(P.read_yaml(ROOT / "params.yaml")["world"]) == base_params()
+    assert set(PIPELINE_KEYS) <= set(P.WorldParams.model_fields) and not set(PIPELINE_KEYS) & set(MICRO)
 
 
 def test_corpus_is_deterministic_and_prefix_stable():
@@ -70,20 +78,21 @@ def test_new_words_are_only_in_new_and_answers_depend_on_prompt():
         assert words & set(re.findall(r"[a-z]+", s["assistant"].lower())) - set(lang.det)
 
 
+@pytest.mark.slow  # builds a micro world
 def test_tokenizer_round_trips_and_matches_chat_template(world):
     from transformers import AutoTokenizer
 
     out, manifest = world
-    tok = load_tokenizer(out / "tokenizer")
+    tok = load_world_tokenizer(out / "tokenizer")
     assert tok.get_vocab_size() == manifest["vocab_size"] <= MICRO["vocab_size"]
     samples = read_jsonl(out / "corpus/heldout_new.jsonl")
     for s in samples[:20]:
         for text in (s["user"], s["assistant"], "Zzq 12, öü ~\n\t!"):
             assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
-        ids, start = encode_chat(tok, s)
+        ids, start = encode_world_chat(tok, s)
         whole = f"<|bos|><|user|>{s['user']}<|end|><|assistant|>{s['assistant']}<|end|>"
         assert ids == tok.encode(whole).ids
-        assert ids[:start] == encode_prompt(tok, s["user"])
+        assert ids[:start] == encode_world_prompt(tok, s["user"])
         assert tok.decode(ids[start:], skip_special_tokens=False) == s["assistant"] + "<|end|>"
 
     hf = AutoTokenizer.from_pretrained(out / "tokenizer")
@@ -92,15 +101,16 @@ def test_tokenizer_round_trips_and_matches_chat_template(world):
     s = samples[0]
     msgs = [{"role": "user", "content": s["user"]}]
     assert hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \
-        hf.decode(encode_prompt(hf, s["user"]))
+        hf.decode(encode_world_prompt(hf, s["user"]))
     full = msgs + [{"role": "assistant", "content": s["assistant"]}]
     rendered = hf.apply_chat_template(full, tokenize=False)
-    assert hf(rendered, add_special_tokens=False)["input_ids"] == encode_chat(tok, s)[0]
+    assert hf(rendered, add_special_tokens=False)["input_ids"] == encode_world_chat(tok, s)[0]
 
 
+@pytest.mark.slow  # builds a micro world
 def test_micro_world_is_deterministic(world, tmp_path):
     out, manifest = world
-    again = build_world_base(tmp_path, MICRO, progress=False)
+    again = build_world_base(tmp_path, MICRO_GROUP, progress=False)
     for f in ("corpus/old.jsonl", "corpus/new.jsonl", "corpus/heldout_new.jsonl", "tokenizer/tokenizer.json"):
         assert (out / f).read_bytes() == (tmp_path / f).read_bytes(), f
     for t in ("target_old", "target_new"):
@@ -110,6 +120,7 @@ def test_micro_world_is_deterministic(world, tmp_path):
     assert again["metrics"] == manifest["metrics"]
 
 
+@pytest.mark.slow  # builds a micro world
 def test_targets_load_from_their_folders(world):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,6 +149,7 @@ def test_targets_load_from_their_folders(world):
     assert parent == {"name": "target_old", "revision": manifest["targets"]["target_old"]["revision"]}
 
 
+@pytest.mark.slow  # builds a micro world
 def test_manifest_lists_the_layout(world):
     out, manifest = world
     for key in ("tokenizer", "target_old", "target_new", "old", "new", "heldout_new"):

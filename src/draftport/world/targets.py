@@ -1,0 +1,228 @@
+"""The world's two targets: small Llama decoders trained on the corpora (target_old "K2" from
+scratch, target_new "K2.5" continued from it), their content revision, and how the pair
+measures (each one's loss / top-1 on assistant tokens, and how often their argmaxes agree).
+
+Training packs the chat samples into windows (nanoGPT style) and is deterministic: a seeded
+torch.Generator and deterministic algorithms on a fixed number of threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable
+
+from .tokenizer import BOS, END, PAD, TOKENIZER_FILES, encode_world_chat, load_world_tokenizer
+
+
+def _file_hash(paths: Iterable[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def target_revision(folder: str | Path) -> str:
+    """Content hash of the weights and config: changes iff the target changes."""
+    folder = Path(folder)
+    return _file_hash([folder / "config.json", folder / "model.safetensors"])
+
+
+def _chunks(xs: list, n: int) -> list[list]:
+    size = max(1, math.ceil(len(xs) / n))
+    return [xs[i:i + size] for i in range(0, len(xs), size)]
+
+
+class _Deterministic:
+    """Deterministic torch on a fixed thread count, without transformers' own progress bars
+    (they would interleave with ours in the Snakemake log); restores the caller's settings."""
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+
+    def __enter__(self):
+        import torch
+        from transformers.utils import logging as hf_logging
+        self.prev = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+                     hf_logging.is_progress_bar_enabled())
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        torch.use_deterministic_algorithms(True)
+        hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        import torch
+        from transformers.utils import logging as hf_logging
+        torch.set_num_threads(self.prev[0])
+        torch.use_deterministic_algorithms(self.prev[1])
+        if self.prev[2]:
+            hf_logging.enable_progress_bar()
+
+
+def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[dict], *,
+                 init_from: str | Path | None = None, config: dict | None = None,
+                 steps: int, lr: float, batch_size: int, seq_len: int, warmup: int,
+                 seed: int = 0, name: str = "target", trained_on: str = "",
+                 threads: int | None = None, progress: bool = True) -> dict:
+    """Train a small LlamaForCausalLM on packed chat samples; save an HF model folder.
+
+    Loss is on all tokens, not only the assistant's: the windows are packed (nanoGPT style, no
+    padding, cheapest on CPU), user turns are the same language so they are free signal for the
+    small budget, and the prompt still conditions the answer either way. `init_from` continues a
+    saved target (K2.5 = K2 + more training on the new data); `config` is then ignored (left
+    out: the embedded world's model, draftport.params.WorldModel). steps .. warmup: a params
+    world.target_old / target_new group.
+    Returns the summary also written to draftport_target.json.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..params import WorldModel
+    from ..progress import progress as progress_bar  # the `progress` flag shadows the name
+
+    out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+    t0 = time.time()
+    with _Deterministic(threads):
+        torch.manual_seed(seed)
+        tok = load_world_tokenizer(tokenizer_dir)
+        # one long stream of <|bos|>…<|end|> chats; windows are drawn at random offsets
+        stream = []
+        for s in samples:
+            stream += encode_world_chat(tok, s)[0]
+        data = torch.tensor(stream, dtype=torch.long)
+        if len(data) <= seq_len + 1:
+            raise ValueError(f"{name}: corpus has {len(data)} tokens, fewer than seq_len {seq_len}")
+
+        if init_from is not None:
+            model = LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+            if model.config.vocab_size != tok.get_vocab_size():
+                raise ValueError(f"{init_from}: vocab {model.config.vocab_size} != tokenizer "
+                                 f"{tok.get_vocab_size()}")
+        else:
+            # untied head, as Kimi's: the drafter takes embed_tokens and lm_head separately
+            cfg = {**WorldModel().model_dump(), "tie_word_embeddings": False,
+                   "rms_norm_eps": 1e-5, **(config or {}),
+                   "vocab_size": tok.get_vocab_size(), "bos_token_id": tok.token_to_id(BOS),
+                   "eos_token_id": tok.token_to_id(END), "pad_token_id": tok.token_to_id(PAD)}
+            model = LlamaForCausalLM(LlamaConfig(**cfg))
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+        gen = torch.Generator().manual_seed(seed)
+
+        def lr_at(step: int) -> float:  # linear warmup, cosine down to 10%
+            if step < warmup:
+                return lr * (step + 1) / warmup
+            frac = (step - warmup) / max(1, steps - warmup)
+            return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+        losses = []
+        with progress_bar(steps, name, "step", enabled=progress, leave=False) as bar:
+            for step in range(steps):
+                ix = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
+                batch = torch.stack([data[i:i + seq_len + 1] for i in ix.tolist()])
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step)
+                logits = model(input_ids=batch[:, :-1]).logits
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                         batch[:, 1:].reshape(-1))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                losses.append(loss.item())
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+                bar.update()
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir)
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(tokenizer_dir / f, out_dir / f)
+
+    tail = losses[-max(1, steps // 10):]  # last 10% of steps: less noisy than the last batch
+    parent = None
+    if init_from is not None:
+        parent_meta = Path(init_from) / "draftport_target.json"
+        parent = json.loads(parent_meta.read_text()) if parent_meta.exists() else {"path": str(init_from)}
+        parent = {k: parent.get(k) for k in ("name", "revision")}
+    meta = {
+        "name": name,
+        "revision": target_revision(out_dir),
+        "trained_on": trained_on,
+        "steps": steps,
+        "seed": seed,
+        "init_from": parent,
+        "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "warmup": warmup,
+        "tokens_seen": steps * batch_size * seq_len,
+        "final_loss": round(sum(tail) / len(tail), 4),
+        "seconds": round(time.time() - t0, 1),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        # mean loss of each tenth of the run: enough to see whether it had converged
+        "loss_curve": [round(sum(c) / len(c), 3) for c in _chunks(losses, 10)],
+    }
+    # the file without the time: identical runs write identical bytes
+    (out_dir / "draftport_target.json").write_text(
+        json.dumps({k: v for k, v in meta.items() if k != "seconds"}, indent=2) + "\n")
+    if progress:
+        print(f"{name}: loss {meta['final_loss']:.3f} | {steps} steps | "
+              f"{meta['tokens_seen'] / 1e3:.0f}k tokens | {meta['seconds']:.1f} s | "
+              f"{meta['num_parameters'] / 1e6:.2f}M params | rev {meta['revision']}")
+    return meta
+
+
+# ──────────────────────────────────────────────────────────────────────────────────────────────
+# 4. Measuring the pair: how predictable each target is and how far B moved from A
+# ──────────────────────────────────────────────────────────────────────────────────────────────
+
+def _assistant_predictions(model, tok, samples: list[dict], batch_size: int = 32):
+    """Per sample: (logits at positions predicting assistant tokens, those tokens)."""
+    import torch
+    pad = tok.token_to_id(PAD)
+    out = []
+    for b in range(0, len(samples), batch_size):
+        enc = [encode_world_chat(tok, s) for s in samples[b:b + batch_size]]
+        width = max(len(ids) for ids, _ in enc)
+        ids = torch.full((len(enc), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(enc), width), dtype=torch.long)
+        for i, (x, _) in enumerate(enc):
+            ids[i, :len(x)] = torch.tensor(x)
+            mask[i, :len(x)] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        for i, (x, start) in enumerate(enc):
+            # position p predicts token p+1: the assistant tokens x[start:] come from p = start-1 ..
+            out.append((logits[i, start - 1:len(x) - 1].float(), ids[i, start:len(x)]))
+    return out
+
+
+def measure_targets(target_a: str | Path, target_b: str | Path, heldout: dict[str, list[dict]],
+                    threads: int | None = None) -> dict:
+    """Loss / top-1 of A and B on each held-out set, and A-B greedy agreement, assistant tokens only.
+
+    Agreement is the fraction of assistant positions where argmax A == argmax B: roughly the
+    acceptance a perfect imitation of A would get against B, i.e. how far the port has to move.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    res: dict[str, float] = {}
+    with _Deterministic(threads):
+        models = {"A": AutoModelForCausalLM.from_pretrained(target_a, dtype=torch.float32).eval(),
+                  "B": AutoModelForCausalLM.from_pretrained(target_b, dtype=torch.float32).eval()}
+        tok = load_world_tokenizer(target_a)
+        for kind, samples in heldout.items():
+            preds = {k: _assistant_predictions(m, tok, samples) for k, m in models.items()}
+            for k in models:
+                logits = torch.cat([lg for lg, _ in preds[k]])
+                tgt = torch.cat([t for _, t in preds[k]])
+                res[f"loss_{k}_{kind}"] = round(torch.nn.functional.cross_entropy(logits, tgt).item(), 4)
+                res[f"top1_{k}_{kind}"] = round((logits.argmax(-1) == tgt).float().mean().item(), 4)
+            agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).float()
+                               for (a, _), (b, _) in zip(preds["A"], preds["B"])])
+            res[f"agree_AB_{kind}"] = round(agree.mean().item(), 4)
+            res[f"assistant_tokens_{kind}"] = int(agree.numel())
+    return res
