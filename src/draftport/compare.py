@@ -9,6 +9,16 @@ A broken checkpoint is an error, not a row in the report: a d2t of the wrong len
 past the vocab, a t2d that disagrees with d2t, or tensor shapes that contradict config.json
 would make every later number meaningless. `strict=False` turns the vocab-map problems into
 report fields instead, for callers that want to look at a broken drafter.
+
+Given the target (`target=`, the CLI's `--target`), the report gains `embedding`: whether a
+drafter that carries its own embed_tokens carries exactly the target's (sha256 of the tensor
+bytes on both sides, read by byte range; `embedding_check`). The engines disagree on such a
+drafter: vLLM 0.32 serves the drafter's own embedding whenever the checkpoint has one (its
+EAGLE-3 Llama load_weights marks has_own_embed_tokens, and the proposer shares the target's only
+when the two are torch.equal), SGLang always installs the target's on an EAGLE-3 drafter
+(eagle_worker: set_embed, or set_embed_and_head when the drafter loads lm_head from the target).
+Headers stay the only thing read without `target`; with it the embedding bytes are hashed
+only for a drafter that carries one (about 2 x 2.3 GB at Kimi-K2 scale).
 """
 
 from __future__ import annotations
@@ -19,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import (LAYER_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, DrafterInfo, check_shapes,
-                         inspect_drafter, read_tensor_np)
+from .checkpoint import (LAYER_KEYS, OPTIONAL_KEYS, REQUIRED_KEYS, DrafterInfo, TensorInfo, check_shapes,
+                         find_target_embedding, inspect_drafter, read_tensor_np, tensor_sha256,
+                         tensors_equal_values)
 from .errors import DraftportError
 from .vocab import check_maps, compare_maps, d2t_format, hot_ids, t2d_consistent
 
@@ -43,15 +54,18 @@ CANONICAL_ORDER = (["fc.weight"] + [f"midlayer.{k}" for k in LAYER_KEYS]
 SIDES = ("src", "dst")
 
 
-def compare_drafters(src_folder: str | Path, dst_folder: str | Path, *, strict: bool = True) -> dict:
-    """JSON-ready report with keys config, weights, vocab, verdict (and folders)."""
+def compare_drafters(src_folder: str | Path, dst_folder: str | Path, *, strict: bool = True,
+                     target: str | Path | None = None) -> dict:
+    """JSON-ready report with keys config, weights, vocab, verdict (and folders); with `target`
+    (a target folder) also `embedding`: embedding_check of each side against it, and a verdict
+    warning for each side whose own embed_tokens is not the target's."""
     infos = {"src": inspect_drafter(src_folder), "dst": inspect_drafter(dst_folder)}
     for info in infos.values():
         check_shapes(info)  # q_proj vs heads x head_dim, d2t vs draft_vocab_size, ...
     config = config_rows(infos)
     weights = weight_rows(infos)
     vocab = vocab_report(infos, strict=strict)
-    return {
+    rep = {
         "folders": {side: {"path": str(info.folder), "format": info.format,
                            "files": [p.name for p in info.files]} for side, info in infos.items()},
         "config": config,
@@ -59,6 +73,80 @@ def compare_drafters(src_folder: str | Path, dst_folder: str | Path, *, strict: 
         "vocab": vocab,
         "verdict": verdict(infos, config, weights, vocab),
     }
+    if target is not None:
+        tgt = _TargetEmbedding(target)
+        rep["embedding"] = {"target": str(target), **{s: embedding_check(infos[s], target, _target=tgt) for s in SIDES}}
+        rep["verdict"]["warnings"] += [embedding_warning(s, rep["embedding"][s]) for s in SIDES
+                                       if rep["embedding"][s]["engines_agree"] is False]
+    return rep
+
+
+# ---- embedding: the drafter's own embed_tokens against the target's -------------------------
+
+class _TargetEmbedding:
+    """The target's embed_tokens (found once, hashed at most once)."""
+
+    def __init__(self, target_dir):
+        self.dir = Path(target_dir)
+        self.info: TensorInfo = find_target_embedding(target_dir)
+        self._sha: str | None = None
+
+    @property
+    def sha256(self) -> str:
+        if self._sha is None:
+            self._sha = tensor_sha256(self.info)
+        return self._sha
+
+
+def embedding_check(drafter: str | Path | DrafterInfo, target_dir: str | Path, *, _target=None) -> dict:
+    """Does the drafter carry its own embed_tokens, and is it the target's, bit for bit?
+
+    Returns: carries_embed_tokens; the drafter's and the target's tensor (name in the target,
+    shape, dtype, sha256 of the stored bytes: the target's is hashed only when the drafter carries
+    one); equal (same dtype, shape and bytes; None when the drafter carries none); equal_values
+    (only when the dtypes differ: the same values in another dtype); what each engine would embed
+    with (vllm / sglang: "target" or "drafter") and whether that is the same (engines_agree); a
+    one-line note. Torch-free: headers, then the two tensors' bytes by byte range.
+    """
+    info = drafter if isinstance(drafter, DrafterInfo) else inspect_drafter(drafter)
+    tgt = _target if _target is not None else _TargetEmbedding(target_dir)
+    t = tgt.info
+    mine = info.tensors.get("embed_tokens.weight")
+    out: dict[str, Any] = {
+        "drafter": str(info.folder), "target": str(target_dir), "carries_embed_tokens": mine is not None,
+        "drafter_shape": None, "drafter_dtype": None, "drafter_sha256": None,
+        "target_tensor": t.name, "target_file": t.file.name, "target_shape": list(t.shape),
+        "target_dtype": t.dtype, "target_sha256": None,
+        "equal": None, "equal_values": None, "vllm": "target", "sglang": "target", "engines_agree": True,
+    }
+    if mine is None:
+        out["note"] = "no embed_tokens in the drafter: vLLM and SGLang both embed with the target's"
+        return out
+    out.update(drafter_shape=list(mine.shape), drafter_dtype=mine.dtype, drafter_sha256=tensor_sha256(mine),
+               target_sha256=tgt.sha256)
+    same_shape = tuple(mine.shape) == tuple(t.shape)
+    out["equal"] = same_shape and mine.dtype == t.dtype and out["drafter_sha256"] == out["target_sha256"]
+    same = out["equal"]
+    if same_shape and mine.dtype != t.dtype:
+        out["equal_values"] = tensors_equal_values(mine, t)
+        same = out["equal_values"]
+    if same:
+        # vLLM keeps the drafter's copy unless torch.equal to the target's: either way the same values
+        out["note"] = ("the drafter's embed_tokens is the target's" + ("" if out["equal"] else
+                       f" in another dtype ({mine.dtype} vs {t.dtype})") + ": both engines embed alike")
+        return out
+    out.update(vllm="drafter", engines_agree=False)
+    why = (f"shape {list(mine.shape)} vs the target's {list(t.shape)}" if not same_shape
+           else "same shape, other values")
+    out["note"] = (f"the drafter's embed_tokens differs from the target's ({why}): vLLM would serve the "
+                   "drafter's own embedding, SGLang the target's")
+    return out
+
+
+def embedding_warning(side: str, check: dict) -> str:
+    return (f"{side}'s embed_tokens differs from the target's {check['target_tensor']} "
+            f"(sha256 {check['drafter_sha256'][:12]}... vs {check['target_sha256'][:12]}...): "
+            "vLLM would serve the drafter's own embedding, SGLang the target's")
 
 
 # ---- config ----------------------------------------------------------------------------------
