@@ -6,13 +6,15 @@
     snakemake --cores 8 online     vLLM serves the Phase 0 / Phase 1 drafters (make vllm-venv first)
     snakemake --configfile=configs/micro.yaml ...   another profile layered on params.yaml
 
-params.yaml is the only parameter file; it is validated before any job. dvc.yaml is generated
-from this file (python -m draftport.pipeline dvc-yaml): stage = rule, same command.
+The steps are the rows of src/draftport/steps/registry.py (rules/steps.smk makes one rule per
+row); dvc.yaml is generated from the same table (python -m draftport.steps.bridge dvc-yaml).
+params.yaml is the only parameter file; it is validated before any job.
 """
 
 import os
 
-from draftport import pipeline as pl
+from draftport.steps import bridge
+from draftport.steps import registry as R
 
 # Jobs inherit this: OpenMP threads that wait sleep instead of spinning. On shared cores the
 # spinning made a 2-thread step 8x slower than 1 thread; sleeping, 2 threads beat 1 (measured).
@@ -22,35 +24,50 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 configfile: "params.yaml"
 
 
-CFG, BASE = pl.configure(config)
-pl.clear_stale_locks()  # left by a killed snakemake: the same command resumes, no --unlock
+CFG, BASE = bridge.configure(config)
+bridge.clear_stale_locks()  # left by a killed snakemake: the same command resumes, no --unlock
 
 
 report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
-include: "rules/world.smk"
-include: "rules/fetch.smk"
-include: "rules/data.smk"
-include: "rules/compare.smk"
-include: "rules/phase0.smk"
-include: "rules/phase1.smk"
-include: "rules/phase2.smk"
-include: "rules/report.smk"
-include: "rules/online.smk"
+include: "rules/steps.smk"
 
 
 localrules:
     all,
+    phase0,
+    phase1,
+    phase2,
     online,
 
 
 rule all:
     default_target: True
     input:
-        pl.done("report"),
-        online_done(),
+        bridge.done("report"),
+        [bridge.done(s) for s in R.target_steps("online", CFG)] if CFG["online"]["enabled"] else [],
+
+
+rule phase0:
+    input:
+        [bridge.done(s) for s in R.target_steps("phase0", CFG)],
+
+
+rule phase1:
+    input:
+        [bridge.done(s) for s in R.target_steps("phase1", CFG)],
+
+
+rule phase2:
+    input:
+        [bridge.done(s) for s in R.target_steps("phase2", CFG)],
+
+
+rule online:
+    input:
+        [bridge.done(s) for s in R.target_steps("online", CFG)],
 
 
 onstart:

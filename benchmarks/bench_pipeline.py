@@ -5,7 +5,7 @@ initialised), times:
   - set-up: `make setup` (a new .venv with the pinned deps; --setup, else the current venv is used)
   - `snakemake --cores N phase1` from nothing (world, fetch, compare, Phase 0, data, Phase 1 + control)
   - a second `snakemake --cores N phase1` (nothing to do), `snakemake -n phase1`
-  - `dvc status phase1` and `dvc repro phase1` with nothing changed
+  - `dvc status eval_phase1` and `dvc repro eval_phase1` with nothing changed
 and prints them with the accept lengths of every phase (and of the source on the old target).
 --phase2 also runs `snakemake all` (Phase 2 + report) and times it. Prints figures; asserts nothing.
 
@@ -87,33 +87,35 @@ def main() -> None:
     figures[f"snakemake --cores {a.cores} phase1 (fresh)"], _ = sh([smk, "--cores", str(a.cores), "phase1"], repo, env, log)
     figures[f"snakemake --cores {a.cores} phase1 (again, nothing to do)"], _ = sh([smk, "--cores", str(a.cores), "phase1"], repo, env, log)
     figures["snakemake -n phase1"], _ = sh([smk, "-n", "phase1"], repo, env, log)
-    figures["dvc status phase1"], r = sh([dvc, "status", "phase1"], repo, env, log)
+    figures["dvc status eval_phase1"], r = sh([dvc, "status", "eval_phase1"], repo, env, log)
     clean = "up to date" in r.stdout
-    figures["dvc repro phase1 (nothing changed)"], _ = sh([dvc, "repro", "phase1"], repo, env, log)
+    figures["dvc repro eval_phase1 (nothing changed)"], _ = sh([dvc, "repro", "eval_phase1"], repo, env, log)
     if a.phase2:
         figures[f"snakemake --cores {a.cores} all (phase2 + report)"], _ = sh([smk, "--cores", str(a.cores), "all"], repo, env, log)
         figures["dvc repro (nothing changed, all stages)"], _ = sh([dvc, "repro"], repo, env, log)
 
-    steps = {}
+    steps, seconds = {}, {}
     for d in sorted((repo / "artifacts").iterdir()):
         m = d / "metrics.json"
         if m.is_file():
             steps[d.name] = json.loads(m.read_text())
+            t = repo / "logs" / f"{d.name}.json"  # the runner keeps times out of artifacts/
+            seconds[d.name] = json.loads(t.read_text())["seconds"] if t.is_file() else None
     print(f"\nfigures ({os.cpu_count()} CPUs, --cores {a.cores}, load average at the end "
           f"{os.getloadavg()[0]:.1f}; log: {log})")
     print(f"  {'':<55} {'wall':>8}   {'CPU (user+sys)':>14}")
     for k, (wall, cpu) in figures.items():
         print(f"  {k:<55} {wall:8.1f} s {cpu:12.1f} s")
     print(f"  dvc status clean after snakemake: {clean}")
-    print("\nseconds per step:", {k: v.get("seconds") for k, v in steps.items()})
+    print("\nseconds per step:", seconds)
     print("\naccept length (tau) on the new target:")
     for ph in ("phase0", "phase1_scratch", "phase1", "phase2"):
-        if ph in steps:
-            m = steps[ph]
+        if f"eval_{ph}" in steps:
+            m = steps[f"eval_{ph}"]
             print(f"  {ph:<16} tau {m['accept_length']:.3f}  projected {m['projected_tok_s']:.1f} tok/s "
                   f"(break-even tau {m['break_even_accept_length']:.2f})")
-    if "phase0" in steps and "source_on_old_accept_length" in steps["phase0"]:
-        print(f"  source on the old target: tau {steps['phase0']['source_on_old_accept_length']:.3f}")
+    if "source_on_old_accept_length" in steps.get("eval_phase0", {}):
+        print(f"  source on the old target: tau {steps['eval_phase0']['source_on_old_accept_length']:.3f}")
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -3,7 +3,7 @@
 Every case starts from a copy of one micro world (the pipeline's steps run once, through their
 scripts, up to Phase 1's from-scratch control), breaks one input, runs one real command
 (`python scripts/<step>.py`, `draftport ...`, `snakemake ...`, `python -m draftport.params`,
-`python -m draftport.online`) and checks what a user sees and what is left on disk:
+`python -m draftport.engines.vllm.serve`) and checks what a user sees and what is left on disk:
   - a non-zero exit status;
   - stderr's last non-empty line is the one-line error `<file or dotted key>: <problem>`;
   - no "Traceback" in stdout or stderr;
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_pipeline import micro_copy  # noqa: E402
 BIN = Path(sys.executable).parent
 PY = sys.executable
-# Run once for the fixture; phase0 and phase1 are left out (no case needs their outputs).
-FIXTURE_STEPS = ("world", "fetch", "features_new", "features_eval", "vocab_new", "compare", "phase1_scratch")
+# Run once for the fixture; Phase 0 and Phase 1 are left out (no case needs their outputs).
+FIXTURE_STEPS = ("world", "fetch", "features_new", "features_eval", "vocab_new", "compare", "train_phase1_scratch")
 
 SRC = "artifacts/fetch/source"
 SRC_ST = f"{SRC}/model.safetensors"
@@ -231,23 +231,23 @@ class Case:
     keeps: tuple[str, ...] = ()   # earlier outputs that must be there before and unchanged after
 
 
-ONLINE = [PY, "-m", "draftport.online", "artifacts/world/target_new", SRC,
+ONLINE = [PY, "-m", "draftport.engines.vllm.serve", "artifacts/world/target_new", SRC,
           "artifacts/world/corpus/heldout_new.jsonl", "online_out", "--n", "4"]
 
 CASES = [
     # params.yaml
     Case("params-typo", "params.yaml: a misspelt key (`eval.kk`)", set_key("eval.kk", 3),
-         step("phase0"), "eval.kk", "unknown key (did you mean eval.k?)", ("artifacts/phase0",)),
+         step("eval_phase0"), "eval.kk", "unknown key (did you mean eval.k?)", ("artifacts/eval_phase0",)),
     Case("params-wrong-type", 'params.yaml: `eval.batch_size: "32"` (a string)', set_key("eval.batch_size", "32"),
-         step("phase0"), "eval.batch_size", 'expected an integer, got "32"', ("artifacts/phase0",)),
+         step("eval_phase0"), "eval.batch_size", 'expected an integer, got "32"', ("artifacts/eval_phase0",)),
     Case("params-out-of-range", "params.yaml: `phase1.train.lr: 5.0`", set_key("phase1.train.lr", 5.0),
-         step("phase1_scratch"), "phase1.train.lr", "must be <= 1, got 5"),
+         step("train_phase1_scratch"), "phase1.train.lr", "must be <= 1, got 5"),
     Case("params-eval-k-zero", "params.yaml: `eval.k: 0`", set_key("eval.k", 0),
-         step("phase0"), "eval.k", "must be >= 1, got 0", ("artifacts/phase0",)),
+         step("eval_phase0"), "eval.k", "must be >= 1, got 0", ("artifacts/eval_phase0",)),
     Case("params-yaml-syntax", "params.yaml: an unclosed `{`", yaml_syntax_error,
          step("features_new"), "params.yaml:", "not valid YAML"),
     Case("params-missing-key", "params.yaml: `eval.batch_size` deleted", drop_key("eval.batch_size"),
-         step("phase0"), "eval.batch_size", "missing", ("artifacts/phase0",)),
+         step("eval_phase0"), "eval.batch_size", "missing", ("artifacts/eval_phase0",)),
     Case("params-null", "params.yaml: `source.revision: null`", set_key("source.revision", None),
          step("fetch"), "source.revision", "must be set (null is not allowed here)"),
     Case("params-aux-out-of-range", "params.yaml: `features.aux_layer_ids: [0, 1, 7]`, the targets have 2 layers",
@@ -278,7 +278,7 @@ CASES = [
     Case("source-truncated", "the source drafter's model.safetensors cut in half", truncate(SRC_ST),
          step("compare"), SRC_ST, "truncated", keeps=("artifacts/compare/metrics.json", "artifacts/fetch/metrics.json")),
     Case("source-garbage", "the source drafter's model.safetensors replaced by random bytes", garbage(SRC_ST),
-         step("phase0"), SRC_ST, "not a safetensors file", ("artifacts/phase0",)),
+         step("eval_phase0"), SRC_ST, "not a safetensors file", ("artifacts/eval_phase0",)),
     Case("source-lying-header", "a safetensors header that claims fc.weight is [64, 191]", lying_header,
          step("compare"), SRC_ST, "header lies about tensor 'fc.weight'"),
     Case("source-pickle", "the source drafter shipped as pytorch_model.bin (pickle)", to_pickle,
@@ -295,21 +295,21 @@ CASES = [
     Case("d2t-length", "the source drafter's d2t one entry short of draft_vocab_size", rewrite_tensors(SRC_ST, d2t_short),
          step("compare"), SRC_ST, "tensor d2t has shape [127], config.json implies [128]"),
     Case("d2t-out-of-range", "the new draft map's d2t points past the vocab", rewrite_tensors(VOCAB, d2t_out_of_range),
-         step("phase1_scratch"), VOCAB, "outside the vocab of 512 (3 slots out of range)",
-         keeps=("artifacts/phase1_scratch/drafter/model.safetensors", "artifacts/phase1_scratch/metrics.json")),
+         step("train_phase1_scratch"), VOCAB, "outside the vocab of 512 (3 slots out of range)",
+         keeps=("artifacts/train_phase1_scratch/drafter/model.safetensors", "artifacts/train_phase1_scratch/metrics.json")),
     Case("t2d-disagrees", "the new draft map's t2d disagrees with its d2t", rewrite_tensors(VOCAB, t2d_disagrees),
          step("compare"), VOCAB, "t2d disagrees with d2t"),
     Case("vocab-garbage", "the new draft map's vocab.safetensors is random bytes", garbage(VOCAB),
          step("compare"), VOCAB, "not a safetensors file"),
     # shapes and aux layers against the target
     Case("drafter-hidden-mismatch", "a drafter whose fc reads a hidden size of 96 (the target has 64)",
-         drafter_for_wider_target, step("phase0"), SRC, "features have hidden size 64, the drafter expects 96",
-         ("artifacts/phase0",)),
+         drafter_for_wider_target, step("eval_phase0"), SRC, "features have hidden size 64, the drafter expects 96",
+         ("artifacts/eval_phase0",)),
     Case("target-hidden-mismatch", "`targets.new`: a target of hidden size 96 (the drafter's is 64)", wider_target,
-         step("phase0"), "wide_target", "target embedding [512, 96] does not fit the drafter", ("artifacts/phase0",)),
+         step("eval_phase0"), "wide_target", "target embedding [512, 96] does not fit the drafter", ("artifacts/eval_phase0",)),
     Case("drafter-aux-mismatch", "the source drafter's config reads aux layers [0, 1, 7]", edit_json(SRC_CFG, aux_ids([0, 1, 7])),
          step("features_eval"), "features.aux_layer_ids", "but the source drafter reads [0, 1, 7]"),
-    Case("online-aux-out-of-range", "`python -m draftport.online` with a drafter whose aux layers are [0, 1, 7]",
+    Case("online-aux-out-of-range", "`python -m draftport.engines.vllm.serve` with a drafter whose aux layers are [0, 1, 7]",
          edit_json(SRC_CFG, aux_ids([0, 1, 7])), ONLINE, SRC, "aux layer ids [0, 1, 7] out of range 0..2",
          ("online_out",)),
     # data
@@ -322,14 +322,14 @@ CASES = [
     Case("prompts-too-long", "`targets.prompts_eval_new`: a prompt longer than the target's context (512)",
          both(long_prompts, set_key("targets.prompts_eval_new", "prompts/long.jsonl")), step("features_eval"),
          "prompts/long.jsonl:1", "does not fit the target's context of 512"),
-    Case("online-prompts-too-long", "`python -m draftport.online` with a prompt longer than the context",
+    Case("online-prompts-too-long", "`python -m draftport.engines.vllm.serve` with a prompt longer than the context",
          long_prompts, ONLINE[:5] + ["prompts/long.jsonl", "online_out", "--n", "1"], "prompts/long.jsonl:1",
          "exceeds the target's context of 512", ("online_out",)),
     Case("features-empty", "a features folder whose index.json lists no samples", empty_index,
          step("vocab_new"), "artifacts/features_new/train/index.json", "holds no samples (empty dataset)"),
     Case("shard-corrupted", "a feature shard whose sha256 differs from index.json (Phase 1's control reruns on it)",
-         flip_bytes(SHARD), step("phase1_scratch"), SHARD, "corrupted (sha256 differs from index.json)",
-         keeps=("artifacts/phase1_scratch/drafter/model.safetensors", "artifacts/phase1_scratch/metrics.json")),
+         flip_bytes(SHARD), step("train_phase1_scratch"), SHARD, "corrupted (sha256 differs from index.json)",
+         keeps=("artifacts/train_phase1_scratch/drafter/model.safetensors", "artifacts/train_phase1_scratch/metrics.json")),
     # missing or broken upstream artifacts
     Case("upstream-missing", "artifacts/vocab_new/vocab.safetensors deleted", delete(VOCAB),
          step("compare"), VOCAB, "missing"),
@@ -389,6 +389,7 @@ def last_line(text: str) -> str:
 @pytest.mark.parametrize("case", [
     pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.known_gap)] if c.known_gap else [])
     for c in CASES])
+@pytest.mark.slow
 def test_bad_input(world, tmp_path, case):
     src, tmp = world
     repo = tmp_path / "repo"

@@ -98,7 +98,9 @@ def repo(tmp_path_factory):
            "MLFLOW_TRACKING_URI": uri, "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-           "DRAFTPORT_VLLM_PYTHON": str(VLLM_PY)}
+           "DRAFTPORT_VLLM_PYTHON": str(VLLM_PY),
+           # a step that runs a draftport module its registry row does not list fails
+           "DRAFTPORT_STRICT_MODULES": "1"}
     env.pop("OMP_NUM_THREADS", None)
     r = Repo(path, env)
     r.run("git", "init", "-q")
@@ -127,23 +129,49 @@ def runs_by_name(uri, profile="micro") -> dict[str, list[dict]]:
 
 def test_phase1_from_scratch(repo):
     r = repo.smk("--cores", "2", "phase1")
-    for step in ("world", "fetch", "compare", "phase0", "features_new", "phase1", "phase1_scratch"):
+    for step in ("world", "fetch", "compare", "eval_phase0", "features_new", "train_phase1", "eval_phase1",
+                 "train_phase1_scratch", "eval_phase1_scratch"):
         assert (repo.path / "artifacts" / step / "metrics.json").is_file(), step
-    assert (repo.path / "artifacts/phase1/drafter/model.safetensors").is_file()
+    assert (repo.path / "artifacts/train_phase1/drafter/model.safetensors").is_file()
     assert "dvc.lock: committed" in r.stderr
-    m = repo.metrics("phase1")
+    m = repo.metrics("eval_phase1")
     for key in ("accept_length", "projected_tok_s", "break_even_accept_length", "gain_vs_phase0",
                 "gain_vs_phase1_scratch", "accept_rate_pos_0", "cond_acc_0"):
         assert key in m, key
     assert m["break_even_accept_length"] == pytest.approx(82.0 * 0.030)
-    assert not (repo.path / "artifacts/phase2").exists()
-    p0 = repo.metrics("phase0")  # the reference, fetched like the source, on the same eval set
+    assert not (repo.path / "artifacts/train_phase2").exists()
+    assert not (repo.path / "artifacts/eval_phase2").exists()
+    # logs a person can read: no carriage-return progress updates, a line every few seconds
+    for log in (repo.path / "logs").glob("*.log"):
+        text = log.read_text()
+        assert "\r" not in text, log.name
+        assert len(text.splitlines()) < 400, (log.name, len(text.splitlines()))
+    p0 = repo.metrics("eval_phase0")  # the reference, fetched like the source, on the same eval set
     assert (repo.path / "artifacts/fetch/reference/config.json").is_file()
     assert p0["reference_accept_length"] == pytest.approx(p0["accept_length"])
 
 
+def test_identical_runs_give_identical_bytes(repo, tmp_path_factory):
+    """A second clean copy runs the same plan on this machine: every step's folder has the same
+    DVC hash (timings and MLflow run ids stay out of artifacts/)."""
+    other = Repo(tmp_path_factory.mktemp("again") / "repo", {**repo.env, "MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"})
+    micro_copy(other.path, _online_and_reference)
+    other.run("git", "init", "-q")
+    if not (other.path / ".dvc").is_dir():
+        other.dvc("init", "-q")
+    other.run("git", "add", "-A")
+    other.run("git", "commit", "-qm", "test copy")
+    other.env["PYTHONPATH"] = str(other.path / "src")
+    other.smk("--cores", "2", "phase1")
+    a = yaml.safe_load((repo.path / "dvc.lock").read_text())["stages"]
+    b = yaml.safe_load((other.path / "dvc.lock").read_text())["stages"]
+    assert set(a) == set(b) and len(a) >= 9
+    differ = {s: (a[s]["outs"], b[s]["outs"]) for s in a if a[s]["outs"] != b[s]["outs"]}
+    assert differ == {}
+
+
 def test_dvc_agrees_after_snakemake(repo):
-    out = repo.dvc("status", "--json", "phase1").stdout
+    out = repo.dvc("status", "--json", "eval_phase1").stdout
     assert json.loads(out) == {}, out
 
 
@@ -165,7 +193,7 @@ def test_online_step_agrees_with_offline(repo):
     runs = runs_by_name(repo.uri)
     for phase in ("phase0", "phase1"):
         m = repo.metrics(f"online_{phase}")
-        assert m["accept_length"] == repo.metrics(phase)["accept_length"]
+        assert m["accept_length"] == repo.metrics(f"eval_{phase}")["accept_length"]
         assert m["online_num_drafts"] > 0 and m["online_num_prompts"] == 24
         assert abs(m["online_accept_length"] - m["offline_same_prompts_accept_length"]) <= tol, m
         assert 1.0 <= m["online_accept_length"] <= 4.0
@@ -179,7 +207,7 @@ def test_online_step_agrees_with_offline(repo):
         tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
         assert tags["draftport.online"] == "agrees"
     # online steps are Snakemake-only: DVC still has nothing to do up to phase1, a rerun plans nothing
-    assert json.loads(repo.dvc("status", "--json", "phase1").stdout) == {}
+    assert json.loads(repo.dvc("status", "--json", "eval_phase1").stdout) == {}
     assert "Nothing to be done" in repo.smk("-n", "online").stdout
     print("\nonline (micro): " + ", ".join(
         f"{ph}: vLLM {repo.metrics('online_' + ph)['online_accept_length']:.4f} / offline "
@@ -197,12 +225,107 @@ def test_all_and_the_report(repo):
     shown = repo.dvc("metrics", "show", "--json").stdout
     assert "accept_length" in shown
     summary = (repo.path / "artifacts/report/summary.html").read_text()
+    # the drift probe (micro: both targets), in its step, the report and phase0's MLflow run
+    d = repo.metrics("drift")
+    for key in ("cos_layer_0", "cka_layer_0", "rel_norm_change_layer_0", "cos_final", "cka_final",
+                "greedy_agreement", "tau_source_old_features", "tau_source_new_features", "tau_gap"):
+        assert key in d, key
+    assert 0 < d["cos_final"] <= 1 and 0 <= d["greedy_agreement"] <= 1
+    assert d["tau_source_new_features"] == pytest.approx(repo.metrics("eval_phase0")["accept_length"])
+    assert "drift probe" in summary
+    phase0 = runs_by_name(repo.uri)["phase0"][-1]
+    assert "cos_final" in {m["key"] for m in phase0["data"]["metrics"]}
     if HAVE_VLLM:  # online.enabled: both tau side by side, per position
         assert "Accept length in vLLM" in summary and "pos 1: vLLM / offline" in summary
         rows = (repo.path / "artifacts/report/online.csv").read_text().splitlines()
         assert [r.split(",")[0] for r in rows[1:]] == ["phase0", "phase1"]
     else:
         assert "Accept length in vLLM" not in summary
+
+
+def planned(repo, target="all") -> set[str]:
+    """The jobs `snakemake -n` plans (its job stats table), target rules left out."""
+    out = repo.smk("-n", target).stdout
+    if "Nothing to be done" in out:
+        return set()
+    table = out.split("Job stats:")[1].split("total")[0]
+    jobs = {line.split()[0] for line in table.splitlines()[3:] if line.strip()}
+    return jobs - {"all", "phase0", "phase1", "phase2", "online"}
+
+
+def dvc_changed(repo) -> set[str]:
+    return set(json.loads(repo.dvc("status", "--json").stdout))
+
+
+EVALS = {"eval_phase0", "eval_phase1_scratch", "eval_phase1", "eval_phase2"}
+TRAINED = {"train_phase1_scratch", "train_phase1", "train_phase2", "eval_phase1_scratch", "eval_phase1",
+           "train_phase2", "eval_phase2"}
+
+
+ONLINE = {"online_phase0", "online_phase1"} if HAVE_VLLM else set()  # online.enabled when vLLM is here
+
+
+@pytest.mark.parametrize("edit,value,smk_plans,dvc_sees", [
+    # evaluation settings rerun evaluations only (and what reads them); no drafter is retrained
+    ("eval.k", 4, EVALS | {"drift", "report"} | ONLINE, EVALS | {"drift", "report"}),
+    ("costmodel.verify_ms", 15.0, EVALS | {"drift", "report"} | ONLINE, EVALS | {"report"}),
+    # a training value reruns that training and what depends on it, nothing upstream
+    ("phase1.train.lr", 0.001, TRAINED | {"report"} | (ONLINE & {"online_phase1"}),
+     {"train_phase1_scratch", "train_phase1"}),
+    # the eval set's size: that feature step and the evaluations, never the training data
+    ("features.eval_samples", 30, {"features_eval"} | EVALS | {"drift", "report"} | ONLINE, {"features_eval"}),
+    # code is a dependency: a library module reruns the steps that run it
+    ("src/draftport/report.py", None, {"report"}, {"report"}),
+    ("src/draftport/costmodel.py", None, EVALS | {"drift", "report"} | ONLINE, EVALS),
+    ("src/draftport/drift.py", None, {"drift", "report"}, {"drift"}),
+    # the compare step's tables: Phase 1's fine-tune reads its verdict, the control does not
+    ("src/draftport/tables.py", None, {"compare", "train_phase1", "eval_phase1", "train_phase2", "eval_phase2",
+                                       "report"} | (ONLINE & {"online_phase1"}), {"compare", "report"}),
+])
+def test_rerun_matrix_plans_exactly_what_an_edit_affects(repo, edit, value, smk_plans, dvc_sees):
+    """After `snakemake all`: one edit in the copy, then what `snakemake -n` and `dvc status` see;
+    the edit is undone (content and mtime) before the next case."""
+    assert planned(repo) == set() and dvc_changed(repo) == set()
+    f = repo.path / (edit if edit.startswith("src/") else "params.yaml")
+    text, st = f.read_text(), f.stat()
+    try:
+        if edit.startswith("src/"):
+            f.write_text(text + "\n# an edit\n")
+        else:
+            cfg = yaml.safe_load(text)
+            *parents, last = edit.split(".")
+            cur = cfg
+            for k in parents:
+                cur = cur[k]
+            assert cur[last] != value
+            cur[last] = value
+            f.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        assert planned(repo) == smk_plans
+        assert dvc_changed(repo) == dvc_sees
+    finally:
+        f.write_text(text)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert planned(repo) == set() and dvc_changed(repo) == set()
+
+
+def test_registry_modules_are_the_ones_each_step_ran(repo):
+    """Each step's registry row lists the draftport modules it imported (logs/<step>.json records
+    them; under DRAFTPORT_STRICT_MODULES an unlisted one fails the step), and lists no module it
+    never ran except the engine paths another profile takes (vLLM capture, a served target)."""
+    from draftport.steps import registry as R
+
+    branch = {"engines.vllm.features", "engines.vllm.venv", "engines.vllm.runners.features_vllm", "engines.openai",
+              "engines.vllm.runners.online_vllm"}  # run as a file inside the vLLM venv
+    checked = 0
+    for row in R.STEPS:
+        rec = repo.path / "logs" / f"{row.name}.json"
+        if not rec.is_file():
+            continue
+        ran = set(json.loads(rec.read_text())["modules"])
+        declared = set(R.RUNNER_MODULES) | set(row.modules)
+        assert declared - ran <= branch, (row.name, sorted(declared - ran - branch))
+        checked += 1
+    assert checked >= 15
 
 
 def test_mlflow_has_every_phase_with_the_same_metrics(repo):
@@ -232,10 +355,10 @@ def test_dvc_repro_reruns_only_what_a_param_edit_touches(repo):
     cfg["phase2"]["train"]["steps"] -= 2
     p.write_text(yaml.safe_dump(cfg, sort_keys=False))
     status = json.loads(repo.dvc("status", "--json").stdout)
-    assert set(status) == {"phase2"}, status
+    assert set(status) == {"train_phase2"}, status
     out = repo.dvc("repro").stdout
     ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
-    assert ran == {"phase2", "report"}, out
+    assert ran == {"train_phase2", "eval_phase2", "report"}, out
     assert json.loads(repo.dvc("status", "--json").stdout) == {}
     r = repo.smk("-n", "all")
     assert "Nothing to be done" in r.stdout, r.stdout[-3000:]
@@ -251,10 +374,10 @@ def test_dvc_repro_with_nothing_changed(repo):
 
 
 def test_dvc_checkout_does_not_make_snakemake_rerun(repo):
-    shutil.rmtree(repo.path / "artifacts/phase1")
+    shutil.rmtree(repo.path / "artifacts/train_phase1")
     shutil.rmtree(repo.path / "artifacts/world")
     repo.dvc("checkout")  # restored from the cache with new mtimes, newer than every downstream file
-    assert (repo.path / "artifacts/phase1/drafter/model.safetensors").is_file()
+    assert (repo.path / "artifacts/train_phase1/drafter/model.safetensors").is_file()
     r = repo.smk("-n", "all")
     assert "Nothing to be done" in r.stdout, r.stdout[-3000:]
     assert json.loads(repo.dvc("status", "--json").stdout) == {}
@@ -265,20 +388,20 @@ def test_dvc_push_to_a_local_remote(repo, tmp_path):
     repo.dvc("push")
     pushed = [p for p in (tmp_path / "remote").rglob("*") if p.is_file()]
     lock = yaml.safe_load((repo.path / "dvc.lock").read_text())
-    phase1 = lock["stages"]["phase1"]["outs"][0]["md5"]
+    phase1 = lock["stages"]["train_phase1"]["outs"][0]["md5"]
     assert any(p.name.endswith(phase1[2:]) or phase1[2:] in str(p) for p in pushed)
 
 
 def test_unreachable_tracking_server_fails_before_compute(repo):
     bad = "http://127.0.0.1:9"
     t = time.time()
-    r = repo.smk("--cores", "1", "--forcerun", "phase0", "phase0", check=False,
+    r = repo.smk("--cores", "1", "--forcerun", "eval_phase0", "phase0", check=False,
                  env={"MLFLOW_TRACKING_URI": bad})
     assert r.returncode != 0
     assert f"{bad}: MLflow tracking server unreachable" in r.stdout + r.stderr
     assert "Execute 1 jobs" not in r.stdout + r.stderr  # stopped in onstart, before the job
     assert time.time() - t < 120
-    r = repo.run(sys.executable, "scripts/phase0.py", check=False, env={"MLFLOW_TRACKING_URI": bad})
+    r = repo.run(sys.executable, "scripts/eval_phase0.py", check=False, env={"MLFLOW_TRACKING_URI": bad})
     assert r.returncode == 2 and r.stderr.strip().endswith(f"error: {bad}: MLflow tracking server "
                                                            f"unreachable ([Errno 111] Connection refused); "
                                                            f"start it or unset MLFLOW_TRACKING_URI to log "

@@ -15,7 +15,8 @@ from draftport import fetch as F
 from draftport import params as P
 from draftport.checkpoint import load_drafter_state, save_drafter
 from draftport.errors import DraftportError
-from draftport.pipeline import trusted
+from draftport.steps import registry as R
+from draftport.target import trusted
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_drafter import toy_drafter  # noqa: E402
@@ -139,5 +140,5 @@ def test_trust_params_are_off_by_default_and_validated():
     with pytest.raises(P.ParamsError) as e:
         P.validate(P.merge(base, {"source": {"allow_pickle": "yes"}}))
     assert str(e.value) == 'source.allow_pickle: expected true or false, got "yes"'
-    assert "targets.trust_remote_code" in P.STEP_KEYS["fetch"]
-    assert all("targets" in P.STEP_KEYS[s] for s in ("features_new", "features_eval", "features_phase2"))
+    assert "targets.trust_remote_code" in R.BY_NAME["fetch"].params
+    assert all("targets.trust_remote_code" in R.BY_NAME[s].params for s in ("features_new", "features_eval", "features_phase2"))

@@ -40,7 +40,7 @@ def test_text_config_and_tensors_through_the_wrapper(targets):
     assert text_config(wrapped)["num_hidden_layers"] == 3 == text_config(plain)["num_hidden_layers"]
     for name in ("model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"):
         assert torch.equal(read_text_tensor(wrapped, name), read_text_tensor(plain, name))
-    # the drafter's frozen embedding and the target head, as plan.drafter_for_target reads them
+    # the drafter's frozen embedding and the target head, as bind.drafter_for_target reads them
     assert torch.equal(read_target_tensor(wrapped, "embed_tokens.weight"), read_target_tensor(plain, "embed_tokens.weight"))
     assert torch.equal(read_target_tensor(wrapped, "lm_head.weight"), read_target_tensor(plain, "lm_head.weight"))
 

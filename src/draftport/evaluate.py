@@ -10,6 +10,14 @@ tau is measured the way SGLang and vLLM count it, over the cycles an engine actu
 after the prompt, the first cycle drafts from the last prompt position; a cycle that accepts a
 drafts moves a+1 tokens on. tau = 1 + mean accepted over those cycles (the bonus token counts).
 The mean over *every* response position is reported too (`accept_length_all_positions`).
+
+Three definitions of "how much is accepted", all from the same counts (`summarize`):
+  - accept_length (tau)   1 + accepted / cycles: the bonus token counted (vLLM's "Mean
+                          acceptance length", SGLang's accept length);
+  - simulated_acc_len     a0 + a0*a1 + a0*a1*a2 + ... over the conditional rates cond_acc_i, no
+                          bonus token (SpecForge's eval metric); on these counts it is tau - 1;
+  - acceptance_rate       accepted / draft tokens proposed (vLLM's "Avg Draft acceptance rate",
+                          as a fraction); with k drafts every cycle it is (tau - 1) / k.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from collections.abc import Iterable
 import torch
 
 from .drafter import Eagle3Drafter
-from .ttt import Batch, target_logits
+from .data import Batch
+from .ttt import target_logits
 
 
 @torch.no_grad()
@@ -57,6 +66,29 @@ def walk(accepted: list[int], checkable: list[int], start: int, end: int) -> lis
     return seen
 
 
+def simulated_acc_len(cond_rates: Iterable[float]) -> float:
+    """SpecForge's accept length: a0 + a0*a1 + a0*a1*a2 + ..., the expected number of accepted
+    drafts (no bonus token) when draft i is accepted with probability a_i once the earlier ones
+    were. SpecForge (specforge/eval/evaluator.py, Evaluator._simulated_acc_len, logged as
+    `eval/simulated_acc_len`, its default best-checkpoint metric) applies this running product
+    to its eval-set-wide per-position TTT accuracies (correct / denom summed over the eval set,
+    then the product). Here a_i are the conditional acceptance rates of the cycles an engine
+    runs (cond_acc_i), so the product telescopes to accept_rate_pos_i and the sum is tau - 1."""
+    cumulative, total = 1.0, 0.0
+    for a in cond_rates:
+        cumulative *= a
+        total += cumulative
+    return total
+
+
+def acceptance_rate(num_accepted_tokens: int, num_draft_tokens: int) -> float:
+    """vLLM's "Avg Draft acceptance rate" (vllm/v1/spec_decode/metrics.py, SpecDecodingLogging.log,
+    vLLM 0.32), as a fraction instead of a percentage: the counter num_accepted_tokens over the
+    counter num_draft_tokens (draft tokens proposed and scheduled for verification), not over
+    num_drafts. 0.0 when nothing was drafted (vLLM prints nan)."""
+    return num_accepted_tokens / num_draft_tokens if num_draft_tokens > 0 else 0.0
+
+
 def summarize(cycles: list[int], all_rows: list[int], k: int) -> dict:
     n = max(len(cycles), 1)
     out = {
@@ -73,6 +105,9 @@ def summarize(cycles: list[int], all_rows: list[int], k: int) -> dict:
         out[f"accept_rate_pos_{i - 1}"] = rate
         out[f"cond_acc_{i - 1}"] = rate / prev if prev > 0 else 0.0
         prev = rate
+    # the same counts under the other tools' definitions (no second pass)
+    out["simulated_acc_len"] = simulated_acc_len(out[f"cond_acc_{i}"] for i in range(k))
+    out["acceptance_rate"] = acceptance_rate(out["num_accepted_tokens"], out["num_draft_tokens"])
     return out
 
 
@@ -93,3 +128,28 @@ def offline_accept_length(drafter: Eagle3Drafter, batches: Iterable[tuple[Batch,
         if progress is not None:
             progress(len(starts))
     return summarize(cycles, all_rows, k)
+
+
+def evaluate_drafter(drafter_dir, target_dir, features_dir, *, k: int, batch_size: int = 16,
+             max_samples: int | None = None) -> dict:
+    """Offline accept length of a saved drafter on held-out features of a target."""
+    import time
+
+    from .bind import check_features_fit, drafter_for_target, target_head
+    from .checkpoint import load_drafter_state
+    from .data import FeatureSet, iter_batches
+
+    cfg, state = load_drafter_state(drafter_dir)
+    fs = FeatureSet(features_dir)
+    check_features_fit(cfg, fs, drafter_dir)
+    d = drafter_for_target(cfg, target_dir, state)
+    head = target_head(target_dir)
+    ids = list(range(len(fs) if max_samples is None else min(len(fs), max_samples)))
+    t0 = time.time()
+    from .progress import progress
+
+    with progress(len(ids), "evaluate", "sample") as bar:
+        res = offline_accept_length(d, iter_batches(fs, ids, batch_size), head, k, progress=bar.update)
+    res["eval_seconds"] = time.time() - t0
+    res["eval_samples"] = len(ids)
+    return res

@@ -4,7 +4,7 @@ build_report reads every step's metrics.json (and the phases' history.csv) and w
 artifacts/report/: tau.png (accept length per phase next to the cost model's projected tok/s and
 break-even line), positions.png (acceptance by draft position), loss.png (training curves),
 phases.csv / positions.csv (the same numbers; DVC plots read them) and summary.html (everything
-on one page, images inlined). compare_tables renders the compare step's report as HTML/CSV.
+on one page, images inlined). The HTML/CSV tables (and the compare step's) are draftport.tables.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import html
 import json
 from pathlib import Path
 from typing import Any
+
+from .tables import _page, compare_html, html_table, write_csv
 
 PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
 LABELS = {"phase0": "Phase 0\nsource as-is", "phase1_scratch": "Phase 1 control\nfrom scratch",
@@ -140,79 +142,6 @@ def plot_loss(histories: dict[str, list[dict]], out: Path) -> None:
 
 
 # ---- tables ----------------------------------------------------------------------------------
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3f}" if abs(v) < 1000 else f"{v:,.0f}"
-    if isinstance(v, (list, dict)):
-        return json.dumps(v)
-    return "" if v is None else str(v)
-
-
-def html_table(rows: list[dict], cols: list[str], headers: list[str] | None = None,
-               mark: str | None = None) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in (headers or cols))
-    body = []
-    for r in rows:
-        cls = ' class="bad"' if mark and r.get(mark) is False else ""
-        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in cols) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-
-
-def write_csv(path: Path, rows: list[dict], cols: list[str]) -> None:
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(cols)
-        for r in rows:
-            w.writerow([_fmt(r.get(c)) for c in cols])
-
-
-CSS = """
-body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1200px}
-h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:26px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
-p.lead{color:#555;margin:0 0 14px} table{border-collapse:collapse;font-size:13px;margin:6px 0 12px}
-th,td{border:1px solid #ddd;padding:4px 8px;text-align:right} th{background:#f4f6f8}
-td:first-child,th:first-child,td:last-child{text-align:left} tr.bad td{background:#fdecea}
-.verdict{padding:8px 12px;border-radius:4px;margin:6px 0} .ok{background:#e8f5e9} .no{background:#fdecea}
-img{max-width:100%;border:1px solid #eee;margin:4px 0} .grid{display:grid;grid-template-columns:1fr 1fr;gap:10px}
-.kpi{display:inline-block;margin:0 18px 8px 0;padding:8px 14px;background:#f4f6f8;border-radius:6px}
-.kpi b{display:block;font-size:20px} small{color:#666}
-"""
-
-
-def compare_tables(rep: dict, out_dir: Path) -> None:
-    """compare.html (+ config.csv, weights.csv) from compare_drafters' report."""
-    out_dir = Path(out_dir)
-    write_csv(out_dir / "config.csv", rep["config"], ["field", "src", "dst", "match", "note"])
-    write_csv(out_dir / "weights.csv", rep["weights"],
-              ["name", "src_shape", "dst_shape", "src_dtype", "dst_dtype", "status", "note"])
-    (out_dir / "compare.html").write_text(_page("Source drafter vs the new target's layout",
-                                                compare_html(rep)))
-
-
-def compare_html(rep: dict) -> str:
-    v, verdict = rep["vocab"], rep["verdict"]
-    ok = verdict["compatible_architecture"]
-    parts = [f'<div class="verdict {"ok" if ok else "no"}"><b>{"Compatible" if ok else "Incompatible"} '
-             f'architecture.</b> {html.escape("; ".join(verdict["reasons"]))}</div>',
-             f"<p><b>Vocab action:</b> {html.escape(verdict['vocab_action'])}</p>"]
-    if verdict["warnings"]:
-        parts.append("<ul>" + "".join(f"<li>{html.escape(w)}</li>" for w in verdict["warnings"]) + "</ul>")
-    parts.append(f"<p>{html.escape(v.get('explanation') or '')}</p>")
-    vrows = [{"what": k, "value": v.get(k)} for k in ("draft_vocab_size", "overlap", "jaccard", "src_only",
-                                                      "dst_only", "positions_differ", "identical")]
-    parts.append(html_table(vrows, ["what", "value"], ["draft map", "src vs dst"]))
-    parts.append("<h3>Config</h3>" + html_table(rep["config"], ["field", "src", "dst", "match", "note"],
-                                                 mark="match"))
-    parts.append("<h3>Weights (from the safetensors headers)</h3>" + html_table(
-        rep["weights"], ["name", "src_shape", "dst_shape", "src_dtype", "dst_dtype", "status", "note"]))
-    return "\n".join(parts)
-
-
-def _page(title: str, body: str) -> str:
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>\n")
-
-
 def _img(path: Path, wrap: bool = False) -> str:
     data = base64.b64encode(path.read_bytes()).decode()
     if wrap:  # docutils refuses lines over 10,000 characters; data URLs ignore the line breaks
@@ -225,12 +154,12 @@ PHASE_COLS = ["phase", "accept_length", "projected_tok_s", "speedup_vs_baseline"
               "accept_length_all_positions", "train_steps", "final_loss", "eval_samples"]
 
 
-def online_rows(A: Path, k: int) -> list[dict]:
+def online_rows(inputs: dict, k: int) -> list[dict]:
     """One row per online step that ran: the phase's offline tau, the offline evaluator on vLLM's
     own sequences, vLLM's tau, per-position rates side by side, and the time each took."""
     rows = []
     for ph in ("phase0", "phase1"):
-        m = _read(A / f"online_{ph}" / "metrics.json")
+        m = _read(inputs[f"online_{ph}"]) if f"online_{ph}" in inputs else None
         if m is None:
             continue
         row = {"phase": ph, "offline_eval_set": m["accept_length"],
@@ -262,14 +191,43 @@ def online_section(rows: list[dict], k: int, enabled: bool) -> list[str]:
             "loading the target and capturing its states.</p>", html_table(rows, cols, heads)]
 
 
-def build_report(out_dir, p: dict, artifacts: str = "artifacts") -> dict:
+def drift_rows(d: dict) -> list[dict]:
+    """One row per aux layer and the final state: how far the new target's states moved."""
+    names = sorted((k[len("cos_layer_"):] for k in d if k.startswith("cos_layer_")), key=int)
+    rows = []
+    for name, key in [(f"aux layer {n}", f"layer_{n}") for n in names] + [("final state", "final")]:
+        rows.append({"state": name, "cos": d.get(f"cos_{key}"), "cka": d.get(f"cka_{key}"),
+                     "rel_norm_change": d.get(f"rel_norm_change_{key}"), "rel_diff_norm": d.get(f"rel_diff_norm_{key}")})
+    return rows
+
+
+def drift_section(d: dict) -> list[str]:
+    taus = [{"what": "source drafter, old target's states (same tokens)", "tau": d.get("tau_source_old_features")},
+            {"what": "source drafter, new target's states (Phase 0)", "tau": d.get("tau_source_new_features")},
+            {"what": "the gap: the target's own change on a fixed text", "tau": d.get("tau_gap")}]
+    if d.get("tau_source_on_old_answers") is not None:
+        taus.insert(0, {"what": "source drafter on the old target's own answers", "tau": d["tau_source_on_old_answers"]})
+    return ["<h2>How far the new target's hidden states moved (drift probe)</h2>",
+            f"<p class='lead'>The old target run over the new target's answers to the held-out prompts "
+            f"({d.get('tokens')} assistant tokens of {d.get('samples')} samples). Greedy agreement of the two "
+            f"targets on those tokens: <b>{d.get('greedy_agreement', float('nan')):.3f}</b>.</p>",
+            html_table(drift_rows(d), ["state", "cos", "cka", "rel_norm_change", "rel_diff_norm"],
+                       ["state", "mean cosine", "linear CKA", "| ‖new‖ − ‖old‖ | / ‖old‖", "‖new − old‖ / ‖old‖"]),
+            html_table(taus, ["what", "tau"], ["accept length", "τ"])]
+
+
+def build_report(out_dir, p: dict, inputs: dict) -> dict:
+    """inputs (the step's, by name): phase0 .. phase2 (each phase's evaluation metrics.json),
+    history_<phase> (its training's history.csv), compare (compare.json), world (its
+    metrics.json), online_<phase> (the online steps' metrics.json); absent ones are left out."""
     out_dir = Path(out_dir)
-    A = Path(artifacts)
+    inputs = {k: Path(v) for k, v in inputs.items()}
     k, cost = p["eval"]["k"], p["costmodel"]
-    phases = {ph: m for ph in PHASES if (m := _read(A / ph / "metrics.json"))}
-    histories = {ph: _history(A / ph / "history.csv") for ph in ("phase1_scratch", "phase1", "phase2")}
-    world = _read(A / "world" / "metrics.json")
-    compare = _read(A / "compare" / "compare.json")
+    phases = {ph: m for ph in PHASES if ph in inputs and (m := _read(inputs[ph]))}
+    histories = {ph: _history(inputs[f"history_{ph}"]) for ph in ("phase1_scratch", "phase1", "phase2")
+                 if f"history_{ph}" in inputs}
+    world = _read(inputs["world"]) if "world" in inputs else None
+    compare = _read(inputs["compare"]) if "compare" in inputs else None
     source_on_old = phases.get("phase0", {}).get("source_on_old_accept_length")
 
     plot_tau(phases, cost, k, out_dir / "tau.png", source_on_old)
@@ -305,10 +263,13 @@ def build_report(out_dir, p: dict, artifacts: str = "artifacts") -> dict:
             "<h2>Training curves</h2>", _img(out_dir / "loss.png")]
     # only when the DAG made the online steps inputs of this one (params online.enabled)
     on_enabled = bool(p.get("online", {}).get("enabled"))
-    on_rows = online_rows(A, k) if on_enabled else []
+    on_rows = online_rows(inputs, k) if on_enabled else []
     if on_rows:
         write_csv(out_dir / "online.csv", on_rows, list(on_rows[0]))
     body += online_section(on_rows, k, on_enabled)
+    drift = _read(inputs["drift"]) if "drift" in inputs else None
+    if drift is not None:
+        body += drift_section(drift)
     if compare is not None:
         (out_dir / "compare.html").write_text(_page("Source drafter vs the new target's layout",
                                                     compare_html(compare)))

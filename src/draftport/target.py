@@ -235,3 +235,11 @@ def read_target_tensor(path: str | Path, suffix: str) -> torch.Tensor:
     f, name = hits[0]
     with safe_open(str(f), framework="pt") as sf:
         return sf.get_tensor(name)
+
+
+def trusted(target, trust_remote_code) -> bool:
+    """Whether a target folder may run its own code: its hub repo (the fetch recorded it), or the
+    folder itself, is named in targets.trust_remote_code."""
+    lock = Path(target) / "fetch.lock.json"
+    repo = json.loads(lock.read_text()).get("source") if lock.is_file() else str(target)
+    return repo in set(trust_remote_code or ())

@@ -24,7 +24,6 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -34,40 +33,9 @@ from .checkpoint import atomic_dir
 from .data import FeatureSet, collate
 from .drafter import Eagle3Drafter
 from .errors import DraftportError
+from .tracking import Logger
+from .params import TrainConfig  # the train groups of params.yaml: a pydantic model
 from .ttt import combine, compile_loss_kernels, stats_to_float, ttt_terms
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 200
-    batch_size: int = 8          # global batch, in samples
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ttt_steps: int = 3
-    gamma: float = 0.8
-    seed: int = 0
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    dtype: str = "auto"          # auto: float32 on CPU, bfloat16 autocast on CUDA
-    train_lm_head: bool = True
-    # reference: dense-mask attention and whole-tensor loss (the readable definition);
-    # fused: flash attention + log-sum-exp merge, row-chunked fused soft-CE (same terms);
-    # compiled: fused + torch.compile of the per-step regions; auto: compiled on CUDA.
-    impl: str = "auto"
-    # under torchrun: ddp (replicated drafter) or fsdp (weights, grads, AdamW moments sharded)
-    parallel: str = "ddp"
-
-    @classmethod
-    def from_dict(cls, d: dict, where="train") -> "TrainConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise DraftportError(where, f"unknown training key(s): {', '.join(unknown)}")
-        return cls(**d)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -91,16 +59,6 @@ def batch_ids(step: int, n: int, batch: int, seed: int) -> list[int]:
         out.extend(take)
         pos += len(take)
     return out
-
-
-class Logger:
-    """What the loop reports to; MLflow plugs in behind the same two methods."""
-
-    def log_params(self, params: dict) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict, step: int) -> None:
-        pass
 
 
 class PrintLogger(Logger):
@@ -137,9 +95,7 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
     full state is gathered to rank 0, which alone writes (the same files as one process).
     inputs: what the run was trained on (train()'s `inputs`), kept so a resume can check it.
     A full disk is a DraftportError; the previous checkpoints stay as they were."""
-    from safetensors.torch import save_file
-
-    from .checkpoint import disk_full_error
+    from .checkpoint import disk_full_error, save_safetensors
 
     if sharded is not None:
         model, moments, steps = _gather_full_state(sharded, opt)
@@ -159,10 +115,10 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
     final = ckpt_root / f"step_{step:07d}"
     try:
         with atomic_dir(final) as tmp:
-            save_file(model, str(tmp / "model.safetensors"))
+            save_safetensors(model, tmp / "model.safetensors")
             moments["rng.torch"] = torch.get_rng_state()
-            save_file(moments, str(tmp / "optimizer.safetensors"))
-            state = {"step": step, "adam_steps": steps, "history": history, "config": asdict(cfg),
+            save_safetensors(moments, tmp / "optimizer.safetensors")
+            state = {"step": step, "adam_steps": steps, "history": history, "config": cfg.model_dump(),
                      "inputs": inputs}
             (tmp / "state.json").write_text(json.dumps(state) + "\n")
     except Exception as e:
@@ -195,7 +151,7 @@ def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None) -> bool:
     saved = state.get("config", {})
     # parallel: ddp and fsdp make the same updates (and older checkpoints predate the key)
     cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel"}
-    now = asdict(cfg)
+    now = cfg.model_dump()
     return {k: v for k, v in saved.items() if k not in cadence} == {k: v for k, v in now.items() if k not in cadence}
 
 
@@ -402,8 +358,9 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
 
     bar = None
     if progress and rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+        from .progress import progress as progress_bar
+
+        bar = progress_bar(cfg.steps, "train", "step", initial=step)
     n = len(features)
     done_this_call = 0
     t0 = time.time()

@@ -1,0 +1,102 @@
+"""A training phase's drafter: its initial weights (the source on the new map, a random init, or
+an earlier phase's drafter), trained by draftport.train on a feature set, saved flat."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from .bind import check_features_fit, drafter_for_target, target_head
+from .checkpoint import atomic_write_text, load_drafter_state, save_drafter
+from .config import DrafterConfig, read_config
+from .data import FeatureSet
+from .draftmap import cfg_d2t, read_vocab
+from .errors import DraftportError
+from .vocab import check_maps, compare_maps, remap_lm_head
+
+
+def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, vocab_policy: str = "remap",
+                       arch=None) -> dict:
+    """What a training run learns from, as digests: its checkpoints resume only a run on the same
+    inputs (train's `inputs`). Features by their index (it holds every shard's sha256)."""
+    from .checkpoint import sha256
+
+    def folder(f) -> str:
+        f = Path(f)
+        lock = f / "fetch.lock.json"
+        if lock.is_file():  # a fetch recorded every file's sha256
+            return hashlib.sha256(json.dumps(json.loads(lock.read_text())["files"], sort_keys=True).encode()).hexdigest()
+        files = sorted(p for p in f.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+        return hashlib.sha256("".join(f"{p.name}:{sha256(p)};" for p in files).encode()).hexdigest()
+
+    out = {"features": sha256(Path(features_dir) / "index.json"), "vocab": sha256(Path(vocab_path)),
+           "init": init, "vocab_policy": vocab_policy}
+    if init in ("source", "scratch") and source_dir is not None:
+        out["source"] = folder(source_dir)
+    elif init not in ("source", "scratch"):
+        out["init_drafter"] = folder(init)
+    if arch is not None:
+        out["arch"] = json.loads(json.dumps(arch, default=str))
+    return out
+
+
+def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, train_cfg,
+                source_dir=None, vocab_policy: str = "remap", arch: dict | None = None,
+                logger=None, progress=True, ckpt_dir=None) -> dict:
+    """Train a drafter for the new target and save it (flat format) to out_dir/drafter.
+
+    init 'source': start from the source drafter; its lm_head is moved onto the new map by
+    target id (vocab_policy 'remap', new rows from the target's lm_head) or the source map is
+    kept ('keep'). The map is never rebuilt silently: it comes from vocab_path.
+    init 'scratch': same architecture, random init, the new map.
+    init '<folder>': continue a drafter saved by an earlier phase (its map is kept).
+    ckpt_dir: where the periodic checkpoints live (default out_dir/checkpoints); a run on the
+    same config and inputs (inputs_fingerprint) resumes from them.
+    """
+    from .train import train
+
+    out_dir = Path(out_dir)
+    fs = FeatureSet(features_dir)
+    head = target_head(target_dir)
+    d2t_new, t2d_new = read_vocab(vocab_path, vocab_size=head.shape[0])
+    report: dict = {"init": init}
+    if init == "scratch":
+        if source_dir is None and arch is None:
+            raise DraftportError("phase", "a scratch drafter needs the source's architecture or `arch`")
+        if source_dir is not None:
+            src_cfg, _ = read_config(source_dir)
+            cfg = DrafterConfig(**{**src_cfg.__dict__, "draft_vocab_size": int(d2t_new.shape[0])})
+        else:
+            cfg = arch
+        check_features_fit(cfg, fs, features_dir)
+        torch.manual_seed(train_cfg.seed)
+        d = drafter_for_target(cfg, target_dir)
+        d.set_vocab_maps(d2t_new, t2d_new)
+    else:
+        src = Path(source_dir if init == "source" else init)
+        cfg, state = load_drafter_state(src)
+        check_features_fit(cfg, fs, src)
+        if init == "source":
+            lm, d2t, stats = remap_lm_head(state["lm_head.weight"].float(), state["d2t"].numpy(), d2t_new,
+                                           init_rows=head if cfg.hidden_size == head.shape[1] else None,
+                                           policy=vocab_policy)
+            state["lm_head.weight"] = lm
+            t2d = t2d_new if vocab_policy == "remap" else state["t2d"].numpy()
+            check_maps(d2t, t2d, cfg.vocab_size, d2t.shape[0], vocab_path)
+            state["d2t"], state["t2d"] = torch.as_tensor(d2t), torch.as_tensor(t2d)
+            cfg = DrafterConfig(**{**cfg.__dict__, "draft_vocab_size": int(d2t.shape[0])})
+            report["vocab"] = {**stats, **compare_maps(cfg_d2t(source_dir), d2t_new)}
+        d = drafter_for_target(cfg, target_dir, state)
+    inputs = inputs_fingerprint(features_dir=features_dir, vocab_path=vocab_path, init=init,
+                                source_dir=source_dir, vocab_policy=vocab_policy, arch=arch)
+    res = train(d, fs, head, out_dir, train_cfg, logger=logger, progress=progress, ckpt_dir=ckpt_dir,
+                inputs=inputs)
+    save_drafter(out_dir / "drafter", cfg, d.export_state(),
+                 metadata={"draftport_phase_init": init})
+    report.update(train_steps=res["steps"], train_seconds=res["seconds"], final=res["final"],
+                  resumed_from_step=res["resumed_from"])
+    atomic_write_text(out_dir / "train_history.json", json.dumps(res["history"]) + "\n")
+    return report

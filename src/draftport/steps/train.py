@@ -1,0 +1,66 @@
+"""The training steps: each makes one drafter for the new target (drafter/, its loss history),
+logged live to the phase's MLflow run. Evaluation is a step of its own (steps.evaluate), so
+evaluation settings never retrain a drafter."""
+
+from __future__ import annotations
+
+import csv
+import json
+import tempfile
+
+from ..errors import DraftportError
+from .runner import Step, checkpoints, read_json
+
+
+def _train(s: Step, group: str, *, init, vocab_policy: str = "remap") -> dict:
+    """Train, save drafter/ (flat format), train_history.json and history.csv; the metrics."""
+    from ..params import TrainConfig
+    from ..phases import train_phase
+    from ..train import dist_info, init_distributed
+
+    kw = dict(features_dir=s.input("features"), target_dir=s.input("target"), vocab_path=s.input("vocab"),
+              init=init, source_dir=s.input("source"), vocab_policy=vocab_policy,
+              train_cfg=TrainConfig(**s.p[group]["train"]), ckpt_dir=checkpoints(s.name))
+    rank, _ = init_distributed()  # under torchrun: every rank trains on its slice of each batch
+    if rank > 0:  # the same run, its files written by rank 0 (checkpoints: shared ckpt_dir)
+        with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
+            train_phase(scratch, logger=None, progress=False, **kw)
+        return {}
+    rep = train_phase(s.dir, logger=s.run.background() if s.run else None, progress=True, **kw)
+    hist = json.loads(s.path("train_history.json").read_text())
+    cols = ["step", "loss", "acc_0", "lr"]
+    with open(s.path("history.csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(cols)
+        for h in hist:
+            w.writerow([h.get(c, "") for c in cols])
+    fin = rep.get("final", {})
+    out = {"train_processes": dist_info()[1],  # > 1 under torchrun (resources.<rule>.torchrun)
+           "train_steps": rep["train_steps"], "final_loss": fin.get("loss"), "final_acc_0": fin.get("acc_0"),
+           "resumed_from_step": rep["resumed_from_step"]}
+    if "vocab" in rep:
+        out["lm_head_rows_kept"] = rep["vocab"].get("kept_rows")
+        out["lm_head_rows_new"] = rep["vocab"].get("new_rows")
+    print(f"{s.name}: {rep['train_steps']} steps in {rep['train_seconds']:.1f} s, final loss {fin.get('loss')}")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def train_phase1_scratch(s: Step) -> dict:
+    """The control: the same architecture, data and budget as Phase 1, from a random init on the
+    new map: what fine-tuning the source must beat."""
+    return _train(s, "phase1", init="scratch")
+
+
+def train_phase1(s: Step) -> dict:
+    """Fine-tune the source drafter on the new target's data (its lm_head moved onto the new map
+    by target id, or the source map kept: phase1.vocab_policy)."""
+    verdict = read_json(s.input("compare"))["verdict"]
+    if not verdict["compatible_architecture"]:
+        raise DraftportError("compare", "the source drafter does not load into the new layout: "
+                             + "; ".join(verdict["reasons"]))
+    return _train(s, "phase1", init="source", vocab_policy=s.p["phase1"]["vocab_policy"])
+
+
+def train_phase2(s: Step) -> dict:
+    """Continue Phase 1's drafter (its map kept) on the scaled data."""
+    return _train(s, "phase2", init=str(s.input("init")))
