@@ -176,23 +176,11 @@ def capture_same_tokens(target_dir, features_dir, out_dir, *, batch_size: int = 
                                          batch_size=batch_size, shard_samples=shard_samples, progress=bar.update)
     if engine != "transformers":
         raise DraftportError("features.engine", f"unknown engine {engine!r} (transformers or vllm)")
-    from .target import capture_features, load_target
+    from .features import featurizer
+    from .target import load_target
 
     model = load_target(target_dir, device=device, trust_remote_code=trust_remote_code)
-    head_w = model.get_output_embeddings().weight.detach().float()
-    dev = device if device != "auto" else next(model.parameters()).device
-
-    def featurize(batch: list[Sequence]):
-        T = max(len(s.tokens) for s in batch)
-        ids = torch.zeros((len(batch), T), dtype=torch.long)  # right padding: masked, never attended
-        mask = torch.zeros((len(batch), T), dtype=torch.long)
-        for i, s in enumerate(batch):
-            ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
-            mask[i, : len(s.tokens)] = 1
-        aux, final = capture_features(model, ids.to(dev), mask.to(dev), aux_ids, conv)
-        with torch.no_grad():
-            t_arg = (final.float() @ head_w.to(final.device).t()).argmax(-1)
-        return aux, final, t_arg
+    featurize = featurizer(model, aux_ids, conv, device)
 
     with progress(len(seqs), "capture same tokens", "sample") as bar:
         return write_features(out_dir, seqs, featurize, meta=meta, batch_size=batch_size, dtype=dtype,

@@ -145,7 +145,22 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
         log(f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
             f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir} (vLLM)")
         return index
+    featurize = featurizer(model, aux_layer_ids, convention, device, pad)
+
+    with progress(len(seqs), "capture", "sample") as bar:
+        index = write_features(out_dir, seqs, featurize, meta=meta, batch_size=batch_size,
+                               dtype=dtype, shard_samples=shard_samples, progress=bar.update)
+    log(f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
+        f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir}")
+    return index
+
+
+def featurizer(model, aux_layer_ids, convention: str, device: str, pad: int = 0):
+    """The batch function write_features calls: a batch of token sequences (right-padded with
+    pad, masked, never attended) through the target -> its aux and final states and its greedy
+    choice from its own head in full precision. device 'auto': wherever the model's weights are."""
     head_w = model.get_output_embeddings().weight.detach().float()
+    dev = device if device != "auto" else next(model.parameters()).device
 
     def featurize(batch: list[Sequence]):
         T = max(len(s.tokens) for s in batch)
@@ -154,14 +169,9 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
         for i, s in enumerate(batch):
             ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
             mask[i, : len(s.tokens)] = 1
-        aux, final = capture_features(model, ids.to(device), mask.to(device), aux_layer_ids, convention)
+        aux, final = capture_features(model, ids.to(dev), mask.to(dev), aux_layer_ids, convention)
         with torch.no_grad():
-            t_arg = (final.float() @ head_w.t()).argmax(-1)
+            t_arg = (final.float() @ head_w.to(final.device).t()).argmax(-1)
         return aux, final, t_arg
 
-    with progress(len(seqs), "capture", "sample") as bar:
-        index = write_features(out_dir, seqs, featurize, meta=meta, batch_size=batch_size,
-                               dtype=dtype, shard_samples=shard_samples, progress=bar.update)
-    log(f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
-        f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir}")
-    return index
+    return featurize

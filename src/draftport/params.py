@@ -33,7 +33,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from pydantic_core import PydanticCustomError
 
 from .errors import DraftportError
-from .steps.registry import STEP_NAMES, TRAINING_STEPS
+from .steps.registry import STEP_NAMES, TRAINING_STEPS, get  # get: the dotted-key lookup both use
 
 PARAMS_FILE = "params.yaml"
 
@@ -638,15 +638,6 @@ def _cross_checks(cfg: dict) -> None:
         raise ParamsError("drift.enabled", "needs targets.old (the probe runs the old target on the new one's tokens)")
     if cfg["eval"]["k"] > 16:
         raise ParamsError("eval.k", "at most 16 draft tokens")
-
-
-def get(cfg: dict, dotted: str) -> Any:
-    cur = cfg
-    for part in dotted.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            raise KeyError(dotted)
-        cur = cur[part]
-    return cur
 
 
 def subset(cfg: dict, keys: list[str]) -> dict:

@@ -109,7 +109,7 @@ STEPS: tuple[Step, ...] = (
          "evaluate:drift", ("targets.new", "targets.old", "targets.trust_remote_code", "eval.k", "eval.batch_size",
                             "eval.max_samples", "features.batch_size", "features.dtype", "features.device",
                             "features.engine", "features.tensor_parallel_size", "drift"),
-         ("drift", "evaluate", "bind", "data", "drafter", "kernels", "ttt", "target", "vocab", "tracking",
+         ("drift", "features", "evaluate", "bind", "data", "drafter", "kernels", "ttt", "target", "vocab", "tracking",
           "steps.evaluate", "engines.vllm.features", "engines.vllm.venv", "engines.vllm.runners.features_vllm"),
          {"drafter": SOURCE, "target": TARGET, "target_old": Input("@old"), "features": EVAL_SET,
           "phase0": Input("eval_phase0/metrics.json")},
