@@ -6,7 +6,7 @@
 The one-GPU figure is read from a benchmark result (benchmarks/results/*.json of
 benchmarks/bench_train_h200.py): `tokens_per_s_lm_head_trainable` when the phase trains lm_head
 (draftport's default; Phase 1's vocab remap needs it), else `tokens_per_s_mask_precomputed`
-(lm_head frozen, the target's greedy choice stored with the features, as plan.build_features
+(lm_head frozen, the target's greedy choice stored with the features, as features.build_features
 stores it). Every input is printed next to the result so the arithmetic can be redone by hand.
 Data generation (the target's answers and hidden states) is not included.
 """
