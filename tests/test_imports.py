@@ -85,3 +85,23 @@ def test_snakefile_side_and_header_commands_do_not_import_torch():
             "draftport.cluster, draftport.compare, draftport.cli; print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"
+
+
+def test_a_wheel_carries_every_module_and_the_in_venv_scripts(tmp_path):
+    """A non-editable `pip install .` gets the whole package: the steps, the engines and the
+    scripts that run inside the vLLM venv (found next to the package, never in the repo)."""
+    import shutil
+    import zipfile
+
+    root = SRC.parent
+    work = tmp_path / "tree"
+    shutil.copytree(SRC, work / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(root / f, work / f)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "wheel"), str(work)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("draftport-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    want = {str(p.relative_to(SRC)) for p in PKG.rglob("*.py")}
+    assert want <= names, sorted(want - names)
+    assert "draftport/engines/vllm/runners/online_vllm.py" in names and "draftport/steps/registry.py" in names
