@@ -262,14 +262,7 @@ def find_target_embedding(target_dir: str | Path) -> TensorInfo:
     """The target's embed_tokens tensor (header only: name, dtype, shape, byte range), found by
     model.safetensors.index.json's weight_map when there is one, else in each shard's header."""
     folder = Path(target_dir)
-    if not folder.is_dir():
-        raise DraftportError(folder, "no such target folder")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise DraftportError(folder / pickles[0], "pickle checkpoints are refused (they can run code); convert to safetensors")
-        raise DraftportError(folder, "no *.safetensors weights in the target folder")
+    files = weight_files(folder, kind="target")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         from .config import load_json
@@ -302,20 +295,22 @@ def to_speculators_name(name: str) -> str:
     return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
 
 
-def weight_files(folder: str | Path) -> list[Path]:
+def weight_files(folder: str | Path, kind: str = "drafter") -> list[Path]:
+    """A drafter's (or a target's: kind) safetensors files, sorted; pickle weights refused, one
+    line naming the file."""
     folder = Path(folder)
-    if folder.is_file():
+    if kind == "drafter" and folder.is_file():
         if folder.suffix in PICKLE_SUFFIXES:
             raise DraftportError(folder, "pickle checkpoints are refused (they can run code); convert to safetensors")
         raise DraftportError(folder, "expected a drafter folder (config.json + *.safetensors), got a file")
     if not folder.is_dir():
-        raise DraftportError(folder, "no such drafter folder")
+        raise DraftportError(folder, f"no such {kind} folder")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise DraftportError(folder / pickles[0], "pickle checkpoints are refused (they can run code); convert to safetensors")
-        raise DraftportError(folder, "no *.safetensors weights in the drafter folder")
+        raise DraftportError(folder, f"no *.safetensors weights in the {kind} folder")
     return files
 
 
