@@ -128,3 +128,99 @@ def test_checkpoint_of_other_config_is_set_aside_not_resumed(tmp_path):
     res = train(toy_drafter(seed=5), fs, head, tmp_path / "run", edited, progress=False)
     assert res["steps"] == 4 and len(res["history"]) == 2  # trained from step 0, not resumed
     assert list(tmp_path.glob("run/checkpoints.stale-*"))
+
+
+# ---- held-out tau during training (train.eval_every, train.patience) ----------------------------
+def _monitor(tmp: Path, head):
+    from draftport.evaluate import held_out_monitor
+
+    held, _ = make_features(tmp / "held", n=8, seed=7)
+    return held_out_monitor(held, head, k=2, batch_size=4)
+
+
+def test_monitor_logs_tau_by_step_and_changes_no_update(tmp_path):
+    """Held-out tau every eval_every steps joins the history, the logger and the curve; measuring
+    it consumes no randomness and touches no weight: the trained drafter is bit-identical."""
+    fs, head = make_features(tmp_path)
+    base = dict(steps=12, batch_size=4, lr=3e-3, warmup_steps=2, checkpoint_every=12, log_every=4)
+    plain = toy_drafter(seed=3)
+    train(plain, fs, head, tmp_path / "plain", TrainConfig(**base), progress=False)
+
+    logged = []
+
+    class Rec:
+        def log_metrics(self, m, step):
+            if "accept_length" in m:
+                logged.append((step, m["accept_length"]))
+
+    watched = toy_drafter(seed=3)
+    res = train(watched, fs, head, tmp_path / "watched", TrainConfig(**base, eval_every=5), progress=False,
+                logger=Rec(), monitor=_monitor(tmp_path, head))
+    assert [c["step"] for c in res["curve"]] == [5, 10, 12]        # every 5 steps and the last one
+    assert [s for s, _ in logged] == [5, 10, 12]
+    assert all(1.0 <= c["accept_length"] <= 3.0 for c in res["curve"])   # 1 + at most k=2 drafts
+    assert not res["stopped_early"]
+    a, b = weights(plain), weights(watched)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_patience_stops_and_a_resume_stays_stopped(tmp_path):
+    fs, head = make_features(tmp_path)
+    cfg = TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup_steps=2, checkpoint_every=40, log_every=10,
+                      eval_every=2, patience=2)
+    flat = iter([1.5, 1.6, 1.6, 1.55] + [9.0] * 100)   # best 1.6 at step 4; steps 6, 8 no better -> stop at 8
+    res = train(toy_drafter(seed=1), fs, head, tmp_path / "run", cfg, progress=False,
+                monitor=lambda d: next(flat))
+    assert res["stopped_early"] and res["steps"] == 8
+    assert res["history"][-1]["early_stop"] == 1 and res["history"][-1]["step"] == 8
+    again = train(toy_drafter(seed=1), fs, head, tmp_path / "run", cfg, progress=False,
+                  monitor=lambda d: 9.0)   # resumed from the stop's checkpoint: no more steps
+    assert again["steps"] == 8 and again["stopped_early"] and again["resumed_from"] == 8
+
+
+def test_patience_without_eval_every_and_eval_every_without_a_set_are_refused(tmp_path):
+    import pytest
+
+    from draftport.errors import DraftportError
+
+    fs, head = make_features(tmp_path)
+    with pytest.raises(DraftportError, match="train.patience"):
+        train(toy_drafter(), fs, head, tmp_path / "a", TrainConfig(steps=2, patience=3), progress=False)
+    with pytest.raises(DraftportError, match="train.eval_every"):
+        train(toy_drafter(), fs, head, tmp_path / "b", TrainConfig(steps=2, eval_every=1), progress=False)
+
+
+def test_feature_chain_is_a_prefix_and_checks_continuity(tmp_path):
+    import pytest
+
+    from draftport.data import FeatureChain, check_disjoint
+    from draftport.errors import DraftportError
+
+    cfg = toy_cfg()
+    g = torch.Generator().manual_seed(0)
+
+    def capture(name, offset, n):
+        seqs = [Sequence(torch.randint(0, cfg.vocab_size, (8,), generator=g).tolist(), 2) for _ in range(n)]
+
+        def featurize(batch):
+            return torch.randn(len(batch), 8, 3 * cfg.hidden_size, generator=g), \
+                torch.randn(len(batch), 8, cfg.hidden_size, generator=g)
+
+        write_features(tmp_path / name, seqs, featurize, shard_samples=4, dtype="float32",
+                       meta={"aux_layer_ids": [1, 2, 3], "samples_file": "p.jsonl", "offset": offset})
+        return FeatureSet(tmp_path / name)
+
+    a, b = capture("a", 0, 6), capture("b", 6, 5)
+    chain = FeatureChain([a, b], 8)
+    assert len(chain) == 8 and chain.prompts == ("p.jsonl", 0, 8)
+    assert torch.equal(chain.sample(7)["aux"], b.sample(1)["aux"])
+    assert torch.equal(chain.sample(2)["tokens"], a.sample(2)["tokens"])
+    with pytest.raises(DraftportError, match="12 samples asked"):
+        FeatureChain([a, b], 12)
+    with pytest.raises(DraftportError, match="does not continue"):
+        FeatureChain([b, a])
+    held = capture("held", 7, 3)
+    with pytest.raises(DraftportError, match="overlaps the training"):
+        check_disjoint(chain, held, "monitor")
+    check_disjoint(FeatureChain([a, b], 7), held, "monitor")   # prompts 0-6 vs 7-9: disjoint

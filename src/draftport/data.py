@@ -185,6 +185,68 @@ class FeatureSet:
         return out
 
 
+class FeatureChain:
+    """The first `n` samples of several feature folders read one after another (a prefix of one
+    capture split over steps: Phase 1's samples, then Phase 2's), as one FeatureSet. The folders
+    must be captures of the same prompt file in order (each one's offset = where the one before
+    ended) with the same layers, convention and hidden size: the chain is then exactly the
+    capture of the first n prompts, and `prompts` says which ([offset, offset + n))."""
+
+    META = ("aux_layer_ids", "aux_convention", "hidden_size")
+
+    def __init__(self, sets: list[FeatureSet], n: int | None = None):
+        if not sets:
+            raise DraftportError("features", "no feature folders to chain")
+        first = sets[0].index
+        for prev, fs in zip(sets, sets[1:]):
+            for key in self.META:
+                if fs.index.get(key) != first.get(key):
+                    raise DraftportError(fs.folder, f"{key} {fs.index.get(key)} differs from {sets[0].folder}'s "
+                                         f"{first.get(key)}: not one capture")
+            end = prev.index.get("offset", 0) + len(prev)
+            if fs.index.get("samples_file") != prev.index.get("samples_file") or fs.index.get("offset", 0) != end:
+                raise DraftportError(fs.folder, f"does not continue {prev.folder} (prompts "
+                                     f"{fs.index.get('samples_file')} from {fs.index.get('offset', 0)}, expected "
+                                     f"{prev.index.get('samples_file')} from {end})")
+        total = sum(len(fs) for fs in sets)
+        if n is not None and not 1 <= n <= total:
+            raise DraftportError("n_samples", f"{n} samples asked, the features hold {total} "
+                                 f"({', '.join(str(fs.folder) for fs in sets)})")
+        self.sets, self.n = sets, total if n is None else n
+        self.index = {**{k: first.get(k) for k in self.META}, "samples": self.n,
+                      "samples_file": first.get("samples_file"), "offset": first.get("offset", 0)}
+        self.where = [(j, i) for j, fs in enumerate(sets) for i in range(len(fs))][: self.n]
+
+    @property
+    def prompts(self) -> tuple[str | None, int, int]:
+        """(prompt file, first line, end line) of the samples: [start, end)."""
+        return self.index["samples_file"], self.index["offset"], self.index["offset"] + self.n
+
+    def __len__(self):
+        return self.n
+
+    def sample(self, i: int) -> dict:
+        j, li = self.where[i]
+        return self.sets[j].sample(li)
+
+
+def prompt_range(fs) -> tuple[str | None, int, int]:
+    """(prompt file, start, end) of a FeatureSet or FeatureChain."""
+    if isinstance(fs, FeatureChain):
+        return fs.prompts
+    off = int(fs.index.get("offset", 0))
+    return fs.index.get("samples_file"), off, off + len(fs)
+
+
+def check_disjoint(train, held_out, where: str) -> None:
+    """A held-out set must share no prompt with the training set (same file, overlapping lines)."""
+    fa, a0, a1 = prompt_range(train)
+    fb, b0, b1 = prompt_range(held_out)
+    if fa is not None and fa == fb and a0 < b1 and b0 < a1:
+        raise DraftportError(where, f"the held-out set (prompts {b0}-{b1 - 1} of {fb}) overlaps the training "
+                             f"prompts ({a0}-{a1 - 1}): it would measure memorized answers")
+
+
 def collate(samples: list[dict], dtype=torch.float32) -> tuple[Batch, list[int]]:
     """Right-pad a list of samples into a Batch (+ their response starts)."""
     B, T = len(samples), max(s["tokens"].shape[0] for s in samples)

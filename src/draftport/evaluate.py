@@ -90,6 +90,7 @@ def acceptance_rate(num_accepted_tokens: int, num_draft_tokens: int) -> float:
 
 
 def summarize(cycles: list[int], all_rows: list[int], k: int) -> dict:
+    """The figures of a set of cycles (each an accepted count) and of every response row."""
     n = max(len(cycles), 1)
     out = {
         "accept_length": 1.0 + sum(cycles) / n,
@@ -113,21 +114,44 @@ def summarize(cycles: list[int], all_rows: list[int], k: int) -> dict:
 
 def offline_accept_length(drafter: Eagle3Drafter, batches: Iterable[tuple[Batch, list[int]]],
                           target_head: torch.Tensor, k: int, progress=None) -> dict:
-    """batches yields (Batch, response_start per sequence). Returns the summary dict."""
+    """batches yields (Batch, response_start per sequence). Returns the summary dict, with
+    `per_sample`: each sequence's accepted drafts and cycles (in order), what bootstrap CIs over
+    prompts resample (draftport.decision)."""
+    was_training = drafter.training
     drafter.eval()
     cycles: list[int] = []
     all_rows: list[int] = []
+    per_acc: list[int] = []
+    per_cyc: list[int] = []
     for batch, starts in batches:
         acc, chk = accepted_counts(drafter, batch, target_head, k)
         lengths = batch.valid.long().sum(-1).tolist()
         for b, r in enumerate(starts):
             a, c = acc[b].tolist(), chk[b].tolist()
             end = lengths[b] - 1
-            cycles.extend(walk(a, c, max(r - 1, 0), end))
+            seen = walk(a, c, max(r - 1, 0), end)
+            cycles.extend(seen)
+            per_acc.append(sum(seen))
+            per_cyc.append(len(seen))
             all_rows.extend(a[p] for p in range(max(r - 1, 0), end) if c[p] > 0)
         if progress is not None:
             progress(len(starts))
-    return summarize(cycles, all_rows, k)
+    drafter.train(was_training)
+    return {**summarize(cycles, all_rows, k), "per_sample": {"accepted": per_acc, "cycles": per_cyc}}
+
+
+def held_out_monitor(fs, target_head: torch.Tensor, *, k: int, batch_size: int = 32):
+    """train()'s monitor: the drafter's tau on a fixed held-out feature set (collated once, on the
+    target head's device), drafted as evaluate_drafter drafts."""
+    from .data import iter_batches
+
+    dev = target_head.device
+    batches = [(b.to(dev), starts) for b, starts in iter_batches(fs, list(range(len(fs))), batch_size)]
+
+    def tau(drafter: Eagle3Drafter) -> float:
+        return offline_accept_length(drafter, batches, target_head, k)["accept_length"]
+
+    return tau
 
 
 def evaluate_drafter(drafter_dir, target_dir, features_dir, *, k: int, batch_size: int = 16,

@@ -12,14 +12,14 @@ import torch
 from .bind import check_features_fit, drafter_for_target, target_head
 from .checkpoint import atomic_write_text, load_drafter_state, save_drafter
 from .config import DrafterConfig, read_config
-from .data import FeatureSet
+from .data import FeatureChain, FeatureSet, check_disjoint
 from .draftmap import cfg_d2t, read_vocab
 from .errors import DraftportError
 from .vocab import check_maps, compare_maps, remap_lm_head
 
 
 def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, vocab_policy: str = "remap",
-                       arch=None) -> dict:
+                       arch=None, n_samples: int | None = None, monitor: dict | None = None) -> dict:
     """What a training run learns from, as digests: its checkpoints resume only a run on the same
     inputs (train's `inputs`). Features by their index (it holds every shard's sha256)."""
     from .checkpoint import sha256
@@ -32,8 +32,12 @@ def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, 
         files = sorted(p for p in f.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
         return hashlib.sha256("".join(f"{p.name}:{sha256(p)};" for p in files).encode()).hexdigest()
 
-    out = {"features": sha256(Path(features_dir) / "index.json"), "vocab": sha256(Path(vocab_path)),
-           "init": init, "vocab_policy": vocab_policy}
+    dirs = [features_dir] if isinstance(features_dir, (str, Path)) else list(features_dir)
+    feats = [sha256(Path(f) / "index.json") for f in dirs]
+    out = {"features": feats[0] if len(feats) == 1 and n_samples is None else {"chain": feats, "n": n_samples},
+           "vocab": sha256(Path(vocab_path)), "init": init, "vocab_policy": vocab_policy}
+    if monitor is not None:
+        out["monitor"] = {"features": sha256(Path(monitor["features"]) / "index.json"), "k": monitor["k"]}
     if init in ("source", "scratch") and source_dir is not None:
         out["source"] = folder(source_dir)
     elif init not in ("source", "scratch"):
@@ -45,7 +49,8 @@ def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, 
 
 def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, train_cfg,
                 source_dir=None, vocab_policy: str = "remap", arch: dict | None = None,
-                logger=None, progress=True, ckpt_dir=None) -> dict:
+                logger=None, progress=True, ckpt_dir=None, n_samples: int | None = None,
+                monitor: dict | None = None) -> dict:
     """Train a drafter for the new target and save it (flat format) to out_dir/drafter.
 
     init 'source': start from the source drafter; its lm_head is moved onto the new map by
@@ -55,11 +60,18 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     init '<folder>': continue a drafter saved by an earlier phase (its map is kept).
     ckpt_dir: where the periodic checkpoints live (default out_dir/checkpoints); a run on the
     same config and inputs (inputs_fingerprint) resumes from them.
+    features_dir: a feature folder, or several that continue one another (draftport.data.
+    FeatureChain: Phase 1's capture, then Phase 2's); n_samples: train on their first n only.
+    monitor: {"features": a held-out feature folder (its prompts disjoint from the training
+    ones), "k", "batch_size"}: the held-out tau train_cfg.eval_every steps (train's `monitor`).
     """
+    from .evaluate import held_out_monitor
     from .train import train
 
     out_dir = Path(out_dir)
-    fs = FeatureSet(features_dir)
+    dirs = [features_dir] if isinstance(features_dir, (str, Path)) else list(features_dir)
+    fs = FeatureSet(dirs[0]) if len(dirs) == 1 and n_samples is None else \
+        FeatureChain([FeatureSet(d) for d in dirs], n_samples)
     head = target_head(target_dir)
     d2t_new, t2d_new = read_vocab(vocab_path, vocab_size=head.shape[0])
     report: dict = {"init": init}
@@ -90,13 +102,21 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
             cfg = DrafterConfig(**{**cfg.__dict__, "draft_vocab_size": int(d2t.shape[0])})
             report["vocab"] = {**stats, **compare_maps(cfg_d2t(source_dir), d2t_new)}
         d = drafter_for_target(cfg, target_dir, state)
+    watch = None
+    if monitor is not None:
+        held = FeatureSet(monitor["features"])
+        check_features_fit(cfg, held, monitor["features"])
+        check_disjoint(fs, held, str(monitor["features"]))
+        watch = held_out_monitor(held, head, k=monitor["k"], batch_size=monitor.get("batch_size", 32))
     inputs = inputs_fingerprint(features_dir=features_dir, vocab_path=vocab_path, init=init,
-                                source_dir=source_dir, vocab_policy=vocab_policy, arch=arch)
+                                source_dir=source_dir, vocab_policy=vocab_policy, arch=arch,
+                                n_samples=n_samples, monitor=monitor)
     res = train(d, fs, head, out_dir, train_cfg, logger=logger, progress=progress, ckpt_dir=ckpt_dir,
-                inputs=inputs)
+                inputs=inputs, monitor=watch)
     save_drafter(out_dir / "drafter", cfg, d.export_state(),
                  metadata={"draftport_phase_init": init})
     report.update(train_steps=res["steps"], train_seconds=res["seconds"], final=res["final"],
-                  resumed_from_step=res["resumed_from"])
+                  resumed_from_step=res["resumed_from"], curve=res["curve"], stopped_early=res["stopped_early"],
+                  train_samples=len(fs))
     atomic_write_text(out_dir / "train_history.json", json.dumps(res["history"]) + "\n")
     return report

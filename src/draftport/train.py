@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -148,7 +149,7 @@ def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None) -> bool:
         return False
     if state.get("inputs") != inputs:
         return False
-    saved = state.get("config", {})
+    saved = {"eval_every": 0, "patience": 0, **state.get("config", {})}  # older checkpoints predate them
     # parallel: ddp and fsdp make the same updates (and older checkpoints predate the key)
     cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel"}
     now = cfg.model_dump()
@@ -291,13 +292,21 @@ def _sharded_grad_norm(local_grads: list[torch.Tensor], device) -> torch.Tensor:
 # ---- the loop ----------------------------------------------------------------------------------
 def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tensor, out_dir,
           cfg: TrainConfig, logger: Logger | None = None, progress: bool = True,
-          stop_after: int | None = None, ckpt_dir=None, inputs: dict | None = None) -> dict:
+          stop_after: int | None = None, ckpt_dir=None, inputs: dict | None = None,
+          monitor: Callable[[Eagle3Drafter], float] | None = None) -> dict:
     """Train in place; checkpoints under ckpt_dir (default out_dir/checkpoints), resumed
     automatically when they were made with the same config and the same `inputs` (a JSON-able
     fingerprint of the data, vocab and init: a rerun on other data must not continue them).
 
+    monitor: the held-out accept length of the drafter as it is (offline tau on a fixed set),
+    called every cfg.eval_every steps and at the last one; its value joins that step's history
+    record and the logger as `accept_length`. cfg.patience > 0: training stops once that many
+    evaluations in a row brought no better tau than the best so far (the record of the stop says
+    `early_stop`; a resume of a stopped run trains no further). The weights at the stop are kept.
+
     Returns {"history": [...per logged step...], "final": {...last step metrics...},
-    "steps", "seconds", "resumed_from" (the checkpoint's step, 0 for a fresh start)}.
+    "steps", "seconds", "resumed_from" (the checkpoint's step, 0 for a fresh start),
+    "curve" ([{step, accept_length}] of the monitor), "stopped_early"}.
     stop_after: return after this many steps of this call (tests interrupt a run with it).
     """
     logger = logger or Logger()
@@ -312,6 +321,14 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     if cfg.parallel not in ("ddp", "fsdp"):
         raise DraftportError("train.parallel", f"{cfg.parallel!r} is not one of ddp, fsdp")
     fsdp = cfg.parallel == "fsdp" and world > 1
+    if cfg.patience and not cfg.eval_every:
+        raise DraftportError("train.patience", f"{cfg.patience} needs train.eval_every > 0 (the held-out tau it watches)")
+    if cfg.eval_every and monitor is None:
+        raise DraftportError("train.eval_every", f"{cfg.eval_every} but this run has no held-out monitor set")
+    if monitor is not None and fsdp:
+        raise DraftportError("train.eval_every", "held-out tau during training runs on a whole drafter: "
+                             "use parallel ddp (or eval_every 0) under fsdp")
+    every = cfg.eval_every if monitor is not None else 0
     if impl == "compiled":
         drafter.compile_regions()
         compile_loss_kernels()
@@ -355,6 +372,8 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
                                    rec["step"])
     resumed_from = step
     torch.manual_seed(cfg.seed + step)
+    stopped = bool(history and history[-1].get("early_stop"))  # a stopped run stays stopped
+    scores = [r["accept_length"] for r in history if "accept_length" in r]
 
     bar = None
     if progress and rank == 0:
@@ -368,7 +387,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     # step while the GPU runs this one; a non-finite loss is remembered and raised there,
     # before any checkpoint could save it.
     bad = torch.zeros((), dtype=torch.bool, device=device)
-    while step < cfg.steps:
+    while step < cfg.steps and not stopped:
         ids = batch_ids(step, n, cfg.batch_size, cfg.seed)
         mine = ids[rank::world]
         batch, _ = collate([features.sample(i) for i in mine])
@@ -381,7 +400,8 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         step += 1
         done_this_call += 1
         last = stop_after is not None and done_this_call >= stop_after
-        log_now = step % cfg.log_every == 0 or step == cfg.steps
+        eval_now = bool(every) and (step % every == 0 or step == cfg.steps)
+        log_now = step % cfg.log_every == 0 or step == cfg.steps or eval_now
         ckpt_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
         if log_now or ckpt_now or last:
             if bool(bad):
@@ -390,11 +410,24 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
             stats = _reduce_stats(terms, counts) if world > 1 else stats_to_float(stats_t)
             stats.update(loss=sum(cfg.gamma ** j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
                          lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm))
+            if eval_now:  # every rank: the same drafter, the same set, the same stop
+                tau = float(monitor(drafter))
+                stats["accept_length"] = tau
+                scores.append(tau)
+                p = cfg.patience
+                if p and len(scores) > p and max(scores[-p:]) <= max(scores[:-p]):
+                    stopped = True
             if log_now:
                 rec = {"step": step, **{k: round(v, 6) for k, v in stats.items()}}
+                if stopped:
+                    rec["early_stop"] = 1
+                    ckpt_now = True
                 history.append(rec)
                 if rank == 0:
                     logger.log_metrics({k: v for k, v in stats.items() if not k.startswith("n_")}, step)
+                    if stopped:
+                        print(f"early stop at step {step}: held-out tau {tau:.3f}, best "
+                              f"{max(scores):.3f}, none better in the last {cfg.patience} evaluations", flush=True)
             if bar is not None:
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", acc0=f"{stats['acc_0']:.3f}")
         if bar is not None:
@@ -410,8 +443,9 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         bar.close()
     if fsdp:
         unshard_fsdp(drafter)
+    curve = [{"step": r["step"], "accept_length": r["accept_length"]} for r in history if "accept_length" in r]
     return {"history": history, "final": history[-1] if history else {}, "steps": step,
-            "seconds": time.time() - t0, "resumed_from": resumed_from}
+            "seconds": time.time() - t0, "resumed_from": resumed_from, "curve": curve, "stopped_early": stopped}
 
 
 def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: TrainConfig, *,
