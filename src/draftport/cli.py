@@ -120,6 +120,22 @@ def estimate(
         show(estimate_renderables(rep))
 
 
+@app.command()
+def decide(
+    path: Annotated[Path, typer.Argument(help="A decision.json (the decision step's output).")] = Path(
+        "artifacts/decision/decision.json"),
+    as_json: JsonFlag = False,
+):
+    """The decision: which init, how much data, whether Phase 2 pays (CIs and rules: docs/decision.md)."""
+    from .decision import load_decision, render_text
+
+    rep = load_decision(path)
+    if as_json:
+        _print_json(rep)
+    else:
+        sys.stdout.write(render_text(rep))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, prog_name="draftport")
