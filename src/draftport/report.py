@@ -5,6 +5,13 @@ artifacts/report/: tau.png (accept length per phase next to the cost model's pro
 break-even line), positions.png (acceptance by draft position), loss.png (training curves),
 phases.csv / positions.csv (the same numbers; DVC plots read them) and summary.html (everything
 on one page, images inlined). The HTML/CSV tables (and the compare step's) are draftport.tables.
+
+With the decision step's decision.json, summary.html opens with its recommendation (the rules
+fired, τ by training samples per init with CIs, the gain of fine-tuning the source, the phases)
+and decision.csv holds one row per (init, n_samples); with curves.json (and/or the decision)
+curves.png plots τ against the training samples; tau_by_step.png the held-out τ logged during
+training (history.csv's accept_length, where present); source_curve.png the source drafter's own
+training monitor (source_drafter.json). Each is left out when its input is absent or empty.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ def plot_tau(phases: dict, cost: dict, k: int, out: Path, source_on_old: float |
         xs = [x + 1 for x in xs]
         bars = [(0, source_on_old, COLORS["old"], False)] + [(x + 1, t, c, b) for x, t, c, b in bars]
         labels = ["source on\nold target\n(reference)"] + labels
-    top = max(max(t for _, t, _, _ in bars) * 1.3, be * 1.3)
+    top = max(max((t for _, t, _, _ in bars), default=1.0) * 1.3, be * 1.3)  # no phase yet: the axes alone
     ax.axhspan(be, top, color="#e8f5e9", zorder=0)
     ax.axhline(be, color="#c0392b", ls="--", lw=1.5, zorder=1)
     for x, t, color, main in bars:
@@ -114,7 +121,7 @@ def plot_positions(phases: dict, k: int, out: Path) -> None:
         a.set_ylim(0, 1)
     a1.set_title("Share of cycles accepting draft i (and all before it)", loc="left", fontsize=11)
     a2.set_title("Conditional acceptance of draft i", loc="left", fontsize=11)
-    fig.legend(*a1.get_legend_handles_labels(), loc="lower center", ncol=len(names), frameon=False, fontsize=9.5)
+    fig.legend(*a1.get_legend_handles_labels(), loc="lower center", ncol=max(len(names), 1), frameon=False, fontsize=9.5)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out)
     plt.close(fig)
@@ -135,7 +142,174 @@ def plot_loss(histories: dict[str, list[dict]], out: Path) -> None:
     a2.set_title("Top-1 accuracy of the first draft (training batches)", loc="left", fontsize=11)
     for a in (a1, a2):
         a.set_xlabel("step (Phase 2 continues Phase 1)")
-    a1.legend(frameon=False, fontsize=9)
+    if a1.get_legend_handles_labels()[0]:
+        a1.legend(frameon=False, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+INITS = ("source", "scratch")
+INIT_LABELS = {"source": "fine-tune the source", "scratch": "train from scratch"}
+INIT_COLORS = {"source": COLORS["phase1"], "scratch": COLORS["phase1_scratch"]}
+
+
+def _num(v) -> float | None:
+    """A finite float, or None (absent, null, NaN, not a number)."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if x == x and x not in (float("inf"), float("-inf")) else None
+
+
+def _ci(item: dict) -> tuple[float | None, float | None]:
+    ci = item.get("ci") if isinstance(item, dict) else None
+    if isinstance(ci, (list, tuple)) and len(ci) == 2:
+        return _num(ci[0]), _num(ci[1])
+    return None, None
+
+
+def break_even(p: dict, decision: dict | None = None) -> float | None:
+    """The break-even accept length: the decision's (its cost model), else the params' cost model:
+    baseline_tok_s * (verify_ms + k * draft_ms) / 1000."""
+    be = _num(((decision or {}).get("costmodel") or {}).get("break_even_accept_length"))
+    if be is not None:
+        return be
+    cost, k = p.get("costmodel") or {}, (p.get("eval") or {}).get("k")
+    try:
+        return cost["baseline_tok_s"] * (cost["verify_ms"] + k * cost["draft_ms"]) / 1000.0
+    except (KeyError, TypeError):
+        return None
+
+
+def _be_line(ax, be: float | None) -> None:
+    if be is not None:
+        ax.axhline(be, color="#c0392b", ls="--", lw=1.5, zorder=1, label=f"break-even τ {be:.2f}")
+        lo, hi = ax.get_ylim()  # room around the line, not pinned to the frame
+        pad = 0.06 * max(hi - lo, 0.5)
+        ax.set_ylim(min(lo, be - pad), max(hi, be + pad))
+
+
+def curve_series(decision: dict | None, curves: dict | None) -> dict[str, dict]:
+    """Per init: the pooled τ by n (decision.json's curves, else the seeds' mean from curves.json)
+    with its CI where known, and the single seeds' (n, τ) points (curves.json)."""
+    out = {}
+    dec_curves = (decision or {}).get("curves") or {}
+    points = (curves or {}).get("points") or []
+    for init in INITS:
+        seeds = [(n, t) for pt in points if pt.get("init") == init
+                 and (n := _num(pt.get("n_samples"))) is not None and (t := _num(pt.get("accept_length"))) is not None]
+        pooled = []
+        if dec_curves.get(init):
+            for it in dec_curves[init]:
+                n, t = _num(it.get("n_samples")), _num(it.get("accept_length"))
+                if n is not None and t is not None:
+                    pooled.append((n, t, *_ci(it)))
+        elif seeds and decision is None:
+            by_n: dict[float, list[float]] = {}
+            for n, t in seeds:
+                by_n.setdefault(n, []).append(t)
+            pooled = [(n, sum(ts) / len(ts), None, None) for n, ts in by_n.items()]
+        pooled.sort()
+        if pooled or seeds:
+            out[init] = {"pooled": pooled, "seeds": seeds}
+    return out
+
+
+def plot_curves(series: dict[str, dict], be: float | None, out: Path, pooled_label: str) -> None:
+    """τ against the number of training samples (log x), one line per init, CI band and error
+    bars, the single seeds as faint dots, the break-even τ dashed."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9.5, 5.0))
+    ns = [n for s in series.values() for n, *_ in s["pooled"]] + [n for s in series.values() for n, _ in s["seeds"]]
+    if ns and min(ns) > 0:
+        ax.set_xscale("log")
+    elif ns:  # a zero-sample point (the untrained init): log away from it, linear through it
+        ax.set_xscale("symlog", linthresh=min([n for n in ns if n > 0] or [1.0]))
+    for init, s in series.items():
+        color, label = INIT_COLORS[init], INIT_LABELS[init]
+        if s["seeds"]:
+            ax.scatter([n for n, _ in s["seeds"]], [t for _, t in s["seeds"]], s=14, color=color, alpha=0.35,
+                       zorder=2, linewidths=0)
+        pooled = s["pooled"]
+        if not pooled:
+            continue
+        xs, ys = [r[0] for r in pooled], [r[1] for r in pooled]
+        ax.plot(xs, ys, color=color, lw=2, marker="o", zorder=3, label=f"{label} ({pooled_label})")
+        band = [(x, lo, hi) for x, _, lo, hi in pooled if lo is not None and hi is not None]
+        if band:
+            ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=color,
+                            alpha=0.15, zorder=1, linewidth=0)
+            ax.errorbar([x for x, y, lo, hi in pooled if lo is not None and hi is not None],
+                        [y for x, y, lo, hi in pooled if lo is not None and hi is not None],
+                        yerr=[[max(y - lo, 0) for x, y, lo, hi in pooled if lo is not None and hi is not None],
+                              [max(hi - y, 0) for x, y, lo, hi in pooled if lo is not None and hi is not None]],
+                        fmt="none", ecolor=color, elinewidth=1.2, capsize=3, zorder=3)
+    _be_line(ax, be)
+    ax.set_xlabel("training samples (log scale)")
+    ax.set_ylabel("accept length τ on the new target")
+    ax.set_title("Accept length by training samples: fine-tune the source vs from scratch", loc="left",
+                 fontweight="bold", fontsize=11.5)
+    ax.scatter([], [], s=14, color="#888", alpha=0.5, label="single seeds")
+    ax.legend(frameon=False, fontsize=9.5, loc="best")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def tau_series(histories: dict[str, list[dict]]) -> dict[str, list[tuple[float, float]]]:
+    """Per phase: (step, held-out τ) on the rows where an evaluation happened. Phase 2's steps
+    continue Phase 1's (as in loss.png)."""
+    h1 = histories.get("phase1") or []
+    offset = {"phase2": h1[-1].get("step", 0) if h1 else 0}
+    out = {}
+    for ph in ("phase1_scratch", "phase1", "phase2"):
+        pts = [(r["step"] + offset.get(ph, 0), t) for r in histories.get(ph) or []
+               if "step" in r and (t := _num(r.get("accept_length"))) is not None]
+        if pts:
+            out[ph] = pts
+    return out
+
+
+def plot_tau_by_step(series: dict[str, list[tuple[float, float]]], be: float | None, out: Path,
+                     phase0_tau: float | None = None) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9.5, 4.6))
+    names = {"phase1_scratch": "from scratch (Phase 1 control)", "phase1": "fine-tuned source (Phase 1)",
+             "phase2": "scaled data (Phase 2)"}
+    for ph, pts in series.items():
+        ax.plot([s for s, _ in pts], [t for _, t in pts], color=COLORS[ph], lw=2, marker="o", ms=4,
+                label=names[ph])
+    if phase0_tau is not None:
+        ax.axhline(phase0_tau, color=COLORS["phase0"], ls=":", lw=1.5, label=f"source as-is (Phase 0) τ {phase0_tau:.2f}")
+    _be_line(ax, be)
+    ax.set_xlabel("step (Phase 2 continues Phase 1)")
+    ax.set_ylabel("held-out accept length τ")
+    ax.set_title("Accept length during training", loc="left", fontweight="bold", fontsize=11.5)
+    ax.legend(frameon=False, fontsize=9.5, loc="best")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def source_monitor(sd: dict | None) -> list[tuple[float, float]]:
+    mon = (sd or {}).get("monitor")
+    if not isinstance(mon, list):
+        return []
+    return sorted((s, t) for r in mon if isinstance(r, dict)
+                  and (s := _num(r.get("step"))) is not None and (t := _num(r.get("accept_length"))) is not None)
+
+
+def plot_source_curve(pts: list[tuple[float, float]], out: Path, n_samples=None) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    ax.plot([s for s, _ in pts], [t for _, t in pts], color=COLORS["phase0"], lw=2, marker="o", ms=4)
+    ax.set_xlabel("training step of the source drafter")
+    ax.set_ylabel("τ on the old target's held-out answers")
+    seen = f" ({n_samples} samples)" if n_samples is not None else ""
+    ax.set_title(f"The source drafter's training on the old target{seen}", loc="left", fontweight="bold",
+                 fontsize=11.5)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -216,10 +390,125 @@ def drift_section(d: dict) -> list[str]:
             html_table(taus, ["what", "tau"], ["accept length", "τ"])]
 
 
+DECISION_COLS = ["init", "n_samples", "accept_length", "ci_lo", "ci_hi", "seed_std", "n_seeds",
+                 "projected_tok_s", "speedup_vs_baseline", "beats_break_even",
+                 "gain_vs_scratch", "gain_ci_lo", "gain_ci_hi", "gain_significant"]
+
+
+def _ci_text(item) -> str:
+    lo, hi = _ci(item)
+    return "" if lo is None or hi is None else f"{lo:.3f} – {hi:.3f}"
+
+
+def decision_rows(d: dict) -> list[dict]:
+    """One row per (init, n_samples) of decision.json's curves, with the gain (source − scratch)
+    at that n where the decision has one."""
+    gains = {_num(g.get("n_samples")): g for g in d.get("gain") or [] if isinstance(g, dict)}
+    rows = []
+    for init in INITS:
+        for it in (d.get("curves") or {}).get(init) or []:
+            lo, hi = _ci(it)
+            g = gains.get(_num(it.get("n_samples")), {})
+            glo, ghi = _ci(g)
+            rows.append({"init": init, "n_samples": it.get("n_samples"), "accept_length": it.get("accept_length"),
+                         "ci_lo": lo, "ci_hi": hi, "seed_std": it.get("seed_std"), "n_seeds": it.get("n_seeds"),
+                         "projected_tok_s": it.get("projected_tok_s"),
+                         "speedup_vs_baseline": it.get("speedup_vs_baseline"),
+                         "beats_break_even": it.get("beats_break_even"), "gain_vs_scratch": g.get("diff"),
+                         "gain_ci_lo": glo, "gain_ci_hi": ghi, "gain_significant": g.get("significant")})
+    return rows
+
+
+def _yes(v) -> str:
+    return "yes" if v is True else "no" if v is False else ("" if v is None else str(v))
+
+
+def _gain_line(what: str, g: dict | None) -> str:
+    if not isinstance(g, dict) or _num(g.get("diff")) is None:
+        return ""
+    sig = "significant" if g.get("significant") else "not significant"
+    better = f", better: {g['better']}" if g.get("better") else ""
+    ci = _ci_text(g)
+    return (f"<p><b>{html.escape(what)}:</b> Δτ {g['diff']:+.3f}" + (f" (CI {html.escape(ci)})" if ci else "")
+            + f", {sig}{html.escape(better)}.</p>")
+
+
+def decision_section(d: dict, curves_png: Path | None) -> list[str]:
+    rec = d.get("recommendation") or {}
+    level = _num(d.get("level"))
+    lvl = f"{level * 100:g}% " if level is not None else ""
+    n = rec.get("n_samples")
+    init = rec.get("init")
+    init_txt = {"source": "fine-tune the source drafter", "scratch": "train a drafter from scratch",
+                "either": "either init (fine-tune the source or from scratch)"}.get(init, str(init))
+    summary = [("init", init_txt), ("training samples", "—" if n is None else str(n)),
+               ("Phase 2", str(rec.get("phase2", "—"))), ("deploy the source now", _yes(rec.get("deploy_source_now"))),
+               ("confidence", str(rec.get("confidence", "—")))]
+    parts = ["<h2>Decision</h2>",
+             f"<div class='verdict ok'><b>Recommendation:</b> {html.escape(init_txt)}"
+             + (f" on {html.escape(str(n))} samples" if n is not None else "")
+             + f"; Phase 2: {html.escape(str(rec.get('phase2', '—')))}; deploy the source now: "
+             f"{html.escape(_yes(rec.get('deploy_source_now')))}; confidence: "
+             f"<b>{html.escape(str(rec.get('confidence', '—')))}</b>.</div>",
+             "".join(f"<div class='kpi'><small>{html.escape(a)}</small><b>{html.escape(b)}</b></div>"
+                     for a, b in summary)]
+    text = rec.get("text") or []
+    if isinstance(text, str):
+        text = [text]
+    if text:
+        parts.append("<ul class='recommendation'>" + "".join(f"<li>{html.escape(str(t))}</li>" for t in text)
+                     + "</ul>")
+    rules = [r for r in rec.get("rules") or [] if isinstance(r, dict)]
+    if rules:
+        parts.append("<h3>Rules fired</h3>" + html_table(rules, ["id", "fired"], ["rule", "fired"]))
+    if curves_png is not None:
+        parts.append(_img(curves_png))
+    cost = d.get("costmodel") or {}
+    if _num(cost.get("break_even_accept_length")) is not None:
+        parts.append(f"<p class='lead'>Break-even τ {cost['break_even_accept_length']:.3f} "
+                     f"({html.escape(str(cost.get('baseline_tok_s')))} tok/s without a drafter); intervals are "
+                     f"{html.escape(lvl)}bootstrap CIs"
+                     + (f" ({html.escape(str(d['n_boot']))} resamples)" if d.get("n_boot") else "") + ".</p>")
+    smallest = d.get("smallest_n_beating_break_even") or {}
+    for init in INITS:
+        items = [it for it in (d.get("curves") or {}).get(init) or [] if isinstance(it, dict)]
+        if not items:
+            continue
+        rows = [{**it, "ci_text": _ci_text(it)} for it in items]
+        sm = smallest.get(init)
+        note = (f" — smallest n beating break-even: {sm}" if sm is not None
+                else " — no n beats break-even" if init in smallest else "")
+        parts.append(f"<h3>{html.escape(INIT_LABELS[init].capitalize())}{html.escape(note)}</h3>" + html_table(
+            rows, ["n_samples", "accept_length", "ci_text", "seed_std", "n_seeds", "projected_tok_s",
+                   "speedup_vs_baseline", "beats_break_even"],
+            ["samples", "τ", f"{lvl}CI", "seeds' std", "seeds", "projected tok/s", "× baseline",
+             "beats break-even"]))
+    gains = [g for g in d.get("gain") or [] if isinstance(g, dict)]
+    if gains:
+        grows = [{**g, "ci_text": _ci_text(g), "sig": _yes(g.get("significant"))} for g in gains]
+        parts.append("<h3>Gain of fine-tuning the source (source − scratch)</h3>" + html_table(
+            grows, ["n_samples", "diff", "ci_text", "sig", "better"],
+            ["samples", "Δτ", f"{lvl}CI", "significant", "better"]))
+    phases = d.get("phases") or {}
+    prow = [{"phase": ph, **m, "ci_text": _ci_text(m)} for ph in PHASES if isinstance(m := phases.get(ph), dict)]
+    prow += [{"phase": ph, **m, "ci_text": _ci_text(m)} for ph, m in phases.items()
+             if ph not in PHASES and isinstance(m, dict)]
+    if prow:
+        parts.append("<h3>Phases</h3>" + html_table(
+            prow, ["phase", "accept_length", "ci_text", "projected_tok_s", "speedup_vs_baseline", "beats_break_even"],
+            ["phase", "τ", f"{lvl}CI", "projected tok/s", "× baseline", "beats break-even"]))
+    parts.append(_gain_line("Phase 1: fine-tuned vs from scratch", d.get("phase1_gain_vs_scratch")))
+    parts.append(_gain_line("Phase 2 over Phase 1", d.get("phase2_gain")))
+    return [x for x in parts if x]
+
+
 def build_report(out_dir, p: dict, inputs: dict) -> dict:
     """inputs (the step's, by name): phase0 .. phase2 (each phase's evaluation metrics.json),
     history_<phase> (its training's history.csv), compare (compare.json), world (its
-    metrics.json), online_<phase> (the online steps' metrics.json); absent ones are left out."""
+    metrics.json), online_<phase> (the online steps' metrics.json), decision (decision.json: the
+    recommendation, the first section), curves (curves.json: τ by training samples per seed),
+    source_drafter (the world's source_drafter.json: its training monitor); absent ones are left out.
+    Returns the phases' τ and tok/s, the break-even τ and, with a decision, its recommendation."""
     out_dir = Path(out_dir)
     inputs = {k: Path(v) for k, v in inputs.items()}
     k, cost = p["eval"]["k"], p["costmodel"]
@@ -234,6 +523,32 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
     plot_tau(phases, cost, k, out_dir / "tau_small.png", source_on_old, figsize=(7.6, 5.4))
     plot_positions(phases, k, out_dir / "positions.png")
     plot_loss(histories, out_dir / "loss.png")
+
+    decision = _read(inputs["decision"]) if "decision" in inputs else None
+    decision = decision if isinstance(decision, dict) else None
+    curves = _read(inputs["curves"]) if "curves" in inputs else None
+    curves = curves if isinstance(curves, dict) else None
+    sdrafter = _read(inputs["source_drafter"]) if "source_drafter" in inputs else None
+    sdrafter = sdrafter if isinstance(sdrafter, dict) else None
+    be_tau = break_even(p, decision)
+    # plots only made when their inputs have data: drop a previous run's (the folder may be reused)
+    for name in ("curves.png", "tau_by_step.png", "source_curve.png", "decision.csv"):
+        (out_dir / name).unlink(missing_ok=True)
+    series = curve_series(decision, curves)
+    curves_png = None
+    if series:
+        curves_png = out_dir / "curves.png"
+        plot_curves(series, be_tau, curves_png,
+                    "pooled τ, CI" if (decision or {}).get("curves") else "mean of seeds")
+    tau_steps = tau_series(histories)
+    if tau_steps:
+        plot_tau_by_step(tau_steps, be_tau, out_dir / "tau_by_step.png",
+                         _num(phases.get("phase0", {}).get("accept_length")))
+    monitor = source_monitor(sdrafter)
+    if monitor:
+        plot_source_curve(monitor, out_dir / "source_curve.png", (sdrafter or {}).get("n_samples"))
+    if decision is not None:
+        write_csv(out_dir / "decision.csv", decision_rows(decision), DECISION_COLS)
 
     rows = []
     for ph, m in phases.items():
@@ -261,6 +576,15 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
                                           "τ (every position)", "train steps", "final loss", "eval samples"]),
             "<h2>Acceptance by draft position</h2>", _img(out_dir / "positions.png"),
             "<h2>Training curves</h2>", _img(out_dir / "loss.png")]
+    if tau_steps:
+        body += ["<p class='lead'>Held-out accept length during training (the steps where it was evaluated), "
+                 "fine-tuning the source vs from scratch, against the break-even τ.</p>",
+                 _img(out_dir / "tau_by_step.png")]
+    # the first section: after the lead paragraph and the phases' KPI strip (body[0], body[1])
+    if decision is not None:
+        body[2:2] = decision_section(decision, curves_png)
+    elif curves_png is not None:
+        body[2:2] = ["<h2>Accept length by training samples</h2>", _img(curves_png)]
     # only when the DAG made the online steps inputs of this one (params online.enabled)
     on_enabled = bool(p.get("online", {}).get("enabled"))
     on_rows = online_rows(inputs, k) if on_enabled else []
@@ -279,6 +603,14 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
         wrows = [{"what": key, "value": t.get(key)} for key in sorted(t)]
         wrows += [{"what": f"source drafter {key}", "value": val} for key, val in world.get("source", {}).items()]
         body += ["<h2>The embedded world</h2>", html_table(wrows, ["what", "value"])]
+    if monitor:
+        n_src = (sdrafter or {}).get("n_samples")
+        seen = (f"It was trained on <b>{html.escape(str(n_src))}</b> samples of the old target's answers"
+                if n_src is not None else "Its training samples are not recorded")
+        body += ["<h2>The source drafter's training</h2>",
+                 f"<p class='lead'>{seen}; τ on the old target's held-out answers as it trained "
+                 f"(last: {monitor[-1][1]:.2f} at step {monitor[-1][0]:g}).</p>",
+                 _img(out_dir / "source_curve.png")]
     if compare is None:
         (out_dir / "compare.html").write_text(_page("No comparison", "<p>The compare step has not run.</p>"))
     # The Snakemake report's landing page embeds this fragment (report/workflow.rst): the chart
@@ -290,6 +622,9 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
             ["phase", "accept_length", "projected_tok_s", "vs_break_even"],
             ["phase", "τ", "projected tok/s", "τ − break-even"]) + "</div>\n")
     (out_dir / "summary.html").write_text(_page("draftport: porting the drafter to the new target", "\n".join(body)))
-    return {"phases": {ph: {"accept_length": m["accept_length"], "projected_tok_s": m["projected_tok_s"]}
-                       for ph, m in phases.items()},
-            "break_even_accept_length": be}
+    res = {"phases": {ph: {"accept_length": m["accept_length"], "projected_tok_s": m["projected_tok_s"]}
+                      for ph, m in phases.items()},
+           "break_even_accept_length": be}
+    if decision is not None and isinstance(decision.get("recommendation"), dict):
+        res["decision"] = decision["recommendation"]
+    return res
