@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast phase1 phase2 report lint clean-venv
+.PHONY: setup test test-fast phase1 phase2 decision report lint clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ phase1: $(STAMP)
 
 phase2: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --cores 8 phase2
+
+# the whole plan up to the recommendation (curves included), then prints it
+decision: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --cores 8 decision
+	$(BIN)/draftport decide
 
 report: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --cores 8 all

@@ -2,7 +2,9 @@
 
     snakemake --cores 8 phase1     world, fetch, compare, Phase 0 probe, data, Phase 1 + control
     snakemake --cores 8 phase2     + scaled data, continued training
-    snakemake --cores 8 all        + the report;  snakemake --report report.html
+    snakemake --cores 8 curves     + learning curves: fine-tune and scratch by sample count and seed
+    snakemake --cores 8 decision   + the decision (artifacts/decision/decision.json; draftport decide)
+    snakemake --cores 8 all        + the report (the decision first);  snakemake --report report.html
     snakemake --cores 8 online     vLLM serves the Phase 0 / Phase 1 drafters (make vllm-venv first)
     snakemake --configfile=configs/micro.yaml ...   another profile layered on params.yaml
 
@@ -40,6 +42,7 @@ localrules:
     phase0,
     phase1,
     phase2,
+    curves,
     online,
 
 
@@ -47,6 +50,7 @@ rule all:
     default_target: True
     input:
         bridge.done("report"),
+        bridge.done("decision"),
         [bridge.done(s) for s in R.target_steps("online", CFG)] if CFG["online"]["enabled"] else [],
 
 
@@ -63,6 +67,11 @@ rule phase1:
 rule phase2:
     input:
         [bridge.done(s) for s in R.target_steps("phase2", CFG)],
+
+
+rule curves:
+    input:
+        [bridge.done(s) for s in R.target_steps("curves", CFG)],
 
 
 rule online:

@@ -1,4 +1,4 @@
-"""draftport.decision: bootstrap CIs over prompts, the paired gains, rules R1-R5, and `draftport decide`."""
+"""draftport.decision: bootstrap CIs over prompts, the paired gains, rules R1-R6, and `draftport decide`."""
 
 import json
 import zlib
@@ -146,14 +146,14 @@ def test_clear_gain_source():
     assert d["smallest_n_beating_break_even"] == {"source": 200, "scratch": None}
     rec = d["recommendation"]
     assert rec["init"] == "source" and rec["n_samples"] == 200 and rec["confidence"] == "high"
-    assert [r["id"] for r in rec["rules"]] == ["R1", "R2", "R3", "R4", "R5"]
+    assert [r["id"] for r in rec["rules"]] == ["R1", "R2", "R3", "R4", "R5", "R6"]
     assert any("n=200" in s and f"{src[1]['accept_length']:.3f}" in s for s in rec["text"])
     assert rec["phase2"] == "not measured" and rec["deploy_source_now"] is False
     assert d["phases"] == {} and d["phase2_gain"] is None and d["phase1_gain_vs_scratch"] is None and d["drift"] is None
     json.dumps(d)  # plain JSON types only
-    assert list(d) == ["schema", "level", "n_boot", "k", "costmodel", "curves", "gain",
+    assert list(d) == ["schema", "level", "n_boot", "k", "min_gain", "costmodel", "curves", "gain",
                        "smallest_n_beating_break_even", "phases", "phase1_gain_vs_scratch", "phase2_gain",
-                       "drift", "recommendation"]
+                       "plateau", "drift", "recommendation"]
     assert list(src[0]) == ["n_samples", "accept_length", "ci", "seeds", "seed_std", "n_seeds",
                             "projected_tok_s", "speedup_vs_baseline", "beats_break_even"]
     assert run_decide(curves_from({"source": {100: 1.8, 200: 2.3, 400: 2.6},
@@ -267,7 +267,7 @@ def test_render_text():
     d = run_decide(curves_from({"source": {100: 1.8, 200: 2.3}, "scratch": {100: 1.3, 200: 1.6}}), ph)
     out = D.render_text(d)
     lines = out.splitlines()
-    assert lines[0].startswith("Recommendation: init source, n_samples 200, phase2 helps")
+    assert lines[0].startswith("Recommendation: init source, n_samples 200 (enough: 200), phase2 helps")
     assert f"{d['curves']['scratch'][1]['accept_length']:.3f}" in out
     assert "Phase 2 - Phase 1:" in out and "phase0" in out and "Gain source - scratch:" in out
 
@@ -306,3 +306,39 @@ def test_cli_decide_errors(tmp_path, capsys):
     other.write_text(json.dumps({"schema": "something/else"}))
     rc, _, err = cli(["decide", str(other)], capsys)
     assert rc == 2 and str(other) in err and err.count("\n") == 1
+
+
+def test_enough_data_where_the_curve_flattens():
+    """R6: the smallest n not significantly below the largest n's tau (paired over the prompts)."""
+    cur = curves_from({"source": {50: 1.6, 100: 2.4, 200: 2.9, 400: 2.9}, "scratch": {50: 1.2, 400: 2.5}})
+    # the n=200 points: n=400's counts with a zero-sum shuffle -> exactly the same tau, not below
+    for p in cur["points"]:
+        if p["init"] == "source" and p["n_samples"] == 200:
+            twin = next(q for q in cur["points"] if q["init"] == "source" and q["n_samples"] == 400
+                        and q["seed"] == p["seed"])
+            p["per_sample"] = {"accepted": same_mean(twin["per_sample"]["accepted"]),
+                               "cycles": twin["per_sample"]["cycles"]}
+    rec = run_decide(cur)["recommendation"]
+    assert rec["init"] == "source" and rec["n_enough"] == 200
+    plateau = {x["n_samples"]: x for x in run_decide(cur)["plateau"]}
+    assert plateau[50]["significantly_below"] and plateau[100]["significantly_below"]
+    assert not plateau[200]["significantly_below"] and plateau[200]["diff_to_largest"] == pytest.approx(0.0)
+    assert any(s.startswith("Enough data: beyond n=200") for s in rec["text"])
+
+
+def test_enough_data_when_the_curve_still_rises():
+    cur = curves_from({"source": {50: 1.5, 100: 2.0, 200: 2.6}, "scratch": {50: 1.2, 100: 1.4, 200: 1.8}})
+    rec = run_decide(cur)["recommendation"]
+    assert rec["n_enough"] == 200
+    assert any("still rising at the largest n=200" in s for s in rec["text"])
+    assert rec["rules"][-1]["id"] == "R6"
+
+
+def test_enough_data_with_a_min_gain():
+    """R6 with min_gain: a small but significant rise no longer counts as "more data needed"."""
+    cur = curves_from({"source": {100: 2.0, 200: 2.55, 400: 2.6}, "scratch": {100: 1.2, 400: 1.9}})
+    strict = run_decide(cur)["recommendation"]
+    loose = run_decide(cur, min_gain=0.2)["recommendation"]
+    assert loose["n_enough"] == 200 and strict["n_enough"] in (200, 400)
+    assert any("above 0.2 with significance" in s for s in loose["text"])
+    assert run_decide(cur, min_gain=1.0)["recommendation"]["n_enough"] == 100

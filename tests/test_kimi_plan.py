@@ -11,7 +11,7 @@ from draftport import params as P
 from draftport.steps import registry as R
 
 KIMI = "configs/kimi-k2.5.yaml"
-JOBS = {"fetch", "features_new", "features_eval", "vocab_new", "features_phase2", "compare", "eval_phase0",
+JOBS = {"fetch", "features_new", "features_eval", "vocab_new", "features_phase2", "features_monitor", "compare", "eval_phase0",
         "train_phase1_scratch", "eval_phase1_scratch", "train_phase1", "eval_phase1", "train_phase2", "eval_phase2"}
 TRAINING = {"train_phase1_scratch", "train_phase1", "train_phase2"}
 

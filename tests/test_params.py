@@ -198,19 +198,21 @@ def test_every_field_has_a_description():
     P.Params.model_json_schema()  # the schema renders (docs, editors)
 
 
-# the dataclass draftport.train.TrainConfig had these defaults: params.yaml's train groups spell
-# them out, so no training run changes
+# TrainConfig's defaults (those of the dataclass it replaced, plus held-out tau off): params.yaml's
+# train groups spell every value out, equal to the defaults but for the keys below
 OLD_TRAIN_DEFAULTS = {"steps": 200, "batch_size": 8, "lr": 1e-3, "min_lr_ratio": 0.1, "warmup_steps": 20,
                       "weight_decay": 0.0, "grad_clip": 1.0, "ttt_steps": 3, "gamma": 0.8, "seed": 0,
                       "checkpoint_every": 50, "keep_checkpoints": 2, "log_every": 10, "dtype": "auto",
-                      "train_lm_head": True, "impl": "auto", "parallel": "ddp"}
-OLD_EXPLICIT = {  # the keys each train group wrote before; the rest took the dataclass's defaults
-    "world.source_drafter.train": {"steps": 200, "batch_size": 16, "lr": 0.003, "warmup_steps": 20, "ttt_steps": 3,
-                                   "log_every": 10, "checkpoint_every": 200},
-    "phase1.train": {"steps": 60, "batch_size": 16, "lr": 0.002, "warmup_steps": 10, "ttt_steps": 3, "log_every": 5,
-                     "checkpoint_every": 60},
+                      "train_lm_head": True, "impl": "auto", "parallel": "ddp", "eval_every": 0, "patience": 0}
+OLD_EXPLICIT = {  # the keys each train group sets apart from the defaults
+    "world.source_drafter.train": {"steps": 1200, "batch_size": 16, "lr": 0.003, "warmup_steps": 20, "ttt_steps": 3,
+                                   "log_every": 50, "checkpoint_every": 1200, "eval_every": 100},
+    "phase1.train": {"steps": 38, "batch_size": 16, "lr": 0.002, "warmup_steps": 10, "ttt_steps": 3, "log_every": 5,
+                     "checkpoint_every": 38, "eval_every": 5},
     "phase2.train": {"steps": 120, "batch_size": 16, "lr": 0.001, "warmup_steps": 10, "ttt_steps": 3,
-                     "log_every": 5, "checkpoint_every": 60},
+                     "log_every": 5, "checkpoint_every": 60, "eval_every": 20},
+    "curves.train": {"steps": 600, "batch_size": 16, "lr": 0.002, "warmup_steps": 10, "ttt_steps": 3,
+                     "log_every": 10, "checkpoint_every": 200, "eval_every": 25},
 }
 
 
@@ -369,7 +371,7 @@ def test_cross_false_skips_only_the_cross_checks(base):
 def test_cross_checks_name_the_training_steps(base):
     cfg = P.merge(base, {"resources": {"compare": {"torchrun": True, "gpu": 1}}})
     assert error_of(cfg) == ("resources.compare.torchrun: only training rules run under torchrun "
-                             "(train_phase1_scratch, train_phase1, train_phase2)")
+                             "(train_phase1_scratch, train_phase1, train_phase2, train_curves)")
     cfg = P.merge(base, {"resources": {"train_phase1": {"torchrun": True}}})
     assert error_of(cfg) == "resources.train_phase1.torchrun: needs gpu >= 1 (one process per GPU)"
     ok = P.merge(base, {"resources": {"train_phase1": {"torchrun": True, "gpu": 2}}})

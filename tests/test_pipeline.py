@@ -235,6 +235,42 @@ def test_all_and_the_report(repo):
     assert "drift probe" in summary
     phase0 = runs_by_name(repo.uri)["phase0"][-1]
     assert "cos_final" in {m["key"] for m in phase0["data"]["metrics"]}
+    # the decision: curves (2 n x 2 seeds x 2 inits), bootstrap CIs, rules; the report's first section
+    dec = json.loads((repo.path / "artifacts/decision/decision.json").read_text())
+    assert dec["schema"] == "draftport.decision/1"
+    assert [row["n_samples"] for row in dec["curves"]["source"]] == [32, 128]
+    assert all(row["n_seeds"] == 2 and row["ci"][0] <= row["accept_length"] <= row["ci"][1]
+               for init in ("source", "scratch") for row in dec["curves"][init])
+    assert [g["n_samples"] for g in dec["gain"]] == [32, 128]
+    assert set(dec["phases"]) == {"phase0", "phase1_scratch", "phase1", "phase2"}
+    assert dec["drift"]["tau_gap"] == pytest.approx(d["tau_gap"])
+    rec = dec["recommendation"]
+    assert rec["init"] in ("source", "scratch", "either") and [r["id"] for r in rec["rules"]] == \
+        ["R1", "R2", "R3", "R4", "R5", "R6"]
+    assert summary.index("<h2>Decision</h2>") == summary.index("<h2>")
+    assert (repo.path / "artifacts/report/curves.png").stat().st_size > 0
+    printed = repo.run(sys.executable, "-m", "draftport.cli", "decide").stdout
+    assert printed.startswith("Recommendation: init " + rec["init"])
+    # MLflow: the parent run `curves`, one nested run per point with its tags and tau
+    runs = [r for rs in runs_by_name(repo.uri).values() for r in rs]
+    parent = [r for r in runs if r["info"]["run_name"] == "curves"]
+    assert len(parent) == 1
+    kids = [r for r in runs if {t["key"]: t["value"] for t in r["data"].get("tags", [])}.get("mlflow.parentRunId")
+            == parent[0]["info"]["run_id"]]
+    tags = sorted((t["init"], int(t["n_samples"]), int(t["seed"])) for t in
+                  ({x["key"]: x["value"] for x in k["data"]["tags"]} for k in kids))
+    assert tags == sorted((i, n, sd) for i in ("source", "scratch") for n in (32, 128) for sd in (0, 1))
+    assert all("accept_length" in {m["key"] for m in k["data"]["metrics"]} for k in kids)
+    # the world's source drafter: teacher-forced on the old corpus, its held-out tau on the old
+    # target traced every eval_every steps (the plateau curve), plotted in the report
+    sd = json.loads((repo.path / "artifacts/world/source_drafter.json").read_text())
+    assert sd["answers"] == "corpus" and sd["n_samples"] == 96 and [c["step"] for c in sd["monitor"]] == [10, 20]
+    assert (repo.path / "artifacts/report/source_curve.png").stat().st_size > 0
+    # tau during training: Phase 1's held-out tau by step, in its run and in curve.csv
+    p1 = runs_by_name(repo.uri)["phase1"][0]["info"]["run_id"]
+    hist = rest(repo.uri, f"metrics/get-history?run_id={p1}&metric_key=accept_length")["metrics"]
+    assert {m["step"] for m in hist} >= {4, 8, 12}
+    assert (repo.path / "artifacts/train_phase1/curve.csv").read_text().splitlines()[0] == "step,accept_length"
     if HAVE_VLLM:  # online.enabled: both tau side by side, per position
         assert "Accept length in vLLM" in summary and "pos 1: vLLM / offline" in summary
         rows = (repo.path / "artifacts/report/online.csv").read_text().splitlines()
@@ -250,7 +286,7 @@ def planned(repo, target="all") -> set[str]:
         return set()
     table = out.split("Job stats:")[1].split("total")[0]
     jobs = {line.split()[0] for line in table.splitlines()[3:] if line.strip()}
-    return jobs - {"all", "phase0", "phase1", "phase2", "online"}
+    return jobs - {"all", "phase0", "phase1", "phase2", "curves", "online"}
 
 
 def dvc_changed(repo) -> set[str]:
@@ -262,25 +298,31 @@ TRAINED = {"train_phase1_scratch", "train_phase1", "train_phase2", "eval_phase1_
            "train_phase2", "eval_phase2"}
 
 
+CURVE_EVAL = {"eval_curves", "decision"}  # the curves' evaluation and the decision reading it
 ONLINE = {"online_phase0", "online_phase1"} if HAVE_VLLM else set()  # online.enabled when vLLM is here
 
 
 @pytest.mark.parametrize("edit,value,smk_plans,dvc_sees", [
     # evaluation settings rerun evaluations only (and what reads them); no drafter is retrained
-    ("eval.k", 4, EVALS | {"drift", "report"} | ONLINE, EVALS | {"drift", "report"}),
-    ("costmodel.verify_ms", 15.0, EVALS | {"drift", "report"} | ONLINE, EVALS | {"report"}),
+    ("eval.k", 4, EVALS | CURVE_EVAL | {"drift", "report"} | ONLINE, EVALS | CURVE_EVAL | {"drift", "report"}),
+    ("costmodel.verify_ms", 15.0, EVALS | {"drift", "decision", "report"} | ONLINE, EVALS | {"decision", "report"}),
     # a training value reruns that training and what depends on it, nothing upstream
-    ("phase1.train.lr", 0.001, TRAINED | {"report"} | (ONLINE & {"online_phase1"}),
+    ("phase1.train.lr", 0.001, TRAINED | {"decision", "report"} | (ONLINE & {"online_phase1"}),
      {"train_phase1_scratch", "train_phase1"}),
     # the eval set's size: that feature step and the evaluations, never the training data
-    ("features.eval_samples", 30, {"features_eval"} | EVALS | {"drift", "report"} | ONLINE, {"features_eval"}),
+    ("features.eval_samples", 30, {"features_eval"} | EVALS | CURVE_EVAL | {"drift", "report"} | ONLINE,
+     {"features_eval"}),
+    # the curves' training: its points and what reads them; no phase
+    ("curves.epochs", 2.0, {"train_curves"} | CURVE_EVAL | {"report"}, {"train_curves"}),
+    ("decision.level", 0.9, {"decision", "report"}, {"decision"}),
     # code is a dependency: a library module reruns the steps that run it
     ("src/draftport/report.py", None, {"report"}, {"report"}),
-    ("src/draftport/costmodel.py", None, EVALS | {"drift", "report"} | ONLINE, EVALS),
-    ("src/draftport/drift.py", None, {"drift", "report"}, {"drift"}),
+    ("src/draftport/costmodel.py", None, EVALS | {"drift", "decision", "report"} | ONLINE, EVALS | {"decision"}),
+    ("src/draftport/drift.py", None, {"drift", "decision", "report"}, {"drift"}),
+    ("src/draftport/decision.py", None, CURVE_EVAL | {"report"}, CURVE_EVAL),
     # the compare step's tables: Phase 1's fine-tune reads its verdict, the control does not
     ("src/draftport/tables.py", None, {"compare", "train_phase1", "eval_phase1", "train_phase2", "eval_phase2",
-                                       "report"} | (ONLINE & {"online_phase1"}), {"compare", "report"}),
+                                       "decision", "report"} | (ONLINE & {"online_phase1"}), {"compare", "report"}),
 ])
 def test_rerun_matrix_plans_exactly_what_an_edit_affects(repo, edit, value, smk_plans, dvc_sees):
     """After `snakemake all`: one edit in the copy, then what `snakemake -n` and `dvc status` see;
@@ -358,7 +400,7 @@ def test_dvc_repro_reruns_only_what_a_param_edit_touches(repo):
     assert set(status) == {"train_phase2"}, status
     out = repo.dvc("repro").stdout
     ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
-    assert ran == {"train_phase2", "eval_phase2", "report"}, out
+    assert ran == {"train_phase2", "eval_phase2", "decision", "report"}, out
     assert json.loads(repo.dvc("status", "--json").stdout) == {}
     r = repo.smk("-n", "all")
     assert "Nothing to be done" in r.stdout, r.stdout[-3000:]

@@ -1,4 +1,4 @@
-"""The decision: which init, how much data, whether Phase 2 pays, from bootstrap CIs on accept length and the cost model's break-even (decision.json, rules R1-R5).
+"""The decision: which init, how much data, whether Phase 2 pays, from bootstrap CIs on accept length and the cost model's break-even (decision.json, rules R1-R6).
 
 Accept length over a set of prompts is a ratio of sums, tau = 1 + sum(accepted) / sum(cycles),
 pooled over every seed (replicate) and prompt. Its uncertainty is the prompts': a percentile
@@ -38,6 +38,11 @@ RULES = {
     "R4": "deploy_source_now: phases.phase0.beats_break_even == \"yes\" (false when phase0 is missing).",
     "R5": "confidence: \"high\" when R1's init comes from a significant gain at N and R2 found an n; "
           "\"medium\" when exactly one of those holds; else \"low\".",
+    "R6": "enough data: for the recommended init (for \"either\": source), n_enough = the smallest measured n "
+          "whose accept length is not below the largest n's by more than min_gain with significance (the "
+          "paired difference, largest n - n, over the same prompts: its CI's lower end <= min_gain); when "
+          "every smaller n is, n_enough = the largest n and the text says the curve is still rising there "
+          "(more data may still help).",
 }
 
 
@@ -326,6 +331,35 @@ def rule_r4_deploy(phases_out: dict, break_even: float) -> tuple[bool, str, str]
                           f"the break-even {break_even:.3f}.")
 
 
+def rule_r6_enough(init: str, groups: dict, opts: dict, min_gain: float = 0.0) -> tuple[int | None, list[dict], str, str]:
+    """(n_enough, the paired differences largest n - each smaller n, fired, sentence)."""
+    which = "source" if init == "either" else init
+    ns = sorted(n for (i, n) in groups if i == which)
+    if not ns:
+        return None, [], f"no learning-curve point for {which}", f"Enough data: unknown (no {which} curve)."
+    N = ns[-1]
+    top = groups[(which, N)]
+    steps = []
+    for n in ns[:-1]:
+        low = groups[(which, n)]
+        d = paired_diff_ci([r[1] for r in top], [r[2] for r in top], [r[1] for r in low], [r[2] for r in low],
+                           where=f"curves: {which} n={N} - n={n}", **opts)
+        steps.append({"n_samples": n, "diff_to_largest": d["diff"], "ci": d["ci"],
+                      "significantly_below": bool(d["ci"][0] > min_gain)})
+    enough = next((x["n_samples"] for x in steps if not x["significantly_below"]), N)
+    if enough == N:
+        below = (f"every smaller n is below n={N} by more than {min_gain:g} with significance" if steps
+                 else f"only n={N} was measured")
+        return (N, steps, f"{which}: {below}",
+                f"Enough data: the {which} curve is still rising at the largest n={N} ({below}): more data "
+                "may still help.")
+    x = next(x for x in steps if x["n_samples"] == enough)
+    return (enough, steps, f"{which}: n={N} - n={enough} is {x['diff_to_largest']:+.3f} (CI {_fmt_ci(x['ci'])}), "
+                           f"not above min_gain {min_gain:g} with significance",
+            f"Enough data: beyond n={enough} the {which} drafter gains no accept length above {min_gain:g} with "
+            f"significance (n={N} is {x['diff_to_largest']:+.3f}, CI {_fmt_ci(x['ci'])}, above it).")
+
+
 def rule_r5_confidence(init_from_sig_at_n: bool, n_found: bool) -> tuple[str, str]:
     held = int(init_from_sig_at_n) + int(n_found)
     conf = {2: "high", 1: "medium", 0: "low"}[held]
@@ -343,9 +377,9 @@ def _point(tau: dict, cm, break_even: float) -> dict:
 
 
 def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000, level: float = 0.95,
-           seed: int = 0) -> dict:
+           seed: int = 0, min_gain: float = 0.0) -> dict:
     """decision.json: CIs per (init, n) and per phase, the paired gains, and the recommendation of
-    rules R1-R5 (RULES; docs/decision.md)."""
+    rules R1-R6 (RULES; docs/decision.md)."""
     _check_boot(n_boot, level)
     cm = _cost(costmodel, k)
     be = float(cm.break_even_accept_length)
@@ -409,7 +443,8 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
     ph2, f3, s3 = rule_r3_phase2(p2)
     deploy, f4, s4 = rule_r4_deploy(phases_out, be)
     conf, f5 = rule_r5_confidence(init_sig, n_rec is not None)
-    text = [s1, s2, s3, s4]
+    n_enough, plateau, f6, s6 = rule_r6_enough(init, groups, opts, min_gain)
+    text = [s1, s2, s6, s3, s4]
     if p1 is not None:
         text.append(f"Phase 1 (fine-tuned source) - Phase 1 scratch control: {p1['diff']:+.3f} (CI "
                     f"{_fmt_ci(p1['ci'])}), {'significant' if p1['significant'] else 'not significant'}.")
@@ -420,7 +455,7 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
     text.append(f"Confidence: {conf}.")
 
     return {
-        "schema": SCHEMA, "level": float(level), "n_boot": n_boot, "k": k,
+        "schema": SCHEMA, "level": float(level), "n_boot": n_boot, "k": k, "min_gain": float(min_gain),
         "costmodel": {"baseline_tok_s": cm.baseline_tok_s, "verify_ms": cm.verify_ms, "draft_ms": cm.draft_ms,
                       "break_even_accept_length": be},
         "curves": curves_out,
@@ -429,11 +464,13 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
         "phases": phases_out,
         "phase1_gain_vs_scratch": p1,
         "phase2_gain": p2,
+        "plateau": plateau,
         "drift": drift,
         "recommendation": {
-            "init": init, "n_samples": n_rec, "phase2": ph2, "deploy_source_now": deploy, "confidence": conf,
+            "init": init, "n_samples": n_rec, "n_enough": n_enough, "phase2": ph2, "deploy_source_now": deploy,
+            "confidence": conf,
             "rules": [{"id": "R1", "fired": f1}, {"id": "R2", "fired": f2}, {"id": "R3", "fired": f3},
-                      {"id": "R4", "fired": f4}, {"id": "R5", "fired": f5}],
+                      {"id": "R4", "fired": f4}, {"id": "R5", "fired": f5}, {"id": "R6", "fired": f6}],
             "text": text,
         },
     }
@@ -466,7 +503,9 @@ def render_text(decision: dict) -> str:
     be = cmd["break_even_accept_length"]
     pct = f"{100 * decision['level']:g}%"
     n = "none" if r["n_samples"] is None else str(r["n_samples"])
-    out = [f"Recommendation: init {r['init']}, n_samples {n}, phase2 {r['phase2']}, deploy source now "
+    ne = r.get("n_enough")
+    out = [f"Recommendation: init {r['init']}, n_samples {n}{'' if ne is None else f' (enough: {ne})'}, "
+           f"phase2 {r['phase2']}, deploy source now "
            f"{'yes' if r['deploy_source_now'] else 'no'} (confidence {r['confidence']})"]
     out += [f"  {s}" for s in r["text"]]
     out.append(f"Break-even accept length {be:.3f} (baseline {cmd['baseline_tok_s']:g} tok/s, verify "

@@ -146,6 +146,10 @@ class TrainConfig(Group):
     parallel: Literal["ddp", "fsdp"] = F(
         "ddp", "under torchrun (resources.<step>.torchrun): ddp replicates the drafter; fsdp shards "
         "its weights, gradients and AdamW moments over the ranks")
+    eval_every: int = F(0, "steps between evaluations of tau on the held-out monitor set (step "
+                        "features_monitor), logged as accept_length by step; 0: none", ge=0)
+    patience: int = F(0, "early stop once this many evaluations in a row bring no better held-out tau "
+                      "than the best so far (needs eval_every); 0: train every step", ge=0)
 
     def __init__(self, /, **data: Any) -> None:
         try:
@@ -210,15 +214,22 @@ class SourceDrafterParams(Group):
     """The world's "AQ-MedAI drafter": an EAGLE-3 drafter trained for target_old, published as
     the hub repo source.repo_id in artifacts/world/hub."""
 
-    n_samples: int = F(600, "training samples (answers of target_old to its own prompts)", ge=1)
+    n_samples: int = F(4000, "training samples: the first old-corpus prompts (Phase 1 gets far fewer: "
+                       "the real source saw 1.4M, the new data is 37K)", ge=1)
     max_new_tokens: int = F(96, "answer length", ge=1)
     draft_vocab_ratio: float = F(0.25, "draft vocabulary size as a share of the vocab (at least 8 ids)",
                                  ge=0.001, le=1.0)
     batch_size: int = F(32, "generation batch", ge=1)
+    answers: Literal["regenerated", "corpus"] = F(
+        "corpus", "regenerated: target_old's own greedy answers (a generation per sample); corpus: the "
+        "corpus's answers, teacher-forced (one prefill per sample; the labels are the target's choices either way)")
+    monitor_samples: int = F(64, "the last old-corpus prompts, answered by target_old: the held-out set "
+                             "whose tau (train.eval_every) traces the source's plateau; 0: none", ge=0)
     arch: DrafterArch = F(default_factory=lambda: DrafterArch(num_attention_heads=4, intermediate_size=384),
                           doc="the drafter's shape; keys left out are derived from the target")
     train: TrainConfig = F(default_factory=lambda: TrainConfig(
-        steps=200, batch_size=16, lr=0.003, warmup_steps=20, ttt_steps=3, log_every=10, checkpoint_every=200),
+        steps=1200, batch_size=16, lr=0.003, warmup_steps=20, ttt_steps=3, log_every=50, checkpoint_every=1200,
+        eval_every=100),
         doc="its training (draftport.train)")
 
 
@@ -418,6 +429,42 @@ class DriftParams(Group):
     max_tokens: int = F(4096, "tokens sampled for linear CKA (cosine and norms use every assistant token)", ge=2)
 
 
+class MonitorParams(Group):
+    """Step features_monitor: the held-out set of tau during training (train.eval_every)."""
+
+    n_samples: int = F(..., "the last prompts of targets.prompts_train, answered by the new target "
+                       "(no training prefix may reach them)", ge=1)
+    k: int = F(..., "draft tokens per cycle of the held-out tau (its own: eval.k edits retrain nothing)",
+               ge=1, le=16)
+    batch_size: int = F(..., "its eval batch", ge=1)
+
+
+class CurvesParams(Group):
+    """Steps train_curves / eval_curves (target `curves`): fine-tune and scratch at several
+    sample counts, several seeds each, under one budget rule."""
+
+    enabled: bool = F(..., "false: no curves (the decision then rests on the phases alone)")
+    n_samples: Annotated[list[int], _int_list(1, 64)] = F(
+        ..., "sample counts, ascending (a prefix of Phase 1's + Phase 2's capture: at most phase2.n_samples)")
+    seeds: Annotated[list[int], _int_list(0, 64)] = F(..., "seeds per point (data order; scratch's init)")
+    inits: list[Literal["source", "scratch"]] = F(..., "source: fine-tune the source drafter; scratch: the control")
+    epochs: float = F(..., "the budget rule: steps = min(train.steps, max(min_steps, ceil(epochs * n / "
+                      "train.batch_size))): the same epochs at every n", ge=0.01)
+    min_steps: int = F(..., "fewest steps of a point", ge=1)
+    train: TrainConfig = F(..., "the training run of every point (steps: the most a point may take; "
+                           "seed: replaced by each point's; patience > 0: stop at a plateau)")
+
+
+class DecisionParams(Group):
+    """Step decision: bootstrap CIs over prompts and the rules of draftport.decision."""
+
+    n_boot: int = F(..., "bootstrap replicates", ge=100)
+    level: float = F(..., "confidence level of every interval", ge=0.5, le=0.999)
+    seed: int = F(..., "the bootstrap's seed", ge=0)
+    min_gain: float = F(0.05, "rule R6: a tau gain from more data smaller than this is not worth collecting "
+                        "(0: any significant gain is)", ge=0)
+
+
 class Params(Group):
     """The whole of params.yaml (a profile layered on it)."""
 
@@ -432,6 +479,9 @@ class Params(Group):
     drift: DriftParams = F(..., "step drift: how far the new target's hidden states moved")
     phase1: Phase1Params = F(..., "Phase 1: fine-tune the source (and the from-scratch control)")
     phase2: Phase2Params = F(..., "Phase 2: scaled data, continued")
+    monitor: MonitorParams = F(..., "step features_monitor: the held-out set of tau during training")
+    curves: CurvesParams = F(..., "the learning curves: fine-tune and scratch by sample count and seed")
+    decision: DecisionParams = F(..., "step decision: the recommendation and its confidence")
     reference: Optional[ReferenceParams] = F(..., "a published drafter for the new target (an upper bound); "
                                              "null: none")
     resources: ResourcesParams = F(..., "Snakemake resources per step")
@@ -636,6 +686,31 @@ def _cross_checks(cfg: dict) -> None:
                           "must be set when features.regenerate is openai")
     if cfg["drift"]["enabled"] and not cfg["targets"]["old"]:
         raise ParamsError("drift.enabled", "needs targets.old (the probe runs the old target on the new one's tokens)")
+    c = cfg["curves"]
+    if c["enabled"]:
+        ns = c["n_samples"]
+        if ns != sorted(set(ns)):
+            raise ParamsError("curves.n_samples", f"{ns}: must be ascending, without repeats")
+        if ns[-1] > cfg["phase2"]["n_samples"]:
+            raise ParamsError("curves.n_samples", f"{ns[-1]} exceeds phase2.n_samples ({cfg['phase2']['n_samples']}): "
+                              "the points read a prefix of Phase 1's + Phase 2's capture")
+        if len(set(c["seeds"])) != len(c["seeds"]):
+            raise ParamsError("curves.seeds", f"{c['seeds']}: a seed twice")
+        if not c["inits"] or len(set(c["inits"])) != len(c["inits"]):
+            raise ParamsError("curves.inits", f"{c['inits']}: source and/or scratch, each once")
+    for group in ("phase1", "phase2", "curves"):
+        t = cfg[group]["train"]
+        if t.get("patience") and not t.get("eval_every"):
+            raise ParamsError(f"{group}.train.patience", "needs eval_every > 0 (the held-out tau it watches)")
+    if w["build"]:
+        need = cfg["phase2"]["n_samples"] + cfg["monitor"]["n_samples"]
+        if need > w["n_new"]:
+            raise ParamsError("monitor.n_samples", f"phase2.n_samples + monitor.n_samples = {need} but the world's "
+                              f"new corpus holds world.n_new = {w['n_new']} (the monitor takes the last prompts)")
+        sd = w["source_drafter"]
+        if sd["n_samples"] + sd["monitor_samples"] > w["n_old"]:
+            raise ParamsError("world.source_drafter.n_samples", f"{sd['n_samples']} + monitor_samples "
+                              f"{sd['monitor_samples']} exceed world.n_old = {w['n_old']}")
     if cfg["eval"]["k"] > 16:
         raise ParamsError("eval.k", "at most 16 draft tokens")
 

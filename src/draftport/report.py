@@ -441,12 +441,15 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
     init = rec.get("init")
     init_txt = {"source": "fine-tune the source drafter", "scratch": "train a drafter from scratch",
                 "either": "either init (fine-tune the source or from scratch)"}.get(init, str(init))
-    summary = [("init", init_txt), ("training samples", "—" if n is None else str(n)),
+    ne = rec.get("n_enough")
+    summary = [("init", init_txt), ("pays off from (samples)", "—" if n is None else str(n)),
+               ("enough data (samples)", "—" if ne is None else str(ne)),
                ("Phase 2", str(rec.get("phase2", "—"))), ("deploy the source now", _yes(rec.get("deploy_source_now"))),
                ("confidence", str(rec.get("confidence", "—")))]
     parts = ["<h2>Decision</h2>",
              f"<div class='verdict ok'><b>Recommendation:</b> {html.escape(init_txt)}"
-             + (f" on {html.escape(str(n))} samples" if n is not None else "")
+             + (f": it beats break-even from {html.escape(str(n))} samples" if n is not None else "")
+             + (f", gains nothing significant beyond {html.escape(str(ne))}" if ne is not None else "")
              + f"; Phase 2: {html.escape(str(rec.get('phase2', '—')))}; deploy the source now: "
              f"{html.escape(_yes(rec.get('deploy_source_now')))}; confidence: "
              f"<b>{html.escape(str(rec.get('confidence', '—')))}</b>.</div>",

@@ -281,15 +281,22 @@ def stage(step: str, cfg: dict) -> dict:
             "outs": [out] if row.cache else [{out: {"cache": False}}]}
 
 
+def train_group(step: str) -> str:
+    """The params group whose `train` a training step runs (phase1, phase2, curves)."""
+    return next(k.split(".")[0] for k in R.BY_NAME[step].params if k.endswith(".train"))
+
+
 def dvc_yaml_text(params_file: str = P.PARAMS_FILE) -> str:
     """dvc.yaml for params.yaml's profile, from the registry."""
     cfg = P.load(base=params_file)
     stages = {s.name: stage(s.name, cfg) for s in R.active(cfg) if s.dvc}
     metrics = [done(s) for s in stages]
+    phases = [s for s in R.TRAINING_STEPS if s in stages and s.startswith("train_phase")]
+    watched = [s for s in phases if R.get(cfg, f"{train_group(s)}.train.eval_every")]
     plots = [art("report", p) for p in REPORT_PLOTS] + [
-        {"loss": {"template": "linear", "x": "step", "y": {
-            art(s, "history.csv"): "loss" for s in R.TRAINING_STEPS if s in stages}}},
-    ]
+        {"loss": {"template": "linear", "x": "step", "y": {art(s, "history.csv"): "loss" for s in phases}}},
+    ] + ([{"held_out_accept_length": {"template": "linear", "x": "step", "y": {
+        art(s, "curve.csv"): "accept_length" for s in watched}}}] if watched else [])
     doc = {"stages": stages, "metrics": metrics, "plots": plots}
     return DVC_HEADER + yaml.safe_dump(doc, sort_keys=False, width=100)
 

@@ -27,13 +27,17 @@ def world(s: Step) -> dict:
         s.dir, n_samples=sd["n_samples"], max_new_tokens=sd["max_new_tokens"],
         draft_vocab_ratio=sd["draft_vocab_ratio"], aux_layer_ids=f["aux_layer_ids"],
         convention=f["aux_convention"], arch=sd["arch"], train_cfg=TrainConfig(**sd["train"]),
-        repo_id=s.p["source"]["repo_id"], batch_size=sd["batch_size"])
+        repo_id=s.p["source"]["repo_id"], batch_size=sd["batch_size"], answers=sd["answers"],
+        monitor_samples=sd["monitor_samples"])
     src["train"].pop("train_seconds", None)  # outputs stay byte-identical between identical runs
     write_json(s.path("source_drafter.json"), src)
     m = manifest["metrics"]
     return {
         "targets": {k: m[k] for k in sorted(m) if not k.startswith("assistant_tokens")},
-        "source": {"train_set_accept_length": src["train_set_accept_length"],
+        "source": {"train_set_accept_length": src["train_set_accept_length"], "n_samples": src["n_samples"],
+                   **({"held_out_accept_length": src["monitor"][-1]["accept_length"],
+                       "best_held_out_accept_length": max(c["accept_length"] for c in src["monitor"])}
+                      if src["monitor"] else {}),
                    "draft_vocab_size": src["draft_vocab_size"],
                    "vocab_coverage": src["vocab"]["coverage"]},
         "world_mb": round(manifest["bytes"]["total"] / 1e6, 2),
@@ -115,6 +119,21 @@ def features_new(s: Step) -> dict:
     _check_source_fits(s.input("source"), s.p["features"])
     return {"train": _features(s, s.path("train"), s.input("target"), s.p["targets"]["prompts_train"],
                                n=s.p["phase1"]["n_samples"])}
+
+
+def features_monitor(s: Step) -> dict:
+    """The held-out set of tau during training (train.eval_every): the last monitor.n_samples
+    prompts of the training prompt file, answered by the new target; no training prefix reaches
+    them (each training step checks its prompts are disjoint from these)."""
+    from ..features import read_samples
+
+    prompts = s.p["targets"]["prompts_train"]
+    n, total = s.p["monitor"]["n_samples"], len(read_samples(prompts))
+    if n >= total:
+        raise DraftportError("monitor.n_samples", f"{n} but {prompts} holds {total} prompts: none left to train on")
+    _check_source_fits(s.input("source"), s.p["features"])
+    return {"held_out": _features(s, s.path("held_out"), s.input("target"), prompts, n=n, offset=total - n),
+            "offset": total - n}
 
 
 def features_eval(s: Step) -> dict:

@@ -56,12 +56,18 @@ FEATURE_MODULES = ("features", "data", "target", "engines.vllm.features", "engin
 EVAL_KEYS = ("eval", "costmodel")
 EVAL_MODULES = ("evaluate", "bind", "data", "drafter", "kernels", "ttt", "target", "costmodel", "vocab",
                 "tracking", "steps.evaluate")
-TRAIN_MODULES = ("phases", "train", "bind", "data", "draftmap", "drafter", "kernels", "ttt", "target", "vocab",
+TRAIN_MODULES = ("phases", "train", "evaluate", "bind", "data", "draftmap", "drafter", "kernels", "ttt", "target", "vocab",
                  "tracking", "steps.train")
 SOURCE = Input("fetch/source")
 TARGET = Input("@new")
 EVAL_SET = Input("features_eval/eval_new")
 VOCAB = Input("vocab_new/vocab.safetensors")
+MONITOR_KEYS = ("monitor.k", "monitor.batch_size")
+
+
+def monitor_input(group: str) -> Input:
+    """The held-out set of tau during training: an input only when the group's train.eval_every > 0."""
+    return Input("features_monitor/held_out", (f"{group}.train.eval_every",))
 
 
 def _eval(phase: str, train_step: str, **more: Input) -> Step:
@@ -89,6 +95,9 @@ STEPS: tuple[Step, ...] = (
                                 "features.eval_samples"), FEATURE_MODULES,
          {"source": SOURCE, "target": TARGET, "target_old": Input("@old", ("targets.old", "targets.prompts_eval_old"))},
          after=("world",), cache=False),
+    Step("features_monitor", "the held-out set of tau during training: the last training prompts, answered by the new target",
+         "data:features_monitor", (*FEATURE_KEYS, "targets.prompts_train", "monitor.n_samples"), FEATURE_MODULES,
+         {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
     Step("vocab_new", "the new target's draft map (top-N ids of its own answers) and its overlap with the source's",
          "data:vocab_new", ("targets.new", "vocab_new"), ("draftmap", "data", "vocab", "steps.data"),
          {"features": Input("features_new/train"), "source": SOURCE, "target": TARGET}),
@@ -115,24 +124,45 @@ STEPS: tuple[Step, ...] = (
           "phase0": Input("eval_phase0/metrics.json")},
          run="phase0", run_from="eval_phase0", cache=False, enabled="drift.enabled"),
     Step("train_phase1_scratch", "the control: Phase 1's architecture, data and budget from a random init on the new map",
-         "train:train_phase1_scratch", ("profile", "targets.new", "phase1.train"), TRAIN_MODULES,
-         {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET},
+         "train:train_phase1_scratch", ("profile", "targets.new", "phase1.train", *MONITOR_KEYS), TRAIN_MODULES,
+         {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
+          "monitor": monitor_input("phase1")},
          run="phase1_scratch", trains=True),
     _eval("phase1_scratch", "train_phase1_scratch"),
     Step("train_phase1", "fine-tune the source drafter on the new target's data (lm_head moved onto the new map)",
-         "train:train_phase1", ("profile", "targets.new", "phase1.train", "phase1.vocab_policy"), TRAIN_MODULES,
+         "train:train_phase1", ("profile", "targets.new", "phase1.train", "phase1.vocab_policy", *MONITOR_KEYS),
+         TRAIN_MODULES,
          {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
-          "compare": Input("compare/compare.json")}, run="phase1", trains=True),
+          "compare": Input("compare/compare.json"), "monitor": monitor_input("phase1")}, run="phase1", trains=True),
     _eval("phase1", "train_phase1", phase0=Input("eval_phase0/metrics.json"),
           phase1_scratch=Input("eval_phase1_scratch/metrics.json")),
     Step("train_phase2", "continue Phase 1's drafter (its map kept) on the scaled data",
-         "train:train_phase2", ("profile", "targets.new", "phase2.train"), TRAIN_MODULES,
+         "train:train_phase2", ("profile", "targets.new", "phase2.train", *MONITOR_KEYS), TRAIN_MODULES,
          {"features": Input("features_phase2/train"), "vocab": VOCAB, "init": Input("train_phase1/drafter"),
-          "source": SOURCE, "target": TARGET}, run="phase2", trains=True),
+          "source": SOURCE, "target": TARGET, "monitor": monitor_input("phase2")}, run="phase2", trains=True),
     _eval("phase2", "train_phase2", phase1=Input("eval_phase1/metrics.json")),
+    Step("train_curves", "learning curves: fine-tune and scratch at each curves.n_samples x seed, one budget rule",
+         "curves:train_curves", ("profile", "targets.new", "curves.n_samples", "curves.seeds", "curves.inits",
+                                 "curves.epochs", "curves.min_steps", "curves.train", *MONITOR_KEYS),
+         (*TRAIN_MODULES, "steps.curves"),
+         {"features": Input("features_new/train"), "features_phase2": Input("features_phase2/train"),
+          "vocab": VOCAB, "source": SOURCE, "target": TARGET, "monitor": monitor_input("curves")},
+         run="curves", trains=True, enabled="curves.enabled"),
+    Step("eval_curves", "every learning-curve point's drafter on the new target's held-out set (per-prompt counts)",
+         "curves:eval_curves", ("targets.new", "eval", "curves.n_samples", "curves.seeds", "curves.inits"),
+         (*(m for m in EVAL_MODULES if m not in ("costmodel", "steps.evaluate")), "decision", "steps.curves"),
+         {"points": Input("train_curves/points.json"), "target": TARGET, "features": EVAL_SET},
+         run="curves", run_from="train_curves", enabled="curves.enabled"),
+    Step("decision", "the recommendation with evidence: init, data, Phase 2, drift; bootstrap CIs and rules R1-R6",
+         "decision:decision", ("costmodel", "eval.k", "decision"), ("decision", "costmodel", "steps.decision"),
+         {"curves": Input("eval_curves/curves.json", ("curves.enabled",)),
+          **{ph: Input(f"eval_{ph}/eval.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
+          "drift": Input("drift/metrics.json", ("drift.enabled",))}),
     Step("report", "plots and tables: tau per phase vs projected tok/s, per-position acceptance, loss, comparison",
          "report:report", ("profile", "costmodel", "eval.k", "online.enabled"), ("report", "tables", "steps.report"),
          {"compare": Input("compare/compare.json"), "world": Input("world/metrics.json", ("world.build",)),
+          "source_drafter": Input("world/source_drafter.json", ("world.build",)),
+          "decision": Input("decision/decision.json"), "curves": Input("eval_curves/curves.json", ("curves.enabled",)),
           **{ph: Input(f"eval_{ph}/metrics.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
           "drift": Input("drift/metrics.json", ("drift.enabled",)),
           **{f"history_{ph}": Input(f"train_{ph}/history.csv") for ph in ("phase1_scratch", "phase1", "phase2")},
@@ -157,6 +187,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "phase0": ("eval_phase0", "drift"),
     "phase1": ("eval_phase1",),
     "phase2": ("eval_phase2",),
+    "curves": ("eval_curves",),
     "online": ("online_phase0", "online_phase1"),
 }
 

@@ -18,9 +18,10 @@ def _train(s: Step, group: str, *, init, vocab_policy: str = "remap") -> dict:
     from ..phases import train_phase
     from ..train import dist_info, init_distributed
 
+    cfg = TrainConfig(**s.p[group]["train"])
     kw = dict(features_dir=s.input("features"), target_dir=s.input("target"), vocab_path=s.input("vocab"),
               init=init, source_dir=s.input("source"), vocab_policy=vocab_policy,
-              train_cfg=TrainConfig(**s.p[group]["train"]), ckpt_dir=checkpoints(s.name))
+              train_cfg=cfg, ckpt_dir=checkpoints(s.name), monitor=monitor_of(s, cfg))
     rank, _ = init_distributed()  # under torchrun: every rank trains on its slice of each batch
     if rank > 0:  # the same run, its files written by rank 0 (checkpoints: shared ckpt_dir)
         with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
@@ -28,7 +29,7 @@ def _train(s: Step, group: str, *, init, vocab_policy: str = "remap") -> dict:
         return {}
     rep = train_phase(s.dir, logger=s.run.background() if s.run else None, progress=True, **kw)
     hist = json.loads(s.path("train_history.json").read_text())
-    cols = ["step", "loss", "acc_0", "lr"]
+    cols = ["step", "loss", "acc_0", "lr", "accept_length"]   # accept_length: held-out tau, at eval steps
     with open(s.path("history.csv"), "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(cols)
@@ -38,11 +39,27 @@ def _train(s: Step, group: str, *, init, vocab_policy: str = "remap") -> dict:
     out = {"train_processes": dist_info()[1],  # > 1 under torchrun (resources.<rule>.torchrun)
            "train_steps": rep["train_steps"], "final_loss": fin.get("loss"), "final_acc_0": fin.get("acc_0"),
            "resumed_from_step": rep["resumed_from_step"]}
+    if rep["curve"]:  # the held-out tau by step (DVC plots read curve.csv)
+        out.update(held_out_accept_length=rep["curve"][-1]["accept_length"],
+                   best_held_out_accept_length=max(c["accept_length"] for c in rep["curve"]),
+                   stopped_early=rep["stopped_early"])
+        with open(s.path("curve.csv"), "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["step", "accept_length"])
+            w.writerows([c["step"], c["accept_length"]] for c in rep["curve"])
     if "vocab" in rep:
         out["lm_head_rows_kept"] = rep["vocab"].get("kept_rows")
         out["lm_head_rows_new"] = rep["vocab"].get("new_rows")
     print(f"{s.name}: {rep['train_steps']} steps in {rep['train_seconds']:.1f} s, final loss {fin.get('loss')}")
     return {k: v for k, v in out.items() if v is not None}
+
+
+def monitor_of(s: Step, cfg) -> dict | None:
+    """train_phase's monitor when the train group asks for held-out tau (eval_every > 0)."""
+    if not cfg.eval_every:
+        return None
+    m = s.p["monitor"]
+    return {"features": s.input("monitor"), "k": m["k"], "batch_size": m["batch_size"]}
 
 
 def train_phase1_scratch(s: Step) -> dict:

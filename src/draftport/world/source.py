@@ -1,5 +1,6 @@
-"""The world's source drafter ("AQ-MedAI's"): an EAGLE-3 drafter trained for target_old on its
-own greedy answers, published as a hub-cache entry (world_dir/hub) that the fetch step pins.
+"""The world's source drafter ("AQ-MedAI's"): an EAGLE-3 drafter trained for target_old on many
+more samples than Phase 1 gets (the real case: 1.4M vs 37K), to a plateau of its tau on the old
+target, published as a hub-cache entry (world_dir/hub) that the fetch step pins.
 """
 
 from __future__ import annotations
@@ -11,27 +12,46 @@ from pathlib import Path
 
 def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draft_vocab_ratio: float,
                          aux_layer_ids, arch: dict, train_cfg, repo_id: str, branch: str = "main",
-                         convention: str = "vllm", batch_size: int = 32, progress=True) -> dict:
-    """Features of target_old on old-corpus prompts (its own greedy answers), the draft vocab of
-    those generations, a drafter trained on them, published as a hub-cache entry under
-    world_dir/hub. Intermediate features are deleted: the world stays small."""
+                         convention: str = "vllm", batch_size: int = 32, answers: str = "regenerated",
+                         monitor_samples: int = 0, progress=True) -> dict:
+    """Features of target_old on the first n_samples old-corpus prompts, the draft vocab of their
+    answers, a drafter trained on them, published as a hub-cache entry under world_dir/hub.
+
+    answers 'regenerated': target_old's own greedy answers (a generation per sample);
+    'corpus': the corpus's answers, teacher-forced (one prefill per sample; the training signal is
+    the target's own choice at every position either way). monitor_samples > 0: the last that many
+    old-corpus prompts, answered by target_old itself (what it will verify), are the held-out set
+    whose tau train_cfg.eval_every steps traces the plateau (`monitor` in the result).
+    Intermediate features are deleted: the world stays small."""
     import tempfile
 
     from ..bind import new_drafter_config
     from ..draftmap import build_vocab
+    from ..errors import DraftportError
     from ..evaluate import evaluate_drafter
-    from ..features import build_features
+    from ..features import build_features, read_samples
     from ..fetch import publish_to_cache
     from ..phases import train_phase
 
     world = Path(world_dir)
     target = world / "target_old"
+    corpus = world / "corpus" / "old.jsonl"
+    n_old = len(read_samples(corpus))
+    if n_samples + monitor_samples > n_old:
+        raise DraftportError("world.source_drafter.n_samples", f"{n_samples} + monitor_samples {monitor_samples} "
+                             f"exceed the old corpus's {n_old} samples (world.n_old)")
     world.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".source-build.", dir=world))
+    common = dict(aux_layer_ids=aux_layer_ids, convention=convention, max_new_tokens=max_new_tokens,
+                  batch_size=batch_size)
     try:
-        build_features(target, world / "corpus" / "old.jsonl", work / "features", n_samples=n_samples,
-                       aux_layer_ids=aux_layer_ids, convention=convention, max_new_tokens=max_new_tokens,
-                       batch_size=batch_size, dtype="float32")
+        build_features(target, corpus, work / "features", n_samples=n_samples, dtype="bfloat16",
+                       regenerate_responses=answers == "regenerated", **common)
+        monitor = None
+        if monitor_samples:
+            build_features(target, corpus, work / "monitor", n_samples=monitor_samples, offset=n_old - monitor_samples,
+                           dtype="float32", regenerate_responses=True, **common)
+            monitor = {"features": work / "monitor", "k": train_cfg.ttt_steps, "batch_size": batch_size}
         tcfg = json.loads((target / "config.json").read_text())
         vocab, hidden = tcfg["vocab_size"], tcfg["hidden_size"]
         dv = max(8, int(round(vocab * draft_vocab_ratio)))
@@ -42,11 +62,14 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
         cfg.extra["verifier"] = "draftport/world-target-old"
         rep = train_phase(work / "train", features_dir=work / "features", target_dir=target,
                           vocab_path=work / "vocab.safetensors", init="scratch", arch=cfg,
-                          train_cfg=train_cfg, progress=progress)
+                          train_cfg=train_cfg, progress=progress, monitor=monitor)
         ev = evaluate_drafter(work / "train" / "drafter", target, work / "features", k=train_cfg.ttt_steps,
                               max_samples=min(n_samples, 200))
         commit = publish_to_cache(work / "train" / "drafter", world / "hub", repo_id, branch)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    curve = rep.pop("curve", [])
     return {"repo_id": repo_id, "commit": commit, "branch": branch, "draft_vocab_size": dv,
-            "vocab": vstats, "train": rep, "train_set_accept_length": ev["accept_length"]}
+            "n_samples": n_samples, "answers": answers, "monitor_samples": monitor_samples,
+            "vocab": vstats, "train": rep, "train_set_accept_length": ev["accept_length"],
+            "monitor": curve}
