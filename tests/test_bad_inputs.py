@@ -37,7 +37,8 @@ from test_pipeline import micro_copy  # noqa: E402
 BIN = Path(sys.executable).parent
 PY = sys.executable
 # Run once for the fixture; Phase 0 and Phase 1 are left out (no case needs their outputs).
-FIXTURE_STEPS = ("world", "fetch", "features_new", "features_eval", "vocab_new", "compare", "train_phase1_scratch")
+FIXTURE_STEPS = ("world", "fetch", "features_new", "features_eval", "features_monitor", "vocab_new", "compare",
+                 "train_phase1_scratch")
 
 SRC = "artifacts/fetch/source"
 SRC_ST = f"{SRC}/model.safetensors"

@@ -448,3 +448,33 @@ def test_unreachable_tracking_server_fails_before_compute(repo):
                                                            f"unreachable ([Errno 111] Connection refused); "
                                                            f"start it or unset MLFLOW_TRACKING_URI to log "
                                                            f"to sqlite:///mlflow.db")
+
+
+def test_dvc_exp_run_sweeps_one_training_value(repo):
+    """A DVC user's first move: `dvc exp run -S key=value` reruns exactly the stages that read the
+    key (and what reads them), nothing upstream; `dvc exp show` lists the value and the phases'
+    accept length per experiment. Last in the module: it leaves the experiment in the workspace."""
+    repo.run("git", "add", "-A")
+    repo.run("git", "commit", "-qm", "the plan as run", check=False)   # experiments start from a commit
+    out = repo.dvc("exp", "run", "-n", "lr-low", "-S", "phase1.train.lr=0.001", "eval_phase1").stdout
+    ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
+    assert ran == {"train_phase1_scratch", "eval_phase1_scratch", "train_phase1", "eval_phase1"}, out
+    assert yaml.safe_load((repo.path / "params.yaml").read_text())["phase1"]["train"]["lr"] == 0.001
+    rows = json.loads(repo.dvc("exp", "show", "--json").stdout)
+    base = rows[1] if rows[0]["rev"] == "workspace" else rows[0]
+
+    def figures(rec):
+        d = rec["data"]
+        return (d["params"]["params.yaml"]["data"]["phase1"]["train"]["lr"],
+                d["metrics"]["artifacts/eval_phase1/metrics.json"]["data"]["accept_length"])
+
+    exps = [e["revs"][0] for e in base.get("experiments") or []]
+    named = [e for e in exps if e.get("name") == "lr-low"]
+    assert len(named) == 1
+    lr, tau = figures(named[0])
+    assert lr == 0.001 and tau == pytest.approx(repo.metrics("eval_phase1")["accept_length"])
+    lr0, tau0 = figures(base)
+    assert lr0 != lr and tau0 != tau   # the committed plan's own figures, beside the experiment's
+    table = repo.dvc("exp", "show", "--md", "--drop", ".*", "--keep",
+                     "Experiment|artifacts/eval_phase1/metrics.json:accept_length$|phase1.train.lr").stdout
+    assert "lr-low" in table and "accept_length" in table

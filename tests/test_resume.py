@@ -79,7 +79,7 @@ def base(tmp_path_factory):
         c.run(BIN / "dvc", "init", "-q")
     c.run("git", "add", "-A")
     c.run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "test copy")
-    c.run(BIN / "snakemake", "--cores", "2", "features_new", "features_eval", "vocab_new")
+    c.run(BIN / "snakemake", "--cores", "2", "features_new", "features_eval", "features_monitor", "vocab_new")
     return c
 
 
