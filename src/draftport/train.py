@@ -325,10 +325,9 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         raise DraftportError("train.patience", f"{cfg.patience} needs train.eval_every > 0 (the held-out tau it watches)")
     if cfg.eval_every and monitor is None:
         raise DraftportError("train.eval_every", f"{cfg.eval_every} but this run has no held-out monitor set")
-    if monitor is not None and fsdp:
+    if cfg.eval_every and fsdp:
         raise DraftportError("train.eval_every", "held-out tau during training runs on a whole drafter: "
                              "use parallel ddp (or eval_every 0) under fsdp")
-    every = cfg.eval_every if monitor is not None else 0
     if impl == "compiled":
         drafter.compile_regions()
         compile_loss_kernels()
@@ -400,7 +399,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         step += 1
         done_this_call += 1
         last = stop_after is not None and done_this_call >= stop_after
-        eval_now = bool(every) and (step % every == 0 or step == cfg.steps)
+        eval_now = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
         log_now = step % cfg.log_every == 0 or step == cfg.steps or eval_now
         ckpt_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
         if log_now or ckpt_now or last:
