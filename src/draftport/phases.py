@@ -18,6 +18,11 @@ from .errors import DraftportError
 from .vocab import check_maps, compare_maps, remap_lm_head
 
 
+def feature_dirs(features_dir) -> list:
+    """One feature folder or several that continue one another, as a list."""
+    return [features_dir] if isinstance(features_dir, (str, Path)) else list(features_dir)
+
+
 def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, vocab_policy: str = "remap",
                        arch=None, n_samples: int | None = None, monitor: dict | None = None) -> dict:
     """What a training run learns from, as digests: its checkpoints resume only a run on the same
@@ -32,8 +37,7 @@ def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, 
         files = sorted(p for p in f.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
         return hashlib.sha256("".join(f"{p.name}:{sha256(p)};" for p in files).encode()).hexdigest()
 
-    dirs = [features_dir] if isinstance(features_dir, (str, Path)) else list(features_dir)
-    feats = [sha256(Path(f) / "index.json") for f in dirs]
+    feats = [sha256(Path(f) / "index.json") for f in feature_dirs(features_dir)]
     out = {"features": feats[0] if len(feats) == 1 and n_samples is None else {"chain": feats, "n": n_samples},
            "vocab": sha256(Path(vocab_path)), "init": init, "vocab_policy": vocab_policy}
     if monitor is not None:
@@ -69,7 +73,7 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     from .train import train
 
     out_dir = Path(out_dir)
-    dirs = [features_dir] if isinstance(features_dir, (str, Path)) else list(features_dir)
+    dirs = feature_dirs(features_dir)
     fs = FeatureSet(dirs[0]) if len(dirs) == 1 and n_samples is None else \
         FeatureChain([FeatureSet(d) for d in dirs], n_samples)
     head = target_head(target_dir)
