@@ -32,21 +32,10 @@ from draftport.export import export_problems, validate_export
 from draftport.vocab import build_maps
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB, H, LAYERS, CTX = 100, 64, 4, 512
+sys.path.insert(0, str(Path(__file__).parent))
+from test_export import CTX, H, VOCAB, make_target  # noqa: E402  (a tiny target folder)
+
 WARNING = "vLLM would serve the drafter's own embedding, SGLang the target's"
-
-
-def make_target(folder, seed, embed_name="model.embed_tokens.weight", dtype=torch.float32):
-    """A tiny target (config + embedding + lm_head) whose embedding is random under `seed`."""
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-        "hidden_size": H, "num_hidden_layers": LAYERS, "max_position_embeddings": CTX,
-        "rope_theta": 10000.0}))
-    g = torch.Generator().manual_seed(seed)
-    save_file({embed_name: torch.randn(VOCAB, H, generator=g).to(dtype),
-               "lm_head.weight": torch.randn(VOCAB, H, generator=g)}, str(folder / "model.safetensors"))
-    return folder
 
 
 def target_embed(target, name="model.embed_tokens.weight"):

@@ -17,15 +17,16 @@ from draftport.vocab import build_maps
 VOCAB, H, LAYERS, CTX = 100, 64, 4, 512
 
 
-def make_target(folder, seed=0):
-    """A target folder as far as the validator reads it: config.json + embed/lm_head tensors."""
+def make_target(folder, seed=0, embed_name="model.embed_tokens.weight", dtype=torch.float32):
+    """A target folder as far as the validator reads it: config.json + its embedding (random under
+    `seed`, stored as `embed_name` in `dtype`) and lm_head."""
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
         "hidden_size": H, "num_hidden_layers": LAYERS, "max_position_embeddings": CTX,
         "rope_theta": 10000.0}))
     g = torch.Generator().manual_seed(seed)
-    save_file({"model.embed_tokens.weight": torch.randn(VOCAB, H, generator=g),
+    save_file({embed_name: torch.randn(VOCAB, H, generator=g).to(dtype),
                "lm_head.weight": torch.randn(VOCAB, H, generator=g)}, str(folder / "model.safetensors"))
     return folder
 
