@@ -478,3 +478,55 @@ def test_dvc_exp_run_sweeps_one_training_value(repo):
     table = repo.dvc("exp", "show", "--md", "--drop", ".*", "--keep",
                      "Experiment|artifacts/eval_phase1/metrics.json:accept_length$|phase1.train.lr").stdout
     assert "lr-low" in table and "accept_length" in table
+
+
+def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments(repo):
+    """`dvc exp run --queue -S ...` + `dvc queue start`: each experiment runs in a temporary copy
+    (the uncached feature folders copied in with -C, so nothing upstream reruns), logs its phases
+    to the tracking store tagged with its name, and `dvc exp show` / `dvc plots diff` put the grid
+    side by side. After the workspace experiment above (it queues from the same commit)."""
+    grid = {"grid-lr-2e-3": 0.002, "grid-lr-4e-3": 0.004}
+    copies = [a for f in ("features_new", "features_eval", "features_monitor") for a in ("-C", f"artifacts/{f}")]
+    for name, lr in grid.items():
+        repo.dvc("exp", "run", "--queue", "-n", name, "-S", f"phase1.train.lr={lr}", *copies, "eval_phase1")
+    repo.dvc("queue", "start", "-j", "1")
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        status = repo.dvc("queue", "status").stdout
+        if not any(w in status for w in ("Running", "Queued")):
+            break
+        time.sleep(5)
+    for name in grid:
+        assert f"{name}" in status and "Failed" not in status, status
+        log = repo.dvc("queue", "logs", name).stdout
+        ran = {line.split("'")[1] for line in log.splitlines() if line.startswith("Running stage")}
+        assert ran == {"train_phase1_scratch", "eval_phase1_scratch", "train_phase1", "eval_phase1"}, log[-3000:]
+
+    rows = json.loads(repo.dvc("exp", "show", "--json").stdout)
+    exps = {e["revs"][0].get("name"): e["revs"][0] for r in rows for e in r.get("experiments") or []}
+    taus = {}
+    for name, lr in grid.items():
+        d = exps[name]["data"]
+        assert d["params"]["params.yaml"]["data"]["phase1"]["train"]["lr"] == lr
+        taus[name] = d["metrics"]["artifacts/eval_phase1/metrics.json"]["data"]["accept_length"]
+    assert taus["grid-lr-2e-3"] != taus["grid-lr-4e-3"]
+    changed = repo.dvc("exp", "show", "--only-changed", "--md").stdout
+    assert "grid-lr-2e-3" in changed and "!" not in changed, changed   # no column an experiment lacks
+
+    # the copies logged to the tracking store the user compares in, each run tagged with its experiment
+    runs = [r for rs in runs_by_name(repo.uri).values() for r in rs]
+    for name in grid:
+        tagged = {r["info"]["run_name"]: r for r in runs
+                  if {"key": "draftport.dvc_exp", "value": name} in r["data"].get("tags", [])}
+        assert set(tagged) == {"phase1_scratch", "phase1"}, (name, set(tagged))
+        m = {x["key"]: x["value"] for x in tagged["phase1"]["data"]["metrics"]}
+        assert m["accept_length"] == pytest.approx(taus[name])
+
+    # tau per phase between the two experiments, as `dvc plots diff` draws it
+    plots = json.loads(repo.dvc("plots", "diff", *grid, "--json").stdout)["data"]
+    [bar] = plots["accept_length_by_phase"]
+    values = bar["content"]["data"]["values"]
+    seen = {(v["rev"], v["phase"]): float(v["accept_length"]) for v in values}
+    for name in grid:
+        assert seen[(name, "phase1")] == pytest.approx(taus[name], abs=1e-5)
+        assert (name, "phase1_scratch") in seen and (name, "phase0") in seen

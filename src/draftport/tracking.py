@@ -1,7 +1,7 @@
 """MLflow tracking: one experiment per profile, one run per phase, the same metric names.
 
 The tracking store is MLFLOW_TRACKING_URI when set, else `sqlite:///mlflow.db` (MLflow 3 refuses
-the ./mlruns file store). A server that does not answer fails the step before any compute, with
+the ./mlruns file store; a queued DVC experiment's copy logs to its repository's file). A server that does not answer fails the step before any compute, with
 the URI in the message. Several pipeline jobs may write one sqlite file at once: the experiment
 is created up front (the Snakefile's onstart, `python -m draftport.tracking init`) and every
 store call retries on "database is locked".
@@ -49,8 +49,23 @@ class Logger:
 DEFAULT_URI = "sqlite:///mlflow.db"
 
 
+def dvc_exp_root(cwd: Path | None = None) -> Path | None:
+    """The repository a queued/temp DVC experiment was copied from, when this process runs in
+    that copy (`<repo>/.dvc/tmp/exps/<tmp>/`), else None."""
+    parts = (cwd or Path.cwd()).resolve().parts
+    for i in range(len(parts) - 3, 0, -1):
+        if parts[i: i + 3] == (".dvc", "tmp", "exps"):
+            return Path(*parts[:i])
+    return None
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    """MLFLOW_TRACKING_URI, else the repo's sqlite store; a queued DVC experiment (run in a copy
+    that DVC deletes afterwards) logs to the store of the repository it was queued from."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    root = dvc_exp_root()
+    return f"sqlite:///{root / 'mlflow.db'}" if root is not None else DEFAULT_URI
 
 
 def experiment_name(profile: str) -> str:

@@ -278,7 +278,9 @@ def stage(step: str, cfg: dict) -> dict:
     deps = R.module_files(row) + [art(u) for u in R.upstream(row, cfg)]
     out = art(step)
     return {"cmd": R.command(row, cfg), "deps": list(dict.fromkeys(deps)), "params": list(row.params),
-            "outs": [out] if row.cache else [{out: {"cache": False}}]}
+            # persist: DVC's run-cache would otherwise copy an uncached out into .dvc/cache all the
+            # same (dvc/stage/cache.py, with link type copy): terabytes of features at real scale
+            "outs": [out] if row.cache else [{out: {"cache": False, "persist": True}}]}
 
 
 def train_group(step: str) -> str:
@@ -290,13 +292,19 @@ def dvc_yaml_text(params_file: str = P.PARAMS_FILE) -> str:
     """dvc.yaml for params.yaml's profile, from the registry."""
     cfg = P.load(base=params_file)
     stages = {s.name: stage(s.name, cfg) for s in R.active(cfg) if s.dvc}
-    metrics = [done(s) for s in stages]
+    # an uncached step's metrics.json is in no experiment's commit (`dvc exp show` would print "!")
+    metrics = [done(s) for s in stages if R.BY_NAME[s].cache]
+    evals = [s for s in stages if s.startswith("eval_phase")]
     phases = [s for s in R.TRAINING_STEPS if s in stages and s.startswith("train_phase")]
     watched = [s for s in phases if R.get(cfg, f"{train_group(s)}.train.eval_every")]
     plots = [art("report", p) for p in REPORT_PLOTS] + [
         {"loss": {"template": "linear", "x": "step", "y": {art(s, "history.csv"): "loss" for s in phases}}},
     ] + ([{"held_out_accept_length": {"template": "linear", "x": "step", "y": {
-        art(s, "curve.csv"): "accept_length" for s in watched}}}] if watched else [])
+        art(s, "curve.csv"): "accept_length" for s in watched}}}] if watched else []) + [
+        {"accept_length_by_phase": {"template": "bar_horizontal", "x": "accept_length", "y": {
+            art(s, "tau.csv"): "phase" for s in evals}}},
+        {"accept_rate_by_position": {"template": "linear", "x": "position", "y": {
+            art(s, "positions.csv"): "accept_rate" for s in evals}}}]
     doc = {"stages": stages, "metrics": metrics, "plots": plots}
     return DVC_HEADER + yaml.safe_dump(doc, sort_keys=False, width=100)
 

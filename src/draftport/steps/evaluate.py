@@ -44,6 +44,17 @@ def evaluate_on(s: Step, drafter, target, features, name: str = "eval.json") -> 
     return res
 
 
+def write_plot_tables(s: Step, out: dict) -> dict:
+    """tau.csv (the phase's tau beside break-even) and positions.csv (acceptance by draft
+    position): what `dvc plots show/diff` draws per phase and between experiments."""
+    phase, k = s.row.run, s.p["eval"]["k"]
+    s.path("tau.csv").write_text("phase,accept_length,break_even_accept_length\n"
+                                 f"{phase},{out['accept_length']:.6f},{out['break_even_accept_length']:.6f}\n")
+    s.path("positions.csv").write_text("phase,position,accept_rate,cond_acc\n" + "".join(
+        f"{phase},{i + 1},{out[f'accept_rate_pos_{i}']:.6f},{out[f'cond_acc_{i}']:.6f}\n" for i in range(k)))
+    return out
+
+
 def eval_phase0(s: Step) -> dict:
     """Phase 0 (probe): the source drafter as fetched, its own map, on the new target's held-out
     set; and on the old target's, the number it was built for; and the profile's reference
@@ -58,7 +69,7 @@ def eval_phase0(s: Step) -> dict:
         out["reference_accept_length"] = ref["accept_length"]
         print(f"eval_phase0: reference {s.p['reference']['repo_id']}: accept length {ref['accept_length']:.3f} "
               f"(source {res['accept_length']:.3f})")
-    return out
+    return write_plot_tables(s, out)
 
 
 def eval_trained(s: Step) -> dict:
@@ -72,7 +83,7 @@ def eval_trained(s: Step) -> dict:
     for ref in ("phase0", "phase1_scratch", "phase1"):
         if ref in s.inputs:
             out[f"gain_vs_{ref}"] = out["accept_length"] - read_json(s.input(ref))["accept_length"]
-    return out
+    return write_plot_tables(s, out)
 
 
 def drift(s: Step) -> dict:

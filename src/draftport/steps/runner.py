@@ -280,7 +280,8 @@ def _open_run(s: Step):
         "draftport.source_revision": rev.get("commit", "unknown"),
         "draftport.source_repo": rev.get("repo_id", "unknown"),
         "draftport.step": s.name,
-        "draftport.runner": "dvc" if os.environ.get("DVC_STAGE") else "snakemake"})
+        "draftport.runner": "dvc" if os.environ.get("DVC_STAGE") else "snakemake",
+        **({"draftport.dvc_exp": os.environ["DVC_EXP_NAME"]} if os.environ.get("DVC_EXP_NAME") else {})})
     run.log_params(P.flatten(s.p))
     _record_run(s.name, run)
     print(f"{s.name}: MLflow run {run.run_id} in experiment draftport-{profile} at {run.uri}")
