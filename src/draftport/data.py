@@ -4,10 +4,17 @@ A feature folder holds shard_NNNNN.safetensors files and index.json. Per shard, 
 concatenated along the token axis:
     tokens [N] int32, loss_mask [N] bool (assistant tokens), aux [N, 3H], final [N, H],
     offsets [n+1] int64 (sample i = rows offsets[i]:offsets[i+1]), response_start [n] int64,
-    target_arg [N] int32 (optional): the target's full-vocab greedy choice at each position, taken
-    from the full-precision forward. Training then needs only the draft-vocab rows of the target
-    head, and evaluation compares drafts with exactly what the target chose (bf16 storage of
-    `final` can flip near-tied argmaxes).
+    target_arg [N] int32 (optional): the target's full-vocab greedy choice at each position, from
+    float32 logits of the final state the target computed (draftport.features: the target runs in
+    float32 on the CPU, in bfloat16 on CUDA). Training then needs only the draft-vocab rows of the
+    target head, and evaluation compares drafts with exactly what the target chose (bf16 or fp8
+    storage of `final` can flip near-tied argmaxes).
+Storage dtype (index.json "dtype"): bfloat16 (the default), float16, float32, or fp8_e4m3: aux and
+final as float8_e4m3fn with float32 scales beside them, aux_scale [N, 3] (one per token and aux
+layer: layers differ in magnitude) and final_scale [N]; each row segment is scaled by the power of
+two that brings its amax within e4m3's 448 (quantize_fp8), and FeatureSet.sample returns the
+dequantized float32 states, so trainers and evaluators read every dtype alike. fp8 halves the
+bytes per token.
 index.json records sample/token counts, dtype, hidden size, aux layer ids and their convention,
 the target's id and revision, and each shard's sha256 (checked before a shard is trusted).
 """
@@ -15,17 +22,51 @@ the target's id and revision, and each shard's sha256 (checked before a shard is
 from __future__ import annotations
 
 import json
+import os
+import queue
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_dir, atomic_write_text, save_safetensors
+# the layout of save_safetensors' files, used to write a shard in place (see _ShardFile)
+from .checkpoint import _TORCH_CODES, _layout_header, atomic_dir, atomic_write_text
 from .checkpoint import sha256 as sha256_file
 from .errors import DraftportError
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FP8 = "fp8_e4m3"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          FP8: torch.float8_e4m3fn}
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+SCALE_BYTES = 4  # fp8: one float32 scale per token per state (each aux layer, the final state)
+
+
+def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, groups * H] -> (q [N, groups * H] float8_e4m3fn, scale [N, groups] float32). Each
+    row's group (one aux layer's state, or the final state) is divided by its own scale, the least
+    power of two that brings its amax within 448 (e4m3's largest finite value), so every token
+    keeps e4m3's relative precision (3 mantissa bits: a rounding error of at most 2^-4 of the
+    value, for values down to 2^-14 of the group's amax; under that, e4m3's subnormals: at most
+    2^-10 of the scale) whatever its magnitude. A power of two scales
+    exactly: the only rounding is e4m3's own, the same on every device (a GPU folder is the CPU's
+    byte for byte), and q * scale is exact in float32 and bfloat16. An all-zero group: scale 1."""
+    n = x.shape[0]
+    g = x.float().reshape(n, groups, -1)
+    amax = g.abs().amax(-1)
+    m, e = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1); 448 = 0.875 * 2^9
+    e = (e - 9 + (m > 0.875).to(e.dtype)).clamp(-126, 127)
+    scale = torch.where(amax > 0, ((e + 127) << 23).to(torch.int32).view(torch.float32), 1.0)
+    q = (g / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(n, -1), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """quantize_fp8's inverse up to its rounding: q [N, groups * H], scale [N, groups] -> float32."""
+    n, groups = scale.shape[0], scale.shape[1]
+    return (q.float().reshape(n, groups, -1) * scale.float()[..., None]).reshape(n, -1)
 
 
 @dataclass
@@ -47,8 +88,10 @@ class Batch:
 
 
 def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -> int:
-    """(3 aux + final) states x H x element size, + token id and mask."""
-    return (n_aux + 1) * hidden_size * DTYPES[dtype].itemsize + 4 + 1
+    """(3 aux + final) states x H x element size, + token id and mask; fp8_e4m3: + the float32
+    scale of each of those states. An unknown dtype: KeyError."""
+    scales = (n_aux + 1) * SCALE_BYTES if dtype == FP8 else 0
+    return (n_aux + 1) * hidden_size * DTYPES[dtype].itemsize + scales + 4 + 1
 
 
 def check_disk(folder: Path, need: int, log=print) -> None:
@@ -75,9 +118,24 @@ class Sequence:
 
 def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *, meta: dict,
                    shard_samples: int = 256, batch_size: int = 16, dtype: str = "bfloat16",
-                   progress=None) -> dict:
-    """Run featurize(batch_of_sequences) -> (aux [B,T,3H], final [B,T,H][, target_arg [B,T]])
-    and write shards.
+                   progress=None, by_length: bool = False, sort_window: int | None = None,
+                   writers: int | None = None) -> dict:
+    """Run featurize(batch_of_sequences) -> (aux [B,T,3H], final [B,T,H][, target_arg [B,T]]),
+    right-padded, on any device, and write shards. featurize must return new tensors at each
+    call (they are written while the next batch runs).
+
+    by_length: the samples are batched longest first within windows of `sort_window` samples
+    (whole shards; default: max(shard_samples, 16 x batch_size)), so that a batch holds samples
+    of similar lengths and little of it is padding (a log-normal mix of mean 1.5K tokens, at most
+    2048, batches of 16: 27% padding in input order, 3% sorted over 256 samples); the shards hold
+    the samples in the input order either way. Off by default: a featurize that reads anything
+    in call order (the vLLM path's per-sequence files) needs the input order.
+    The host side runs beside the next batch's forward (_ShardWriter): the states leave the
+    device without their padding, through pinned buffers when it is a GPU; one thread writes each
+    batch's rows in place into their shards and has the disk write them back as they come;
+    `writers` threads (default: a quarter of the cores, 1 to 4) hash and sync each finished
+    shard. The files are those the former writer made: a shard's bytes are save_safetensors' for
+    the same tensors.
 
     Everything is written into a temporary sibling folder that replaces out_dir at the end, so
     an interrupted run never leaves a folder a later step would trust.
@@ -85,9 +143,12 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
     out_dir = Path(out_dir)
     if not sequences:
         raise DraftportError(out_dir, "no samples to featurize (empty dataset)")
-    td = DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise DraftportError("features.dtype", f"{dtype!r} is not a storage dtype ({', '.join(DTYPES)})")
     try:
-        return _write_shards(out_dir, sequences, featurize, meta, shard_samples, batch_size, dtype, td, progress)
+        window = -(-(sort_window or max(shard_samples, 16 * batch_size)) // shard_samples) * shard_samples
+        return _write_shards(out_dir, sequences, featurize, meta, shard_samples, batch_size, dtype, progress,
+                             window if by_length else None, writers)
     except Exception as e:
         from .checkpoint import disk_full_error
 
@@ -97,42 +158,317 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
         raise DraftportError(out_dir, f"{full}; no features written (the folder is as it was before)") from None
 
 
-def _write_shards(out_dir: Path, sequences, featurize, meta, shard_samples, batch_size, dtype, td, progress) -> dict:
+def _write_shards(out_dir: Path, sequences, featurize, meta, shard_samples, batch_size, dtype, progress,
+                  window, writers) -> dict:
+    """window: the samples (whole shards) batched longest first together; None: each shard's in
+    input order, as the former writer batched them."""
     with atomic_dir(out_dir) as tmp:
-        shards, total_tokens, hidden = [], 0, None
-        for s0 in range(0, len(sequences), shard_samples):
-            chunk = sequences[s0: s0 + shard_samples]
-            parts = {"aux": [], "final": [], "tokens": [], "loss_mask": [], "target_arg": []}
-            for b0 in range(0, len(chunk), batch_size):
-                bseq = chunk[b0: b0 + batch_size]
-                aux, final, *arg = featurize(bseq)
-                for i, sq in enumerate(bseq):
-                    n = len(sq.tokens)
-                    if arg:
-                        parts["target_arg"].append(arg[0][i, :n].to(torch.int32).cpu())
-                    parts["aux"].append(aux[i, :n].to(td).cpu())
-                    parts["final"].append(final[i, :n].to(td).cpu())
-                    parts["tokens"].append(torch.tensor(sq.tokens, dtype=torch.int32))
-                    m = torch.zeros(n, dtype=torch.bool)
-                    m[sq.response_start:] = True
-                    parts["loss_mask"].append(m)
-                if progress is not None:
-                    progress(len(bseq))
-            lens = torch.tensor([len(sq.tokens) for sq in chunk], dtype=torch.int64)
-            tensors = {k: torch.cat(v) for k, v in parts.items() if v}
-            tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-            tensors["response_start"] = torch.tensor([sq.response_start for sq in chunk], dtype=torch.int64)
-            hidden = tensors["final"].shape[1]
-            name = f"shard_{len(shards):05d}.safetensors"
-            save_safetensors(tensors, tmp / name)
-            shards.append({"file": name, "samples": len(chunk), "tokens": int(lens.sum()),
-                           "sha256": sha256_file(tmp / name)})
-            total_tokens += int(lens.sum())
+        files: list[_ShardFile] = []
+        writer = _ShardWriter(writers)
+        try:
+            for w0 in range(0, len(sequences), window or shard_samples):
+                group = []
+                for s0 in range(w0, min(w0 + (window or shard_samples), len(sequences)), shard_samples):
+                    files.append(_ShardFile(tmp / f"shard_{len(files):05d}.safetensors",
+                                            sequences[s0: s0 + shard_samples]))
+                    group += [(files[-1], i) for i in range(len(files[-1].chunk))]
+                if window:  # longest first (stable): a batch too large for the device fails at once
+                    group.sort(key=lambda fi: -len(fi[0].chunk[fi[1]].tokens))
+                for b0 in range(0, len(group), batch_size):
+                    part = group[b0: b0 + batch_size]
+                    bseq = [f.chunk[i] for f, i in part]
+                    aux, final, *arg = featurize(bseq)
+                    writer.put(part, _Rows(_pack(bseq, aux, final, arg[0] if arg else None, dtype)))
+                    if progress is not None:
+                        progress(len(bseq))
+            shards = writer.close(files)
+        except BaseException:
+            writer.abort(files)
+            raise
+        hidden, n_aux = files[-1].hidden, files[-1].n_aux
         index = dict(meta)
-        index.update(samples=len(sequences), tokens=total_tokens, dtype=dtype, hidden_size=hidden,
-                     bytes_per_token=bytes_per_token(hidden, dtype), shards=shards)
+        index.update(samples=len(sequences), tokens=sum(sh["tokens"] for sh in shards), dtype=dtype,
+                     hidden_size=hidden, bytes_per_token=bytes_per_token(hidden, dtype, n_aux), shards=shards)
         atomic_write_text(tmp / "index.json", json.dumps(index, indent=2) + "\n")
     return index
+
+
+def _pack(bseq: list[Sequence], aux, final, arg, dtype: str) -> dict[str, torch.Tensor]:
+    """One batch's states without their padding (rows of sample after sample, in batch order), in
+    the storage dtype (fp8: with their scales), on the device that computed them."""
+    lens = [len(sq.tokens) for sq in bseq]
+    B, T = aux.shape[0], aux.shape[1]
+    if B != len(bseq) or T < max(lens) or tuple(final.shape[:2]) != (B, T) or (
+            arg is not None and tuple(arg.shape[:2]) != (B, T)):
+        raise DraftportError("featurize", f"returned states of shapes {list(aux.shape)}, {list(final.shape)} for "
+                             f"{len(bseq)} sequences of up to {max(lens)} tokens")
+    H = final.shape[-1]
+    if aux.shape[-1] % H:
+        raise DraftportError("featurize", f"aux width {aux.shape[-1]} is not a multiple of the hidden size {H}")
+    if all(n == T for n in lens):
+        def take(t):
+            return t.reshape(B * T, *t.shape[2:])
+    else:  # the row index is built here (a mask's nonzero would wait for the forward)
+        idx = to_device(torch.cat([torch.arange(n) + i * T for i, n in enumerate(lens)]), aux.device)
+
+        def take(t):
+            return t.reshape(B * T, *t.shape[2:]).index_select(0, idx)
+    src = {"aux": aux, "final": final}
+    a, f = take(aux), take(final)
+    if dtype == FP8:
+        out = dict(zip(("aux", "aux_scale"), quantize_fp8(a, aux.shape[-1] // H)))
+        out["final"], scale = quantize_fp8(f, 1)
+        out["final_scale"] = scale.reshape(-1)
+    else:
+        out = {"aux": a.to(DTYPES[dtype]), "final": f.to(DTYPES[dtype])}
+    if arg is not None:
+        src["target_arg"] = arg
+        out["target_arg"] = take(arg).to(torch.int32)
+    for k in src:  # never a view of featurize's output: it is written while the next batch runs
+        if out[k].untyped_storage().data_ptr() == src[k].untyped_storage().data_ptr():
+            out[k] = out[k].clone()
+    return out
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor onto `device` without waiting for the work queued there: from pinned memory,
+    asynchronously (a plain .to() from pageable memory synchronizes the stream first)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+_COPY_STREAMS: dict = {}
+
+
+class _Rows:
+    """One batch's packed rows on their way to the host. From a GPU: copied on a side stream into
+    pinned buffers (55 GB/s against ~2 GB/s for pageable .cpu() copies on an H200 host), the
+    compute stream free to start the next forward; wait() returns them once the copy is done."""
+
+    def __init__(self, packed: dict[str, torch.Tensor]):
+        dev = next(iter(packed.values())).device
+        self.event, self.keep = None, None
+        if dev.type != "cuda":
+            self.host = packed
+            return
+        stream = _COPY_STREAMS.get(dev)
+        if stream is None:
+            stream = _COPY_STREAMS[dev] = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            self.host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in packed.items()}
+            for k, v in packed.items():
+                self.host[k].copy_(v, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+        self.keep = packed  # the device rows must outlive the copy
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        self.keep = None
+        return self.host
+
+
+def _as_bytes(t: torch.Tensor):
+    """[n, ...] tensor -> [n, row bytes] uint8 numpy view (no copy)."""
+    t = t.contiguous()
+    return t.reshape(t.shape[0] if t.dim() else 1, -1).view(torch.uint8).numpy()
+
+
+def _pwrite_all(fd: int, buf, offset: int) -> None:
+    mv = memoryview(buf).cast("B")
+    while mv:  # a single write may take less (Linux: at most 2 GiB - 4 KiB)
+        n = os.pwrite(fd, mv, offset)
+        mv, offset = mv[n:], offset + n
+
+
+class _ShardFile:
+    """One shard, written in place. The samples' lengths and the first batch's widths fix its
+    layout (that of save_safetensors for the same tensors: dtype rank, then name), so each batch's
+    rows go straight to where they belong (os.pwrite), in whatever order the batches come; the
+    small tensors (tokens, loss_mask, offsets, response_start) are written with the header."""
+
+    def __init__(self, path: Path, chunk: list[Sequence]):
+        self.path, self.chunk = path, chunk
+        lens = torch.tensor([len(sq.tokens) for sq in chunk], dtype=torch.int64)
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        self.tokens = int(self.offsets[-1])
+        self.left = len(chunk)  # samples not written yet
+        self.fd = None
+        self.flushing = None  # the write-back started after the last batch (a future of _try)
+        self.rows: dict[str, tuple[int, int, torch.dtype, tuple]] = {}  # name -> (offset, row bytes, dtype, row shape)
+        self.hidden = self.n_aux = None
+
+    def _open(self, host: dict[str, torch.Tensor]) -> None:
+        chunk, N = self.chunk, self.tokens
+        masks = []
+        for sq in chunk:
+            m = torch.zeros(len(sq.tokens), dtype=torch.bool)
+            m[sq.response_start:] = True
+            masks.append(m)
+        small = {"tokens": torch.tensor([t for sq in chunk for t in sq.tokens], dtype=torch.int32),
+                 "loss_mask": torch.cat(masks), "offsets": self.offsets,
+                 "response_start": torch.tensor([sq.response_start for sq in chunk], dtype=torch.int64)}
+        items = [(k, _TORCH_CODES[str(v.dtype).removeprefix("torch.")], list(v.shape), v.numel() * v.element_size())
+                 for k, v in small.items()]
+        for k, v in host.items():
+            row = v[0].numel() * v.element_size() if v.shape[0] else 0
+            items.append((k, _TORCH_CODES[str(v.dtype).removeprefix("torch.")], [N, *v.shape[1:]], N * row))
+        head, order = _layout_header(items, None)
+        size = {name: nbytes for name, _, _, nbytes in items}
+        at, pos = {}, len(head)
+        for name in order:
+            at[name], pos = pos, pos + size[name]
+        self.rows = {k: (at[k], size[k] // N, v.dtype, tuple(v.shape[1:])) for k, v in host.items()}
+        self.hidden = int(host["final"].shape[1])
+        self.n_aux = int(host["aux_scale"].shape[1]) if "aux_scale" in host else int(host["aux"].shape[1]) // self.hidden
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _pwrite_all(self.fd, head, 0)
+        for k, v in small.items():
+            _pwrite_all(self.fd, _as_bytes(v), at[k])
+
+    def write(self, pieces: list[tuple[int, int]], host: dict[str, torch.Tensor]) -> None:
+        """pieces: (sample, its first row in host), for samples of this shard in host's order."""
+        if self.fd is None:
+            self._open(host)
+        got = {k: (v.dtype, tuple(v.shape[1:])) for k, v in host.items()}
+        want = {k: r[2:] for k, r in self.rows.items()}
+        if got != want:
+            raise DraftportError("featurize", f"a batch of {self.path.name} returned {got}, its first batch {want}")
+        runs: list[list[int]] = []  # [row in host, row in shard, rows]: one write each
+        for i, src in pieces:
+            n, dst = len(self.chunk[i].tokens), int(self.offsets[i])
+            if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+                runs[-1][2] += n
+            else:
+                runs.append([src, dst, n])
+        for k, (at, row, _, _) in self.rows.items():
+            b = _as_bytes(host[k])
+            for s, d, n in runs:
+                _pwrite_all(self.fd, b[s: s + n], at + d * row)
+        self.left -= len(pieces)
+
+    def finish(self) -> dict:
+        """Sync the complete file to disk while hashing it (its pages are still cached): its
+        index.json entry. The two at once: the last shard's are the capture's tail."""
+        if self.flushing is not None and self.flushing.result() is not None:
+            raise self.flushing.result()
+        synced: list = []
+        t = threading.Thread(target=lambda: synced.append(_try(os.fsync, self.fd)), daemon=True)
+        t.start()
+        try:
+            digest = sha256_file(self.path)
+        finally:
+            t.join()
+        if synced[0] is not None:
+            raise synced[0]
+        self.close()
+        return {"file": self.path.name, "samples": len(self.chunk), "tokens": self.tokens, "sha256": digest}
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _try(fn, *args) -> BaseException | None:
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
+        return e
+    return None
+
+
+class _ShardWriter:
+    """The host side of a capture, off the thread that drives the target (which only queues each
+    batch: its forward, its packing, its copy). One thread waits for each batch's copy, writes its
+    rows into their shards and has the disk write them back (fdatasync on a flusher thread, so
+    that the disk keeps pace and a shard's last sync has little left); a pool of `workers`
+    threads hashes and syncs each shard once its last sample is in, while the next ones fill.
+    The queue holds 2 batches, so the host holds a few batches, never a whole shard (the former
+    writer held two; the page cache holds what the disk has not taken yet). An error in any of
+    them is raised in the caller's thread at its next put, or at close."""
+
+    def __init__(self, workers: int | None = None):
+        workers = workers or max(1, min(4, (os.cpu_count() or 1) // 4))
+        self.q: queue.Queue = queue.Queue(maxsize=2)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="draftport-shard")
+        self.flusher = ThreadPoolExecutor(1, thread_name_prefix="draftport-flush")
+        self.done: dict = {}  # shard -> the future of its index.json entry
+        self.error: BaseException | None = None
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, name="draftport-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, part: list[tuple[_ShardFile, int]], rows: _Rows) -> None:
+        """part: the batch's samples, (shard, sample in it), in the order of their rows."""
+        self._raise()
+        self.q.put((part, rows))
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is not None or self.stop:
+                continue  # drain, so the caller never blocks on a full queue
+            part, rows = item
+            del item
+            try:
+                self._write(part, rows.wait())
+            except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+                self.error = e
+            del rows
+
+    def _write(self, part, host: dict[str, torch.Tensor]) -> None:
+        pieces: dict[_ShardFile, list[tuple[int, int]]] = {}
+        row = 0
+        for f, i in part:
+            pieces.setdefault(f, []).append((i, row))
+            row += len(f.chunk[i].tokens)
+        for k, v in host.items():
+            if v.shape[0] != row:
+                raise DraftportError("featurize", f"{k}: {v.shape[0]} rows for {row} tokens")
+        for f, p in pieces.items():
+            f.write(p, host)
+            if f.flushing is None or f.flushing.done():
+                if f.flushing is not None and f.flushing.result() is not None:
+                    raise f.flushing.result()
+                f.flushing = self.flusher.submit(_try, os.fdatasync, f.fd)
+            if f.left == 0:  # queued, never waited for: the shards of a window complete together
+                self.done[f] = self.pool.submit(f.finish)
+
+    def _raise(self) -> None:
+        if self.error is None:
+            self.error = next((f.exception() for f in self.done.values() if f.done() and f.exception()), None)
+        if self.error is not None:
+            raise self.error
+
+    def close(self, files: list[_ShardFile]) -> list[dict]:
+        """The index.json entries of `files`, in their order, once all are written and synced."""
+        self.q.put(None)
+        self.thread.join()
+        self._raise()
+        missing = [f.path.name for f in files if f not in self.done]
+        if missing:
+            raise DraftportError(files[0].path.parent, f"shards never completed: {', '.join(missing)}")
+        out = [self.done[f].result() for f in files]
+        self.pool.shutdown()
+        self.flusher.shutdown()
+        return out
+
+    def abort(self, files: list[_ShardFile]) -> None:
+        """Stop every thread before the temporary folder goes (no write into a removed folder)."""
+        self.stop = True
+        if self.thread.is_alive():
+            self.q.put(None)
+            self.thread.join()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.flusher.shutdown(wait=True)
+        for f in files:
+            f.close()
 
 
 class FeatureSet:
@@ -159,6 +495,7 @@ class FeatureSet:
                 raise DraftportError(path, "feature shard is corrupted (sha256 differs from index.json)")
             self.shards.append(None)
             self.where.extend((si, i) for i in range(sh["samples"]))
+        self.fp8 = self.index.get("dtype") == FP8
 
     def __len__(self):
         return len(self.where)
@@ -168,17 +505,48 @@ class FeatureSet:
             from safetensors.torch import load_file
             path = self.folder / self.index["shards"][si]["file"]
             try:
-                self.shards[si] = load_file(str(path))
+                sh = load_file(str(path))
             except Exception as e:  # safetensors raises its own error types
                 raise DraftportError(path, f"cannot read feature shard ({e})") from None
+            self._check_dtype(path, sh)
+            self.shards[si] = sh
         return self.shards[si]
+
+    def _check_dtype(self, path: Path, sh: dict) -> None:
+        """The states are stored as index.json says; fp8: with one finite positive float32 scale
+        per token and state (aux_scale [N, states in aux], final_scale [N])."""
+        fp8 = [k for k in ("aux", "final") if k in sh and sh[k].dtype == torch.float8_e4m3fn]
+        if not self.fp8:
+            if fp8:
+                raise DraftportError(path, f"{fp8[0]} is stored as float8_e4m3fn but index.json says "
+                                     f"{self.index.get('dtype')}: its scales would be ignored")
+            return
+        n = sh["tokens"].shape[0]
+        H = sh["final"].shape[1] if sh["final"].dim() == 2 else 0
+        for k in ("aux", "final"):
+            if k not in fp8:
+                raise DraftportError(path, f"{k} is stored as {sh[k].dtype}, index.json says fp8_e4m3")
+        want = {"aux_scale": (n, sh["aux"].shape[1] // H if H else 0), "final_scale": (n,)}
+        for k, shape in want.items():
+            s = sh.get(k)
+            if s is None:
+                raise DraftportError(path, f"fp8_e4m3 shard without {k} (the states cannot be dequantized)")
+            if s.dtype != torch.float32 or tuple(s.shape) != shape:
+                raise DraftportError(path, f"{k} is {s.dtype} {list(s.shape)}, expected float32 {list(shape)} "
+                                     f"(one scale per token{' and aux layer' if k == 'aux_scale' else ''})")
+            bad = int((~torch.isfinite(s) | (s <= 0)).sum())
+            if bad:
+                raise DraftportError(path, f"{k} holds {bad} non-finite or non-positive scales (corrupt shard)")
 
     def sample(self, i: int) -> dict:
         si, li = self.where[i]
         sh = self._shard(si)
         a, b = int(sh["offsets"][li]), int(sh["offsets"][li + 1])
-        out = {"tokens": sh["tokens"][a:b].long(), "loss_mask": sh["loss_mask"][a:b],
-               "aux": sh["aux"][a:b], "final": sh["final"][a:b],
+        aux, final = sh["aux"][a:b], sh["final"][a:b]
+        if self.fp8:  # float32, as a float32 folder reads
+            aux = dequantize_fp8(aux, sh["aux_scale"][a:b])
+            final = dequantize_fp8(final, sh["final_scale"][a:b, None])
+        out = {"tokens": sh["tokens"][a:b].long(), "loss_mask": sh["loss_mask"][a:b], "aux": aux, "final": final,
                "response_start": int(sh["response_start"][li])}
         if "target_arg" in sh:
             out["target_arg"] = sh["target_arg"][a:b].long()

@@ -145,8 +145,9 @@ def capture_same_tokens(target_dir, features_dir, out_dir, *, batch_size: int = 
     from the full-precision forward, as draftport.features stores it. Nothing is regenerated.
 
     dtype: the storage dtype of the states (features.dtype); the forward runs as
-    draftport.features runs it (float32 weights on `device`; engine 'vllm': vLLM's
-    extract_hidden_states over tensor_parallel_size GPUs). like_target: the folder's own target,
+    draftport.features runs it (weights in target.capture_dtype: float32 on the CPU, bfloat16 on
+    a GPU, batched by length there; engine 'vllm': vLLM's extract_hidden_states over
+    tensor_parallel_size GPUs). like_target: the folder's own target,
     for the vocab check (recommended: a folder does not record its vocab size). max_samples: only
     the first n samples. Returns the written index."""
     fs = _open(features_dir)
@@ -176,15 +177,16 @@ def capture_same_tokens(target_dir, features_dir, out_dir, *, batch_size: int = 
                                          batch_size=batch_size, shard_samples=shard_samples, progress=bar.update)
     if engine != "transformers":
         raise DraftportError("features.engine", f"unknown engine {engine!r} (transformers or vllm)")
-    from .features import featurizer
-    from .target import load_target
+    from .features import featurizer, on_gpu
+    from .target import capture_dtype, load_target
 
-    model = load_target(target_dir, device=device, trust_remote_code=trust_remote_code)
+    model = load_target(target_dir, dtype=capture_dtype(device, dtype), device=device,
+                        trust_remote_code=trust_remote_code)
     featurize = featurizer(model, aux_ids, conv, device)
 
     with progress(len(seqs), "capture same tokens", "sample") as bar:
         return write_features(out_dir, seqs, featurize, meta=meta, batch_size=batch_size, dtype=dtype,
-                              shard_samples=shard_samples, progress=bar.update)
+                              shard_samples=shard_samples, progress=bar.update, by_length=on_gpu(model, device))
 
 
 # ---- 2. how far the states moved --------------------------------------------------------------

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .data import Sequence, bytes_per_token, check_disk, write_features
+from .data import Sequence, bytes_per_token, check_disk, to_device, write_features
 from .errors import DraftportError
 from .progress import progress
-from .target import capture_features, load_target, regenerate, target_identity
+from .target import capture_dtype, capture_features, load_target, regenerate, target_identity
 
 
 def log(msg: str) -> None:
@@ -90,7 +90,11 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
     engine 'transformers': the target in this process (device 'auto': spread over the GPUs);
     'vllm': vLLM's extract_hidden_states, tensor_parallel_size GPUs (draftport.engines.vllm.features).
     regenerate_via 'local': the answers from the model loaded here; 'openai': from the target
-    served at base_url (draftport.engines.openai). The storage estimate is checked before either."""
+    served at base_url (draftport.engines.openai). The storage estimate is checked before either.
+    dtype: the storage dtype of the states (fp8_e4m3: half of bf16's bytes, see draftport.data);
+    the target runs in target.capture_dtype(device, dtype): bfloat16 on a GPU, float32 on the CPU.
+    On a GPU each shard's samples are batched by length (featurizer: the shards keep the input
+    order)."""
     from .target import text_config
 
     samples = read_samples(samples_path, n_samples, offset)
@@ -108,7 +112,8 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
         f"= ~{est_tokens * per_tok / 1e6:.1f} MB projected")
     check_disk(Path(out_dir).parent, est_tokens * per_tok, log)  # before loading any weights
     need_model = engine == "transformers" or (regenerate_responses and regenerate_via == "local")
-    model = load_target(target_dir, device=device, trust_remote_code=trust_remote_code) if need_model else None
+    model = load_target(target_dir, dtype=capture_dtype(device, dtype), device=device,
+                        trust_remote_code=trust_remote_code) if need_model else None
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     seqs: list[Sequence] = []
@@ -149,18 +154,38 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
 
     with progress(len(seqs), "capture", "sample") as bar:
         index = write_features(out_dir, seqs, featurize, meta=meta, batch_size=batch_size,
-                               dtype=dtype, shard_samples=shard_samples, progress=bar.update)
+                               dtype=dtype, shard_samples=shard_samples, progress=bar.update,
+                               by_length=on_gpu(model, device))
     log(f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
         f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir}")
     return index
 
 
+def capture_device(model, device) -> torch.device:
+    """Where the featurizer's inputs go: `device`, or for 'auto' wherever the weights are."""
+    return torch.device(device) if device != "auto" else next(model.parameters()).device
+
+
+def on_gpu(model, device) -> bool:
+    return capture_device(model, device).type == "cuda"
+
+
 def featurizer(model, aux_layer_ids, convention: str, device: str, pad: int = 0):
     """The batch function write_features calls: a batch of token sequences (right-padded with
-    pad, masked, never attended) through the target -> its aux and final states and its greedy
-    choice from its own head in full precision. device 'auto': wherever the model's weights are."""
-    head_w = model.get_output_embeddings().weight.detach().float()
-    dev = device if device != "auto" else next(model.parameters()).device
+    pad, never attended) through the target -> its aux and final states and its greedy choice
+    from its own head, over float32 logits (greedy_choice). device 'auto': wherever the model's
+    weights are.
+
+    On the CPU every batch runs as it always has (padding masked), which keeps the embedded
+    world's features bit for bit. On a GPU the forward gets no attention mask: causal attention
+    alone never lets a token see the padding to its right, and without a mask the fused (flash)
+    attention kernel runs. Measured on an H200 (benchmarks/bench_capture_h200.py, bf16 targets of
+    32 and 64 layers): the unmasked batch's states are bit for bit those of each sequence run
+    alone; the masked batch's (another attention kernel) are not (4-6% apart after 64 random
+    layers, the greedy choice different at 10-15% of the positions)."""
+    head = greedy_head(model)
+    dev = capture_device(model, device)
+    gpu = dev.type == "cuda"
 
     def featurize(batch: list[Sequence]):
         T = max(len(s.tokens) for s in batch)
@@ -169,9 +194,59 @@ def featurizer(model, aux_layer_ids, convention: str, device: str, pad: int = 0)
         for i, s in enumerate(batch):
             ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
             mask[i, : len(s.tokens)] = 1
-        aux, final = capture_features(model, ids.to(dev), mask.to(dev), aux_layer_ids, convention)
-        with torch.no_grad():
-            t_arg = (final.float() @ head_w.to(final.device).t()).argmax(-1)
-        return aux, final, t_arg
+        if gpu:  # no mask; the ids from pinned memory, so the host never waits for the last batch
+            aux, final = capture_features(model, to_device(ids, dev), None, aux_layer_ids, convention)
+        else:
+            aux, final = capture_features(model, ids.to(dev), mask.to(dev), aux_layer_ids, convention)
+        return aux, final, greedy_choice(final, head)
 
     return featurize
+
+
+def greedy_head(model) -> torch.Tensor:
+    """The target head as greedy_choice uses it: float32 (a float32 target's, or a copy), or the
+    bfloat16/float16 weights themselves on a GPU that multiplies them into float32 (torch.mm's
+    out_dtype). On an H200 (bench_capture_h200's checks, 12.7K positions of random-weight 8B and
+    32B shapes) its choice equals the float32 head's at every position; bf16 logits (the
+    model's own lm_head output) would differ at 2.5% of them (near ties rounded together)."""
+    w = model.get_output_embeddings().weight.detach()
+    if w.dtype == torch.float32 or w.device.type != "cuda":
+        return w.float()
+    try:
+        x = torch.zeros(2, w.shape[1], dtype=w.dtype, device=w.device)
+        torch.mm(x, w[:2].t(), out_dtype=torch.float32)
+        return w
+    except (TypeError, RuntimeError):  # a torch without it: float32 on tensor float32 cores (see _logits)
+        return w.float()
+
+
+@torch.no_grad()
+def greedy_choice(final: torch.Tensor, head: torch.Tensor, budget: int = 1 << 30) -> torch.Tensor:
+    """argmax over the full vocab of final [..., H] @ head.T in float32, `budget` bytes of logits
+    at a time ([B, T, vocab] at once would be 16 GB at B x T = 16 x 2048 and a 128K vocab)."""
+    x = final.reshape(-1, final.shape[-1])
+    rows = max(1, budget // (4 * head.shape[0]))
+    if rows >= x.shape[0]:
+        return _logits(x, head).argmax(-1).reshape(final.shape[:-1])
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    for r in range(0, x.shape[0], rows):
+        out[r: r + rows] = _logits(x[r: r + rows], head).argmax(-1)
+    return out.reshape(final.shape[:-1])
+
+
+def _logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """float32 logits. A bf16/fp16 state times a bf16/fp16 head: each product is exact in float32,
+    so float32 accumulation and output (out_dtype) give the float32 head's logits on the same state
+    up to summation order, at the tensor cores' bf16 rate. A float32 head (a CPU or float32 target;
+    or a torch without out_dtype) multiplies the state in float32 -- on a GPU as tensor float32
+    when the state is bf16/fp16, whose values tf32 holds exactly."""
+    if head.dtype != torch.float32:
+        return torch.mm(x.to(head.dtype), head.t(), out_dtype=torch.float32)
+    if x.dtype == torch.float32 or x.device.type != "cuda":
+        return x.float() @ head.t()
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return x.float() @ head.t()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev

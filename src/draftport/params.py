@@ -150,6 +150,9 @@ class TrainConfig(Group):
                         "features_monitor), logged as accept_length by step; 0: none", ge=0)
     patience: int = F(0, "early stop once this many evaluations in a row bring no better held-out tau "
                       "than the best so far (needs eval_every); 0: train every step", ge=0)
+    packing: bool = F(False, "lay a step's samples end to end in one row (draftport.packing: attention, RoPE "
+                      "positions and the loss stay per sample, the same loss as padding them) instead of "
+                      "right-padding each to the longest; no compute is spent on padding")
 
     def __init__(self, /, **data: Any) -> None:
         try:
@@ -293,7 +296,9 @@ class FeaturesParams(Group):
         ..., "vllm: id k = the state entering layer k; sglang: leaving it")
     max_new_tokens: int = F(..., "answer length", ge=1)
     batch_size: int = F(..., "generation batch", ge=1)
-    dtype: Literal["bfloat16", "float16", "float32"] = F(..., "the target's dtype")
+    dtype: Literal["bfloat16", "float16", "float32", "fp8_e4m3"] = F(
+        ..., "storage dtype of the captured states; fp8_e4m3: float8 with a float32 scale per token and state, "
+        "half of bf16's bytes. The target itself runs in bfloat16 on a GPU, float32 on the CPU (and for float32)")
     device: Str = F(..., "torch device of the target (engine transformers)")
     eval_samples: int = F(..., "held-out prompts with features (the offline eval)", ge=1)
     engine: Literal["transformers", "vllm"] = F(
@@ -419,6 +424,36 @@ class OnlineParams(Group):
         "A drafter carrying another embedding (the old target's) is never exported as is")
 
 
+def _folder_name(v: str) -> str:
+    if "/" in v or v in (".", "..") or v.startswith("."):
+        raise _problem(f"expected a plain folder name (no '/', not hidden), got {_show(v)}")
+    return v
+
+
+class PublishParams(Group):
+    """Step publish (opt-in) and `draftport publish`: the chosen drafter as a hub-ready folder with
+    its model card (draftport.publish, docs/publish.md)."""
+
+    enabled: bool = F(..., "true: the step exists (`snakemake publish`) and `all` includes it")
+    phase: Optional[Literal["phase1_scratch", "phase1", "phase2"]] = F(
+        ..., "the drafter to publish; null: the decision's (init scratch -> phase1_scratch, else phase2 when it "
+        "helps, else phase1)")
+    folder: Annotated[str, AfterValidator(_non_empty), AfterValidator(_folder_name)] = F(
+        ..., "artifacts/publish/<folder>/: config.json, model.safetensors, README.md")
+    base_model: Optional[Str] = F(..., "the card's base_model and the config's verifier; null: targets.new "
+                                  "(a hub id is needed to push)")
+    repo_id: Optional[HubId] = F(..., "the hub repo the card's commands name (draftport publish --repo-id "
+                                 "overrides it); null: the local folder")
+    embed_tokens: Literal["drop", "target"] = F(
+        ..., "target: the new target's embed_tokens, bit for bit (vLLM and speculators then embed as SGLang does); "
+        "drop: none (speculators 0.9.0 fills a missing one with uninitialized memory)")
+    k: Annotated[list[int], _int_list(1, 16)] = F(..., "draft tokens per cycle of the card's tau table (eval.k "
+                                                     "is always included), measured on the published folder")
+    library_name: Str = F(..., "the card's library_name")
+    tags: list[str] = F(..., "the card's tags")
+    license: Optional[Str] = F(..., "the card's license (a hub license id); null: none stated")
+
+
 class DriftParams(Group):
     """Step drift (beside Phase 0): the old and the new target on the same tokens (the new
     target's answers to the eval prompts): how far the hidden states moved, and what that costs
@@ -486,6 +521,7 @@ class Params(Group):
                                              "null: none")
     resources: ResourcesParams = F(..., "Snakemake resources per step")
     online: OnlineParams = F(..., "the online steps (vLLM)")
+    publish: PublishParams = F(..., "step publish: the chosen drafter as a hub-ready folder")
 
 
 # ---- pydantic's errors, as params.yaml's one-line problems --------------------------------------
@@ -711,6 +747,9 @@ def _cross_checks(cfg: dict) -> None:
         if sd["n_samples"] + sd["monitor_samples"] > w["n_old"]:
             raise ParamsError("world.source_drafter.n_samples", f"{sd['n_samples']} + monitor_samples "
                               f"{sd['monitor_samples']} exceed world.n_old = {w['n_old']}")
+    pk = cfg["publish"]["k"]
+    if pk != sorted(set(pk)):
+        raise ParamsError("publish.k", f"{pk}: must be ascending, without repeats")
     if cfg["eval"]["k"] > 16:
         raise ParamsError("eval.k", "at most 16 draft tokens")
 

@@ -91,6 +91,18 @@ def remote_code_refused(path):
                              "its repo id to targets.trust_remote_code to run it") from None
 
 
+def capture_dtype(device, storage: str = "bfloat16") -> torch.dtype:
+    """The dtype a target is loaded in to answer and capture: bfloat16 on a GPU (device 'cuda',
+    'cuda:N', or 'auto' with one visible), what engines serve and what its tensor cores run (an
+    H200 at an 8B shape: 2.8K tok/s in float32, 33K in bfloat16); float32 on the CPU, so the
+    embedded world's figures stay those it always had; float32 too where the features are stored
+    in float32 (as the vLLM path runs its engine)."""
+    if storage == "float32":
+        return torch.float32
+    gpu = torch.cuda.is_available() if str(device) == "auto" else torch.device(device).type == "cuda"
+    return torch.bfloat16 if gpu else torch.float32
+
+
 def load_target(path: str | Path, *, dtype=torch.float32, device="cpu", trust_remote_code=False):
     """A transformers causal LM from a local folder (never pickle, no remote code unless asked).
 
@@ -126,13 +138,20 @@ def load_target(path: str | Path, *, dtype=torch.float32, device="cpu", trust_re
     return (model if device == "auto" else model.to(device)).eval()
 
 
-class Capture:
-    """Context manager: hooks that record aux states and the final normed state of one forward."""
+class _Stop(Exception):
+    """Raised by the final norm's hook: the forward has given all a capture reads."""
 
-    def __init__(self, model, aux_ids, convention="vllm"):
+
+class Capture:
+    """Context manager: hooks that record aux states and the final normed state of one forward.
+    stop: the forward ends at the final norm (its hook raises _Stop, which capture_features
+    catches), so the model's own logits [B, T, vocab] are never computed: the capture takes its
+    greedy choice from the head itself, in float32."""
+
+    def __init__(self, model, aux_ids, convention="vllm", stop: bool = False):
         self.layers, self.norm, self.head = decoder_parts(model)
         check_aux_ids(aux_ids, len(self.layers), convention)
-        self.aux_ids, self.convention = list(aux_ids), convention
+        self.aux_ids, self.convention, self.stop = list(aux_ids), convention, stop
         self.states: dict[int, torch.Tensor] = {}
         self.final = None
         self.handles = []
@@ -154,6 +173,8 @@ class Capture:
 
         def fin(mod, args, out):
             self.final = out.detach()
+            if self.stop:
+                raise _Stop
         self.handles.append(self.norm.register_forward_hook(fin))
         return self
 
@@ -168,9 +189,16 @@ class Capture:
 
 @torch.no_grad()
 def capture_features(model, input_ids, attention_mask, aux_ids, convention="vllm"):
-    """aux [B, T, 3H] and final [B, T, H] for right-padded sequences."""
-    with Capture(model, aux_ids, convention) as cap:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    """aux [B, T, 3H] and final [B, T, H] for right-padded sequences (attention_mask None: causal
+    attention alone, which never lets a token see the padding to its right). The forward stops
+    at the final norm: no logits are computed."""
+    with Capture(model, aux_ids, convention, stop=True) as cap:
+        try:
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _Stop:
+            pass
+    if cap.final is None:
+        raise DraftportError(None, f"the final norm of {type(model).__name__} never ran: nothing captured")
     return cap.result()
 
 
