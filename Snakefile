@@ -6,6 +6,7 @@
     snakemake --cores 8 decision   + the decision (artifacts/decision/decision.json; draftport decide)
     snakemake --cores 8 all        + the report (the decision first);  snakemake --report report.html
     snakemake --cores 8 online     vLLM serves the Phase 0 / Phase 1 drafters (make vllm-venv first)
+    snakemake --cores 8 publish    the chosen drafter as a hub-ready folder (publish.enabled: true)
     snakemake --configfile=configs/micro.yaml ...   another profile layered on params.yaml
 
 The steps are the rows of src/draftport/steps/registry.py (rules/steps.smk makes one rule per
@@ -52,6 +53,7 @@ rule all:
         bridge.done("report"),
         bridge.done("decision"),
         [bridge.done(s) for s in R.target_steps("online", CFG)] if CFG["online"]["enabled"] else [],
+        [bridge.done("publish")] if CFG["publish"]["enabled"] else [],
 
 
 rule phase0:

@@ -188,7 +188,8 @@ def test_load_validates_the_vocab_map(tmp_path):
 
 
 def test_speculators_checkpoint_loads_with_its_own_defaults(tmp_path):
-    """`layers.0.*` names, nested transformer_layer_config, norm_before_residual absent -> True."""
+    """`layers.0.*` names, nested transformer_layer_config, norm_before_residual absent -> False
+    (speculators 0.9.0's Eagle3SpeculatorConfig default, as the flat format's)."""
     cfg, state = toy_state()
     folder = tmp_path / "spec"
     folder.mkdir()
@@ -207,7 +208,7 @@ def test_speculators_checkpoint_loads_with_its_own_defaults(tmp_path):
     }))
     cfg2, state2 = load_drafter_state(folder)
     assert cfg2.format == "speculators"
-    assert cfg2.norm_before_residual is True  # the flat format's default is False
+    assert cfg2.norm_before_residual is False  # speculators 0.9.0: Field(default=False)
     assert cfg2.aux_layer_ids == [1, 2, 3] and cfg2.head_dim == 16 and cfg2.draft_vocab_size == 40
     assert cfg2.extra["verifier"] == "org/target"
     assert "midlayer.self_attn.q_proj.weight" in state2 and not any(k.startswith("layers.") for k in state2)

@@ -101,17 +101,33 @@ def estimate(
     profile: Annotated[list[Path], typer.Option("--profile", help="Profile(s) layered on params.yaml.")],
     params: Annotated[Path, typer.Option(help="The base parameter file.")] = Path("params.yaml"),
     tokens_per_sample: Annotated[int | None, typer.Option(help="Default: the benchmark's sequence length.")] = None,
-    gpus: Annotated[int | None, typer.Option(help="Default: each rule's resources gpu.")] = None,
+    gpus: Annotated[int | None, typer.Option(help="Default: each rule's resources gpu (training and capture).")] = None,
     efficiency: Annotated[float, typer.Option(help="Scaling efficiency over the GPUs (assumed).")] = 0.9,
     bench: Annotated[Path | None, typer.Option(help="A benchmarks/results/*.json of bench_train_h200.")] = None,
+    capture_bench: Annotated[Path | None, typer.Option(
+        help="A capture benchmark result (default: newest benchmarks/results/*-h200-capture.json, if any).")] = None,
+    capture_efficiency: Annotated[float | None, typer.Option(
+        help="Stated fraction of the prefill roofline for the capture (overrides any benchmark file).")] = None,
+    serve_tok_s: Annotated[float | None, typer.Option(
+        help="Output tok/s of the deployment serving the target's answers (default stated: docs/estimate.md).")] = None,
+    answer_tokens: Annotated[int | None, typer.Option(
+        help="Answer tokens per sample (default: features.max_new_tokens, at most tokens per sample).")] = None,
+    target_config: Annotated[Path | None, typer.Option(
+        help="The new target's config.json or folder (default: targets.new's, or a built-in published shape).")] = None,
+    spool_gb: Annotated[float | None, typer.Option(help="Online spool bound, GB (default: features.spool_gb).")] = None,
+    peak_tflops: Annotated[float | None, typer.Option(help="Peak dense bf16 TFLOP/s per GPU (default: H200).")] = None,
     as_json: JsonFlag = False,
 ):
-    """Training wall time of a profile's phases on its GPUs, from the measured one-GPU throughput."""
+    """Wall time and disk of a profile's phases: regenerating the answers, capturing the hidden
+    states and training, per storage mode (disk bf16 / fp8, online), every input printed."""
     from . import estimate as E
     from .params import load
 
     rep = E.estimate(load(*profile, base=params), tokens_per_sample=tokens_per_sample, gpus=gpus,
-                     efficiency=efficiency, bench=bench or E.DEFAULT_BENCH)
+                     efficiency=efficiency, bench=bench or E.DEFAULT_BENCH, capture_bench_path=capture_bench,
+                     capture_eff=capture_efficiency, serve_tok_s=E.SERVE_TOK_S if serve_tok_s is None else serve_tok_s,
+                     answer_tokens=answer_tokens, target_config_path=target_config, spool_gb=spool_gb,
+                     peak_tflops=E.PEAK_TFLOPS if peak_tflops is None else peak_tflops)
     if as_json:
         _print_json(rep)
     else:
@@ -134,6 +150,69 @@ def decide(
         _print_json(rep)
     else:
         sys.stdout.write(render_text(rep))
+
+
+@app.command()
+def ui(
+    configfile: Annotated[list[Path] | None, typer.Option(
+        "--configfile", help="Profile(s) layered on params.yaml, as given to snakemake (the experiment's name).")] = None,
+    params: Annotated[Path, typer.Option(help="The base parameter file.")] = Path("params.yaml"),
+    host: Annotated[str, typer.Option(help="Address the UI listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port the UI listens on.")] = 5000,
+    print_urls: Annotated[bool, typer.Option(
+        "--print-urls", "--no-serve", help="Only print the addresses; start no server.")] = False,
+    log: Annotated[Path, typer.Option(help="The server's output.")] = Path("logs/mlflow_ui.log"),
+    as_json: JsonFlag = False,
+):
+    """The MLflow UI on the tracking store: starts `mlflow server` and prints the addresses of the
+    phase runs' compare view, their tau by training step and the runs table (Ctrl-C stops it)."""
+    from .ui import main as ui_main
+
+    raise typer.Exit(ui_main(configfile or [], params, host, port, print_urls, as_json, log))
+
+
+@app.command()
+def publish(
+    phase: Annotated[str | None, typer.Option(
+        help="phase1_scratch, phase1 or phase2 (default: publish.phase, else the decision's choice).")] = None,
+    out: Annotated[Path | None, typer.Option(help="The hub folder to write (default: published/<publish.folder>).")] = None,
+    repo_id: Annotated[str | None, typer.Option(
+        "--repo-id", help="The hub repo (org/name) the card names and --push uploads to (default: publish.repo_id).")] = None,
+    push: Annotated[bool, typer.Option("--push", help="Upload the folder with huggingface_hub (token: HF_TOKEN) once "
+                                                      "every check passes.")] = False,
+    private: Annotated[bool, typer.Option("--private", help="Create the hub repo private.")] = False,
+    configfile: Annotated[list[Path] | None, typer.Option(
+        "--configfile", help="Profile(s) layered on params.yaml, as given to snakemake.")] = None,
+    params: Annotated[Path, typer.Option(help="The base parameter file.")] = Path("params.yaml"),
+    as_json: JsonFlag = False,
+):
+    """The chosen drafter as a hub-ready folder (flat config.json, model.safetensors with the new
+    target's embed_tokens, a README.md model card) from the pipeline's artifacts, checked; with
+    --push, uploaded (docs/publish.md)."""
+    from . import publish as PUB
+
+    if push:  # no token: one line, before anything is read or built
+        PUB.hub_token()
+    from .params import load
+    from .steps import registry as R
+
+    cfg = load(*(configfile or []), base=params)
+    pp = cfg["publish"]
+    repo = repo_id or pp["repo_id"]
+    if push:
+        PUB.push_preflight(repo, pp["base_model"] or cfg["targets"]["new"])
+    inputs = R.inputs(R.BY_NAME["publish"], cfg)
+    folder = out or Path("published") / pp["folder"]
+    rep = PUB.from_pipeline(R.step_params(cfg, "publish"), inputs, folder, phase=phase, repo_id=repo)
+    if push:
+        rep["push"] = PUB.push(folder, repo, inputs["target"], embed_tokens=pp["embed_tokens"], private=private)
+    if as_json:
+        _print_json(rep)
+        return
+    taus = ", ".join(f"tau {r['accept_length']:.3f} at k={r['k']}" for r in rep["taus"])
+    sys.stdout.write(f"{rep['phase']} ({rep['why']}) -> {folder}/ ({rep['bytes'] / 1e6:.1f} MB): {taus}\n")
+    if push:
+        sys.stdout.write(f"uploaded to https://huggingface.co/{repo} {rep['push']['commit_url']}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

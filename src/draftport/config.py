@@ -142,9 +142,12 @@ def _from_llama_fields(llama: dict, top: dict, path, where: str, fmt: str) -> Dr
         "head_dim", "vocab_size", "draft_vocab_size", "num_hidden_layers",
         "max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "hidden_act",
         "architectures", "eagle_config", "target_hidden_size", "norm_before_residual",
-        "model_type", "tie_word_embeddings", "draftport_aux_convention",
+        "model_type", "tie_word_embeddings", "draftport_aux_convention", "rope_parameters",
     }
     extra = {k: v for k, v in top.items() if k not in known and fmt == "flat"}
+    # transformers 5 writes RoPE as rope_parameters {rope_theta, rope_type, ...} (speculators 0.9.0's
+    # converted configs do), transformers 4 as rope_theta + rope_scaling: read both.
+    rope = llama.get("rope_parameters") if isinstance(llama.get("rope_parameters"), dict) else {}
     return DrafterConfig(
         hidden_size=hidden,
         intermediate_size=_req(llama, "intermediate_size", path, where),
@@ -157,13 +160,22 @@ def _from_llama_fields(llama: dict, top: dict, path, where: str, fmt: str) -> Dr
         target_hidden_size=target_hidden,
         num_hidden_layers=_opt_int(llama, "num_hidden_layers", 1, path, where),
         max_position_embeddings=_opt_int(llama, "max_position_embeddings", 2048, path, where),
-        rope_theta=_opt_float(llama, "rope_theta", 10000.0, path, where),
-        rope_scaling=llama.get("rope_scaling") or None,
+        rope_theta=_opt_float(llama, "rope_theta", _opt_float(rope, "rope_theta", 10000.0, path,
+                                                               f"{where}rope_parameters."), path, where),
+        rope_scaling=llama.get("rope_scaling") or _scaling_of(rope),
         rms_norm_eps=_opt_float(llama, "rms_norm_eps", 1e-6, path, where),
         hidden_act=llama.get("hidden_act", "silu"),
         extra=extra,
         format=fmt,
     )
+
+
+def _scaling_of(rope: dict) -> dict | None:
+    """rope_scaling from transformers 5's rope_parameters: none for the default type."""
+    kind = rope.get("rope_type", rope.get("type"))
+    if not rope or kind in (None, "default"):
+        return None
+    return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
 def parse_config(raw: dict, path: str | Path = "config.json") -> DrafterConfig:
@@ -176,8 +188,9 @@ def parse_config(raw: dict, path: str | Path = "config.json") -> DrafterConfig:
             raise DraftportError(path, "speculators config has no transformer_layer_config object")
         cfg = _from_llama_fields(llama, raw, path, "transformer_layer_config.", "speculators")
         cfg.aux_layer_ids = raw.get("eagle_aux_hidden_state_layer_ids")
-        # speculators defaults norm_before_residual to True, the flat format to False.
-        cfg.norm_before_residual = bool(raw.get("norm_before_residual", True))
+        # Absent means False in both formats: speculators 0.9.0's Eagle3SpeculatorConfig defaults
+        # norm_before_residual to False (Field(default=False)), as its eagle3 converter does.
+        cfg.norm_before_residual = bool(raw.get("norm_before_residual", False))
         cfg.architectures = list(raw.get("architectures") or ["Eagle3Speculator"])
         spec = raw.get("speculators_config") or {}
         verifier = spec.get("verifier") or {}

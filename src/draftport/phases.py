@@ -54,7 +54,7 @@ def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, 
 def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, train_cfg,
                 source_dir=None, vocab_policy: str = "remap", arch: dict | None = None,
                 logger=None, progress=True, ckpt_dir=None, n_samples: int | None = None,
-                monitor: dict | None = None) -> dict:
+                monitor: dict | None = None, verifier: str | None = None) -> dict:
     """Train a drafter for the new target and save it (flat format) to out_dir/drafter.
 
     init 'source': start from the source drafter; its lm_head is moved onto the new map by
@@ -68,6 +68,10 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     FeatureChain: Phase 1's capture, then Phase 2's); n_samples: train on their first n only.
     monitor: {"features": a held-out feature folder (its prompts disjoint from the training
     ones), "k", "batch_size"}: the held-out tau train_cfg.eval_every steps (train's `monitor`).
+    verifier: the target the drafter is trained against, as its config.json names it (`verifier`;
+    speculators' verifier.name_or_path): the params' targets.new (a hub id or a folder), default
+    target_dir. Always this training's target, never the name an initial drafter carried (the
+    source's names the old target).
     """
     from .evaluate import held_out_monitor
     from .train import train
@@ -106,6 +110,7 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
             cfg = DrafterConfig(**{**cfg.__dict__, "draft_vocab_size": int(d2t.shape[0])})
             report["vocab"] = {**stats, **compare_maps(cfg_d2t(source_dir), d2t_new)}
         d = drafter_for_target(cfg, target_dir, state)
+    cfg = DrafterConfig(**{**cfg.__dict__, "extra": {**cfg.extra, "verifier": str(verifier or target_dir)}})
     watch = None
     if monitor is not None:
         held = FeatureSet(monitor["features"])

@@ -194,14 +194,40 @@ def inspect_renderables(rep: dict) -> list:
 
 
 def estimate_renderables(rep: dict) -> list:
-    """`draftport estimate`: the inputs, the per-rule table, the phase totals and the storage."""
+    """`draftport estimate`: the inputs, the per-rule training table, the data steps, and per
+    phase and storage mode the hours (data + training) and the disk."""
     from .data import human
 
-    b = rep["bench"]
-    head = Text.assemble(("measured: ", "bold"), f"{b['device']} ({b['date']}), seq {b['seq']}, TTT {b['ttt_steps']}, "
-                         "bf16, one GPU\n",
-                         ("assumed: ", "bold"), f"{rep['tokens_per_sample']} tokens per sample (every sample a full "
-                         f"sequence), scaling efficiency {rep['efficiency']:.2f} over the GPUs")
+    b, tg, fl, ce = rep["bench"], rep["target"], rep["flops_per_token"], rep["capture_efficiency"]
+    tps, g = rep["tokens_per_sample"], rep["data"][0]["gpus"]
+    moe = tg["moe"]
+    arch = (f"MoE {moe['top_k']} of {moe['experts']} experts + {moe['shared']} shared, {moe['dense_layers']} dense "
+            "layer(s)" if moe else "dense")
+    if ce["source"] == "measured":
+        eff_src = (f"measured {ce['file']} ({ce['device']}, {ce['date']}), shape {ce['shape']}"
+                   + ("" if ce["capture_measured"] else "; online at capture+write's (no capture-only figure)"))
+    else:
+        eff_src = f"stated: {ce['note']}"
+    eff = (f"{ce['capture_write']:.4g}" if ce["capture_write"] == ce["capture"]
+           else f"{ce['capture_write']:.4g} with the write, {ce['capture']:.4g} without (online)")
+    head = Text.assemble(
+        ("measured: ", "bold"), f"training {b['device']} ({b['date']}), seq {b['seq']}, TTT {b['ttt_steps']}, "
+        "bf16, one GPU\n",
+        ("target: ", "bold"), f"{tg['id']} ({tg['config']}): {tg['layers']} layers, H {tg['hidden_size']}, {arch}: "
+        f"{tg['active_params'] / 1e9:.2f}B active params per token of {tg['total_params'] / 1e9:,.1f}B\n",
+        ("capture FLOPs/token: ", "bold"), f"2 x {tg['active_params_no_embed'] / 1e9:.2f}B (active, input embedding "
+        f"excluded) + attention 2 x {tg['layers']} x {tg['heads']} x ({tg['qk_head_dim']} + {tg['v_head_dim']}) x "
+        f"{tps}/2 = {fl['matmul'] / 1e9:.2f} + {fl['attention'] / 1e9:.2f} = {fl['total'] / 1e9:.2f} GFLOP\n",
+        ("capture rate: ", "bold"), f"{rep['peak_tflops']:g} TFLOP/s x {g} GPUs x {eff} of roofline / "
+        f"{fl['total'] / 1e9:.2f} GFLOP = {rep['capture_tok_s']['capture_write']:,.0f} tok/s"
+        + (f" ({rep['capture_tok_s']['capture']:,.0f} online)" if ce["capture_write"] != ce["capture"] else "")
+        + f"; fraction {eff_src}\n",
+        ("regenerate: ", "bold"), f"{rep['serve_tok_s']:,.0f} output tok/s of the serving deployment "
+        f"(stated: {rep['serve_source']}), {rep['answer_tokens']} answer tokens per sample\n",
+        ("assumed: ", "bold"), f"{tps} tokens per sample (every sample a full sequence, every answer at "
+        f"{rep['answer_tokens']} tokens), scaling efficiency {rep['efficiency']:.2f} over the training GPUs; the "
+        f"one-GPU dense capture fraction holds for the MoE target over {g} GPUs (tensor parallel, "
+        "active params per token)")
     # no cell padding (the box's column divider is a space): the nine columns fit an 80-column
     # terminal without cutting a figure
     t = Table(box=box.SIMPLE_HEAD, padding=0)
@@ -211,14 +237,43 @@ def estimate_renderables(rep: dict) -> list:
     for r in rep["rows"]:
         t.add_row(r["rule"], str(r["steps"]), str(r["batch_size"]), f"{r['epochs']:.2f}", f"{r['tokens']:,}",
                   r["lm_head"], f"{r['tok_s_per_gpu']:,}", str(r["gpus"]), f"{r['hours']:.2f}")
-    st = rep["storage_bytes"]
-    foot = Text.assemble(("Phase 1 (control + fine-tune): ", "bold"), f"{rep['phase1_hours']:.2f} h;  ",
-                         ("Phase 2: ", "bold"), f"{rep['phase2_hours']:.2f} h "
-                         "(training only; data generation not included)\n",
-                         ("features ", "bold"), f"at {rep['bytes_per_token'] / 1000:.1f} KB/token "
-                         f"(H {rep['hidden_size']}): Phase 1 {human(st['phase1'])}, Phase 2 {human(st['phase2'])} "
-                         "(all samples)")
-    return [head, t, foot]
+    mid = Text.assemble(("Phase 1 (control + fine-tune): ", "bold"), f"{rep['phase1_hours']:.2f} h;  ",
+                        ("Phase 2: ", "bold"), f"{rep['phase2_hours']:.2f} h (training only)")
+    d = Table(box=box.SIMPLE_HEAD, padding=0)
+    d.add_column("data step", no_wrap=True)
+    for col in ("samples", "answer tok", "regen h", "capture tok", "GPUs", "capture h"):
+        d.add_column(col, justify="right", no_wrap=True)
+    for r in rep["data"]:
+        d.add_row(r["step"], f"{r['samples']:,}", f"{r['answer_tokens']:,}", f"{r['regenerate_hours']:.2f}",
+                  f"{r['capture_tokens']:,}", str(r["gpus"]), f"{r['capture_hours']:.2f}")
+    p = Table(box=box.SIMPLE_HEAD, padding=0)
+    p.add_column("phase", no_wrap=True)
+    p.add_column("storage", no_wrap=True)
+    for col in ("regen h", "capture h", "train h", "total h", "disk"):
+        p.add_column(col, justify="right", no_wrap=True)
+    for r in rep["phases"]:
+        mode = f"disk {r['dtype']}" if r["mode"] == "disk" else "online (planned)"
+        p.add_row(r["phase"], mode + (" *" if r["profile"] else ""), f"{r['regenerate_hours']:.2f}",
+                  f"{r['capture_hours']:.2f}", f"{r['train_hours']:.2f}", f"{r['total_hours']:.2f}",
+                  human(r["disk_bytes"]))
+    ho, ptb = rep["held_out"], rep["per_token_bytes"]
+    held = ho["eval"] + ho["monitor"]
+    n1, n2 = rep["samples"]["phase1"], rep["samples"]["phase2"]
+    rec = {r["phase"]: r["recompute_tokens"] for r in rep["phases"] if r["mode"] == "online"}
+    dt = next(r["dtype"] for r in rep["phases"] if r["mode"] == "online")
+    foot = Text.assemble(
+        ("disk: ", "bold"), f"(samples + {held:,} held-out: {ho['eval']:,} eval + {ho['monitor']:,} monitor) x {tps} "
+        "tokens x B/token: " + ", ".join(f"{k} {v['bytes']:,} ({v['how']})" for k, v in ptb.items())
+        + f"; Phase 1 {n1:,} samples, Phase 2 {n2:,} (Phase 1's kept)\n",
+        ("online (planned: the steps capture to disk today): ", "bold"), f"spool min({rep['spool_gb']:g} GB ({rep['spool_from']}), the phase's states) + "
+        f"samples x {tps} x 5 B (answers as ids) + the held-out sets at {dt}; capture = the held-out sets once + "
+        f"every training token recomputed (Phase 1 {rec['phase1']:,}, Phase 2 {rec['phase2']:,}), not overlapped "
+        "with training\n",
+        ("hybrid: ", "bold"), "disk's hours and bytes when the first epoch's cache fits, else online's;  ",
+        ("* ", "bold"), f"the profile's features.storage ({rep['storage_mode']}) and dtype\n",
+        ("not estimated: ", "bold"), "the learning curves (curves.*), the drift probe, the online steps, "
+        "fetching the target's weights")
+    return [head, t, mid, d, p, foot]
 
 
 def show(renderables: list) -> None:

@@ -61,7 +61,8 @@ def train_curves(s: Step) -> dict:
                              "checkpoint_every": min(c["train"]["checkpoint_every"], steps)})
         kw = dict(features_dir=feats, n_samples=pt["n_samples"], target_dir=s.input("target"),
                   vocab_path=s.input("vocab"), init=pt["init"], source_dir=s.input("source"), train_cfg=cfg,
-                  monitor=monitor_of(s, cfg), ckpt_dir=checkpoints(s.name) / pt["name"])
+                  monitor=monitor_of(s, cfg), ckpt_dir=checkpoints(s.name) / pt["name"],
+                  verifier=s.p["targets"]["new"])
         if rank > 0:  # rank 0 writes the files, logs and checkpoints
             with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
                 train_phase(scratch, logger=None, progress=False, **kw)

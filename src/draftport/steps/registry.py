@@ -177,6 +177,18 @@ STEPS: tuple[Step, ...] = (
            {"drafter": SOURCE if ph == "phase0" else Input("train_phase1/drafter"), "target": TARGET,
             "phase": Input(f"eval_{ph}/metrics.json")}, dvc=False)
       for ph in ("phase0", "phase1")),
+    Step("publish", "the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens, a model card; checked",
+         "publish:publish", ("targets.new", "eval", "costmodel", "decision", "publish"),
+         ("publish", "export", "engines.vllm.serve", "engines.vllm.venv", "engines.speculators.roundtrip", "decision",
+          "evaluate", "bind", "data", "drafter", "kernels", "ttt", "target", "vocab", "costmodel", "steps.publish"),
+         {"decision": Input("decision/decision.json"), "target": TARGET, "features": EVAL_SET,
+          "source": Input("fetch/source/fetch.lock.json"),
+          "data_phase1": Input("features_new/train/index.json"), "data_phase2": Input("features_phase2/train/index.json"),
+          **{f"drafter_{ph}": Input(f"train_{ph}/drafter") for ph in ("phase1_scratch", "phase1", "phase2")},
+          **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
+          **{f"eval_{ph}": Input(f"eval_{ph}/eval.json") for ph in ("phase1_scratch", "phase1", "phase2")},
+          "online_phase1": Input("online_phase1/metrics.json", ("online.enabled",))},
+         enabled="publish.enabled"),
 )
 BY_NAME: dict[str, Step] = {s.name: s for s in STEPS}
 STEP_NAMES: tuple[str, ...] = tuple(BY_NAME)

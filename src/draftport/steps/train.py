@@ -21,7 +21,8 @@ def _train(s: Step, group: str, *, init, vocab_policy: str = "remap") -> dict:
     cfg = TrainConfig(**s.p[group]["train"])
     kw = dict(features_dir=s.input("features"), target_dir=s.input("target"), vocab_path=s.input("vocab"),
               init=init, source_dir=s.input("source"), vocab_policy=vocab_policy,
-              train_cfg=cfg, ckpt_dir=checkpoints(s.name), monitor=monitor_of(s, cfg))
+              train_cfg=cfg, ckpt_dir=checkpoints(s.name), monitor=monitor_of(s, cfg),
+              verifier=s.p["targets"]["new"])
     rank, _ = init_distributed()  # under torchrun: every rank trains on its slice of each batch
     if rank > 0:  # the same run, its files written by rank 0 (checkpoints: shared ckpt_dir)
         with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:

@@ -59,10 +59,10 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
         cfg = new_drafter_config(arch, vocab_size=vocab, hidden_size=hidden, aux_layer_ids=aux_layer_ids,
                                  convention=convention, draft_vocab_size=dv,
                                  max_positions=tcfg.get("max_position_embeddings", 2048))
-        cfg.extra["verifier"] = "draftport/world-target-old"
         rep = train_phase(work / "train", features_dir=work / "features", target_dir=target,
                           vocab_path=work / "vocab.safetensors", init="scratch", arch=cfg,
-                          train_cfg=train_cfg, progress=progress, monitor=monitor)
+                          train_cfg=train_cfg, progress=progress, monitor=monitor,
+                          verifier="draftport/world-target-old")
         ev = evaluate_drafter(work / "train" / "drafter", target, work / "features", k=train_cfg.ttt_steps,
                               max_samples=min(n_samples, 200))
         commit = publish_to_cache(work / "train" / "drafter", world / "hub", repo_id, branch)
