@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast phase1 phase2 decision report lint clean-venv
+.PHONY: setup test test-fast phase1 phase2 decision report ui lint clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ report: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --cores 8 all
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --report report.html all
 
+# the MLflow UI on the tracking store; prints the phases' compare view, tau by step and the runs table
+ui: $(STAMP)
+	$(BIN)/draftport ui
+
 lint: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --lint
 
@@ -66,3 +70,23 @@ vllm-venv: $(VLLM_STAMP)
 online: $(STAMP) $(VLLM_STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH DRAFTPORT_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 		$(BIN)/snakemake --cores 8 online
+
+# ---- speculators, in its own venv (tests/test_speculators.py converts the published drafter) ----
+# speculators 0.9.0 pins transformers<=5.19 and pulls torchvision/torchaudio (which do not import
+# beside the CPU torch and which its convert/model code does not use): kept out of .venv.
+SPEC_VENV := .venv-speculators
+SPECULATORS_VERSION ?= 0.9.0
+SPEC_TRANSFORMERS ?= transformers==5.19.0
+SPEC_TORCH ?= torch==2.13.0
+SPEC_STAMP := $(SPEC_VENV)/.installed-$(SPECULATORS_VERSION)
+
+$(SPEC_STAMP):
+	test -x $(SPEC_VENV)/bin/python || $(PY) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/pip install -q --disable-pip-version-check '$(SPEC_TORCH)' \
+		'speculators==$(SPECULATORS_VERSION)' '$(SPEC_TRANSFORMERS)'
+	$(SPEC_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(SPEC_VENV)/bin/python -c "import speculators, transformers, torch; from speculators.models.eagle3 import Eagle3DraftModel; print('speculators', speculators.__version__ if hasattr(speculators, '__version__') else '$(SPECULATORS_VERSION)', 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	touch $(SPEC_STAMP)
+
+.PHONY: speculators-venv
+speculators-venv: $(SPEC_STAMP)

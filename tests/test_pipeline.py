@@ -530,3 +530,83 @@ def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments
     for name in grid:
         assert seen[(name, "phase1")] == pytest.approx(taus[name], abs=1e-5)
         assert (name, "phase1_scratch") in seen and (name, "phase0") in seen
+
+
+def test_mlflow_ui_in_a_browser(repo):
+    """Where the README sends a user to compare phases, in headless Chromium (Debian's, driven by
+    playwright): `draftport ui` serving the micro pipeline's store (the sqlite file behind this
+    module's tracking server). Its compare page shows each phase run's name and accept_length;
+    its metric page charts accept_length by training step (tau during training) for the trained
+    phases, one line per run with every logged step a point; its runs table lists the curves
+    parent, its nested runs showing under it once expanded, and accept_length once added as a
+    column; a new user who lands on the GenAI overview gets to the runs with "Model training".
+    Expected values come from the tracking server's REST API. Nothing DVC or Snakemake track changes."""
+    import mlflow_ui as U
+    from mlflow_server import free_port
+
+    U.need_browser()
+    db = repo.path.parent / "mlflow-server.db"  # MlflowServer(tmp)'s store: the fixture's server writes it
+    assert db.is_file()
+    # the workspace's runs: `draftport ui` at the server the steps logged to picks their records
+    printed = repo.run(str(BIN / "draftport"), "ui", "--print-urls", "--json")
+    at_server = json.loads(printed.stdout)
+    assert at_server["serving"] is False and at_server["ui"] == repo.uri + "/"
+    phases = list(at_server["runs"])
+    assert phases == ["phase0", "phase1_scratch", "phase1", "phase2"]
+    for phase, run in at_server["runs"].items():
+        rec = json.loads((repo.path / ".draftport/runs" / f"eval_{phase}.json").read_text())
+        assert run["by"] == "record" and run["run_id"] == rec["run_id"], (phase, run, rec)
+
+    def run_of(rid):
+        return rest(repo.uri, f"runs/get?run_id={rid}")["run"]
+
+    def history(rid):
+        return rest(repo.uri, f"metrics/get-history?run_id={rid}&metric_key=accept_length")["metrics"]
+
+    env = {**repo.env, "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
+    with U.ui_session(repo.path, env, free_port()) as rep, U.browser() as b:
+        assert rep["serving"] and rep["ui"].startswith("http://127.0.0.1:")
+        ids = {p: r["run_id"] for p, r in rep["runs"].items()}
+        assert ids == {p: r["run_id"] for p, r in at_server["runs"].items()}  # the same runs, by their records
+        tau = {p: next(m["value"] for m in run_of(rid)["data"]["metrics"] if m["key"] == "accept_length")
+               for p, rid in ids.items()}
+
+        # the compare page: each phase's name over its accept_length (shown to 3 decimals)
+        shown = U.compare_metric(U.new_page(b), rep["urls"]["compare"])
+        assert shown["ids"] == list(ids.values()) and shown["names"] == phases, shown
+        assert len(shown["values"]) == len(phases), shown
+        for phase, text in zip(shown["names"], shown["values"]):
+            assert float(text) == pytest.approx(tau[phase], abs=5e-4 + 1e-9), (phase, text, tau[phase])
+
+        # tau by step: the trained phases, one line each, a point per logged step, x = step
+        chart = U.metric_chart(U.new_page(b), rep["urls"]["tau_by_step"])
+        trained = [p for p in phases if p != "phase0"]
+        assert [e["name"] for e in chart["legend"]] == trained, chart
+        assert chart["xtitle"] == ["Step"], chart
+        for entry in chart["legend"]:
+            hist = history(ids[entry["name"]])
+            assert len({m["step"] for m in hist}) >= 2  # a curve: monitored every eval_every steps, then the eval
+            drawn = [t["points"] for t in chart["traces"] if t["color"] == entry["color"]]
+            assert max(drawn) == len(hist), (entry, drawn, hist)
+            (latest, latest_step), (low, _), (high, _) = chart["rows"][entry["name"]]
+            assert latest == pytest.approx(tau[entry["name"]]) and latest_step == max(m["step"] for m in hist)
+            assert low == pytest.approx(min(m["value"] for m in hist))
+            assert high == pytest.approx(max(m["value"] for m in hist))
+
+        # the runs table: phases and the curves parent; its nested runs under it once expanded
+        kids = rep["curves"]["children"]
+        c = yaml.safe_load((repo.path / "params.yaml").read_text())["curves"]
+        assert len(kids) == len(c["n_samples"]) * len(c["seeds"]) * len(c["inits"]), kids  # one per point
+        table = U.runs_table(U.new_page(b, 1600, 1400), rep["urls"]["runs"], "curves", expect={*phases, "curves"})
+        assert {*phases, "curves"} <= set(table["before"]) and not set(kids) & set(table["before"]), table
+        after = table["after"]
+        assert set(kids) <= set(after), table
+        at = after.index("curves")
+        assert sorted(after.index(k) for k in kids) == list(range(at + 1, at + 1 + len(kids))), after  # under it
+        for phase, rid in ids.items():
+            assert float(table["values"][rid]) == pytest.approx(tau[phase], rel=1e-6), (phase, table["values"])
+
+        # a new user: the experiment's page, then the switch the README names
+        land = U.landing(U.new_page(b), f"{rep['ui']}#/experiments/{rep['experiment_id']}")
+        assert "/runs" in land["then"] and {*phases, "curves"} <= set(land["runs"]), land
+        print(f"\nMLflow UI: landed on {land['first'].split('#')[1].split('?')[0]}, runs after 'Model training'")
