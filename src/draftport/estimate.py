@@ -85,11 +85,19 @@ def train_seconds(*, steps: int, batch_size: int, tokens_per_sample: int, tok_s_
     return steps * batch_size * tokens_per_sample / (tok_s_per_gpu * gpus * efficiency)
 
 
+def _read_json(path: Path, missing: str):
+    """A JSON file's content; one-line errors for a missing file or invalid JSON."""
+    if not path.is_file():
+        raise DraftportError(path, missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftportError(path, f"not JSON ({e.msg}, line {e.lineno})") from None
+
+
 def bench_throughput(path=DEFAULT_BENCH) -> dict:
     path = Path(path)
-    if not path.is_file():
-        raise DraftportError(path, "no such benchmark result")
-    d = json.loads(path.read_text())
+    d = _read_json(path, "no such benchmark result")
     try:
         return {"device": d["device"], "date": d["date"], "seq": d["config"]["seq"],
                 "ttt_steps": d["config"]["ttt_steps"], "hidden_size": d["config"]["hidden_size"],
@@ -106,12 +114,7 @@ def _read_text_config(path: Path) -> dict:
     path = Path(path)
     if path.is_dir():
         return target_text_config(path)
-    if not path.is_file():
-        raise DraftportError(path, "no such target config (a model folder or its config.json)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftportError(path, f"not JSON ({e.msg}, line {e.lineno})") from None
+    cfg = _read_json(path, "no such target config (a model folder or its config.json)")
     if not isinstance(cfg, dict):
         raise DraftportError(path, "config is not a JSON object")
     if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
@@ -221,12 +224,7 @@ def capture_bench(path) -> dict:
     "forward" | "capture" | "capture_write": {"tok_s", "fraction_of_roofline"}}}} (shapes may be a
     list of such dicts with a "name")."""
     path = Path(path)
-    if not path.is_file():
-        raise DraftportError(path, "no such capture benchmark result")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DraftportError(path, f"not JSON ({e.msg}, line {e.lineno})") from None
+    d = _read_json(path, "no such capture benchmark result")
     shapes = d.get("shapes") if isinstance(d, dict) else None
     if isinstance(shapes, list):
         shapes = {str(s.get("name", i)): s for i, s in enumerate(shapes) if isinstance(s, dict)}

@@ -37,11 +37,10 @@ def default_speculators_python() -> Path:
 
 
 def speculators_python(path: str | os.PathLike | None = None) -> Path:
-    p = Path(path) if path else default_speculators_python()
-    if not p.exists():
-        raise DraftportError(p, "no speculators interpreter: run `make speculators-venv` "
-                                "(or set DRAFTPORT_SPECULATORS_PYTHON)")
-    return p
+    from .. import require_interpreter
+
+    return require_interpreter(Path(path) if path else default_speculators_python(),
+                               "DRAFTPORT_SPECULATORS_PYTHON", VENV_DIR, "speculators")
 
 
 def convert_kwargs(cfg) -> dict:

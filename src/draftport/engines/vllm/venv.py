@@ -29,10 +29,9 @@ def default_vllm_python() -> Path:
 
 def vllm_python(path: str | os.PathLike | None = None) -> Path:
     """The vLLM venv's interpreter: argument, else $DRAFTPORT_VLLM_PYTHON, else .venv-vllm."""
-    p = Path(path) if path else default_vllm_python()
-    if not p.exists():
-        raise DraftportError(p, "no vLLM interpreter: run `make vllm-venv` (or set DRAFTPORT_VLLM_PYTHON)")
-    return p
+    from .. import require_interpreter
+
+    return require_interpreter(Path(path) if path else default_vllm_python(), "DRAFTPORT_VLLM_PYTHON", VENV_DIR, "vLLM")
 
 
 def runner(name: str) -> Path:
