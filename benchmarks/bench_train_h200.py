@@ -1,19 +1,31 @@
-"""Training-step throughput of our EAGLE-3 drafter at Kimi-K2 size, against speculators 0.9.0.
+"""Training-step throughput of our EAGLE-3 drafter at Kimi-K2 size, against speculators 0.9.0 and
+SpecForge 0.2.0, measured side by side in one call.
 
 One full training step as train.py runs it (TTT loss over `--ttt` unrolled steps, combine,
 backward, grad clipping, fused AdamW), on synthetic bf16 aux/final target states already on the
 device, with a frozen bf16 target lm_head [vocab, H] for the target distribution and the
-full-vocab argmax mask. Prints tokens/s, analytic FLOPs/token, MFU against --peak-tflops, peak
-memory; then runs speculators' Eagle3DraftModel through the anchor script
-(benchmarks/anchors/speculators_train_bench.py) in a subprocess with the same shapes and writes
-one JSON with both and the ratio.
+full-vocab argmax mask ("computed"), or the greedy choice stored with the features as the data
+step stores it ("stored": only the draft rows of the target head remain). Per sequence length
+(--seqs, one sample of T tokens per step, as the peers' anchors run) and on a length mix (--mix:
+log-normal lengths, mean ~1.5K, max 2048): ours packed (draftport.packing, rows of --pack-len
+tokens, as speculators packs by default), ours padded (groups of --pad-batch samples right-padded
+to the longest, as data.collate does), and each peer as it trains by default; throughput on the
+mix counts real (non-padding) tokens. Prints tokens/s, analytic FLOPs/token, MFU against
+--peak-tflops, peak memory, and writes one JSON with every figure, the ratios and the goals.
 
-Parameters are bf16 (no fp32 master copy), like the anchor's model.to(bfloat16), so both hold
-the same trainable set in the same precision.
+Order (one device call): the attention probe (flash vs cuDNN for the dense causal part, the faster
+one is used), ours at each length with the levers at the first one (the other attention kernel,
+fused q/k/v and gate/up GEMMs, --graphs: the whole step as one CUDA graph), the peers in
+subprocesses (benchmarks/peers/*_run.py: each peer's own model, loss, trainer core and optimizer,
+wired as the anchors wire them, several shapes per process, one at a time on the same GPU), then
+ours on the mix (its new shapes compile longest). Parameters are bf16 (no fp32 master copy) for
+ours and speculators' anchor; SpecForge keeps its fp32 masters (its default). A ratio to "the
+faster peer" is only given when every peer asked for was measured at that shape (score()).
 
-    python benchmarks/bench_train_h200.py                      # kimi on CUDA: ours + speculators
-    python benchmarks/bench_train_h200.py --size toy --no-speculators --json /tmp/x.json   # CPU
+    python benchmarks/bench_train_h200.py                      # kimi on CUDA: ours + both peers
+    python benchmarks/bench_train_h200.py --size toy --no-peers --json /tmp/x.json   # CPU
     python benchmarks/bench_train_h200.py --ladder             # what each lever gives
+    python benchmarks/bench_train_h200.py --rescore RESULTS.json   # ratios/goals from its records
 
 Never asserts timings: it prints figures.
 """
@@ -28,6 +40,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,12 +49,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from draftport import kernels  # noqa: E402
 from draftport import ttt as ttt_mod  # noqa: E402
 from draftport.config import DrafterConfig  # noqa: E402
-from draftport.drafter import Eagle3Drafter  # noqa: E402
+from draftport.data import Batch, collate  # noqa: E402
+from draftport.drafter import Attention, Eagle3Drafter  # noqa: E402
 from draftport.kernels import ttt_attention  # noqa: E402
+from draftport.packing import pack, plan_rows  # noqa: E402
 from draftport.train import TrainConfig, train_step  # noqa: E402
-from draftport.data import Batch  # noqa: E402
 from draftport.ttt import combine, stats_to_float, ttt_terms  # noqa: E402
 
 SIZES = {
@@ -54,6 +69,8 @@ SIZES = {
     "toy": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=4, head_dim=16, draft_vocab_size=256, vocab_size=1024),
 }
+# the length mix: log-normal (mu, sigma) in tokens, clipped to [64, max]: mean ~1.5K at max 2048
+MIX_MU, MIX_SIGMA = 7.3065, 0.35
 
 
 # ---- analytic FLOPs ---------------------------------------------------------------------------
@@ -124,24 +141,36 @@ def make_batch(cfg, B, T, dev, dtype, seed=0):
                  loss_mask=ones, valid=ones.clone())
 
 
+def sample_flops(cfg, lengths, steps, lm_head_trainable):
+    """Useful training FLOPs of samples of these lengths (each at its own length's count)."""
+    return sum(L * flops_per_token(cfg, L, steps, lm_head_trainable)["train"] for L in lengths)
+
+
 class Variant:
     """One way of running our step: which levers are on."""
 
     def __init__(self, name, attn_fused=True, loss_fused=True, compiled=True, accumulate=True,
-                 adam="fused", clip_in_adam=True, sync_each_step=False, lm_head="frozen", mask="computed"):
+                 adam="fused", clip_in_adam=True, sync_each_step=False, lm_head="frozen", mask="computed",
+                 graph=False, attn="flash", layout="seq", fuse=False):
         self.name, self.attn_fused, self.loss_fused, self.compiled = name, attn_fused, loss_fused, compiled
         self.accumulate, self.adam, self.clip_in_adam = accumulate, adam, clip_in_adam
         self.sync_each_step, self.lm_head, self.mask = sync_each_step, lm_head, mask
+        self.graph, self.attn, self.layout, self.fuse = graph, attn, layout, fuse
 
     def as_dict(self):
         return dict(name=self.name, attn_fused=self.attn_fused, loss_fused=self.loss_fused,
                     compiled=self.compiled, accumulate_wgrad=self.accumulate, adam=self.adam,
                     clip_in_adam=self.clip_in_adam, host_sync_each_step=self.sync_each_step,
-                    lm_head=self.lm_head, mask=self.mask)
+                    lm_head=self.lm_head, mask=self.mask, cuda_graph=self.graph, attention=self.attn,
+                    layout=self.layout, fused_projections=self.fuse)
 
 
-def run_variant(v: Variant, d, head, batch, a, dev, cfg, log):
-    """Warm up, then time `a.iters` full training steps (train.train_step). -> result dict."""
+def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None, profile_name=None):
+    """Warm up, then time full training steps (train.train_step). -> result dict.
+
+    batches: [one batch] (a fixed shape: --warmup steps, then --iters timed) or several (a mix:
+    one untimed pass over all, then one timed pass). lengths: the samples' lengths (the useful
+    FLOPs); default every row of every batch is one sample."""
     cuda = dev.type == "cuda"
     d.lm_head.weight.requires_grad_(v.lm_head == "trainable")
     if v.compiled and "_compiled" not in d.__dict__:
@@ -150,6 +179,8 @@ def run_variant(v: Variant, d, head, batch, a, dev, cfg, log):
     if not v.compiled:
         d.__dict__.pop("_compiled", None)
     d.accumulate_wgrad = v.accumulate and v.loss_fused
+    d.fuse_projections = v.fuse
+    kernels.set_attention_backend(v.attn)
     # the attention lever without the rest: force the fused attention under the reference loss
     if v.attn_fused and not v.loss_fused:
         d.unroll = functools.partial(Eagle3Drafter.unroll, d, fused=True)
@@ -160,13 +191,15 @@ def run_variant(v: Variant, d, head, batch, a, dev, cfg, log):
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     kw = {"fused": True} if (v.adam == "fused" and cuda) else {"foreach": True}
+    if v.graph:
+        kw["capturable"] = True
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-4, betas=(0.9, 0.95), **kw)
     tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=v.lm_head == "trainable")
     impl = "fused" if v.loss_fused else "reference"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step():
+    def step(batch):
         # train.py's step: autocast (a no-op on bf16 weights, but what the loop runs), TTT terms,
         # combine, backward, clip, AdamW; no host sync (the loop reads stats at log steps only)
         loss, terms, counts, stats, gnorm = train_step(d, batch, head, opt, params, tcfg, impl=impl,
@@ -178,53 +211,104 @@ def run_variant(v: Variant, d, head, batch, a, dev, cfg, log):
             float(gnorm)
         return loss, stats
 
+    fixed = len(batches) == 1
+    graph = None
     t_c = time.perf_counter()
-    for _ in range(a.warmup):
-        loss, stats = step()
+    if v.graph:
+        # the whole step (forward, backward, clipping, AdamW) captured once and replayed: no
+        # launch gaps, no CPU work per step; the batch is the graph's static input
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(max(a.warmup, 2)):
+                step(batches[0])
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss, stats = step(batches[0])
+        graph.replay()
+
+        def run(_b):
+            graph.replay()
+            return loss, stats
+    else:
+        run = step
+        for _ in range(a.warmup if fixed else 1):
+            for b in batches:
+                loss, stats = step(b)
     sync()
     warm_s = time.perf_counter() - t_c
+    order = batches * a.iters if fixed else list(batches)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(a.iters + 1)]
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)]
     t0 = time.perf_counter()
-    for i in range(a.iters):
+    for i, b in enumerate(order):
         if cuda:
             ev[i].record()
-        loss, stats = step()
+        loss, stats = run(b)
     if cuda:
         ev[-1].record()
     sync()
-    dt = (time.perf_counter() - t0) / a.iters
-    times = [ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(a.iters)] if cuda else [dt] * a.iters
+    wall = time.perf_counter() - t0
+    times = [ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(len(order))] if cuda else [wall / len(order)] * len(order)
     stats = stats_to_float(stats) if not v.sync_each_step else stats
     loss = float(loss.detach())
-    tok = batch.tokens.numel()
-    fl = flops_per_token(cfg, batch.tokens.shape[1], a.ttt, v.lm_head == "trainable")
-    if v.mask != "computed":
-        fl["mask_extra"] = 0
-    tps = tok / dt
-    res = dict(v.as_dict(), trainable_params=n_train, step_s=dt, step_s_each=times,
-               step_s_median=sorted(times)[len(times) // 2], tokens_per_s=tps,
-               gflop_per_token=fl["train"] / 1e9,
-               gflop_per_token_with_mask=(fl["train"] + fl["mask_extra"]) / 1e9,
-               mfu=fl["train"] * tps / (a.peak_tflops * 1e12),
-               mfu_with_mask=(fl["train"] + fl["mask_extra"]) * tps / (a.peak_tflops * 1e12),
+    total = sum(times)
+    row_tokens = sum(b.tokens.numel() for b in order)
+    real_tokens = sum(int(b.valid.sum()) for b in order)
+    if lengths is None:
+        lengths_run = [b.tokens.shape[1]] * sum(b.tokens.shape[0] for b in order)
+    else:
+        lengths_run = list(lengths) * (a.iters if fixed else 1)
+    useful = sample_flops(cfg, lengths_run, a.ttt, v.lm_head == "trainable")
+    H, V, Vd = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
+    mask_extra = 0 if v.mask != "computed" else 2 * H * (V - Vd) * real_tokens
+    T = batches[0].tokens.shape[1]
+    res = dict(v.as_dict(), trainable_params=n_train, rows=batches[0].tokens.shape[0], row_len=T,
+               steps_timed=len(order), step_s=total / len(order), step_s_each=times,
+               step_s_median=sorted(times)[len(times) // 2], tokens_per_s=row_tokens / total,
+               real_tokens_per_s=real_tokens / total, real_fraction=real_tokens / row_tokens,
+               gflop_per_token=useful / real_tokens / 1e9,
+               mfu=useful / total / (a.peak_tflops * 1e12),
+               mfu_with_mask=(useful + mask_extra) / total / (a.peak_tflops * 1e12),
                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                warmup_s=warm_s, loss=loss, acc_0=stats.get("acc_0"))
-    log(f"[ours] {v.name:40s} {tps:8.0f} tok/s  step {dt * 1e3:7.1f} ms  mfu {res['mfu']:.3f} "
-        f"(with mask {res['mfu_with_mask']:.3f})  peak {res['peak_mem_gib'] or 0:.2f} GiB  "
-        f"warmup {warm_s:.1f}s  loss {loss:.4f}")
-    if a.profile_dir and cuda and any(v.name.startswith(pfx) for pfx in a.profile):
+    if fixed:   # one shape: the median step (the mix sums its steps)
+        res["tokens_per_s"] = row_tokens / len(order) / res["step_s_median"]
+        res["real_tokens_per_s"] = real_tokens / len(order) / res["step_s_median"]
+        res["mfu"] = useful / len(order) / res["step_s_median"] / (a.peak_tflops * 1e12)
+        res["mfu_with_mask"] = (useful + mask_extra) / len(order) / res["step_s_median"] / (a.peak_tflops * 1e12)
+    log(f"[ours] {v.name:52s} {res['real_tokens_per_s']:8.0f} real tok/s ({res['tokens_per_s']:.0f} rows)  "
+        f"step {res['step_s_median'] * 1e3:7.1f} ms  mfu {res['mfu']:.3f} (with mask {res['mfu_with_mask']:.3f})  "
+        f"peak {res['peak_mem_gib'] or 0:.2f} GiB  warmup {warm_s:.1f}s  loss {loss:.4f}")
+    if a.profile_dir and cuda and profile_name and not v.graph:
         try:
-            slug = "".join(c if c.isalnum() else "_" for c in v.name).strip("_")
-            profile(step, Path(a.profile_dir) / f"profile_{slug}.txt", log)
+            profile(lambda: step(batches[0]), Path(a.profile_dir) / f"profile_{profile_name}.txt", log)
         except Exception as e:  # a profiler problem must not cost the run
             log(f"[profile] failed: {e!r}")
-    del opt
+    del opt, graph
     d.zero_grad(set_to_none=True)
+    d.fuse_projections = False
+    kernels.set_attention_backend("flash")
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def safe_variant(*args, **kw):
+    try:
+        return run_variant(*args, **kw)
+    except Exception as e:  # one lever failing must not cost the run
+        import traceback
+        args[6](f"[ours] {args[0].name}: FAILED {e!r}\n{traceback.format_exc()[-2500:]}")
+        d = args[1]
+        d.zero_grad(set_to_none=True)
+        d.fuse_projections = False
+        kernels.set_attention_backend("flash")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return dict(args[0].as_dict(), failed=repr(e))
 
 
 def profile(step, path: Path, log):
@@ -360,43 +444,243 @@ def time_target_side(cfg, head, batch, hot, a, dev, log):
     return out
 
 
-def run_speculators(a, log) -> dict | None:
-    script = HERE / "anchors" / "speculators_train_bench.py"
-    cmd = [sys.executable, str(script), "--seq", str(a.seq), "--ttt", str(a.ttt), "--iters", str(a.iters),
-           "--warmup", str(a.warmup), "--peak-tflops", str(a.peak_tflops), "--loss-impl", a.spec_loss]
-    if a.size == "toy":
-        cmd.append("--toy")
-    if a.spec_attn:
-        cmd += ["--attn", a.spec_attn]
-    log("[speculators] " + " ".join(cmd))
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.spec_timeout)
-    except subprocess.TimeoutExpired as e:
-        log(f"[speculators] timed out after {a.spec_timeout}s\n{(e.stderr or '')[-3000:] if isinstance(e.stderr, str) else ''}")
-        return None
-    tail = (r.stderr or "")[-4000:]
-    line = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith("{")), None)
-    if r.returncode != 0 or line is None:
-        log(f"[speculators] failed (rc {r.returncode}):\n{tail}\n{r.stdout[-2000:]}")
-        return None
-    res = json.loads(line)
-    res["wall_s"] = time.perf_counter() - t0
-    log(f"[speculators] {res['tokens_per_s']:.0f} tok/s  step {res['step_s'] * 1e3:.1f} ms  "
-        f"own mfu {res['mfu']:.3f}  peak {res.get('peak_mem_gib') or 0:.2f} GiB  (wall {res['wall_s']:.0f}s)")
+def check_packed(a, dev, log):
+    """Packed rows vs the padded batch of the same samples: loss and gradients.
+
+    CUDA: the fused path in bf16 on packed rows (variable-length flash over cu_seqlens) and on
+    the padded batch, each against the reference in fp32 on the padded batch; the packed error
+    must stay at the padded one's (bf16 rounding). CPU: fp32, both fused paths against the
+    reference. Also the attention alone: per-segment kernel vs a dense document mask (fp32)."""
+    cuda = dev.type == "cuda"
+    size = "small" if cuda else "toy"
+    cfg, d, head = build(size, dev, torch.float32, seed=2)
+    d.lm_head.weight.requires_grad_(True)
+    lens = [200, 131, 300, 90, 257] if cuda else [19, 7, 24, 11]
+    g = torch.Generator(device=dev).manual_seed(4)
+    H = cfg.hidden_size
+    samples = []
+    for n in lens:
+        lm = torch.zeros(n, dtype=torch.bool, device=dev)
+        lm[3:] = True
+        samples.append({"tokens": torch.randint(0, cfg.vocab_size, (n,), device=dev, generator=g), "loss_mask": lm,
+                        "aux": torch.randn(n, cfg.fc_in, device=dev, generator=g),
+                        "final": torch.randn(n, H, device=dev, generator=g), "response_start": 3})
+
+    def run(batch, fused, dtype):
+        d.to(dtype)
+        d.accumulate_wgrad = fused
+        b = batch.to(dev, dtype)
+        d.zero_grad(set_to_none=True)
+        loss, _ = combine(ttt_terms(d, b, head.to(dtype), a.ttt, fused=fused, chunk=96), a.gamma)
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.float().clone() for n, p in d.named_parameters() if p.grad is not None}
+
+    def err(r, ref):
+        rel = [float((r[1][k] - ref[1][k]).norm() / ref[1][k].norm().clamp_min(1e-30)) for k in ref[1]]
+        return abs(r[0] - ref[0]) / abs(ref[0]), max(rel)
+
+    padded = collate([{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()} for s in samples])[0]
+    packed = pack([{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()} for s in samples],
+                  row_len=sum(lens) // 2 + 16 if not cuda else 512)[0]
+    dt = torch.bfloat16 if cuda else torch.float32
+    ref = run(padded, False, torch.float32)
+    e_pad = err(run(padded, True, dt), ref)
+    e_pack = err(run(packed, True, dt), ref)
+    res = {"size": size, "lengths": lens, "packed_rows": list(packed.tokens.shape), "dtype": str(dt),
+           "padded_fused_loss_rel_err": e_pad[0], "padded_fused_grad_rel_err_max": e_pad[1],
+           "packed_fused_loss_rel_err": e_pack[0], "packed_fused_grad_rel_err_max": e_pack[1]}
+    # the attention alone: per-segment kernel (dtype) vs dense document mask (fp32)
+    B, h, T, hd = 2, 4, 384 if cuda else 40, cfg.head_dim
+    cu = [0, 100, 250, T, T + 17, 2 * T] if cuda else [0, 9, 30, T, T + 5, 2 * T]
+    doc = torch.zeros(B * T, dtype=torch.long, device=dev)
+    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        doc[s:e] = i
+    doc = doc.view(B, T)
+    ts = [torch.randn(B, h, T, hd, device=dev, generator=g) for _ in range(7)]
+    keep = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & (doc[:, :, None] == doc[:, None, :])
+    bias = torch.zeros(B, 1, T, T, device=dev).masked_fill(~keep[:, None], float("-inf"))
+    outs = []
+    for name, dtype in (("fp32", torch.float32), ("seg", dt)):
+        x = [t.to(dtype).clone().requires_grad_(True) for t in ts]
+        if name == "fp32":
+            o = d.midlayer.self_attn.attend_core(x[0], x[1:4], x[4:7], bias)
+        else:
+            o = ttt_attention(x[0], x[1:4], x[4:7], 1 / math.sqrt(hd), kernels.Segments(cu, max(
+                e - s for s, e in zip(cu[:-1], cu[1:]))))
+        go = torch.linspace(-1, 1, o.shape[-1], device=dev, dtype=o.dtype).expand_as(o)
+        grads = torch.autograd.grad((o * go).sum(), x)
+        outs.append((o.detach().float(), [t.float() for t in grads]))
+    (o32, g32), (os_, gs) = outs
+    res["seg_attn_out_rel_err"] = float((os_ - o32).norm() / o32.norm())
+    res["seg_attn_grad_rel_err_max"] = max(float((x - y).norm() / y.norm()) for x, y in zip(gs, g32))
+    log(f"[check-packed] {size} {dt}: vs fp32 reference on the padded batch: padded fused loss {e_pad[0]:.2e} "
+        f"grads {e_pad[1]:.2e}; packed fused loss {e_pack[0]:.2e} grads {e_pack[1]:.2e}; segment attention "
+        f"out {res['seg_attn_out_rel_err']:.2e} grads {res['seg_attn_grad_rel_err_max']:.2e}")
+    del d, head
     return res
+
+
+class _HeadDim:
+    def __init__(self, hd):
+        self.head_dim = hd
+
+
+def attention_probe(seqs, dev, log, h=64, hd=128, n_diag=3, reps=5):
+    """The dense causal part's kernel: flash vs cuDNN, TTT attention fwd+bwd with n_diag diagonal
+    keys at each length (bf16), and each one's error against fp32 at 512 rows. -> dict."""
+    out = {}
+    if dev.type != "cuda":
+        return out
+    g = torch.Generator(device=dev).manual_seed(5)
+    for backend in ("flash", "cudnn"):
+        kernels.set_attention_backend(backend)
+        r = {}
+        try:
+            T = 512
+            xs = [torch.randn(1, h, T, hd, device=dev, generator=g) for _ in range(1 + 2 * (n_diag + 1))]
+            causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+            bias = torch.zeros(1, 1, T, T, device=dev).masked_fill(~causal, float("-inf"))
+            res = []
+            for fp in (True, False):
+                x = [t.clone().requires_grad_(True) if fp else t.to(torch.bfloat16).requires_grad_(True) for t in xs]
+                ks, vs = x[1:2 + n_diag], x[2 + n_diag:]
+                if fp:
+                    o = Attention.attend_core(_HeadDim(hd), x[0], ks, vs, bias)
+                else:
+                    o = ttt_attention(x[0], ks, vs, 1 / math.sqrt(hd))
+                go = torch.linspace(-1, 1, o.shape[-1], device=dev).to(o.dtype).expand_as(o)
+                grads = torch.autograd.grad((o * go).sum(), x)
+                res.append((o.detach().float(), [t.float() for t in grads]))
+            (o32, g32), (ob, gb) = res
+            r["out_rel_err"] = float((ob - o32).norm() / o32.norm())
+            r["grad_rel_err_max"] = max(float((a_ - b_).norm() / b_.norm()) for a_, b_ in zip(gb, g32))
+            for T in seqs:
+                xs = [torch.randn(1, h, T, hd, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_(True)
+                      for _ in range(1 + 2 * (n_diag + 1))]
+                ks, vs = xs[1:2 + n_diag], xs[2 + n_diag:]
+                go = torch.randn(1, T, h * hd, device=dev, dtype=torch.bfloat16, generator=g)
+
+                def fb():
+                    o = ttt_attention(xs[0], ks, vs, 1 / math.sqrt(hd))
+                    torch.autograd.grad(o, xs, go)
+                for _ in range(2):
+                    fb()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fb()
+                torch.cuda.synchronize()
+                r[f"fwd_bwd_ms_{T}"] = (time.perf_counter() - t0) / reps * 1e3
+                del xs, ks, vs, go
+        except Exception as e:
+            r["failed"] = repr(e)[:500]
+        out[backend] = r
+    kernels.set_attention_backend("flash")
+    ok = "failed" not in out.get("cudnn", {"failed": 1}) and (
+        out["cudnn"]["grad_rel_err_max"] <= 1.5 * out["flash"]["grad_rel_err_max"] + 1e-3)
+    faster = ok and all(out["cudnn"][f"fwd_bwd_ms_{T}"] < 0.97 * out["flash"][f"fwd_bwd_ms_{T}"] for T in seqs)
+    out["chosen"] = "cudnn" if faster else "flash"
+    log("[attn] TTT attention fwd+bwd (3 diagonal keys), ms: " + "; ".join(
+        f"{b} " + ", ".join(f"{k[11:]}: {v:.2f}" for k, v in out[b].items() if k.startswith("fwd_bwd"))
+        + (f" (err out {out[b].get('out_rel_err', 0):.1e} grads {out[b].get('grad_rel_err_max', 0):.1e})"
+           if "failed" not in out[b] else f" FAILED {out[b]['failed'][:200]}")
+        for b in ("flash", "cudnn")) + f" -> {out['chosen']}")
+    return out
+
+
+def mix_lengths(n, max_len, seed, min_len=64):
+    """n sample lengths, log-normal (MIX_MU, MIX_SIGMA) clipped to [min_len, max_len] (max_len < 2048:
+    the same shape scaled to it, for toy runs)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp(MIX_MU + MIX_SIGMA * torch.randn(n, generator=g, dtype=torch.float64)) * (max_len / 2048)
+    return [int(v) for v in x.round().clamp(min(min_len, max_len // 4), max_len).tolist()]
+
+
+def mix_samples(cfg, lengths, dev, dtype, seed=7):
+    """Synthetic samples (FeatureSet.sample dicts) of these lengths, on the device: assistant
+    tokens after a 16-token prompt."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    out = []
+    for n in lengths:
+        rs = min(16, n // 4)
+        lm = torch.zeros(n, dtype=torch.bool, device=dev)
+        lm[rs:] = True
+        out.append({"tokens": torch.randint(0, cfg.vocab_size, (n,), device=dev, generator=g), "loss_mask": lm,
+                    "aux": torch.randn(n, cfg.fc_in, device=dev, dtype=dtype, generator=g),
+                    "final": torch.randn(n, cfg.hidden_size, device=dev, dtype=dtype, generator=g),
+                    "response_start": rs})
+    return out
+
+
+def layout_mix(samples, pack_len, pad_batch, dtype):
+    """-> (packed: one PackedBatch of one row per step, padded: one collate Batch of pad_batch
+    samples per step, in the mix's order), each with the samples' lengths in step order."""
+    lens = [int(s["tokens"].shape[0]) for s in samples]
+    packed, packed_lens = [], []
+    for row in plan_rows(lens, pack_len):
+        b, _ = pack([samples[i] for i in row], row_len=pack_len, dtype=dtype)
+        packed.append(b)
+        packed_lens += [lens[i] for i in row]
+    padded, padded_lens = [], []
+    for s in range(0, len(samples), pad_batch):
+        grp = samples[s:s + pad_batch]
+        padded.append(collate(grp, dtype)[0])
+        padded_lens += [int(x["tokens"].shape[0]) for x in grp]
+    return (packed, packed_lens), (padded, padded_lens)
+
+
+def with_stored_mask(batches, head, hot, chunk):
+    """The batches with the target's greedy choice attached (as the data step stores it)."""
+    for b in batches:
+        with torch.no_grad():
+            b.target_arg = ttt_mod.target_stats(b.final, head, hot, chunk)[1]
+    return batches
+
+
+def run_peer(name, cmd, timeout, log) -> list[dict]:
+    """A peer's runner in a subprocess; -> its JSON records (those printed before any timeout)."""
+    log(f"[{name}] {' '.join(cmd)}  (timeout {timeout:.0f}s)")
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    timed_out = False
+    try:
+        out, err = p.communicate(timeout=max(timeout, 10))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        timed_out = True
+    recs = []
+    for ln in (out or "").splitlines():
+        if ln.startswith("{"):
+            try:
+                recs.append(json.loads(ln))
+            except json.JSONDecodeError:
+                pass
+    wall = time.perf_counter() - t0
+    for r in recs:
+        tag = r.get("config") + (f"/{r['set']}" if "set" in r else "")
+        log(f"[{name}] {tag:16s} {r['real_tokens_per_s']:8.0f} real tok/s  "
+            f"step {r.get('step_s_median', r.get('step_s_total', 0)) * 1e3:7.1f} ms  trainable "
+            f"{r['trainable_params'] / 1e6:.1f}M  lm_head {'trained' if r['lm_head_trainable'] else 'frozen'}  "
+            f"peak {r.get('peak_mem_gib') or 0:.2f} GiB  warmup {r.get('warmup_s', 0):.1f}s")
+    if timed_out or p.returncode != 0:
+        log(f"[{name}] {'timed out' if timed_out else f'failed (rc {p.returncode})'} after {wall:.0f}s; "
+            f"stderr tail:\n{(err or '')[-2500:]}")
+    else:
+        log(f"[{name}] done in {wall:.0f}s")
+    return recs
 
 
 def versions():
     out = {"torch": torch.__version__, "python": platform.python_version()}
+    from importlib.metadata import version
+    for pkg in ("speculators", "specforge", "transformers", "triton"):
+        try:
+            out[pkg] = version(pkg)
+        except Exception:
+            out[pkg] = None
     try:
-        from importlib.metadata import version
-        out["speculators"] = version("speculators")
-    except Exception:
-        out["speculators"] = None
-    try:
-        import triton
-        out["triton"] = triton.__version__
+        out["cudnn"] = torch.backends.cudnn.version()
     except Exception:
         pass
     return out
@@ -405,41 +689,86 @@ def versions():
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default=None, help="kimi on CUDA, toy on CPU")
-    ap.add_argument("--seq", type=int, default=None, help="2048 (kimi/small), 64 (toy)")
+    ap.add_argument("--seqs", type=int, nargs="*", default=None, help="2048 4096 (kimi/small), 64 (toy)")
+    ap.add_argument("--seq", type=int, default=None, help="one length only (--seqs T)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--gamma", type=float, default=0.8)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=2048, help="rows per chunk of the fused loss / target")
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--lm-head", choices=["frozen", "trainable", "both"], default="both")
     ap.add_argument("--impl", choices=["compiled", "fused", "reference"], default=None,
                     help="compiled (CUDA default): fused attention + fused loss + compiled regions")
+    ap.add_argument("--attn-backend", choices=["auto", "flash", "cudnn"], default="auto",
+                    help="the dense causal part's kernel; auto: the faster of the two at these lengths "
+                         "(timed first), flash if cuDNN fails its check")
+    ap.add_argument("--mix", type=int, default=None, help="samples in the length mix (0: none; 20 on CUDA, 8 toy)")
+    ap.add_argument("--mix-max", type=int, default=None, help="longest sample (2048; toy 64)")
+    ap.add_argument("--mix-seed", type=int, default=1)
+    ap.add_argument("--pack-len", type=int, default=None, help="packed row length (8192 as speculators' "
+                    "default total_seq_len; toy 128)")
+    ap.add_argument("--pad-batch", type=int, default=4, help="samples per padded step on the mix")
+    ap.add_argument("--graphs", action="store_true", help="also time the CUDA-graph lever")
+    ap.add_argument("--no-fuse-lever", dest="fuse_lever", action="store_false",
+                    help="skip the fused-projections lever")
+    ap.add_argument("--levers-all", action="store_true", help="levers at every length (default: the first)")
+    ap.add_argument("--mix-computed", action="store_true", help="also the mix with the mask computed")
     ap.add_argument("--ladder", action="store_true", help="also time each lever on and off")
-    ap.add_argument("--check", action="store_true", help="fused vs reference on a small problem first")
+    ap.add_argument("--check", action="store_true", help="fused vs reference (and packed vs padded) first")
     ap.add_argument("--profile-dir", default=None)
-    ap.add_argument("--profile", nargs="*", default=["L0", "main lm_head frozen"],
-                    help="name prefixes of the variants to profile (with --profile-dir)")
     ap.add_argument("--gemm-probe", action="store_true", help="time cuBLAS at the model's GEMM shapes")
+    ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-speculators", action="store_true")
-    ap.add_argument("--no-precomputed", action="store_true",
-                    help="skip the variant whose argmax mask comes with the data")
-    ap.add_argument("--spec-loss", default="eager", help="the anchor's --loss-impl (fused fails on torch 2.11)")
-    ap.add_argument("--spec-attn", default=None)
-    ap.add_argument("--spec-timeout", type=int, default=420)
+    ap.add_argument("--no-specforge", action="store_true")
+    ap.add_argument("--peer-iters", type=int, default=5)
+    ap.add_argument("--peer-warmup", type=int, default=2)
+    ap.add_argument("--spec-loss", default="eager", help="speculators' --loss-impl (fused fails on torch 2.11)")
+    ap.add_argument("--spec-attn", default=None, help="speculators' attention (simple_flex_attention)")
+    ap.add_argument("--sf-attn", default=None, help="SpecForge's attention backend (flex_attention)")
+    ap.add_argument("--budget-s", type=float, default=None, help="wall budget of the whole run (peers' "
+                    "timeouts shrink to fit it; default 560 on CUDA)")
     ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--rescore", default=None, help="recompute the ratios and goals of this results file "
+                    "from its records, in place (no run)")
     ap.add_argument("--log", default=None, help="also write the printed lines here")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     a.size = a.size or ("kimi" if cuda else "toy")
-    a.seq = a.seq or (64 if a.size == "toy" else 2048)
+    toy = a.size == "toy"
+    a.seqs = [a.seq] if a.seq else (a.seqs or ([64] if toy else [2048, 4096]))
     a.impl = a.impl or ("compiled" if cuda else "fused")
+    a.mix = (8 if toy else 20) if a.mix is None else a.mix
+    a.mix_max = a.mix_max or (64 if toy else 2048)
+    a.pack_len = a.pack_len or (128 if toy else 8192)
+    a.budget_s = a.budget_s or (560.0 if cuda else 3600.0)
+    if a.no_peers:
+        a.no_speculators = a.no_specforge = True
     return a
+
+
+def ratio(x, y):
+    return None if (x is None or not y) else x / y
+
+
+def rescore(path: str) -> dict:
+    """Recompute a results file's ratios and goals from its own records (score), in place."""
+    out = json.loads(Path(path).read_text())
+    goals = score(out)
+    out["rescored"] = ("ratios and goals recomputed from this file's records by bench_train_h200.py --rescore "
+                       "(a faster-peer ratio needs every peer asked for measured at that shape)")
+    for gl in goals:
+        print(goal_line(gl))
+    Path(path).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return out
 
 
 def main(argv=None) -> dict:
     a = parse(argv)
+    if a.rescore:
+        return rescore(a.rescore)
+    t_start = time.perf_counter()
     lines = []
 
     def log(msg):
@@ -449,123 +778,383 @@ def main(argv=None) -> dict:
             Path(a.log).parent.mkdir(parents=True, exist_ok=True)
             Path(a.log).write_text("\n".join(lines) + "\n")
 
+    def left():
+        return a.budget_s - (time.perf_counter() - t_start)
+
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    log(f"device {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; {versions()}")
-    check = check_equivalence(a, dev, log) if a.check else None
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "versions": versions()}
+    log(f"device {out['device']}; {out['versions']}")
+
+    def save():
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
+
+    out["check"] = check_equivalence(a, dev, log) if a.check else None
+    out["check_packed"] = check_packed(a, dev, log) if a.check else None
+    probe = attention_probe(a.seqs, dev, log) if (cuda and a.attn_backend == "auto") else {}
+    attn = probe.get("chosen", a.attn_backend if a.attn_backend != "auto" else "flash")
+    out["attention_probe"] = probe
+    save()
 
     cfg, d, head = build(a.size, dev, dtype)
-    batch = make_batch(cfg, a.batch, a.seq, dev, dtype)
-    fl_frozen = flops_per_token(cfg, a.seq, a.ttt, False)
-    fl_train = flops_per_token(cfg, a.seq, a.ttt, True)
-    log(f"size {a.size}: H {cfg.hidden_size} I {cfg.intermediate_size} heads {cfg.num_attention_heads}x{cfg.head_dim} "
-        f"kv {cfg.num_key_value_heads} Vd {cfg.draft_vocab_size} V {cfg.vocab_size}; B {a.batch} T {a.seq} TTT {a.ttt} {dtype}")
-    log(f"FLOPs/token: train {fl_frozen['train'] / 1e9:.2f} G (lm_head frozen), {fl_train['train'] / 1e9:.2f} G "
-        f"(trainable); of which target draft rows {fl_frozen['target_draft_rows'] / 1e9:.3f} G; "
-        f"full-vocab mask extra {fl_frozen['mask_extra'] / 1e9:.3f} G (counted apart)")
-
-    gemm = gemm_probe(cfg, a.seq * a.batch, log) if (a.gemm_probe and dev.type == "cuda") else None
+    hot = d.hot_ids
     comp = a.impl == "compiled"
     fused = a.impl in ("compiled", "fused")
-    variants = []
+    heads = ["frozen", "trainable"] if a.lm_head == "both" else [a.lm_head]
+    log(f"size {a.size}: H {cfg.hidden_size} I {cfg.intermediate_size} heads {cfg.num_attention_heads}x{cfg.head_dim} "
+        f"kv {cfg.num_key_value_heads} Vd {cfg.draft_vocab_size} V {cfg.vocab_size}; B {a.batch} T {a.seqs} "
+        f"TTT {a.ttt} {dtype}; attention {attn}")
+    for T in a.seqs:
+        fl = flops_per_token(cfg, T, a.ttt, False)
+        log(f"FLOPs/token at T {T}: train {fl['train'] / 1e9:.2f} G (lm_head frozen), "
+            f"{flops_per_token(cfg, T, a.ttt, True)['train'] / 1e9:.2f} G (trainable); target draft rows "
+            f"{fl['target_draft_rows'] / 1e9:.3f} G; full-vocab mask extra {fl['mask_extra'] / 1e9:.3f} G (counted apart)")
+    out["gemm_tflops"] = gemm_probe(cfg, a.seqs[0] * a.batch, log) if (a.gemm_probe and cuda) else None
+    results = []
+
+    def run(v, batches, hd, **kw):
+        r = safe_variant(v, d, hd, batches, a, dev, cfg, log, **kw)
+        results.append(r)
+        return r
+
+    def V(name, **kw):
+        return Variant(name, attn_fused=fused, loss_fused=fused, compiled=comp, attn=attn, **kw)
+
+    # ---- the ladder: each lever on and off (first length) ----
     if a.ladder:
+        batch = make_batch(cfg, a.batch, a.seqs[0], dev, dtype)
         old_loop = dict(adam="fused", clip_in_adam=False, sync_each_step=True)   # train.py before
-        variants += [
+        ladder = [
             Variant("L0 reference (old loop)", attn_fused=False, loss_fused=False, compiled=False,
                     accumulate=False, **old_loop),
             Variant("L1 +fused attention", attn_fused=True, loss_fused=False, compiled=False, accumulate=False,
                     **old_loop),
             Variant("L2 +fused loss/linears/swiglu", compiled=False, accumulate=False, **old_loop),
             Variant("L3 +in-place wgrad accumulation", compiled=False, **old_loop)]
-        if dev.type == "cuda":
-            variants += [Variant("L4 +compiled regions", **old_loop),
-                         Variant("L5 +clip inside fused AdamW", sync_each_step=True),
-                         Variant("X  main with foreach AdamW + clip_grad_norm_", adam="foreach", clip_in_adam=False)]
-    heads = ["frozen", "trainable"] if a.lm_head == "both" else [a.lm_head]
-    for lh in heads:
-        variants.append(Variant(f"main lm_head {lh}", attn_fused=fused, loss_fused=fused, compiled=comp, lm_head=lh))
-    results = []
-    for v in variants:
-        results.append(run_variant(v, d, head, batch, a, dev, cfg, log))
-    target = time_target_side(cfg, head, batch, d.hot_ids, a, dev, log)
-    if fused and not a.no_precomputed:
-        # the argmax mask captured with the features: the full-vocab head leaves the GPU
-        with torch.no_grad():
-            batch.target_arg = ttt_mod.target_stats(batch.final, head, d.hot_ids, a.chunk)[1]
-            rows = head.index_select(0, d.hot_ids).contiguous()
-        del head
-        if dev.type == "cuda":
+        if cuda:
+            ladder += [Variant("L4 +compiled regions", **old_loop),
+                       Variant("L5 +clip inside fused AdamW", sync_each_step=True),
+                       Variant("X  main with foreach AdamW + clip_grad_norm_", adam="foreach", clip_in_adam=False)]
+        for v in ladder:
+            r = run(v, [batch], head)
+            r["seq"] = a.seqs[0]
+        del batch
+
+    # ---- fixed lengths: lm_head frozen / trainable x mask computed / stored, and the levers
+    # (the other attention kernel, fused projections, CUDA graphs) at the same shape ----
+    by_len, levers = {}, {}
+    head_cpu = None
+    other = "cudnn" if attn == "flash" else "flash"
+    other_ok = cuda and "failed" not in probe.get(other, {"failed": 1})
+    for i, T in enumerate(a.seqs):
+        batch = make_batch(cfg, a.batch, T, dev, dtype)
+        rec = by_len.setdefault(str(T), {"ours": {}})
+        lv = levers.setdefault(str(T), {})
+        lever_here = cuda and fused and (a.levers_all or i == 0)
+        for lh in heads:
+            r = run(V(f"T{T} lm_head {lh}, mask computed", lm_head=lh), [batch], head)
+            r["seq"] = T
+            rec["ours"][f"{lh}_computed"] = r
+        if cuda and fused and other_ok:
+            v = Variant(f"T{T} lm_head frozen, mask computed, attention {other}", attn_fused=fused,
+                        loss_fused=fused, compiled=comp, attn=other)
+            lv[f"attention_{other}_computed"] = run(v, [batch], head)
+        if lever_here and a.fuse_lever:
+            lv["fused_projections_computed"] = run(V(f"T{T} lm_head frozen, mask computed, fused projections",
+                                                     fuse=True), [batch], head)
+        if lever_here and a.graphs:
+            lv["cuda_graph_computed"] = run(V(f"T{T} lm_head frozen, mask computed, CUDA graph", graph=True),
+                                            [batch], head)
+        if fused:
+            # the greedy choice captured with the features: the full-vocab head leaves the GPU
+            batch = with_stored_mask([batch], head, hot, a.chunk)[0]
+            rows = head.index_select(0, hot).contiguous()
+            head_cpu = head.cpu()
+            del head
+            if cuda:
+                torch.cuda.empty_cache()
+            for lh in heads:
+                r = run(V(f"T{T} lm_head {lh}, mask stored", lm_head=lh, mask="stored"), [batch], rows)
+                r["seq"] = T
+                rec["ours"][f"{lh}_stored"] = r
+            if lever_here and a.fuse_lever:
+                lv["fused_projections_stored"] = run(V(f"T{T} lm_head frozen, mask stored, fused projections",
+                                                       mask="stored", fuse=True), [batch], rows)
+            if lever_here and a.graphs:
+                lv["cuda_graph_stored"] = run(V(f"T{T} lm_head frozen, mask stored, CUDA graph", mask="stored",
+                                                graph=True), [batch], rows)
+            if a.profile_dir and cuda:
+                try:
+                    kernels.set_attention_backend(attn)
+                    profile_fixed(d, rows, batch, a, cfg, Path(a.profile_dir) / f"profile_T{T}_frozen_stored.txt", log)
+                finally:
+                    kernels.set_attention_backend("flash")
+            del rows
+            head = head_cpu.to(dev)
+            head_cpu = None
+        del batch
+        if cuda:
             torch.cuda.empty_cache()
-        head = rows
-        results.append(run_variant(Variant("main lm_head frozen, mask precomputed", attn_fused=fused,
-                                           loss_fused=fused, compiled=comp, mask="precomputed"),
-                                   d, head, batch, a, dev, cfg, log))
-    del d, head, batch
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+        out["by_length"], out["levers"] = by_len, levers
+        save()
 
-    spec = None if a.no_speculators else run_speculators(a, log)
+    # ---- the length mix: its lengths, our two layouts ----
+    mix = None
+    if a.mix:
+        lens = mix_lengths(a.mix, a.mix_max, a.mix_seed)
+        mix = {"distribution": f"log-normal(mu {MIX_MU}, sigma {MIX_SIGMA}) tokens, x {a.mix_max}/2048, clipped to "
+                               f"[{min(64, a.mix_max // 4)}, {a.mix_max}]; seed {a.mix_seed}",
+               "n": len(lens), "lengths": lens, "mean": sum(lens) / len(lens), "max": max(lens),
+               "total_tokens": sum(lens), "pack_len": a.pack_len, "pad_batch": a.pad_batch}
+        log(f"[mix] {len(lens)} samples, mean {mix['mean']:.0f}, max {mix['max']}, {sum(lens)} tokens; "
+            f"packed rows of {a.pack_len}, padded groups of {a.pad_batch}")
+        out["mix"] = mix
+    mix_file = None
+    if mix is not None:
+        fd, mix_file = tempfile.mkstemp(prefix="mix_", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"lengths": mix["lengths"]}, f)
 
-    main_res = {r["lm_head"]: r for r in results if r["name"].startswith("main") and r["mask"] == "computed"}
-    pre = next((r for r in results if r["mask"] == "precomputed"), None)
-    ours = main_res.get("frozen") or next(iter(main_res.values()))
-    out = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-        "versions": versions(),
-        "config": {"size": a.size, **SIZES[a.size], "fc_in": cfg.fc_in, "batch": a.batch, "seq": a.seq,
-                   "ttt_steps": a.ttt, "gamma": a.gamma, "dtype": str(dtype).replace("torch.", ""),
+    # ---- the peers, one at a time, in subprocesses ----
+    peers = {}
+    requested = [p for p, off in (("speculators", a.no_speculators), ("specforge", a.no_specforge)) if not off]
+    env_py = sys.executable
+    toy = ["--toy"] if a.size == "toy" else []
+    common = ["--seqs", *map(str, a.seqs), "--ttt", str(a.ttt), "--iters", str(a.peer_iters),
+              "--warmup", str(a.peer_warmup)] + toy + (["--mix", mix_file] if mix_file else [])
+    if not a.no_speculators:
+        cmd = [env_py, str(HERE / "peers" / "speculators_run.py"), *common, "--total-seq-len", str(a.pack_len),
+               "--loss-impl", a.spec_loss] + (["--attn", a.spec_attn] if a.spec_attn else [])
+        peers["speculators"] = run_peer("speculators", cmd, max(150.0, min(220.0, left() * 0.4)), log)
+        out["peers_raw"] = peers
+        save()
+    if not a.no_specforge:
+        cmd = [env_py, str(HERE / "peers" / "specforge_run.py"), *common, "--sets", "trained", "frozen"] + (
+            ["--attn", a.sf_attn] if a.sf_attn else []) + ([] if cuda else ["--cpu-test"])
+        peers["specforge"] = run_peer("specforge", cmd, max(170.0, left() - (160.0 if mix else 0.0) - 8.0), log)
+        out["peers_raw"] = peers
+        save()
+
+    # ---- ours on the mix, after the peers: its compiles (new shapes) are the slowest part ----
+    mix_res = {}
+    if mix is not None and fused:
+        samples = mix_samples(cfg, mix["lengths"], dev, dtype)
+        samples = [{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()} for s in samples]
+        (pk, pk_lens), (pd, pd_lens) = layout_mix(samples, a.pack_len, a.pad_batch, dtype)
+        del samples
+        pk = [b.to(dev) for b in pk]
+        pd = [b.to(dev) for b in pd]
+        mix.update(packed_rows=len(pk), padded_steps=len(pd),
+                   packed_real_fraction=sum(int(b.valid.sum()) for b in pk) / sum(b.tokens.numel() for b in pk),
+                   padded_real_fraction=sum(int(b.valid.sum()) for b in pd) / sum(b.tokens.numel() for b in pd))
+        if a.mix_computed:
+            mix_res["packed_frozen_computed"] = run(V("mix packed, lm_head frozen, mask computed", layout="packed"),
+                                                    pk, head, lengths=pk_lens)
+            mix_res["padded_frozen_computed"] = run(V("mix padded, lm_head frozen, mask computed", layout="padded"),
+                                                    pd, head, lengths=pd_lens)
+        with_stored_mask(pk, head, hot, a.chunk)
+        with_stored_mask(pd, head, hot, a.chunk)
+        rows = head.index_select(0, hot).contiguous()
+        head_cpu = head.cpu()
+        del head
+        if cuda:
+            torch.cuda.empty_cache()
+        for lh in heads:
+            mix_res[f"packed_{lh}_stored"] = run(V(f"mix packed, lm_head {lh}, mask stored", lm_head=lh, mask="stored",
+                                                   layout="packed"), pk, rows, lengths=pk_lens)
+            mix_res[f"padded_{lh}_stored"] = run(V(f"mix padded, lm_head {lh}, mask stored", lm_head=lh, mask="stored",
+                                                   layout="padded"), pd, rows, lengths=pd_lens)
+        del pk, pd, rows
+        head = head_cpu.to(dev)
+        head_cpu = None
+        if cuda:
+            torch.cuda.empty_cache()
+        out["mix_results"] = mix_res
+        save()
+
+    for r in results:
+        r.setdefault("seq", None)
+
+    out.update(by_length=by_len, mix=mix, mix_results=mix_res, peers_raw=peers, peers_requested=requested)
+    goals = score(out)
+    mix_ratios = out.get("mix_ratios", {})
+
+    # ---- the summary fields ----
+    first = by_len.get(str(a.seqs[0]), {"ours": {}})["ours"]
+    ours = first.get("frozen_computed") or next(iter(first.values()), {})
+    out.update({
+        "config": {"size": a.size, **SIZES[a.size], "fc_in": cfg.fc_in, "batch": a.batch, "seqs": a.seqs,
+                   "seq": a.seqs[0], "ttt_steps": a.ttt, "gamma": a.gamma, "dtype": str(dtype).replace("torch.", ""),
                    "params_dtype": str(dtype).replace("torch.", ""), "impl": a.impl, "chunk": a.chunk,
-                   "optimizer": "AdamW fused (CUDA), betas (0.9, 0.95)", "grad_clip": 1.0,
-                   "target": "frozen target lm_head [V, H]: full-vocab argmax mask + draft-vocab softmax",
-                   "iters": a.iters, "warmup": a.warmup, "peak_tflops": a.peak_tflops},
-        "flops_per_token": {"train_lm_head_frozen": fl_frozen["train"], "train_lm_head_trainable": fl_train["train"],
-                            "target_draft_rows": fl_frozen["target_draft_rows"], "mask_extra": fl_frozen["mask_extra"],
-                            "note": "MFU counts train FLOPs (target draft rows included, as speculators needs "
-                                    "them too); mfu_with_mask adds the full-vocab argmax mask's head rows"},
-        "tokens_per_s": ours["tokens_per_s"],
-        "mfu": ours["mfu"],
-        "mfu_with_mask": ours["mfu_with_mask"],
-        "peak_mem_gib": ours["peak_mem_gib"],
-        "lm_head": ours["lm_head"],
-        "trainable_params": ours["trainable_params"],
-        "ours": results,
-        "target_side_ms": target,
-        "check": check,
-        "gemm_tflops": gemm,
-    }
-    out["fp32_target_logits_via_mm_out_dtype"] = ttt_mod._MM_OUT_DTYPE[0] if dev.type == "cuda" else None
-    if pre is not None:
-        out.update(tokens_per_s_mask_precomputed=pre["tokens_per_s"], mfu_mask_precomputed=pre["mfu"],
-                   peak_mem_gib_mask_precomputed=pre["peak_mem_gib"])
-    if "trainable" in main_res:
-        t = main_res["trainable"]
-        out.update(tokens_per_s_lm_head_trainable=t["tokens_per_s"], mfu_lm_head_trainable=t["mfu"],
-                   peak_mem_gib_lm_head_trainable=t["peak_mem_gib"])
-    if spec is not None:
-        sp_tps = spec["tokens_per_s"]
-        out.update(speculators_tokens_per_s=sp_tps,
-                   speedup_vs_speculators=ours["tokens_per_s"] / sp_tps,
-                   speculators_mfu=fl_frozen["train"] * sp_tps / (a.peak_tflops * 1e12),
-                   speculators_peak_mem_gib=spec.get("peak_mem_gib"),
-                   speculators_trainable_params=spec.get("trainable_params"),
-                   speculators_raw=spec,
-                   same_trainable_set=(spec.get("trainable_params") == ours["trainable_params"]
-                                       and not spec.get("lm_head_trainable")))
-        if pre is not None:
-            out["speedup_vs_speculators_mask_precomputed"] = pre["tokens_per_s"] / sp_tps
-        log(f"[ratio] ours/speculators (lm_head frozen both) = {out['speedup_vs_speculators']:.3f}x "
-            f"(mask precomputed: {out.get('speedup_vs_speculators_mask_precomputed') or 0:.3f}x); "
-            f"speculators mfu by our count {out['speculators_mfu']:.3f}")
+                   "attention": attn, "optimizer": "AdamW fused (CUDA), betas (0.9, 0.95)", "grad_clip": 1.0,
+                   "target": "frozen target lm_head [V, H]: full-vocab argmax mask (computed) or the stored "
+                             "greedy choice + draft rows (stored); draft-vocab softmax",
+                   "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
+                   "peak_tflops": a.peak_tflops, "pipeline_trains_with": "mask stored (features.build_features "
+                   "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing"},
+        "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],
+                                     "train_lm_head_trainable": flops_per_token(cfg, T, a.ttt, True)["train"],
+                                     "mask_extra": flops_per_token(cfg, T, a.ttt, False)["mask_extra"]}
+                            for T in a.seqs},
+        "tokens_per_s": ours.get("tokens_per_s"), "mfu": ours.get("mfu"), "mfu_with_mask": ours.get("mfu_with_mask"),
+        "peak_mem_gib": ours.get("peak_mem_gib"), "lm_head": ours.get("lm_head"),
+        "trainable_params": ours.get("trainable_params"),
+        "tokens_per_s_lm_head_trainable": (first.get("trainable_computed") or {}).get("tokens_per_s"),
+        "tokens_per_s_mask_stored": (first.get("frozen_stored") or {}).get("tokens_per_s"),
+        "by_length": by_len, "mix": mix, "mix_results": mix_res, "mix_ratios": mix_ratios,
+        "levers": levers, "goals": goals, "ours": results,
+        # the figure `draftport estimate` should use: real tokens/s on the length mix, packed, as the
+        # pipeline trains (lm_head trained, greedy choice stored with the features)
+        "packed_real_tokens_per_s": _tps(mix_res.get("packed_trainable_stored")),
+        "packed_real_tokens_per_s_lm_head_frozen": _tps(mix_res.get("packed_frozen_stored")),
+        "padded_real_tokens_per_s": _tps(mix_res.get("padded_trainable_stored")),
+        "fp32_target_logits_via_mm_out_dtype": ttt_mod._MM_OUT_DTYPE[0] if cuda else None,
+        "wall_s": time.perf_counter() - t_start,
+    })
+    for gl in goals:
+        log(goal_line(gl))
     log("summary: " + json.dumps({k: out.get(k) for k in (
-        "tokens_per_s", "speculators_tokens_per_s", "speedup_vs_speculators", "mfu", "mfu_with_mask",
-        "peak_mem_gib", "speculators_peak_mem_gib", "tokens_per_s_lm_head_trainable",
-        "mfu_lm_head_trainable", "peak_mem_gib_lm_head_trainable", "tokens_per_s_mask_precomputed",
-        "speedup_vs_speculators_mask_precomputed", "peak_mem_gib_mask_precomputed")}))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+        "tokens_per_s", "mfu", "mfu_with_mask", "peak_mem_gib", "tokens_per_s_lm_head_trainable",
+        "tokens_per_s_mask_stored", "speedup_vs_best_peer", "packed_real_tokens_per_s",
+        "packed_real_tokens_per_s_lm_head_frozen", "padded_real_tokens_per_s", "wall_s")}, default=str))
+    save()
+    if mix_file:
+        os.unlink(mix_file)
     return out
+
+
+def _tps(r):
+    return None if (r is None or "failed" in r) else r["real_tokens_per_s"]
+
+
+def goal_line(gl) -> str:
+    v = gl["value"]
+    return (f"[goal] {gl['goal']:72s} {'-' if v is None else f'{v:.3f}'} (>= {gl['target']}) "
+            f"{'MET' if gl['met'] else ('n/a' if gl['met'] is None else 'missed')} {gl['note']}")
+
+
+def score(out: dict) -> list[dict]:
+    """Ratios and goals from a run's records (out: by_length, mix, mix_results, peers_raw,
+    peers_requested); sets by_length[T]["ratios"], mix_ratios, speedup_vs_best_peer and goals.
+
+    A ratio to "the faster peer" exists only when every peer asked for was measured at that shape
+    (a peer that timed out leaves it None and is named in `missing_peers`): the faster one is
+    never chosen among the ones that happened to finish."""
+    by_len, mix, mix_res = out.get("by_length") or {}, out.get("mix"), out.get("mix_results") or {}
+    peers = out.get("peers_raw") or {}
+    requested = out.get("peers_requested") or list(peers)
+
+    def peer_rec(name, config, which=None):
+        for r in peers.get(name, []):
+            if r.get("config") == config and (which is None or r.get("set") == which):
+                return r
+        return None
+
+    tps = _tps
+    goals = []
+
+    def goal(name, value, target, note=""):
+        goals.append({"goal": name, "target": target, "value": value,
+                      "met": None if value is None else value >= target, "note": note})
+
+    for T, rec in by_len.items():
+        sp = tps(peer_rec("speculators", f"seq{T}"))
+        sff = tps(peer_rec("specforge", f"seq{T}", "frozen"))
+        sft = tps(peer_rec("specforge", f"seq{T}", "trained"))
+        rec["peers"] = {"speculators": peer_rec("speculators", f"seq{T}"),
+                        "specforge_lm_head_frozen": peer_rec("specforge", f"seq{T}", "frozen"),
+                        "specforge_lm_head_trained": peer_rec("specforge", f"seq{T}", "trained")}
+        frozen_peers = {k: v for k, v in {"speculators": sp, "specforge": sff}.items() if k in requested}
+        missing = [k for k, v in frozen_peers.items() if not v]
+        best = max(frozen_peers, key=frozen_peers.get) if frozen_peers and not missing else None
+        r = {"best_peer_lm_head_frozen": best, "missing_peers": missing}
+        for mode in ("computed", "stored"):
+            o_f, o_t = tps(rec["ours"].get(f"frozen_{mode}")), tps(rec["ours"].get(f"trainable_{mode}"))
+            r[f"speedup_vs_best_peer_{mode}"] = ratio(o_f, frozen_peers.get(best)) if best else None
+            r[f"vs_speculators_{mode}"] = ratio(o_f, sp)
+            r[f"vs_specforge_lm_head_frozen_{mode}"] = ratio(o_f, sff)
+            r[f"vs_specforge_lm_head_trained_{mode}"] = ratio(o_t, sft)
+            # each peer at its own default trainable set (speculators: lm_head frozen; SpecForge: trained)
+            defaults = {"speculators": sp, "specforge": sft}
+            defaults = [v for k, v in defaults.items() if k in requested]
+            r[f"lm_head_trainable_vs_best_peer_{mode}"] = (ratio(o_t, max(defaults))
+                                                           if defaults and all(defaults) else None)
+            r[f"lm_head_trainable_vs_speculators_{mode}"] = ratio(o_t, sp)
+            for k in ("frozen", "trainable"):
+                o = rec["ours"].get(f"{k}_{mode}")
+                if o and "failed" not in o:
+                    r[f"mfu_{k}_{mode}"] = o["mfu"]
+                    r[f"peak_mem_gib_{k}_{mode}"] = o["peak_mem_gib"]
+            goal(f"T{T} vs the faster peer, lm_head frozen, mask {mode}", r[f"speedup_vs_best_peer_{mode}"], 1.3,
+                 f"faster peer: {best}" + (f"; not measured: {', '.join(missing)}" if missing else ""))
+            goal(f"T{T} vs SpecForge, lm_head trained, mask {mode}", r[f"vs_specforge_lm_head_trained_{mode}"], 1.6)
+            goal(f"T{T} MFU, lm_head frozen, mask {mode}", r.get(f"mfu_frozen_{mode}"), 0.78)
+            goal(f"T{T} lm_head trainable vs the faster peer at its default set, mask {mode}",
+                 r[f"lm_head_trainable_vs_best_peer_{mode}"], 1.25,
+                 "speculators trains lm_head frozen, SpecForge trained: the faster of the two"
+                 + (f"; not measured: {', '.join(missing)}" if missing else ""))
+        peak_peer = min([x["peak_mem_gib"] for x in rec["peers"].values() if x and x.get("peak_mem_gib")] or [None]) \
+            if any(rec["peers"].values()) else None
+        r["peer_peak_mem_gib_min"] = peak_peer
+        for mode in ("computed", "stored"):   # memory: ours against the peers at the same trainable set
+            for k, peer in (("frozen", rec["peers"]["speculators"]), ("frozen", rec["peers"]["specforge_lm_head_frozen"]),
+                            ("trainable", rec["peers"]["specforge_lm_head_trained"])):
+                o = rec["ours"].get(f"{k}_{mode}")
+                if peer and peer.get("peak_mem_gib") and o and o.get("peak_mem_gib"):
+                    name = f"{peer['impl'].split('-')[0]}_{'trained' if peer['lm_head_trainable'] else 'frozen'}"
+                    r[f"peak_mem_peer_over_ours_{name}_{mode}"] = peer["peak_mem_gib"] / o["peak_mem_gib"]
+            pm = [v for k_, v in r.items() if k_.startswith("peak_mem_peer_over_ours_") and k_.endswith(mode)]
+            goal(f"T{T} peak memory no worse than the peers (peer/ours, same set), mask {mode}",
+                 min(pm) if pm else None, 1.0)
+        rec["ratios"] = r
+
+    mix_ratios = {}
+    if mix is not None:
+        spm, sfm = tps(peer_rec("speculators", "mix")), tps(peer_rec("specforge", "mix", "trained"))
+        mix_ratios = {"speculators_real_tokens_per_s": spm, "specforge_real_tokens_per_s": sfm}
+        for k, r in mix_res.items():
+            mix_ratios[f"{k}_real_tokens_per_s"] = tps(r)
+        for mode in ("computed", "stored"):
+            f = tps(mix_res.get(f"packed_frozen_{mode}"))
+            t = tps(mix_res.get(f"packed_trainable_{mode}"))
+            mix_ratios[f"packed_frozen_{mode}_vs_speculators"] = ratio(f, spm)
+            mix_ratios[f"packed_trainable_{mode}_vs_specforge"] = ratio(t, sfm)
+            mix_ratios[f"packed_frozen_{mode}_vs_padded"] = ratio(f, tps(mix_res.get(f"padded_frozen_{mode}")))
+        eq = {"speculators": mix_ratios.get("packed_frozen_stored_vs_speculators"),
+              "specforge": mix_ratios.get("packed_trainable_stored_vs_specforge")}
+        eq = [v for k, v in eq.items() if k in requested]
+        mix_ratios["speedup_vs_best_peer"] = min(eq) if eq and all(x is not None for x in eq) else None
+        mix_ratios["missing_peers"] = [k for k, v in (("speculators", spm), ("specforge", sfm))
+                                       if k in requested and v is None]
+        goal("length mix: real-token rate vs the faster peer (same trainable set each, mask stored)",
+             mix_ratios["speedup_vs_best_peer"], 1.5, "min of ours-frozen/speculators and ours-trainable/SpecForge")
+        out["mix_ratios"] = mix_ratios
+    out["goals"] = goals
+    out["speedup_vs_best_peer"] = {T: {m: rec.get("ratios", {}).get(f"speedup_vs_best_peer_{m}")
+                                       for m in ("computed", "stored")} for T, rec in by_len.items()}
+    return goals
+
+
+def profile_fixed(d, head, batch, a, cfg, path, log):
+    """A profile of two steps of the main variant (lm_head frozen) on this batch."""
+    params = [p for p in d.parameters() if p.requires_grad]
+    d.lm_head.weight.requires_grad_(False)
+    params = [p for p in d.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=False)
+    d.accumulate_wgrad = True
+
+    def step():
+        return train_step(d, batch, head, opt, params, tcfg, impl="fused", use_bf16=True)
+    for _ in range(2):
+        step()
+    profile(step, path, log)
+    del opt
+    d.zero_grad(set_to_none=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ EAGLE-3. The fused one (`fused=True`, used for training on the GPU; draftport.ke
 step-0 causal part through flash attention and merges the row's own keys by log-sum-exp, with
 the linears and the MLP as custom autograd functions; no [T, T] tensor ever exists. It assumes
 right padding (a valid row's earlier rows are valid), as `data.collate` pads.
+
+Packed rows (draftport.packing: several samples per row) pass `doc`, `positions` and `segments`
+to unroll: attention stays inside each sample in every step (the reference adds doc equality to
+its mask, the fused path attends per segment), RoPE positions restart per sample, and the token
+fed at row p of step j is 0 once p + 1 + j lies past its sample's end, as past a padded row's.
 """
 
 from __future__ import annotations
@@ -156,6 +161,9 @@ class Eagle3Drafter(nn.Module):
         # fused path only: sum weight gradients in place across TTT steps (single process; DDP
         # and FSDP need the gradients to pass through autograd, so train() sets this)
         self.accumulate_wgrad = False
+        # fused path only: q/k/v and gate/up as one GEMM each (their weights concatenated once
+        # per unroll; gradients as row views of one buffer): an opt-in lever, single process
+        self.fuse_projections = False
         if embed_weight is not None:
             self.set_embedding(embed_weight)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -243,7 +251,7 @@ class Eagle3Drafter(nn.Module):
         return c if c is not None else {n: getattr(self, n) for n in self._REGIONS}
 
     def step(self, tokens, h, positions, cache_k, cache_v, attn_bias, *, fused: bool = False,
-             head: bool = True):
+             head: bool = True, segments=None, cats=None):
         """One draft step for all rows. Returns (pre-norm output fed back, logits over draft
         vocab), or (output, normed output) with head=False (the fused loss applies lm_head).
 
@@ -261,15 +269,24 @@ class Eagle3Drafter(nn.Module):
             def lin(x, m):
                 return m(x)
         x, resid = R["_r_in"](tokens, h)
-        q, k, v = R["_r_rope"](lin(x, A.q_proj), lin(x, A.k_proj), lin(x, A.v_proj), positions)
+        if cats is not None:   # fused projections: one GEMM for q, k, v
+            ws = (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight)
+            qkv = kernels.cat_linear(x, cats["qkv"], ws, acc)
+            q, k, v = R["_r_rope"](*qkv.split([w.shape[0] for w in ws], dim=-1), positions)
+        else:
+            q, k, v = R["_r_rope"](lin(x, A.q_proj), lin(x, A.k_proj), lin(x, A.v_proj), positions)
         cache_k.append(k)
         cache_v.append(v)
         if fused:
-            a = kernels.ttt_attention(q, cache_k, cache_v, 1.0 / math.sqrt(self.cfg.head_dim))
+            a = kernels.ttt_attention(q, cache_k, cache_v, 1.0 / math.sqrt(self.cfg.head_dim), segments)
         else:
             a = A.attend_core(q, cache_k, cache_v, attn_bias)
         resid, xn = R["_r_mid"](lin(a, A.o_proj), resid)
-        if fused:
+        if cats is not None:   # one GEMM for gate and up
+            ws = (M.gate_proj.weight, M.up_proj.weight)
+            g, u = kernels.cat_linear(xn, cats["gate_up"], ws, acc).split([w.shape[0] for w in ws], dim=-1)
+            m = kernels.swiglu_down(g, u, M.down_proj.weight, acc)
+        elif fused:
             m = kernels.swiglu_down(lin(xn, M.gate_proj), lin(xn, M.up_proj), M.down_proj.weight, acc)
         else:
             m = M(xn)
@@ -277,7 +294,8 @@ class Eagle3Drafter(nn.Module):
         return out, (self.lm_head(normed) if head else normed)
 
     def unroll(self, aux, tokens, steps: int, *, teacher_tokens: bool = True, valid=None,
-               fused: bool = False, return_normed: bool = False):
+               fused: bool = False, return_normed: bool = False, doc=None, positions=None,
+               segments=None):
         """Run `steps` draft steps over a batch of sequences.
 
         aux: [B, T, 3*Ht] target aux states at positions 0..T-1.
@@ -288,6 +306,8 @@ class Eagle3Drafter(nn.Module):
         fused: the fused attention (flash + log-sum-exp merge; right padding only).
         return_normed: return the normed outputs [B, T, H] instead of logits (teacher tokens
         only), for a loss that applies lm_head itself in chunks.
+        doc, positions [B, T], segments (cu_seqlens over the B*T rows, longest): packed rows
+        (draftport.packing.PackedBatch); attention, positions and token shifts stay per sample.
         """
         if return_normed and not teacher_tokens:
             raise ValueError("return_normed needs teacher_tokens (drafting needs the logits)")
@@ -297,6 +317,11 @@ class Eagle3Drafter(nn.Module):
         attn_bias = None
         if fused and not kernels.fused_attention_supported(h):
             fused = False
+        seg = None
+        if fused and doc is not None:
+            if segments is None:
+                raise ValueError("packed rows on the fused path need their segments (cu_seqlens)")
+            seg = segments if isinstance(segments, kernels.Segments) else kernels.Segments(*segments)
         if fused:
             if valid is not None:
                 # right padding: no valid row after an invalid one (checked without a host sync)
@@ -304,30 +329,41 @@ class Eagle3Drafter(nn.Module):
         else:
             causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
             keep = causal[None] if valid is None else causal[None] & valid[:, None, :]
+            if doc is not None:  # packed rows: never across samples
+                keep = keep & (doc[:, :, None] == doc[:, None, :])
             attn_bias = torch.zeros(B, 1, T, T, dtype=h.dtype, device=dev).masked_fill(~keep[:, None], float("-inf"))
             # rows that see nothing (padding at the front) would NaN: let them see themselves.
             eye = torch.eye(T, dtype=torch.bool, device=dev)[None, None]
             attn_bias = torch.where(eye & ~keep[:, None].any(-1, keepdim=True), torch.zeros_like(attn_bias), attn_bias)
-        base_pos = torch.arange(T, device=dev)[None].expand(B, T)
+        base_pos = torch.arange(T, device=dev)[None].expand(B, T) if positions is None else positions
+        cats = None
+        if fused and self.fuse_projections:
+            A, M = self.midlayer.self_attn, self.midlayer.mlp
+            with torch.no_grad():
+                cats = {"qkv": torch.cat([A.q_proj.weight, A.k_proj.weight, A.v_proj.weight]),
+                        "gate_up": torch.cat([M.gate_proj.weight, M.up_proj.weight])}
         cache_k, cache_v, outs = [], [], []
-        tok = shift(tokens, 1)
+        tok = shift(tokens, 1, doc=doc)
         for j in range(steps):
             h, res = self.step(tok, h, base_pos + j, cache_k, cache_v, attn_bias, fused=fused,
-                               head=not return_normed)
+                               head=not return_normed, segments=seg, cats=cats)
             outs.append(res)
             if j + 1 < steps:
                 if teacher_tokens:
-                    tok = shift(tokens, j + 2)
+                    tok = shift(tokens, j + 2, doc=doc)
                 else:
                     tok = self.hot_ids[res.argmax(-1)]
         return outs
 
 
-def shift(tokens: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
-    """tokens[:, p + n] at row p (fill past the end)."""
+def shift(tokens: torch.Tensor, n: int, fill: int = 0, doc=None) -> torch.Tensor:
+    """tokens[:, p + n] at row p (fill past the end; with doc [B, T], also past the end of
+    row p's sample in a packed row)."""
     if n == 0:
         return tokens
     out = torch.full_like(tokens, fill)
     if n < tokens.shape[1]:
         out[:, :-n] = tokens[:, n:]
+    if doc is not None:
+        out = out.masked_fill(shift(doc, n, fill=-1) != doc, fill)
     return out

@@ -10,6 +10,13 @@ flash backward with the *merged* output and log-sum-exp (the ring-attention iden
 dS = P_final * (dP - rowsum(dO * O_final)) per key block), so no [T, T] tensor ever exists. It
 assumes right padding (a valid row's earlier rows are valid), as `data.collate` pads.
 
+Packed rows (draftport.packing): the step-0 part runs per segment instead (variable-length
+flash attention over cu_seqlens on CUDA, the CPU flash kernel segment by segment elsewhere), in
+a token-major layout [B*T, h, d] with the log-sum-exp as [B*T, h]; the diagonal merge is the same
+elementwise function in that layout. `set_attention_backend("cudnn")` runs the dense causal part
+through cuDNN's fused attention instead of flash (same identity, its backward also takes the
+merged output and log-sum-exp).
+
 The linears can sum their weight gradient in place across TTT steps (`accumulate_grad`: beta = 1
 inside the GEMM), single process only; the MLP keeps only its gate/up outputs and recomputes
 the product in backward. `compile_kernels` swaps the elementwise pieces for torch.compile'd
@@ -18,27 +25,148 @@ versions (GPU path).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 
 # ---- fused TTT attention ----------------------------------------------------------------------
+# the CUDA kernel of the dense causal part: flash (default) or cudnn (DRAFTPORT_ATTENTION=cudnn);
+# benchmarks/bench_train_h200.py times both on the device and says which is faster where
+_BACKEND = {"dense": os.environ.get("DRAFTPORT_ATTENTION", "flash")}
+if _BACKEND["dense"] not in ("flash", "cudnn"):
+    raise ValueError(f"DRAFTPORT_ATTENTION={_BACKEND['dense']!r}: flash or cudnn")
+
+
+def set_attention_backend(name: str) -> None:
+    """flash (default) or cudnn: which fused kernel runs the dense causal part on CUDA."""
+    if name not in ("flash", "cudnn"):
+        raise ValueError(f"attention backend {name!r}: flash or cudnn")
+    _BACKEND["dense"] = name
+
+
 def _flash_fwd(q, k, v, scale):
     """Causal attention over the step-0 keys -> (out [B,h,T,d], lse [B,h,T] fp32, extras)."""
     if q.is_cuda:
+        if _BACKEND["dense"] == "cudnn":
+            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
+                                                                    scale=scale)
+            lse = r[1]
+            extras = ("cudnn", tuple(lse.shape), r[6], r[7], r[2], r[3], r[4], r[5])
+            return r[0], lse.reshape(q.shape[:-1]), extras
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-        return r[0], r[1], tuple(r[2:8])
+        return r[0], r[1], ("flash",) + tuple(r[2:8])
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
     return o, lse, ()
 
 
 def _flash_bwd(do, q, k, v, o, lse, scale, extras):
     if q.is_cuda:
-        cq, ck, mq, mk, seed, off = extras
+        if extras[0] == "cudnn":
+            _, shape, seed, off, cq, ck, mq, mk = extras
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do, q, k, v, o, lse.reshape(shape).contiguous(), seed, off, None, cq, ck, mq, mk, 0.0, True,
+                scale=scale)
+        cq, ck, mq, mk, seed, off = extras[1:]
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             do, q, k, v, o, lse, cq, ck, mq, mk, 0.0, True, seed, off, scale=scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do, q, k, v, o, lse, 0.0, True, scale=scale)
+
+
+# ---- packed rows: causal attention inside each segment -----------------------------------------
+class Segments:
+    """The segments of packed rows (draftport.packing): cu_seqlens over the B*T token-major rows
+    (host ints) and the longest; the device copies are made once and reused by every TTT step."""
+
+    def __init__(self, cu_seqlens: list[int], max_seqlen: int, cu_tensor: torch.Tensor | None = None):
+        self.cu = [int(c) for c in cu_seqlens]
+        self.max_len = int(max_seqlen)
+        self._dev = {}
+        if cu_tensor is not None:   # already on its device (PackedBatch.to): no copy per step
+            self._dev[("cu", str(cu_tensor.device))] = cu_tensor.to(torch.int32)
+
+    def cu_dev(self, device):
+        key = ("cu", str(device))
+        if key not in self._dev:
+            self._dev[key] = torch.tensor(self.cu, dtype=torch.int32, device=device)
+        return self._dev[key]
+
+    def padded_index(self, device):
+        """Token-major row -> segment * max_len + position in it (a padded lse layout)."""
+        key = ("pad", str(device))
+        if key not in self._dev:
+            idx = torch.cat([torch.arange(e - s) + i * self.max_len
+                             for i, (s, e) in enumerate(zip(self.cu[:-1], self.cu[1:]))])
+            self._dev[key] = idx.to(device)
+        return self._dev[key]
+
+
+def _tok(x):
+    """[B, h, T, ...] -> token-major [B*T, h, ...] (a view when x is laid out as [B, T, h, ...])."""
+    B, h, T = x.shape[:3]
+    return x.transpose(1, 2).reshape(B * T, h, *x.shape[3:])
+
+
+def _untok(x, B: int, T: int):
+    return x.view(B, T, *x.shape[1:]).transpose(1, 2)
+
+
+def _lse_to_tok(lse, seg: Segments, n: int):
+    """The varlen kernel's log-sum-exp -> [N, h] (it is [h, N], or [segments, h, max_len] padded)."""
+    if lse.dim() == 2:
+        return lse.t()
+    S, h, L = lse.shape
+    return lse.permute(0, 2, 1).reshape(S * L, h).index_select(0, seg.padded_index(lse.device))
+
+
+def _lse_from_tok(lse_tok, like, seg: Segments):
+    if like.dim() == 2:
+        return lse_tok.t().contiguous()
+    S, h, L = like.shape
+    out = torch.zeros(S * L, h, dtype=lse_tok.dtype, device=lse_tok.device)
+    out.index_copy_(0, seg.padded_index(lse_tok.device), lse_tok)
+    return out.view(S, L, h).permute(0, 2, 1).contiguous()
+
+
+def _seg_fwd(q, k, v, seg: Segments, scale):
+    """Causal attention inside each segment, token-major: q/k/v [N, h, d] -> (o [N, h, d],
+    lse [N, h] fp32, extras)."""
+    if q.is_cuda:
+        cu = seg.cu_dev(q.device)
+        r = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, seg.max_len, seg.max_len, 0.0, True,
+                                                    False, scale=scale)
+        lse = r[1]
+        return r[0], _lse_to_tok(lse, seg, q.shape[0]), (lse, r[2], r[3])
+    N, h, d = q.shape
+    o, lse = torch.empty_like(q), None
+    for s, e in zip(seg.cu[:-1], seg.cu[1:]):
+        qs, ks, vs = (t[s:e].transpose(0, 1)[None].contiguous() for t in (q, k, v))
+        os_, ls = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, ks, vs, 0.0, True, scale=scale)
+        if lse is None:
+            lse = torch.empty(N, h, dtype=ls.dtype, device=q.device)
+        o[s:e] = os_[0].transpose(0, 1)
+        lse[s:e] = ls[0].t()
+    return o, lse, ()
+
+
+def _seg_bwd(do, q, k, v, o, lse, seg: Segments, scale, extras):
+    if q.is_cuda:
+        like, rng, unused = extras
+        cu = seg.cu_dev(q.device)
+        do = do if do.stride(-1) == 1 else do.contiguous()
+        return torch.ops.aten._flash_attention_backward(
+            do, q, k, v, o, _lse_from_tok(lse, like, seg), cu, cu, seg.max_len, seg.max_len, 0.0, True,
+            rng, unused, scale=scale)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    for s, e in zip(seg.cu[:-1], seg.cu[1:]):
+        ts = [t[s:e].transpose(0, 1)[None].contiguous() for t in (do, q, k, v, o)]
+        ls = lse[s:e].t()[None].contiguous().to(torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype)
+        g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*ts, ls, 0.0, True, scale=scale)
+        for out, gi in zip((dq, dk, dv), g):
+            out[s:e] = gi[0].transpose(0, 1)
+    return dq, dk, dv
 
 
 def _diag_merge(q, o0, lse0, ks, vs, scale: float):
@@ -102,7 +230,9 @@ def compile_kernels():
             setattr(cfg, name, max(getattr(cfg, name), 64))
     for name, fn in (("merge", _diag_merge), ("grads", _diag_grads), ("swiglu", _swiglu),
                      ("swiglu_grads", _swiglu_grads)):
-        _KERNELS[name] = torch.compile(fn, dynamic=False)
+        # the first shape compiles static; a second length makes T symbolic (one more compile), so
+        # variable-length batches (padded to their longest, or packed) do not recompile per length
+        _KERNELS[name] = torch.compile(fn, dynamic=None)
 
 
 def accumulate_grad(w: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
@@ -141,6 +271,63 @@ class _Linear(torch.autograd.Function):
         return dx, dw, None
 
 
+def accumulate_grad_cat(ws, dy2: torch.Tensor, x2: torch.Tensor) -> None:
+    """accumulate_grad for weights used as one concatenated GEMM (rows of ws stacked): their
+    gradients are row slices (views) of one buffer, summed into in place by the GEMM."""
+    if ws[0].grad is None:
+        buf = dy2.t() @ x2
+        off = 0
+        for w in ws:
+            w.grad = buf[off:off + w.shape[0]].to(w.dtype) if buf.dtype != w.dtype else buf[off:off + w.shape[0]]
+            off += w.shape[0]
+        return
+    base = ws[0].grad._base
+    same = (base is not None and base.dtype == dy2.dtype and all(w.grad._base is base for w in ws)
+            and ws[0].grad.data_ptr() == base.data_ptr())
+    if same:
+        base.addmm_(dy2.t(), x2)
+        return
+    dw = dy2.t() @ x2
+    off = 0
+    for w in ws:
+        w.grad.add_(dw[off:off + w.shape[0]])
+        off += w.shape[0]
+
+
+class _CatLinear(torch.autograd.Function):
+    """y = x @ cat(ws)^T as one GEMM (wcat: the concatenation, made once per unroll by the
+    caller); the weight gradient is one GEMM too, split (or, with accum, summed in place into
+    row views of one buffer: accumulate_grad_cat)."""
+
+    @staticmethod
+    def forward(ctx, x, wcat, accum: bool, *ws):
+        ctx.save_for_backward(x, wcat)
+        ctx.accum, ctx.ws = accum, ws
+        return F.linear(x, wcat)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wcat = ctx.saved_tensors
+        dx = (dy @ wcat.to(dy.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grads = [None] * len(ctx.ws)
+        if any(ctx.needs_input_grad[3:]):
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
+            if ctx.accum:
+                accumulate_grad_cat(ctx.ws, dy2, x2)
+            else:
+                dw = dy2.t() @ x2
+                off = 0
+                for i, w in enumerate(ctx.ws):
+                    grads[i] = dw[off:off + w.shape[0]].to(w.dtype)
+                    off += w.shape[0]
+        return (dx, None, None, *grads)
+
+
+def cat_linear(x, wcat, ws, accum: bool):
+    """x @ cat(ws)^T through _CatLinear (wcat = torch.cat(ws), detached)."""
+    return _CatLinear.apply(x, wcat, accum, *ws)
+
+
 class _SwiGLUDown(torch.autograd.Function):
     """down(silu(g) * u), keeping g and u only (the product is recomputed in backward)."""
 
@@ -168,39 +355,58 @@ class _SwiGLUDown(torch.autograd.Function):
 
 # ---- fused TTT attention, as one autograd function ---------------------------------------------
 class _TTTAttention(torch.autograd.Function):
+    """seg None: dense causal over each row ([B, h, T, d] layout). seg: causal inside each segment
+    of packed rows, computed token-major ([B*T, h, d]); the output is handed back as a
+    [B, h, T, d] view of it."""
+
     @staticmethod
-    def forward(ctx, scale, q, k0, v0, *kv):
-        o, lse, extras = _flash_fwd(q, k0, v0, scale)
+    def forward(ctx, scale, seg, q, k0, v0, *kv):
+        B, h, T, d = q.shape
+        if seg is not None:
+            q, k0, v0, *kv = (_tok(t) for t in (q, k0, v0, *kv))
+            o, lse, extras = _seg_fwd(q, k0, v0, seg, scale)
+        else:
+            o, lse, extras = _flash_fwd(q, k0, v0, scale)
         ks, vs = kv[0::2], kv[1::2]
         if ks:
             o, lse = _KERNELS["merge"](q, o, lse, ks, vs, scale)
             lse = lse.contiguous()
         ctx.save_for_backward(q, k0, v0, o, lse, *kv)
-        ctx.scale, ctx.extras = scale, extras
-        return o
+        ctx.scale, ctx.extras, ctx.seg, ctx.shape = scale, extras, seg, (B, T)
+        return _untok(o, B, T) if seg is not None else o
 
     @staticmethod
     def backward(ctx, do):
         q, k0, v0, o, lse, *kv = ctx.saved_tensors
+        seg = ctx.seg
+        if seg is not None:
+            do = _tok(do)
         do = do.contiguous() if do.stride(-1) != 1 else do
-        dq, dk0, dv0 = _flash_bwd(do, q, k0, v0, o, lse, ctx.scale, ctx.extras)
+        if seg is not None:
+            dq, dk0, dv0 = _seg_bwd(do, q, k0, v0, o, lse, seg, ctx.scale, ctx.extras)
+        else:
+            dq, dk0, dv0 = _flash_bwd(do, q, k0, v0, o, lse, ctx.scale, ctx.extras)
         ks, vs = kv[0::2], kv[1::2]
         grads = []
         if ks:
             dq, dks, dvs = _KERNELS["grads"](do, q, o, lse, ks, vs, ctx.scale, dq)
             for dk, dv in zip(dks, dvs):
                 grads += [dk, dv]
-        return (None, dq, dk0, dv0, *grads)
+        if seg is not None:
+            B, T = ctx.shape
+            dq, dk0, dv0, *grads = (_untok(g, B, T) for g in (dq, dk0, dv0, *grads))
+        return (None, None, dq, dk0, dv0, *grads)
 
 
 def fused_attention_supported(q: torch.Tensor) -> bool:
     return (not q.is_cuda) or q.dtype in (torch.float16, torch.bfloat16)
 
 
-def ttt_attention(q, cache_k, cache_v, scale: float):
-    """Fused TTT attention: the same function as Attention.attend_core (right padding). -> [B,T,h*d]"""
+def ttt_attention(q, cache_k, cache_v, scale: float, segments: Segments | None = None):
+    """Fused TTT attention: the same function as Attention.attend_core (right padding; with
+    segments, none across the segments of packed rows). -> [B,T,h*d]"""
     kv = [t for pair in zip(cache_k[1:], cache_v[1:]) for t in pair]
-    o = _TTTAttention.apply(scale, q, cache_k[0], cache_v[0], *kv)
+    o = _TTTAttention.apply(scale, segments, q, cache_k[0], cache_v[0], *kv)
     B, h, T, d = o.shape
     return o.transpose(1, 2).reshape(B, T, h * d)
 

@@ -149,7 +149,7 @@ def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None) -> bool:
         return False
     if state.get("inputs") != inputs:
         return False
-    saved = {"eval_every": 0, "patience": 0, **state.get("config", {})}  # older checkpoints predate them
+    saved = {"eval_every": 0, "patience": 0, "packing": False, **state.get("config", {})}  # older checkpoints predate them
     # parallel: ddp and fsdp make the same updates (and older checkpoints predate the key)
     cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel"}
     now = cfg.model_dump()
@@ -379,6 +379,8 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         from .progress import progress as progress_bar
 
         bar = progress_bar(cfg.steps, "train", "step", initial=step)
+    if cfg.packing:
+        from .packing import pack   # only then: a step that never packs does not run the module
     n = len(features)
     done_this_call = 0
     t0 = time.time()
@@ -389,7 +391,10 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     while step < cfg.steps and not stopped:
         ids = batch_ids(step, n, cfg.batch_size, cfg.seed)
         mine = ids[rank::world]
-        batch, _ = collate([features.sample(i) for i in mine])
+        samples = [features.sample(i) for i in mine]
+        # packing: the same samples end to end in one row (rounded up to 64 rows: fewer shapes
+        # for the compiled regions), the same loss as the padded batch
+        batch, _ = pack(samples, multiple=64) if cfg.packing else collate(samples)
         batch = batch.to(device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)

@@ -13,6 +13,10 @@ autograd function (LinearSoftCE) that keeps only d(loss)/d(input) (lm_head froze
 d(loss)/d(logits) (lm_head trainable), never fp32 logits for all positions of all steps; and the
 drafter uses its fused attention. On the GPU the target logits are computed in the head's dtype
 (bf16), where the reference upcasts to fp32.
+
+Packed batches (draftport.packing.PackedBatch, several samples per row) give the same terms as
+the padded batch of the same samples: the drafter keeps attention, positions and token shifts per
+sample, and row p of step j counts only when p + j + 2 lies in p's own sample.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from .data import Batch
 from .drafter import Eagle3Drafter, shift
-from .kernels import accumulate_grad
+from .kernels import Segments, accumulate_grad
 
 
 def target_logits(final: torch.Tensor, target_head: torch.Tensor) -> torch.Tensor:
@@ -45,15 +49,12 @@ def ttt_terms(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, s
         in_draft = t2d[t_arg]                                      # argmax inside draft vocab?
         t_prob = torch.softmax(full[..., hot], dim=-1)             # restricted + renormalized
         del full
-    logits = drafter.unroll(batch.aux, batch.tokens, steps, teacher_tokens=True, valid=batch.valid)
-    T = batch.tokens.shape[1]
+    logits = drafter.unroll(batch.aux, batch.tokens, steps, teacher_tokens=True, valid=batch.valid,
+                            **packed_args(batch))
     terms = []
     for j, lg in enumerate(logits):
         q = j + 1  # row p of step j is scored against the target's prediction at position p + q
-        ok = (shift(batch.loss_mask.long(), q + 1).bool() & shift(batch.valid.long(), q + 1).bool()
-              & shift(in_draft.long(), q).bool())
-        if T <= q + 1:
-            ok = torch.zeros_like(ok)
+        ok = _ok_rows(batch, in_draft, q)
         per_row = -(shift_rows(t_prob, q) * torch.log_softmax(lg.float(), dim=-1)).sum(-1)
         with torch.no_grad():
             correct = ((hot[lg.argmax(-1)] == shift(t_arg, q)) & ok).sum()
@@ -61,10 +62,24 @@ def ttt_terms(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, s
     return terms
 
 
+def packed_args(batch) -> dict:
+    """unroll's keyword arguments for a packed batch (doc, positions, segments); {} otherwise."""
+    doc = getattr(batch, "doc", None)
+    if doc is None:
+        return {}
+    seg = Segments(batch.cu_seqlens, batch.max_seqlen, getattr(batch, "cu_seqlens_t", None))
+    return {"doc": doc, "positions": batch.positions, "segments": seg}
+
+
 def _ok_rows(batch: Batch, in_draft: torch.Tensor, q: int) -> torch.Tensor:
+    """Rows of step q-1 that count: the position scored (p + q + 1) is a valid assistant token of
+    row p's own sample (packed rows: the same doc), and the target's argmax there is a draft id."""
     T = batch.tokens.shape[1]
     ok = (shift(batch.loss_mask.long(), q + 1).bool() & shift(batch.valid.long(), q + 1).bool()
           & shift(in_draft.long(), q).bool())
+    doc = getattr(batch, "doc", None)
+    if doc is not None:
+        ok = ok & (shift(doc, q + 1, fill=-1) == doc)
     return torch.zeros_like(ok) if T <= q + 1 else ok
 
 
@@ -129,7 +144,7 @@ _LOSS_KERNELS = {"softce": _softce_rows}
 
 def compile_loss_kernels():
     """Compile the per-chunk soft-CE elementwise kernel (GPU path; call once)."""
-    _LOSS_KERNELS["softce"] = torch.compile(_softce_rows, dynamic=False)
+    _LOSS_KERNELS["softce"] = torch.compile(_softce_rows, dynamic=None)   # see kernels.compile_kernels
 
 
 class LinearSoftCE(torch.autograd.Function):
@@ -197,7 +212,7 @@ def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: in
     t_prob, t_arg = target_stats(batch.final, target_head, hot, chunk, pad=steps, target_arg=batch.target_arg)
     in_draft = t2d[t_arg]
     normed = drafter.unroll(batch.aux, batch.tokens, steps, teacher_tokens=True, valid=batch.valid,
-                            fused=True, return_normed=True)
+                            fused=True, return_normed=True, **packed_args(batch))
     terms = []
     for j, xn in enumerate(normed):
         q = j + 1  # row p of step j is scored against the target's prediction at position p + q

@@ -57,7 +57,7 @@ EVAL_KEYS = ("eval", "costmodel")
 EVAL_MODULES = ("evaluate", "bind", "data", "drafter", "kernels", "ttt", "target", "costmodel", "vocab",
                 "tracking", "steps.evaluate")
 TRAIN_MODULES = ("phases", "train", "evaluate", "bind", "data", "draftmap", "drafter", "kernels", "ttt", "target", "vocab",
-                 "tracking", "steps.train")
+                 "tracking", "steps.train", "packing")
 SOURCE = Input("fetch/source")
 TARGET = Input("@new")
 EVAL_SET = Input("features_eval/eval_new")
