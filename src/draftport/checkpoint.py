@@ -514,7 +514,7 @@ _NP_CODES = {("b", 1): "BOOL", ("u", 1): "U8", ("i", 1): "I8", ("i", 2): "I16", 
              ("f", 2): "F16", ("i", 4): "I32", ("u", 4): "U32", ("f", 4): "F32", ("f", 8): "F64",
              ("i", 8): "I64", ("u", 8): "U64"}
 _NP_NAMED = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-_TORCH_CODES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2",
+TORCH_CODES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2",
                 "float8_e4m3fn": "F8_E4M3", "int16": "I16", "uint16": "U16", "float16": "F16",
                 "bfloat16": "BF16", "int32": "I32", "uint32": "U32", "float32": "F32",
                 "float64": "F64", "int64": "I64", "uint64": "U64"}
@@ -525,7 +525,7 @@ def _tensor_bytes(name: str, value) -> tuple[str, list[int], memoryview]:
     a copy where the value is already contiguous CPU memory."""
     torch = sys.modules.get("torch")  # a torch tensor implies torch is imported; never import it here
     if torch is not None and isinstance(value, torch.Tensor):
-        code = _TORCH_CODES.get(str(value.dtype).removeprefix("torch."))
+        code = TORCH_CODES.get(str(value.dtype).removeprefix("torch."))
         if code is None:
             raise TypeError(f"save_safetensors: tensor {name!r} has dtype {value.dtype}, which safetensors cannot hold")
         t = value.detach().cpu().contiguous()
@@ -561,12 +561,12 @@ def safetensors_bytes_layout(tensors: dict[str, Any], metadata: dict[str, str] |
         if name == "__metadata__":
             raise ValueError("save_safetensors: '__metadata__' is not a tensor name")
         items.append((name, *_tensor_bytes(name, tensors[name])))
-    head, order = _layout_header([(name, code, shape, buf.nbytes) for name, code, shape, buf in items], metadata)
+    head, order = layout_header([(name, code, shape, buf.nbytes) for name, code, shape, buf in items], metadata)
     bufs = {name: buf for name, _, _, buf in items}
     return head, [bufs[name] for name in order]
 
 
-def _layout_header(items: list[tuple[str, str, list[int], int]], metadata: dict[str, str] | None
+def layout_header(items: list[tuple[str, str, list[int], int]], metadata: dict[str, str] | None
                    ) -> tuple[bytes, list[str]]:
     """(8-byte length + header, the tensor names in file order) for (name, dtype code, shape,
     nbytes) items, laid out as safetensors' writer lays them out (see safetensors_bytes_layout)."""
@@ -594,7 +594,7 @@ def copy_tensors_safetensors(tensors: dict[str, TensorInfo], path: str | Path,
     for name, info in tensors.items():
         if info.dtype not in ST_RANK:
             raise DraftportError(info.file, f"tensor {info.name!r} has dtype {info.dtype}, which cannot be copied")
-    head, order = _layout_header([(n, t.dtype, list(t.shape), t.nbytes) for n, t in tensors.items()], metadata)
+    head, order = layout_header([(n, t.dtype, list(t.shape), t.nbytes) for n, t in tensors.items()], metadata)
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 # the layout of save_safetensors' files, used to write a shard in place (see _ShardFile)
-from .checkpoint import _TORCH_CODES, _layout_header, atomic_dir, atomic_write_text
+from .checkpoint import TORCH_CODES, atomic_dir, atomic_write_text, layout_header
 from .checkpoint import sha256 as sha256_file
 from .errors import DraftportError
 
@@ -311,12 +311,12 @@ class _ShardFile:
         small = {"tokens": torch.tensor([t for sq in chunk for t in sq.tokens], dtype=torch.int32),
                  "loss_mask": torch.cat(masks), "offsets": self.offsets,
                  "response_start": torch.tensor([sq.response_start for sq in chunk], dtype=torch.int64)}
-        items = [(k, _TORCH_CODES[str(v.dtype).removeprefix("torch.")], list(v.shape), v.numel() * v.element_size())
+        items = [(k, TORCH_CODES[str(v.dtype).removeprefix("torch.")], list(v.shape), v.numel() * v.element_size())
                  for k, v in small.items()]
         for k, v in host.items():
             row = v[0].numel() * v.element_size() if v.shape[0] else 0
-            items.append((k, _TORCH_CODES[str(v.dtype).removeprefix("torch.")], [N, *v.shape[1:]], N * row))
-        head, order = _layout_header(items, None)
+            items.append((k, TORCH_CODES[str(v.dtype).removeprefix("torch.")], [N, *v.shape[1:]], N * row))
+        head, order = layout_header(items, None)
         size = {name: nbytes for name, _, _, nbytes in items}
         at, pos = {}, len(head)
         for name in order:
