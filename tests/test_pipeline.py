@@ -486,7 +486,7 @@ def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments
     (the uncached feature folders copied in with -C, so nothing upstream reruns), logs its phases
     to the tracking store tagged with its name, and `dvc exp show` / `dvc plots diff` put the grid
     side by side. After the workspace experiment above (it queues from the same commit)."""
-    grid = {"grid-lr-2e-3": 0.002, "grid-lr-4e-3": 0.004}
+    grid = {"grid-lr-1.7e-3": 0.0017, "grid-lr-2.3e-3": 0.0023}   # values no earlier test ran (the run-cache would restore those)
     copies = [a for f in ("features_new", "features_eval", "features_monitor") for a in ("-C", f"artifacts/{f}")]
     for name, lr in grid.items():
         repo.dvc("exp", "run", "--queue", "-n", name, "-S", f"phase1.train.lr={lr}", *copies, "eval_phase1")
@@ -510,9 +510,9 @@ def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments
         d = exps[name]["data"]
         assert d["params"]["params.yaml"]["data"]["phase1"]["train"]["lr"] == lr
         taus[name] = d["metrics"]["artifacts/eval_phase1/metrics.json"]["data"]["accept_length"]
-    assert taus["grid-lr-2e-3"] != taus["grid-lr-4e-3"]
+    assert taus["grid-lr-1.7e-3"] != taus["grid-lr-2.3e-3"]
     changed = repo.dvc("exp", "show", "--only-changed", "--md").stdout
-    assert "grid-lr-2e-3" in changed and "!" not in changed, changed   # no column an experiment lacks
+    assert "grid-lr-1.7e-3" in changed and "!" not in changed, changed   # no column an experiment lacks
 
     # the copies logged to the tracking store the user compares in, each run tagged with its experiment
     runs = [r for rs in runs_by_name(repo.uri).values() for r in rs]
