@@ -615,17 +615,21 @@ def check_disjoint(train, held_out, where: str) -> None:
                              f"prompts ({a0}-{a1 - 1}): it would measure memorized answers")
 
 
+def batch_buffers(samples: list[dict], B: int, T: int, dtype=torch.float32):
+    """Zeroed [B, T] buffers for samples' fields: aux, final, tokens, loss mask, valid, and
+    target_arg (None unless every sample has one)."""
+    H3, H = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
+    has_arg = all("target_arg" in s for s in samples)
+    return (torch.zeros(B, T, H3, dtype=dtype), torch.zeros(B, T, H, dtype=dtype),
+            torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool),
+            torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.long) if has_arg else None)
+
+
 def collate(samples: list[dict], dtype=torch.float32) -> tuple[Batch, list[int]]:
     """Right-pad a list of samples into a Batch (+ their response starts)."""
     B, T = len(samples), max(s["tokens"].shape[0] for s in samples)
-    H3, H = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
-    aux = torch.zeros(B, T, H3, dtype=dtype)
-    final = torch.zeros(B, T, H, dtype=dtype)
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    has_arg = all("target_arg" in s for s in samples)
-    t_arg = torch.zeros(B, T, dtype=torch.long) if has_arg else None
+    aux, final, tokens, mask, valid, t_arg = batch_buffers(samples, B, T, dtype)
+    has_arg = t_arg is not None
     for i, s in enumerate(samples):
         n = s["tokens"].shape[0]
         aux[i, :n], final[i, :n] = s["aux"].to(dtype), s["final"].to(dtype)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .data import Batch
+from .data import Batch, batch_buffers
 
 
 @dataclass
@@ -84,16 +84,10 @@ def pack(samples: list[dict], row_len: int | None = None, multiple: int = 1,
     T = row_len if row_len is not None else max(sum(lengths[i] for i in r) for r in rows)
     T = -(-T // multiple) * multiple
     B = len(rows)
-    H3, H = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
-    aux = torch.zeros(B, T, H3, dtype=dtype)
-    final = torch.zeros(B, T, H, dtype=dtype)
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    valid = torch.zeros(B, T, dtype=torch.bool)
+    aux, final, tokens, mask, valid, t_arg = batch_buffers(samples, B, T, dtype)
+    has_arg = t_arg is not None
     doc = torch.zeros(B, T, dtype=torch.long)
     pos = torch.zeros(B, T, dtype=torch.long)
-    has_arg = all("target_arg" in s for s in samples)
-    t_arg = torch.zeros(B, T, dtype=torch.long) if has_arg else None
     cu, longest, seg = [0], 0, 0
     for b, r in enumerate(rows):
         o = 0
