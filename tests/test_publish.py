@@ -1,4 +1,4 @@
-"""Publishing (#16 items 3-4): the chosen drafter as a hub-ready folder that loads back, passes the
+"""Publishing: the chosen drafter as a hub-ready folder that loads back, passes the
 export checks and carries a model card huggingface_hub parses; the upload is refused before any
 network call unless every check passes.
 
@@ -140,7 +140,7 @@ def test_the_step_reads_what_the_registry_gives_it(pipe):
 
 
 def test_trained_drafters_name_the_target_they_were_trained_for(pipe):
-    """#16 (b): the source names the old target; every phase trained from it names the new one."""
+    """The source names the old target; every phase trained from it names the new one."""
     assert read_config(pipe["inputs"]["source"].parent)[1]["verifier"] == "org/target-old"
     for ph in ("phase1_scratch", "phase1", "phase2"):
         assert read_config(pipe["inputs"][f"drafter_{ph}"])[1]["verifier"] == "org/target-new", ph

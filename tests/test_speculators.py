@@ -1,4 +1,4 @@
-"""A peer takes the published drafter further with speculators 0.9.0 (#16 item 4), in its own venv
+"""A peer takes the published drafter further with speculators 0.9.0, in its own venv
 (`make speculators-venv`): `speculators convert` keeps every tensor bit for bit under its new
 name, speculators' Eagle3DraftModel loads it (with the embedding the folder carries, the new
 target's) and computes draftport's teacher-forced forward; draftport's loader reads the
@@ -104,7 +104,7 @@ def test_speculators_converts_loads_and_computes_what_draftport_computes(spec):
 
 @pytest.mark.slow
 def test_draftports_speculators_format_loads_in_speculators(spec):
-    """#16 (b): the speculators-format writer names the drafter's own target (the new one) as its
+    """The speculators-format writer names the drafter's own target (the new one) as its
     verifier, which speculators reads (its layer count, its final norm)."""
     from draftport.checkpoint import find_target_embedding, load_drafter_state, read_tensor_np, save_drafter
 
