@@ -28,10 +28,31 @@ the GPU pipeline writes byte for byte what the CPU writes (a featurizer whose st
 both), the head's float32-output bf16 product against true float32 and against bf16 logits,
 and the capture without an attention mask against the masked one on a padded batch.
 
+--compile (a lever, off by default): after the eager rows and checks of a shape, the same
+capture, capture_write and mix capture_write rows again with each decoder layer's forward
+compiled by torch.compile (--compile-mode, default "default"; dynamic=False), recorded under
+the shape's "compiled" beside the eager rows, with the compile (warm-up) seconds. Each layer's
+`forward` is compiled, not the layer module: the Capture hooks (a forward pre-hook on aux
+layers, a forward hook on the final norm that ends the forward) stay outside the compiled code,
+in the module's eager __call__, and the layers of a model share one compiled graph (their
+weights are the graph's inputs). Shapes: dynamic=False compiles once per batch shape; the fixed
+rows have one (B x T); for the length mix the input ids are right-padded (pad id 0, never seen
+by the real tokens under causal attention; the padding is dropped when rows are packed) to a
+multiple of --compile-pad tokens (default 128, at most max(T, the batch's length)), so the mix
+costs at most T / 128 compiles (16 at T = 2048; fewer in practice: the batches' lengths come
+from a sorted log-normal mix), all done in an untimed warm-up on batches of the mix's own
+(batch size, padded length) pairs; the padding costs compute, counted against the compiled rows
+(tok/s counts real tokens). Recompiles seen inside the timed rows are recorded.
+
+--budget-s (default 540 on CUDA, none on the CPU): a row (or a shape, or the compiled lever) is
+skipped when its estimate no longer fits the time left, and the JSON is written after every row,
+so a run killed at a device call's 600 s limit keeps what it measured.
+
     python benchmarks/bench_capture_h200.py --out benchmarks/results/2026-12-01-h200-capture.json
+    python benchmarks/bench_capture_h200.py --shapes 8b --compile --out /tmp/capture-8b.json
     python benchmarks/bench_capture_h200.py --toy --out /tmp/capture.json      # CPU, seconds
 
-Never asserts timings: it prints figures and writes them (after each shape, so a partial run
+Never asserts timings: it prints figures and writes them (after each row, so a partial run
 keeps what it measured).
 """
 
@@ -62,7 +83,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from draftport import data  # noqa: E402
 from draftport.data import FeatureSet, Sequence, write_features  # noqa: E402
 from draftport.features import featurizer, greedy_choice, greedy_head  # noqa: E402
-from draftport.target import capture_dtype, capture_features  # noqa: E402
+from draftport.target import capture_dtype, capture_features, decoder_parts  # noqa: E402
 
 SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
@@ -239,6 +260,75 @@ def host_ceilings(device, work: Path) -> dict:
     return out
 
 
+# ---- the compiled lever ----------------------------------------------------------------------------
+def compile_layers(model, mode: str = "default") -> None:
+    """Each decoder layer's forward through torch.compile (dynamic=False), the hooks outside it."""
+    import torch._dynamo as dynamo
+
+    layers, _, _ = decoder_parts(model)
+    for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo.config, k):  # the layers share their graphs; bound the shapes, not the layers
+            setattr(dynamo.config, k, max(getattr(dynamo.config, k), 64 if "accumulated" not in k else 1024))
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, mode=None if mode == "default" else mode, dynamic=False)
+
+
+def uncompile_layers(model) -> None:
+    layers, _, _ = decoder_parts(model)
+    for layer in layers:
+        layer.__dict__.pop("forward", None)
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def padded_length(n: int, multiple: int, top: int) -> int:
+    return n if multiple <= 0 else min(-(-n // multiple) * multiple, max(top, n))
+
+
+@contextlib.contextmanager
+def padded_inputs(model, multiple: int, top: int):
+    """The model's forward on input ids right-padded to padded_length (id 0; a mask, where one is
+    passed, padded with zeros): a bounded set of shapes for a compiled forward."""
+    assert "forward" not in model.__dict__
+    inner = model.forward
+
+    def forward(input_ids=None, attention_mask=None, **kw):
+        T = input_ids.shape[1]
+        P = padded_length(T, multiple, top)
+        if P > T:
+            input_ids = torch.nn.functional.pad(input_ids, (0, P - T))
+            if attention_mask is not None:
+                attention_mask = torch.nn.functional.pad(attention_mask, (0, P - T))
+        return inner(input_ids=input_ids, attention_mask=attention_mask, **kw)
+    model.forward = forward
+    try:
+        yield
+    finally:
+        model.__dict__.pop("forward", None)
+
+
+def mix_batches(mix, B, window) -> list[list[int]]:
+    """The lengths of each batch write_features(by_length=True) makes of these lengths."""
+    out = []
+    for w0 in range(0, len(mix), window):
+        group = sorted(mix[w0: w0 + window], reverse=True)
+        out += [group[b: b + B] for b in range(0, len(group), B)]
+    return out
+
+
+def mix_warmup_batches(mix, B, window, multiple, top) -> dict[tuple, list[int]]:
+    """One batch of lengths per compiled shape the mix runs: (samples, padded length, whether
+    every sample fills it: a mask without padding, where one is passed, is another graph)."""
+    out = {}
+    for g in mix_batches(mix, B, window):
+        P = padded_length(max(g), multiple, top)
+        out.setdefault((len(g), P, min(g) == P), g)
+    return out
+
+
 # ---- checks ---------------------------------------------------------------------------------------
 def exact_featurizer(H: int, vocab: int, device):
     """States that are exact products of table entries (one IEEE multiply): equal on every device,
@@ -323,7 +413,8 @@ def check_numerics(model, shape, device, mix) -> dict:
 
 
 # ---- one shape --------------------------------------------------------------------------------------
-def run_shape(name: str, a, device, work: Path) -> dict:
+def run_shape(name: str, a, device, work: Path, left=lambda: math.inf, save=lambda res: None) -> dict:
+    """One shape's rows; save(res) after each, and a row skipped when its estimate exceeds left()."""
     shape = SHAPES[name]
     dtype = capture_dtype(device)
     t = time.perf_counter()
@@ -337,41 +428,55 @@ def run_shape(name: str, a, device, work: Path) -> dict:
            "params": params_of(shape), "flops_per_token": flops_per_token(shape, [T]),
            "roofline_tok_s": roofline(shape, [T], a.peak_tflops), "target_dtype": str(dtype).removeprefix("torch.")}
     roof = res["roofline_tok_s"]
+    save(res)
 
     def entry(tok_s, r=roof, **kw):
         return {"tok_s": tok_s, "fraction_of_roofline": tok_s / r, **kw}
+
+    def room(what, need) -> bool:
+        if left() >= need:
+            return True
+        log(f"[{name}] {what}: skipped, {max(left(), 0):.0f} s of the budget left (needs ~{need:.0f} s)")
+        res.setdefault("skipped_for_budget", []).append(what)
+        save(res)
+        return False
 
     ids = torch.randint(0, shape["vocab_size"], (B, T), device=device, generator=None)
     with torch.no_grad():
         sec = timed(lambda: model(input_ids=ids, use_cache=False), device, a.iters, 1)
     res["forward"] = entry(B * T / sec, seconds_per_batch=sec)
     log(f"[{name}] forward        {B * T / sec:9.0f} tok/s  {B * T / sec / roof:6.1%} of {roof:.0f}")
+    save(res)
     del ids
+    fwd_s = sec  # seconds per batch of B x T: the estimates of the rows below
 
     featurize = featurizer(model, aux_ids(shape), "vllm", device)
     batches = [make_sequences([T] * B, shape["vocab_size"], seed=10 + i) for i in range(a.iters + 1)]
 
-    def capture():
+    def capture(fz=featurize):
         pending = deque()
         for b in batches[1:]:
-            ax, fin, arg = featurize(b)
+            ax, fin, arg = fz(b)
             pending.append(data._Rows(data._pack(b, ax, fin, arg, "bfloat16")))
             if len(pending) > 2:
                 pending.popleft().wait()
         while pending:
             pending.popleft().wait()
 
+    if not room("capture", 2.5 * a.iters * fwd_s):
+        return res
     sec = timed(capture, device, 1, 1) / a.iters  # the warm-up run fills the pinned-memory cache
     res["capture"] = entry(B * T / sec, seconds_per_batch=sec)
     log(f"[{name}] capture        {B * T / sec:9.0f} tok/s  {B * T / sec / roof:6.1%}")
+    save(res)
 
-    def write(lengths, dtype_s, key, r):
+    def write(lengths, dtype_s, key, r, fz=featurize, tag=""):
         seqs = make_sequences(lengths, shape["vocab_size"], seed=1)
         out = work / f"feats_{name}_{key}"
         prof, queued = Profile(), []
         with prof.on():
             t = time.perf_counter()
-            index = write_features(out, seqs, featurize, meta={"aux_layer_ids": aux_ids(shape)},
+            index = write_features(out, seqs, fz, meta={"aux_layer_ids": aux_ids(shape)},
                                    shard_samples=a.shard_samples, batch_size=B, dtype=dtype_s, by_length=True,
                                    writers=a.writers, progress=lambda n: queued.append(time.perf_counter()))
             sec = time.perf_counter() - t
@@ -393,14 +498,22 @@ def run_shape(name: str, a, device, work: Path) -> dict:
                   bytes_per_token=index["bytes_per_token"], shards=len(ends),
                   steady_tok_s=steady, steady_fraction_of_roofline=steady / r if steady else None,
                   profile_seconds={k: round(v, 3) for k, v in sorted(prof.sec.items())})
-        log(f"[{name}] write {key:5s} {dtype_s:9s} {tokens / sec:9.0f} tok/s  {tokens / sec / r:6.1%}  "
+        log(f"[{name}] {tag}write {key:5s} {dtype_s:9s} {tokens / sec:9.0f} tok/s  {tokens / sec / r:6.1%}  "
             f"{nbytes / sec / 1e6:7.0f} MB/s  ({sec:.1f} s, {tokens} tokens, tail {e['seconds_after_last_batch']:.1f} s; "
             f"steady {e['steady_fraction_of_roofline'] or 0:.1%})")
         log(f"          profile: {json.dumps(e['profile_seconds'])}")
         return e
 
-    res["capture_write"] = write(fixed, "bfloat16", "fixed", roof)
-    res["capture_write_fp8"] = write(fixed[: len(fixed) // 2], "fp8_e4m3", "fixed", roof)
+    def write_need(tokens, rate):   # seconds: the capture's rate, 1.6x for the writer, its tail
+        return 1.6 * tokens / rate + 5.0
+
+    cap_rate = res["capture"]["tok_s"]
+    if room("capture_write", write_need(len(fixed) * T, cap_rate)):
+        res["capture_write"] = write(fixed, "bfloat16", "fixed", roof)
+        save(res)
+    if room("capture_write_fp8", write_need(len(fixed) // 2 * T, cap_rate)):
+        res["capture_write_fp8"] = write(fixed[: len(fixed) // 2], "fp8_e4m3", "fixed", roof)
+        save(res)
     mix_roof = roofline(shape, mix, a.peak_tflops)
     window = -(-max(a.shard_samples, 16 * B) // a.shard_samples) * a.shard_samples  # write_features' default
     sorted_pad = 0
@@ -412,15 +525,85 @@ def run_shape(name: str, a, device, work: Path) -> dict:
                   "min_tokens": min(mix), "roofline_tok_s": mix_roof,
                   "flops_per_token": flops_per_token(shape, mix),
                   "padding_fraction_input_order": 1 - sum(mix) / unsorted_pad,
-                  "padding_fraction_by_length": 1 - sum(mix) / sorted_pad, "sort_window": window,
-                  "capture_write": write(mix, "bfloat16", "mix", mix_roof)}
-    if torch.device(device).type == "cuda":
+                  "padding_fraction_by_length": 1 - sum(mix) / sorted_pad, "sort_window": window}
+    if room("mix capture_write", write_need(sorted_pad, cap_rate)):
+        res["mix"]["capture_write"] = write(mix, "bfloat16", "mix", mix_roof)
+    save(res)
+    if torch.device(device).type == "cuda" and room("checks", 20.0):
         res["checks"] = check_numerics(model, shape, device, mix)
         log(f"[{name}] checks: {json.dumps(res['checks'])}")
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        save(res)
+    if a.compile:
+        run_compiled(name, a, model, shape, device, res, capture, write, entry, room, save, fixed, mix,
+                     window, sorted_pad, cap_rate, write_need)
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return res
+
+
+def run_compiled(name, a, model, shape, device, res, capture, write, entry, room, save, fixed, mix, window,
+                 sorted_pad, cap_rate, write_need) -> None:
+    """The --compile lever: capture, capture_write and mix capture_write with each decoder layer's
+    forward compiled (dynamic=False), into res["compiled"]; the eager rows stay as measured."""
+    B, T, roof = a.batch, a.seq, res["roofline_tok_s"]
+    c = res["compiled"] = {"mode": a.compile_mode, "dynamic": False, "what": "each decoder layer's forward "
+                           "(hooks outside the compiled code; one graph shared by the layers)",
+                           "mix_pad_multiple": a.compile_pad}
+    # a first compile: minutes on a cold cache at an 8B/32B shape (one layer graph, its kernels)
+    if not room("compiled", 60.0 + 2.5 * a.iters * B * T / cap_rate):
+        c["skipped"] = "budget"
+        return
+    compile_layers(model, a.compile_mode)
+    g0 = compiled_graphs()
+    try:
+        with padded_inputs(model, a.compile_pad, T):
+            fz = featurizer(model, aux_ids(shape), "vllm", device)
+            t = time.perf_counter()
+            fz(make_sequences([T] * B, shape["vocab_size"], seed=99))
+            sync(device)
+            c["warmup_s"] = time.perf_counter() - t
+            log(f"[{name}] compiled ({a.compile_mode}): first batch (the compile) {c['warmup_s']:.1f} s")
+            save(res)
+            sec = timed(lambda: capture(fz), device, 1, 1) / a.iters
+            c["capture"] = entry(B * T / sec, seconds_per_batch=sec)
+            log(f"[{name}] compiled capture {B * T / sec:9.0f} tok/s  {B * T / sec / roof:6.1%} "
+                f"(eager {res['capture']['fraction_of_roofline']:.1%})")
+            save(res)
+            rate = c["capture"]["tok_s"]
+            g = compiled_graphs()
+            if room("compiled capture_write", write_need(len(fixed) * T, rate)):
+                c["capture_write"] = write(fixed, "bfloat16", "fixed", roof, fz=fz, tag="compiled ")
+            c["graphs_compiled_in_timed_fixed_rows"] = compiled_graphs() - g
+            save(res)
+            # the mix: every (batch size, padded length) it will run, compiled before the timed write
+            shapes = mix_warmup_batches(mix, B, window, a.compile_pad, T)
+            c["mix_shapes"] = sorted([n, P] for n, P, _ in shapes)
+            if room("compiled mix warm-up", 30.0 * len(shapes)):
+                t = time.perf_counter()
+                for lengths in shapes.values():
+                    fz(make_sequences(lengths, shape["vocab_size"], seed=98))
+                sync(device)
+                c["mix_warmup_s"] = time.perf_counter() - t
+                log(f"[{name}] compiled mix warm-up: {len(shapes)} batch shapes in {c['mix_warmup_s']:.1f} s")
+                save(res)
+                padded = sum(len(g) * padded_length(max(g), a.compile_pad, T) for g in mix_batches(mix, B, window))
+                if room("compiled mix capture_write", write_need(padded, rate)):
+                    g = compiled_graphs()
+                    c["mix"] = {"capture_write": write(mix, "bfloat16", "mix", res["mix"]["roofline_tok_s"], fz=fz,
+                                                       tag="compiled "),
+                                "padding_fraction_padded": 1 - sum(mix) / padded,
+                                "graphs_compiled_in_timed_rows": compiled_graphs() - g}
+            save(res)
+    except Exception as e:  # the lever failing must not cost the eager rows
+        import traceback
+        c["failed"] = repr(e)[:500]
+        log(f"[{name}] compiled: FAILED {e!r}\n{traceback.format_exc()[-2000:]}")
+    finally:
+        c["graphs_compiled"] = compiled_graphs() - g0
+        uncompile_layers(model)
+        torch._dynamo.reset()
+        save(res)
 
 
 def dump(path: Path, res: dict) -> None:
@@ -446,11 +629,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--dir", type=Path, default=None, help="where the shards are written (a disk)")
     ap.add_argument("--verify-read", action="store_true", help="read a sample of each folder back")
+    ap.add_argument("--compile", action="store_true", help="also the capture rows with each decoder layer's "
+                    "forward compiled by torch.compile (beside the eager rows, under each shape's 'compiled')")
+    ap.add_argument("--compile-mode", default="default", help="torch.compile mode: default, reduce-overhead, "
+                    "max-autotune-no-cudagraphs, max-autotune")
+    ap.add_argument("--compile-pad", type=int, default=128, help="compiled: the mix's batches right-padded to a "
+                    "multiple of this many tokens (bounded recompiles; 0: none, one compile per length)")
+    ap.add_argument("--budget-s", type=float, default=None, help="wall budget: rows that no longer fit are "
+                    "skipped (default 540 on CUDA, none on the CPU)")
     a = ap.parse_args(argv)
+    t0 = time.perf_counter()
     if a.toy:
         a.shapes, a.batch, a.seq, a.iters, a.write_batches = "toy", 4, 64, 1, 4
         a.mix_samples, a.mix_mean, a.shard_samples, a.verify_read = 24, 40, 8, True
     device = "cuda" if torch.cuda.is_available() and not a.toy else "cpu"
+    if a.budget_s is None:
+        a.budget_s = 540.0 if device == "cuda" else math.inf
+
+    def left():
+        return a.budget_s - (time.perf_counter() - t0)
     work = Path(tempfile.mkdtemp(prefix="bench-capture.", dir=a.dir))
     res = {"date": datetime.date.today().isoformat(),
            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
@@ -461,7 +658,10 @@ def main(argv=None) -> dict:
                       "mix_samples": a.mix_samples, "mix_mean": a.mix_mean, "shard_samples": a.shard_samples,
                       "writers": a.writers or max(1, min(4, (os.cpu_count() or 1) // 4)),
                       "cpu_count": os.cpu_count(), "peak_tflops": a.peak_tflops, "dir": str(work),
-                      "attention": "sdpa", "aux_convention": "vllm"},
+                      "attention": "sdpa", "aux_convention": "vllm",
+                      "budget_s": a.budget_s if math.isfinite(a.budget_s) else None,
+                      "compile": a.compile and {"mode": a.compile_mode, "dynamic": False, "mix_pad_multiple":
+                                                a.compile_pad, "what": "each decoder layer's forward"}},
            "shapes": {}}
     try:
         res["host"] = host_ceilings(device, work)
@@ -470,19 +670,42 @@ def main(argv=None) -> dict:
             res["checks"] = check_pipeline(device, work)
             log(f"checks: {json.dumps(res['checks'])}")
         dump(a.out, res)
-        for name in a.shapes.split(","):
-            res["shapes"][name] = run_shape(name, a, device, work)
+        for i, name in enumerate(a.shapes.split(",")):
+            if i and left() < 60:
+                log(f"[{name}] skipped: {max(left(), 0):.0f} s of the budget left")
+                res.setdefault("skipped_for_budget", []).append(name)
+                continue
+
+            def save(r, name=name):
+                res["shapes"][name] = r
+                res["wall_s"] = time.perf_counter() - t0
+                dump(a.out, res)
+            res["shapes"][name] = run_shape(name, a, device, work, left, save)
+            res["wall_s"] = time.perf_counter() - t0
             dump(a.out, res)
             gc.collect()  # the last target's weights back to the allocator before the next is built
             if device == "cuda":
                 torch.cuda.empty_cache()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    log("summary: " + "; ".join(
-        f"{n}: forward {s['forward']['fraction_of_roofline']:.1%}, capture {s['capture']['fraction_of_roofline']:.1%}, "
-        f"capture+write {s['capture_write']['fraction_of_roofline']:.1%} ({s['capture_write']['MB_s']:.0f} MB/s), "
-        f"fp8 {s['capture_write_fp8']['fraction_of_roofline']:.1%}, mix {s['mix']['capture_write']['fraction_of_roofline']:.1%}"
-        for n, s in res["shapes"].items()))
+    res["wall_s"] = time.perf_counter() - t0
+    dump(a.out, res)
+
+    def frac(r):
+        return "-" if not r or "fraction_of_roofline" not in r else f"{r['fraction_of_roofline']:.1%}"
+
+    def line(n, s):
+        w = s.get("capture_write") or {}
+        out = (f"{n}: forward {frac(s.get('forward'))}, capture {frac(s.get('capture'))}, "
+               f"capture+write {frac(w)} ({w.get('MB_s', 0):.0f} MB/s), fp8 {frac(s.get('capture_write_fp8'))}, "
+               f"mix {frac((s.get('mix') or {}).get('capture_write'))}")
+        c = s.get("compiled")
+        if c:
+            out += (f"; compiled: capture {frac(c.get('capture'))}, capture+write {frac(c.get('capture_write'))}, "
+                    f"mix {frac((c.get('mix') or {}).get('capture_write'))}, compile {c.get('warmup_s') or 0:.0f} s "
+                    f"+ mix {c.get('mix_warmup_s') or 0:.0f} s")
+        return out
+    log("summary: " + "; ".join(line(n, s) for n, s in res["shapes"].items()) + f"; wall {res['wall_s']:.0f} s")
     return res
 
 

@@ -27,6 +27,19 @@ faster peer" is only given when every peer asked for was measured at that shape 
     python benchmarks/bench_train_h200.py --ladder             # what each lever gives
     python benchmarks/bench_train_h200.py --rescore RESULTS.json   # ratios/goals from its records
 
+Two device calls instead of one (each call limited to ~600 s; the machine may be a fresh one):
+    python benchmarks/bench_train_h200.py --peers-only --json PEERS.json      # the peers alone
+    python benchmarks/bench_train_h200.py --peers-from PEERS.json --json RESULTS.json   # ours
+--peers-only runs no part of ours (no attention probe, no levers): the whole --budget-s goes to
+the peers, speculators first with --speculators-share of it (it compiles at each length and the
+mix), SpecForge with the rest; it writes the peers' raw records (`peers_raw`, as a full run
+writes them), versions, device, config, mix and wall time. --peers-from FILE (that file, or a
+full results file) runs no peer: it loads their records and scores them with this call's own
+figures through score() (the code --rescore uses), so the ratios and goals are those of a
+single run; the output names the source in `peers_from`. It refuses (one line, exit 1) a FILE
+that is missing, not JSON, without peers_raw, or whose config (hidden size, seqs, TTT steps,
+the mix: lengths and packed row length) differs from this run's.
+
 Never asserts timings: it prints figures.
 """
 
@@ -637,8 +650,9 @@ def with_stored_mask(batches, head, hot, chunk):
     return batches
 
 
-def run_peer(name, cmd, timeout, log) -> list[dict]:
-    """A peer's runner in a subprocess; -> its JSON records (those printed before any timeout)."""
+def run_peer(name, cmd, timeout, log, info=None) -> list[dict]:
+    """A peer's runner in a subprocess; -> its JSON records (those printed before any timeout).
+    info (a dict): gets wall_s, status ("done", "timed out", "failed (rc N)")."""
     log(f"[{name}] {' '.join(cmd)}  (timeout {timeout:.0f}s)")
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -663,6 +677,9 @@ def run_peer(name, cmd, timeout, log) -> list[dict]:
             f"step {r.get('step_s_median', r.get('step_s_total', 0)) * 1e3:7.1f} ms  trainable "
             f"{r['trainable_params'] / 1e6:.1f}M  lm_head {'trained' if r['lm_head_trainable'] else 'frozen'}  "
             f"peak {r.get('peak_mem_gib') or 0:.2f} GiB  warmup {r.get('warmup_s', 0):.1f}s")
+    if info is not None:
+        info.update(wall_s=wall, records=len(recs),
+                    status="timed out" if timed_out else ("done" if p.returncode == 0 else f"failed (rc {p.returncode})"))
     if timed_out or p.returncode != 0:
         log(f"[{name}] {'timed out' if timed_out else f'failed (rc {p.returncode})'} after {wall:.0f}s; "
             f"stderr tail:\n{(err or '')[-2500:]}")
@@ -729,6 +746,12 @@ def parse(argv=None):
     ap.add_argument("--sf-attn", default=None, help="SpecForge's attention backend (flex_attention)")
     ap.add_argument("--budget-s", type=float, default=None, help="wall budget of the whole run (peers' "
                     "timeouts shrink to fit it; default 560 on CUDA)")
+    ap.add_argument("--peers-only", action="store_true", help="run only the peers (none of ours, no "
+                    "probe, no levers) and write their records to --json, for --peers-from in a later call")
+    ap.add_argument("--peers-from", default=None, metavar="FILE", help="run no peer: score ours against the "
+                    "peers' records in FILE (from --peers-only, or a full results file) as if they had run here")
+    ap.add_argument("--speculators-share", type=float, default=0.55, help="--peers-only: the part of the "
+                    "budget left that speculators (run first) may use when SpecForge runs after it")
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--rescore", default=None, help="recompute the ratios and goals of this results file "
                     "from its records, in place (no run)")
@@ -745,7 +768,57 @@ def parse(argv=None):
     a.budget_s = a.budget_s or (560.0 if cuda else 3600.0)
     if a.no_peers:
         a.no_speculators = a.no_specforge = True
+    if a.peers_only and a.peers_from:
+        ap.error("--peers-only and --peers-from exclude each other")
+    if a.peers_only and a.no_speculators and a.no_specforge:
+        ap.error("--peers-only with no peer to run")
     return a
+
+
+def requested_peers(a) -> list[str]:
+    return [p for p, off in (("speculators", a.no_speculators), ("specforge", a.no_specforge)) if not off]
+
+
+def run_key(a) -> dict:
+    """What the peers' figures depend on in this run: a --peers-from file must have the same."""
+    mix = None
+    if a.mix:
+        mix = {"lengths": mix_lengths(a.mix, a.mix_max, a.mix_seed), "pack_len": a.pack_len}
+    return {"hidden_size": SIZES[a.size]["hidden_size"], "seqs": [int(t) for t in a.seqs], "ttt_steps": a.ttt,
+            "mix": mix}
+
+
+def file_key(res: dict) -> dict:
+    """run_key() of a results file (--peers-only or a full run): its config and mix."""
+    c, m = res.get("config") or {}, res.get("mix")
+    return {"hidden_size": c.get("hidden_size"), "seqs": [int(t) for t in (c.get("seqs") or [])],
+            "ttt_steps": c.get("ttt_steps"),
+            "mix": None if not m else {"lengths": m.get("lengths"), "pack_len": m.get("pack_len")}}
+
+
+def load_peers(path: str, a) -> dict:
+    """The peers' records of a --peers-only (or full) results file; a one-line SystemExit (exit 1)
+    when the file is missing, is not JSON, has no peers_raw, or measured other work."""
+    def refuse(why):
+        raise SystemExit(f"bench_train_h200.py: --peers-from {path}: {why}")
+    p = Path(path)
+    if not p.is_file():
+        refuse("no such file")
+    try:
+        src = json.loads(p.read_text())
+    except (ValueError, OSError) as e:
+        refuse(f"not JSON ({str(e).splitlines()[0][:120]})")
+    if not isinstance(src, dict) or not isinstance(src.get("peers_raw"), dict):
+        refuse("no peers_raw in it")
+    want, got = run_key(a), file_key(src)
+    diff = [k for k in want if want[k] != got[k]]
+    if diff:
+        def short(v):
+            s = json.dumps(v)
+            return s if len(s) <= 60 else s[:57] + "..."
+        refuse("its config differs from this run's (the ratios would compare different work): " + "; ".join(
+            f"{k} {short(got[k])} there, {short(want[k])} here" for k in diff))
+    return src
 
 
 def ratio(x, y):
@@ -768,6 +841,7 @@ def main(argv=None) -> dict:
     a = parse(argv)
     if a.rescore:
         return rescore(a.rescore)
+    src = load_peers(a.peers_from, a) if a.peers_from else None   # refuse before any work
     t_start = time.perf_counter()
     lines = []
 
@@ -792,6 +866,13 @@ def main(argv=None) -> dict:
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
+
+    if a.peers_only:
+        return peers_only(a, out, cuda, left, log, save, t_start)
+
+    def save_peers(peers, runs):
+        out["peers_raw"], out["peer_runs"] = peers, runs
+        save()
 
     out["check"] = check_equivalence(a, dev, log) if a.check else None
     out["check_packed"] = check_packed(a, dev, log) if a.check else None
@@ -903,39 +984,15 @@ def main(argv=None) -> dict:
         save()
 
     # ---- the length mix: its lengths, our two layouts ----
-    mix = None
-    if a.mix:
-        lens = mix_lengths(a.mix, a.mix_max, a.mix_seed)
-        mix = {"distribution": f"log-normal(mu {MIX_MU}, sigma {MIX_SIGMA}) tokens, x {a.mix_max}/2048, clipped to "
-                               f"[{min(64, a.mix_max // 4)}, {a.mix_max}]; seed {a.mix_seed}",
-               "n": len(lens), "lengths": lens, "mean": sum(lens) / len(lens), "max": max(lens),
-               "total_tokens": sum(lens), "pack_len": a.pack_len, "pad_batch": a.pad_batch}
-        log(f"[mix] {len(lens)} samples, mean {mix['mean']:.0f}, max {mix['max']}, {sum(lens)} tokens; "
-            f"packed rows of {a.pack_len}, padded groups of {a.pad_batch}")
-        out["mix"] = mix
-    mix_file = None
+    mix = mix_spec(a, log)
     if mix is not None:
-        fd, mix_file = tempfile.mkstemp(prefix="mix_", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"lengths": mix["lengths"]}, f)
+        out["mix"] = mix
 
-    # ---- the peers, one at a time, in subprocesses ----
-    peers = {}
-    requested = [p for p, off in (("speculators", a.no_speculators), ("specforge", a.no_specforge)) if not off]
-    env_py = sys.executable
-    toy = ["--toy"] if a.size == "toy" else []
-    common = ["--seqs", *map(str, a.seqs), "--ttt", str(a.ttt), "--iters", str(a.peer_iters),
-              "--warmup", str(a.peer_warmup)] + toy + (["--mix", mix_file] if mix_file else [])
-    if not a.no_speculators:
-        cmd = [env_py, str(HERE / "peers" / "speculators_run.py"), *common, "--total-seq-len", str(a.pack_len),
-               "--loss-impl", a.spec_loss] + (["--attn", a.spec_attn] if a.spec_attn else [])
-        peers["speculators"] = run_peer("speculators", cmd, max(150.0, min(220.0, left() * 0.4)), log)
-        out["peers_raw"] = peers
-        save()
-    if not a.no_specforge:
-        cmd = [env_py, str(HERE / "peers" / "specforge_run.py"), *common, "--sets", "trained", "frozen"] + (
-            ["--attn", a.sf_attn] if a.sf_attn else []) + ([] if cuda else ["--cpu-test"])
-        peers["specforge"] = run_peer("specforge", cmd, max(170.0, left() - (160.0 if mix else 0.0) - 8.0), log)
+    # ---- the peers, one at a time, in subprocesses (or their records from --peers-from) ----
+    if src is None:
+        peers, requested = run_peers(a, mix, cuda, left, log, save_peers), requested_peers(a)
+    else:
+        peers, requested = use_peers(src, a, out, log)
         out["peers_raw"] = peers
         save()
 
@@ -1015,15 +1072,135 @@ def main(argv=None) -> dict:
         "fp32_target_logits_via_mm_out_dtype": ttt_mod._MM_OUT_DTYPE[0] if cuda else None,
         "wall_s": time.perf_counter() - t_start,
     })
+    if src is not None:
+        log(f"[peers] the peer figures in these ratios come from {a.peers_from} ({src.get('date')}, "
+            f"{src.get('device')}), not from this call")
     for gl in goals:
         log(goal_line(gl))
     log("summary: " + json.dumps({k: out.get(k) for k in (
         "tokens_per_s", "mfu", "mfu_with_mask", "peak_mem_gib", "tokens_per_s_lm_head_trainable",
         "tokens_per_s_mask_stored", "speedup_vs_best_peer", "packed_real_tokens_per_s",
-        "packed_real_tokens_per_s_lm_head_frozen", "padded_real_tokens_per_s", "wall_s")}, default=str))
+        "packed_real_tokens_per_s_lm_head_frozen", "padded_real_tokens_per_s", "wall_s")}, default=str)
+        + (f" (peer figures from {a.peers_from})" if src is not None else ""))
     save()
-    if mix_file:
-        os.unlink(mix_file)
+    return out
+
+
+def mix_spec(a, log) -> dict | None:
+    """The length mix's lengths and layouts (None without one)."""
+    if not a.mix:
+        return None
+    lens = mix_lengths(a.mix, a.mix_max, a.mix_seed)
+    mix = {"distribution": f"log-normal(mu {MIX_MU}, sigma {MIX_SIGMA}) tokens, x {a.mix_max}/2048, clipped to "
+                           f"[{min(64, a.mix_max // 4)}, {a.mix_max}]; seed {a.mix_seed}",
+           "n": len(lens), "lengths": lens, "mean": sum(lens) / len(lens), "max": max(lens),
+           "total_tokens": sum(lens), "pack_len": a.pack_len, "pad_batch": a.pad_batch}
+    log(f"[mix] {len(lens)} samples, mean {mix['mean']:.0f}, max {mix['max']}, {sum(lens)} tokens; "
+        f"packed rows of {a.pack_len}, padded groups of {a.pad_batch}")
+    return mix
+
+
+def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
+    """The peers asked for, one at a time, in subprocesses on the same GPU, speculators first.
+    -> peers_raw {name: [records]}; on_peer(peers, runs) after each (runs: timeout, wall, status).
+
+    Timeouts: in a full run speculators gets 150-220 s and SpecForge what is left but the mix's
+    share; with --peers-only the whole budget is theirs: speculators (it compiles at each length
+    and on the mix: minutes) up to --speculators-share of what is left, SpecForge the rest (all
+    that speculators did not use)."""
+    peers, runs = {}, {}
+    mix_file = None
+    if mix is not None:
+        fd, mix_file = tempfile.mkstemp(prefix="mix_", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"lengths": mix["lengths"]}, f)
+    try:
+        env_py = sys.executable
+        toy = ["--toy"] if a.size == "toy" else []
+        common = ["--seqs", *map(str, a.seqs), "--ttt", str(a.ttt), "--iters", str(a.peer_iters),
+                  "--warmup", str(a.peer_warmup)] + toy + (["--mix", mix_file] if mix_file else [])
+        if not a.no_speculators:
+            cmd = [env_py, str(HERE / "peers" / "speculators_run.py"), *common, "--total-seq-len", str(a.pack_len),
+                   "--loss-impl", a.spec_loss] + (["--attn", a.spec_attn] if a.spec_attn else [])
+            if peers_only:
+                t = left() * a.speculators_share if not a.no_specforge else left() - 8.0
+            else:
+                t = max(150.0, min(220.0, left() * 0.4))
+            runs["speculators"] = {"timeout_s": t}
+            peers["speculators"] = run_peer("speculators", cmd, t, log, runs["speculators"])
+            on_peer(peers, runs)
+        if not a.no_specforge:
+            cmd = [env_py, str(HERE / "peers" / "specforge_run.py"), *common, "--sets", "trained", "frozen"] + (
+                ["--attn", a.sf_attn] if a.sf_attn else []) + ([] if cuda else ["--cpu-test"])
+            t = left() - 8.0 if peers_only else max(170.0, left() - (160.0 if mix else 0.0) - 8.0)
+            runs["specforge"] = {"timeout_s": t}
+            peers["specforge"] = run_peer("specforge", cmd, t, log, runs["specforge"])
+            on_peer(peers, runs)
+    finally:
+        if mix_file:
+            os.unlink(mix_file)
+    return peers
+
+
+def use_peers(src: dict, a, out: dict, log) -> tuple[dict, list[str]]:
+    """--peers-from: the file's peer records and the peers asked for in both calls; records where
+    they came from in out["peers_from"] and the peers' package versions in out["versions"]."""
+    peers = src["peers_raw"]
+    asked = src.get("peers_requested") or list(peers)
+    requested = [p for p in requested_peers(a) if p in asked]
+    sv = src.get("versions") or {}
+    out["peers_from"] = {"file": str(Path(a.peers_from).resolve()), "date": src.get("date"),
+                         "device": src.get("device"), "mode": src.get("mode", "full run"),
+                         "wall_s": src.get("wall_s"), "peers_requested": asked,
+                         "versions": {k: sv.get(k) for k in ("speculators", "specforge", "torch", "transformers",
+                                                             "triton")},
+                         "peer_runs": src.get("peer_runs")}
+    for k in ("speculators", "specforge"):
+        out["versions"][k] = sv.get(k)
+    for name in requested:
+        for r in peers.get(name, []):
+            tag = r.get("config", "?") + (f"/{r['set']}" if "set" in r else "")
+            log(f"[{name}] {tag:16s} {r.get('real_tokens_per_s') or 0:8.0f} real tok/s  (from {a.peers_from})")
+    log(f"[peers] figures from {a.peers_from} ({src.get('date')}, {src.get('device')}, "
+        f"{out['peers_from']['mode']}), not measured in this call: "
+        + ", ".join(f"{p} {len(peers.get(p, []))} records" for p in requested)
+        + ("" if src.get("device") == out["device"] else f"; WARNING: measured on {src.get('device')}, "
+           f"this call runs on {out['device']}"))
+    return peers, requested
+
+
+def peers_only(a, out, cuda, left, log, save, t_start) -> dict:
+    """--peers-only: the peers alone, the whole budget theirs; their records, versions, device,
+    config, mix and wall time to --json (what --peers-from reads)."""
+    cfg = DrafterConfig(**SIZES[a.size], aux_layer_ids=[2, 30, 58])
+    requested = requested_peers(a)
+    out.update({
+        "mode": "peers-only",
+        "config": {"size": a.size, **SIZES[a.size], "fc_in": cfg.fc_in, "seqs": a.seqs, "seq": a.seqs[0],
+                   "ttt_steps": a.ttt, "dtype": "bfloat16" if cuda else "float32", "peer_iters": a.peer_iters,
+                   "peer_warmup": a.peer_warmup, "pack_len": a.pack_len, "spec_loss": a.spec_loss,
+                   "spec_attn": a.spec_attn, "sf_attn": a.sf_attn, "budget_s": a.budget_s,
+                   "speculators_share": a.speculators_share},
+        "peers_requested": requested, "peers_raw": {}, "peer_runs": {}})
+    log(f"peers only: {', '.join(requested)}; size {a.size}, T {a.seqs}, TTT {a.ttt}; budget {a.budget_s:.0f}s")
+    mix = mix_spec(a, log)
+    out["mix"] = mix
+    save()
+
+    def on_peer(peers, runs):
+        out["peers_raw"], out["peer_runs"] = peers, runs
+        out["wall_s"] = time.perf_counter() - t_start
+        save()
+    peers = run_peers(a, mix, cuda, left, log, on_peer, peers_only=True)
+    out["peers_raw"] = peers
+    out["wall_s"] = time.perf_counter() - t_start
+    want = [f"seq{T}" for T in a.seqs] + (["mix"] if mix else [])
+    for p in requested:
+        got = {r.get("config") for r in peers.get(p, [])}
+        log(f"[peers] {p}: {len(peers.get(p, []))} records; shapes missing: "
+            f"{', '.join(c for c in want if c not in got) or 'none'}")
+    log(f"summary: peers only, wall {out['wall_s']:.0f}s; score with --peers-from {a.json or 'FILE'}")
+    save()
     return out
 
 

@@ -234,3 +234,74 @@ def test_faster_peer_ratio_needs_every_peer_asked_for():
     assert r["best_peer_lm_head_frozen"] is None and r["speedup_vs_best_peer_stored"] is None
     assert r["missing_peers"] == ["speculators"] and r["vs_specforge_lm_head_frozen_stored"] == 150 / 80
     assert {g["goal"]: g["met"] for g in goals}["T2048 vs the faster peer, lm_head frozen, mask stored"] is None
+
+
+def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
+    """--peers-only writes the peers' records (peers_raw, versions, device, config, mix, wall time);
+    --peers-from scores a later call's own figures against them through score(), as --rescore
+    would, names the source, and refuses a file that is missing, not JSON, without peers_raw, or
+    from other work. The peers' packages are not installed on the CPU test machine: their runs
+    fail fast and leave no records, so recorded ones stand in for them."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    peers_file, res_file = tmp_path / "peers.json", tmp_path / "r.json"
+    toy = ["--size", "toy", "--mix", "4"]
+
+    def bench(*args):
+        return subprocess.run([sys.executable, str(BENCH), *toy, *args], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=tmp_path)
+
+    r = bench("--peers-only", "--json", str(peers_file))
+    assert r.returncode == 0, r.stderr[-3000:]
+    p = json.loads(peers_file.read_text())
+    assert p["mode"] == "peers-only" and p["device"] == "cpu" and "versions" in p and p["wall_s"] > 0
+    assert set(p["peers_raw"]) == {"speculators", "specforge"} == set(p["peer_runs"])
+    assert p["peers_requested"] == ["speculators", "specforge"]
+    assert p["config"]["seqs"] == [64] and p["config"]["ttt_steps"] == 7 and p["config"]["hidden_size"] == 64
+    assert p["mix"]["n"] == 4 and "[ours]" not in r.stdout and "[attn]" not in r.stdout
+
+    def rec(config, tps, impl, trained, **kw):
+        return dict(config=config, real_tokens_per_s=tps, tokens_per_s=tps, peak_mem_gib=1.0, impl=impl,
+                    lm_head_trainable=trained, trainable_params=1000, step_s_median=0.1, **kw)
+
+    p["peers_raw"] = {
+        "speculators": [rec("seq64", 100.0, "speculators-0.9.0", False), rec("mix", 90.0, "speculators-0.9.0", False)],
+        "specforge": [rec("seq64", 80.0, "specforge-0.2.0", True, set="trained"),
+                      rec("seq64", 120.0, "specforge-0.2.0", False, set="frozen"),
+                      rec("mix", 70.0, "specforge-0.2.0", True, set="trained")]}
+    p["versions"].update(speculators="0.9.0", specforge="0.2.0")
+    peers_file.write_text(json.dumps(p))
+
+    r = bench("--peers-from", str(peers_file), "--iters", "1", "--warmup", "1", "--json", str(res_file))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "speculators_run.py" not in r.stdout and f"(from {peers_file})" in r.stdout   # no peer ran
+    assert f"peer figures in these ratios come from {peers_file}" in r.stdout
+    res = json.loads(res_file.read_text())
+    pf = res["peers_from"]
+    assert pf["file"] == str(peers_file.resolve()) and pf["device"] == "cpu" and pf["mode"] == "peers-only"
+    assert res["versions"]["speculators"] == "0.9.0" and res["peers_raw"] == p["peers_raw"]
+    ours = res["by_length"]["64"]["ours"]
+    ra = res["by_length"]["64"]["ratios"]
+    assert ra["best_peer_lm_head_frozen"] == "specforge" and ra["missing_peers"] == []
+    assert ra["speedup_vs_best_peer_stored"] == pytest.approx(ours["frozen_stored"]["real_tokens_per_s"] / 120.0)
+    assert ra["vs_specforge_lm_head_trained_stored"] == pytest.approx(ours["trainable_stored"]["real_tokens_per_s"] / 80)
+    mr, mres = res["mix_ratios"], res["mix_results"]
+    assert mr["speedup_vs_best_peer"] == pytest.approx(min(mres["packed_frozen_stored"]["real_tokens_per_s"] / 90.0,
+                                                           mres["packed_trainable_stored"]["real_tokens_per_s"] / 70))
+    assert all(g["value"] is not None for g in res["goals"] if "faster peer" in g["goal"])
+    # the same ratios and goals as --rescore computes from these records
+    again = tmp_path / "again.json"
+    again.write_text(res_file.read_text())
+    assert subprocess.run([sys.executable, str(BENCH), "--rescore", str(again)], capture_output=True,
+                          timeout=120, env=env).returncode == 0
+    assert json.loads(again.read_text())["goals"] == res["goals"]
+
+    # refusals: one line on stderr, exit 1, before any work
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "nopeers.json").write_text(json.dumps({"config": p["config"], "mix": p["mix"]}))
+    for args, why in (([str(tmp_path / "missing.json")], "no such file"), ([str(tmp_path / "bad.json")], "not JSON"),
+                      ([str(tmp_path / "nopeers.json")], "no peers_raw"),
+                      ([str(peers_file), "--ttt", "5"], "ttt_steps"), ([str(peers_file), "--mix-seed", "3"], "mix"),
+                      ([str(peers_file), "--seqs", "32"], "seqs")):
+        r = bench("--peers-from", *args, "--json", str(tmp_path / "x.json"))
+        assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        assert not (tmp_path / "x.json").exists()
