@@ -11,6 +11,7 @@ import pytest
 
 from draftport import estimate as E
 from draftport import params as P
+from draftport import storage
 from draftport.errors import DraftportError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +224,7 @@ def test_check_storage_refuses_in_every_mode(tmp_path, monkeypatch):
     class Usage:
         free = 100 * 10**9
 
-    monkeypatch.setattr(E.shutil, "disk_usage", lambda _: Usage)
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda _: Usage)
     lines = []
     disk = E.storage_need("disk", tokens=10**6, hidden_size=7168)  # 57.3 GB
     assert E.check_storage(tmp_path, disk, lines.append)["free_bytes"] == 100 * 10**9

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -92,14 +91,6 @@ def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -
     scale of each of those states. An unknown dtype: KeyError."""
     scales = (n_aux + 1) * SCALE_BYTES if dtype == FP8 else 0
     return (n_aux + 1) * hidden_size * DTYPES[dtype].itemsize + scales + 4 + 1
-
-
-def check_disk(folder: Path, need: int, log=print) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    log(f"storage: need ~{human(need)}, free {human(free)} at {folder}")
-    if need * 1.05 > free:
-        raise DraftportError(folder, f"not enough disk for the features: need ~{human(need)}, {human(free)} free")
 
 
 def human(n: float) -> str:
@@ -485,6 +476,9 @@ class FeatureSet:
             raise DraftportError(idx_path, f"corrupt index ({e})") from None
         if not self.index.get("samples"):
             raise DraftportError(idx_path, "feature folder holds no samples (empty dataset)")
+        if self.index.get("storage") in ("online", "hybrid"):
+            raise DraftportError(self.folder, f"holds sequences without their states (features.storage "
+                                 f"{self.index['storage']}): the training step captures them")
         self.shards = []
         self.where = []  # sample -> (shard, local index)
         for si, sh in enumerate(self.index["shards"]):
@@ -553,6 +547,108 @@ class FeatureSet:
         return out
 
 
+SEQUENCES = "sequences.safetensors"
+
+
+def write_sequences(out_dir: str | Path, sequences: list[Sequence], *, meta: dict, capture: dict) -> dict:
+    """A folder of sequences without their states (features.storage online / hybrid): the
+    training step captures them itself (draftport.spool). One file, sequences.safetensors:
+    tokens [N] int32, loss_mask [N] bool, offsets [n+1] int64, response_start [n] int64 (a
+    feature shard's small tensors), and index.json: the meta a feature folder records, its
+    counts, `storage`, `capture` (how the states are to be captured: engine, storage dtype,
+    batch size, ...; the training step reads it, so a change reruns what trains on it), the
+    hidden size and bytes per token the capture will give, and the file's sha256. Written into
+    a temporary sibling folder renamed into place."""
+    from .checkpoint import save_safetensors
+
+    out_dir = Path(out_dir)
+    if not sequences:
+        raise DraftportError(out_dir, "no samples to write (empty dataset)")
+    dtype = capture.get("dtype", "bfloat16")
+    if dtype not in DTYPES:
+        raise DraftportError("features.dtype", f"{dtype!r} is not a storage dtype ({', '.join(DTYPES)})")
+    lens = torch.tensor([len(sq.tokens) for sq in sequences], dtype=torch.int64)
+    masks = []
+    for sq in sequences:
+        m = torch.zeros(len(sq.tokens), dtype=torch.bool)
+        m[sq.response_start:] = True
+        masks.append(m)
+    tensors = {"tokens": torch.tensor([t for sq in sequences for t in sq.tokens], dtype=torch.int32),
+               "loss_mask": torch.cat(masks), "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
+               "response_start": torch.tensor([sq.response_start for sq in sequences], dtype=torch.int64)}
+    hidden, n_aux = int(capture["hidden_size"]), len(meta.get("aux_layer_ids") or (0, 0, 0))
+    with atomic_dir(out_dir) as tmp:
+        save_safetensors(tensors, tmp / SEQUENCES)
+        index = dict(meta)
+        index.update(samples=len(sequences), tokens=int(lens.sum()), storage=capture["storage"], dtype=dtype,
+                     hidden_size=hidden, bytes_per_token=bytes_per_token(hidden, dtype, n_aux),
+                     capture=dict(capture), sequences={"file": SEQUENCES, "sha256": sha256_file(tmp / SEQUENCES)},
+                     shards=[])
+        atomic_write_text(tmp / "index.json", json.dumps(index, indent=2) + "\n")
+    return index
+
+
+def is_sequences(folder: str | Path) -> bool:
+    """Whether folder is a sequences folder (write_sequences), not a feature folder."""
+    try:
+        return json.loads((Path(folder) / "index.json").read_text()).get("storage") in ("online", "hybrid")
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+class SequenceSet:
+    """The samples of a sequences folder (write_sequences): sample(i) gives what a FeatureSet's
+    does without the states (tokens, loss_mask, response_start); sequence(i) the Sequence the
+    capture runs on. Checked as a FeatureSet is: index.json parsed, the file's sha256."""
+
+    def __init__(self, folder: str | Path, verify: bool = True):
+        from safetensors.torch import load_file
+
+        self.folder = Path(folder)
+        idx_path = self.folder / "index.json"
+        if not idx_path.is_file():
+            raise DraftportError(self.folder, "not a sequences folder (no index.json)")
+        try:
+            self.index = json.loads(idx_path.read_text())
+        except json.JSONDecodeError as e:
+            raise DraftportError(idx_path, f"corrupt index ({e})") from None
+        ent = self.index.get("sequences")
+        if not isinstance(ent, dict) or not self.index.get("samples") or not isinstance(self.index.get("capture"), dict):
+            raise DraftportError(idx_path, "not a sequences index (no sequences file, samples or capture settings)")
+        path = self.folder / str(ent.get("file"))
+        if not path.is_file():
+            raise DraftportError(path, "sequences file listed in index.json is missing")
+        if verify and sha256_file(path) != ent.get("sha256"):
+            raise DraftportError(path, "sequences file is corrupted (sha256 differs from index.json)")
+        try:
+            t = load_file(str(path))
+        except Exception as e:  # safetensors raises its own error types
+            raise DraftportError(path, f"cannot read the sequences ({e})") from None
+        want = {"tokens": 1, "loss_mask": 1, "offsets": 1, "response_start": 1}
+        if any(k not in t or t[k].dim() != d for k, d in want.items()) or \
+                t["offsets"].shape[0] != self.index["samples"] + 1 or int(t["offsets"][-1]) != t["tokens"].shape[0]:
+            raise DraftportError(path, f"does not hold {self.index['samples']} sequences (tokens, loss_mask, "
+                                 "offsets, response_start)")
+        self.t = t
+
+    def __len__(self):
+        return int(self.index["samples"])
+
+    def sequence(self, i: int) -> Sequence:
+        a, b = int(self.t["offsets"][i]), int(self.t["offsets"][i + 1])
+        return Sequence(self.t["tokens"][a:b].tolist(), int(self.t["response_start"][i]))
+
+    def sample(self, i: int) -> dict:
+        a, b = int(self.t["offsets"][i]), int(self.t["offsets"][i + 1])
+        return {"tokens": self.t["tokens"][a:b].long(), "loss_mask": self.t["loss_mask"][a:b],
+                "response_start": int(self.t["response_start"][i])}
+
+
+def open_set(folder: str | Path, verify: bool = True):
+    """A FeatureSet, or a SequenceSet for a folder written by features.storage online / hybrid."""
+    return SequenceSet(folder, verify) if is_sequences(folder) else FeatureSet(folder, verify)
+
+
 class FeatureChain:
     """The first `n` samples of several feature folders read one after another (a prefix of one
     capture split over steps: Phase 1's samples, then Phase 2's), as one FeatureSet. The folders
@@ -560,7 +656,7 @@ class FeatureChain:
     ended) with the same layers, convention and hidden size: the chain is then exactly the
     capture of the first n prompts, and `prompts` says which ([offset, offset + n))."""
 
-    META = ("aux_layer_ids", "aux_convention", "hidden_size")
+    META = ("aux_layer_ids", "aux_convention", "hidden_size", "storage", "capture")
 
     def __init__(self, sets: list[FeatureSet], n: int | None = None):
         if not sets:
@@ -596,6 +692,11 @@ class FeatureChain:
     def sample(self, i: int) -> dict:
         j, li = self.where[i]
         return self.sets[j].sample(li)
+
+    def sequence(self, i: int) -> Sequence:
+        """A chain of SequenceSets: sample i's Sequence."""
+        j, li = self.where[i]
+        return self.sets[j].sequence(li)
 
 
 def prompt_range(fs) -> tuple[str | None, int, int]:

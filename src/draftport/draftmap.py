@@ -24,9 +24,9 @@ def count_tokens(features, vocab_size: int) -> np.ndarray:
 def build_vocab(features_dir, out_path, *, draft_vocab_size: int, vocab_size: int) -> dict:
     """d2t/t2d from the target's own generations; written as one small safetensors file."""
     from .checkpoint import save_safetensors
-    from .data import FeatureSet
+    from .data import open_set
 
-    fs = FeatureSet(features_dir)
+    fs = open_set(features_dir)  # the tokens are all it reads: a sequences folder (storage online) serves too
     counts = count_tokens(fs, vocab_size)
     d2t, t2d = build_maps(counts, draft_vocab_size)
     covered = counts[t2d].sum() / max(counts.sum(), 1)

@@ -27,16 +27,16 @@ Every input is printed next to the result so the arithmetic can be redone by han
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from .errors import DraftportError
+from .storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive,  # noqa: F401 (the estimate's API)
+                      bytes_per_token, check_storage, storage_need)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-11-29-h200.json"
 RESULTS = ROOT / "benchmarks" / "results"
 PHASES = (("phase1_scratch", "phase1"), ("phase1", "phase1"), ("phase2", "phase2"))
-MODES = ("disk", "online", "hybrid")
 
 PEAK_TFLOPS = 790.0  # H200 dense bf16, the roofline of the training and capture benchmarks
 # Stated, until a capture benchmark file lands: one H200, 2026-12-01, bf16 random-weight targets,
@@ -54,9 +54,6 @@ CAPTURE_STATED_SOURCE = ("H200 2026-12-01, 32B dense bf16 random weights, B x T 
 SERVE_TOK_S = 1800.0
 SERVE_SOURCE = ("DeepSeek-R1 FP8 on 8 x H200, SGLang TP8, 1K/1K, 64 concurrent: 223.6 output tok/s/GPU x 8 "
                 "(SemiAnalysisAI/InferenceX#870)")
-SPOOL_GB = 64.0           # features.spool_gb's default when the profile has none: the online spool bound
-TOKEN_BYTES = 4 + 1       # a stored token: its id (int32) and its loss-mask bit (bool)
-DISK_MARGIN = 1.05        # data.check_disk's: refuse unless 5% more than the need is free
 
 # The text decoder of the targets the real profile names, as published in their config.json
 # (Kimi-K2.5: the `text_config` of its multimodal wrapper; the DeepseekV3 shape of Kimi-K2).
@@ -68,13 +65,6 @@ KIMI_K2_TEXT = {"model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 71
                 "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                 "tie_word_embeddings": False}
 KNOWN_TARGETS = {"moonshotai/Kimi-K2.5": KIMI_K2_TEXT, "moonshotai/Kimi-K2-Instruct": KIMI_K2_TEXT}
-
-
-def _positive(name: str, value, *, at_most: float | None = None) -> None:
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
-            at_most is not None and value > at_most):
-        rng = f"in (0, {at_most:g}]" if at_most is not None else "> 0"
-        raise DraftportError(name, f"must be {rng}, got {value!r}")
 
 
 def train_seconds(*, steps: int, batch_size: int, tokens_per_sample: int, tok_s_per_gpu: float, gpus: int,
@@ -260,68 +250,6 @@ def capture_efficiency(bench=None, stated: float | None = None) -> dict:
     if path is not None:
         return capture_bench(path)
     return {"source": "stated", "note": CAPTURE_STATED_SOURCE, **CAPTURE_STATED}
-
-
-# ---- storage per mode: the estimate and the check before any weights load -----------------------
-def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -> tuple[int, str]:
-    """(bytes per stored token, how): draftport.data's, the writer's own size (fp8_e4m3: 1 B per
-    element + a float32 scale per token per state)."""
-    from . import data
-
-    try:
-        return data.bytes_per_token(hidden_size, dtype, n_aux), "data.bytes_per_token"
-    except KeyError:
-        raise DraftportError("features.dtype", f"{dtype!r}: no storage size known") from None
-
-
-def storage_need(mode: str, *, tokens: int, hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3,
-                 spool_gb: float = SPOOL_GB) -> dict:
-    """Bytes a capture (or an online training) needs on disk before it starts, by storage mode:
-    disk: tokens x bytes per token at dtype; online: the spool bound + the answers as token ids;
-    hybrid: online's need, plus the first epoch's cache (tokens x bytes per token) when it fits."""
-    if mode not in MODES:
-        raise DraftportError("features.storage", f"{mode!r}: expected one of {', '.join(MODES)}")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise DraftportError("storage", f"tokens must be an integer >= 0, got {tokens!r}")
-    per_tok, how = bytes_per_token(hidden_size, dtype, n_aux)
-    full = tokens * per_tok
-    if mode == "disk":
-        return {"mode": mode, "need_bytes": full, "tokens": tokens, "bytes_per_token": per_tok, "dtype": dtype,
-                "formula": f"{tokens:,} tokens x {per_tok:,} B/token ({dtype}, {how})"}
-    _positive("features.spool_gb", spool_gb)
-    spool = min(int(spool_gb * 1e9), full)  # the spool never holds more than all the states
-    ids = tokens * TOKEN_BYTES
-    out = {"mode": mode, "need_bytes": spool + ids, "tokens": tokens, "spool_bytes": spool, "ids_bytes": ids,
-           "formula": f"spool min({spool_gb:g} GB, all states {full:,} B) + {tokens:,} tokens x {TOKEN_BYTES} B "
-                      "(ids + mask)"}
-    if mode == "hybrid":
-        out.update(cache_bytes=full, bytes_per_token=per_tok, dtype=dtype,
-                   formula=out["formula"] + f"; first-epoch cache {tokens:,} x {per_tok:,} B/token ({dtype})")
-    return out
-
-
-def check_storage(folder, need: dict, log=print) -> dict:
-    """Refuse (one line) when the disk at folder cannot hold `need` (storage_need's) with 5% to
-    spare; hybrid: refuse below online's need, and say whether the first epoch's cache fits.
-    Returns need with `free_bytes` (and, for hybrid, `cache`: true when the cache fits)."""
-    from .data import human
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    mode, n = need["mode"], need["need_bytes"]
-    out = dict(need, free_bytes=free)
-    if mode == "hybrid":
-        out["cache"] = (n + need["cache_bytes"]) * DISK_MARGIN <= free
-        log(f"storage ({mode}): need ~{human(n)} ({need['formula']}), free {human(free)} at {folder}; first epoch "
-            + ("cached" if out["cache"] else f"not cached (~{human(need['cache_bytes'])} does not fit): online"))
-    else:
-        log(f"storage ({mode}): need ~{human(n)} ({need['formula']}), free {human(free)} at {folder}")
-    if n * DISK_MARGIN > free:
-        what = "the features" if mode == "disk" else f"the {mode} spool"
-        raise DraftportError(folder, f"not enough disk for {what}: need ~{human(n)}, {human(free)} free "
-                             f"(features.storage {mode})")
-    return out
 
 
 # ---- the estimate -------------------------------------------------------------------------------

@@ -310,6 +310,13 @@ class FeaturesParams(Group):
         "OpenAI-compatible API (vLLM, SGLang) at base_url")
     base_url: Optional[Str] = F(..., "regenerate openai: the server, e.g. http://127.0.0.1:8000/v1")
     served_model: Optional[Str] = F(..., "regenerate openai: the name the server knows the target by")
+    storage: Literal["disk", "online", "hybrid"] = F(
+        "disk", "training data's states: disk (captured by features_new / features_phase2 and stored); online "
+        "(those steps store the answers only, each training step captures the states into a bounded spool, "
+        "deleted as read); hybrid (online, the first epoch kept on disk for the later ones when it fits)")
+    spool_gb: float = F(64.0, "storage online / hybrid: the spool's bound in GB (at least one shard)", gt=0)
+    spool_dir: Optional[Str] = F(None, "storage online / hybrid: where the spool lives (a shared filesystem on "
+                                 "a cluster); null: beside the training step's checkpoints")
 
 
 class VocabNewParams(Group):

@@ -12,7 +12,7 @@ import torch
 from .bind import check_features_fit, drafter_for_target, target_head
 from .checkpoint import atomic_write_text, load_drafter_state, save_drafter
 from .config import DrafterConfig, read_config
-from .data import FeatureChain, FeatureSet, check_disjoint
+from .data import FeatureChain, FeatureSet, check_disjoint, open_set
 from .draftmap import cfg_d2t, read_vocab
 from .errors import DraftportError
 from .vocab import check_maps, compare_maps, remap_lm_head
@@ -54,7 +54,8 @@ def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, 
 def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, train_cfg,
                 source_dir=None, vocab_policy: str = "remap", arch: dict | None = None,
                 logger=None, progress=True, ckpt_dir=None, n_samples: int | None = None,
-                monitor: dict | None = None, verifier: str | None = None) -> dict:
+                monitor: dict | None = None, verifier: str | None = None, spool: dict | None = None,
+                trust_remote_code: bool = False) -> dict:
     """Train a drafter for the new target and save it (flat format) to out_dir/drafter.
 
     init 'source': start from the source drafter; its lm_head is moved onto the new map by
@@ -72,14 +73,19 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     speculators' verifier.name_or_path): the params' targets.new (a hub id or a folder), default
     target_dir. Always this training's target, never the name an initial drafter carried (the
     source's names the old target).
+    Folders of sequences without states (features.storage online / hybrid, data.write_sequences):
+    the states are captured during training (draftport.spool.online_features) into the bounded
+    spool spool["dir"] of spool["gb"] GB (default: beside the checkpoints), hybrid's first-epoch
+    cache in spool["cache_dir"] (default: beside the spool); the target's code runs only when
+    trust_remote_code.
     """
     from .evaluate import held_out_monitor
     from .train import train
 
     out_dir = Path(out_dir)
     dirs = feature_dirs(features_dir)
-    fs = FeatureSet(dirs[0]) if len(dirs) == 1 and n_samples is None else \
-        FeatureChain([FeatureSet(d) for d in dirs], n_samples)
+    sets = [open_set(d) for d in dirs]
+    fs = sets[0] if len(sets) == 1 and n_samples is None else FeatureChain(sets, n_samples)
     head = target_head(target_dir)
     d2t_new, t2d_new = read_vocab(vocab_path, vocab_size=head.shape[0])
     report: dict = {"init": init}
@@ -120,8 +126,24 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     inputs = inputs_fingerprint(features_dir=features_dir, vocab_path=vocab_path, init=init,
                                 source_dir=source_dir, vocab_policy=vocab_policy, arch=arch,
                                 n_samples=n_samples, monitor=monitor)
-    res = train(d, fs, head, out_dir, train_cfg, logger=logger, progress=progress, ckpt_dir=ckpt_dir,
-                inputs=inputs, monitor=watch)
+    if fs.index.get("storage") in ("online", "hybrid"):
+        from .storage import SPOOL_GB
+        from .spool import online_features
+
+        sp = spool or {}
+        ck = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
+        sdir = Path(sp.get("dir") or ck.with_name(f"{ck.name}.spool"))
+        fs = online_features(fs, target_dir=target_dir, spool_dir=sdir, spool_gb=sp.get("gb") or SPOOL_GB,
+                             cache_dir=sp.get("cache_dir") or sdir.with_name(f"{sdir.name}-cache"),
+                             trust_remote_code=trust_remote_code, log=print if progress else (lambda _m: None))
+    try:
+        res = train(d, fs, head, out_dir, train_cfg, logger=logger, progress=progress, ckpt_dir=ckpt_dir,
+                    inputs=inputs, monitor=watch)
+    finally:
+        if hasattr(fs, "close"):
+            fs.close()
+    if hasattr(fs, "discard_cache"):  # trained to the end: hybrid's first-epoch cache has served
+        fs.discard_cache()
     save_drafter(out_dir / "drafter", cfg, d.export_state(),
                  metadata={"draftport_phase_init": init})
     report.update(train_steps=res["steps"], train_seconds=res["seconds"], final=res["final"],

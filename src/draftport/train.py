@@ -91,10 +91,12 @@ def trainable(drafter: Eagle3Drafter) -> dict[str, torch.nn.Parameter]:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: TrainConfig,
-                    sharded=None, inputs: dict | None = None) -> Path | None:
+                    sharded=None, inputs: dict | None = None, data_position: int | None = None) -> Path | None:
     """sharded: the FSDP module of train() under parallel: fsdp. Then every rank must call: the
     full state is gathered to rank 0, which alone writes (the same files as one process).
     inputs: what the run was trained on (train()'s `inputs`), kept so a resume can check it.
+    data_position: the positions of the run's consumption order read so far (online features:
+    where their capture restarts; step x batch size).
     A full disk is a DraftportError; the previous checkpoints stay as they were."""
     from .checkpoint import disk_full_error, save_safetensors
 
@@ -120,7 +122,8 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
             moments["rng.torch"] = torch.get_rng_state()
             save_safetensors(moments, tmp / "optimizer.safetensors")
             state = {"step": step, "adam_steps": steps, "history": history, "config": cfg.model_dump(),
-                     "inputs": inputs}
+                     "inputs": inputs, "data_position": data_position if data_position is not None
+                     else step * cfg.batch_size}
             (tmp / "state.json").write_text(json.dumps(state) + "\n")
     except Exception as e:
         err = disk_full_error(e, final)
@@ -370,6 +373,10 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
                 logger.log_metrics({k: v for k, v in rec.items() if k != "step" and not k.startswith("n_")},
                                    rec["step"])
     resumed_from = step
+    begin = getattr(features, "begin", None)
+    if begin is not None:  # online features (draftport.spool): their capture starts at this data position
+        pos = json.loads((last / "state.json").read_text()).get("data_position") if resumed_from else None
+        begin(step, cfg, pos)
     torch.manual_seed(cfg.seed + step)
     stopped = bool(history and history[-1].get("early_stop"))  # a stopped run stays stopped
     scores = [r["accept_length"] for r in history if "accept_length" in r]
@@ -438,7 +445,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
             bar.update(1)
         if ckpt_now and (rank == 0 or fsdp):   # under FSDP every rank joins the gather
             save_checkpoint(ckpt_root, step, drafter, opt, history, cfg, sharded=net if fsdp else None,
-                            inputs=inputs)
+                            inputs=inputs, data_position=getattr(features, "position", None))
         if world > 1:
             dist.barrier()
         if last:

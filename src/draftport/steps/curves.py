@@ -47,7 +47,7 @@ def train_curves(s: Step) -> dict:
     from ..params import TrainConfig
     from ..phases import train_phase
     from ..train import init_distributed
-    from .train import monitor_of
+    from .train import monitor_of, online_of
 
     rank, _ = init_distributed()  # under torchrun every rank trains each point on its slice of the batch
     c = s.p["curves"]
@@ -62,7 +62,7 @@ def train_curves(s: Step) -> dict:
         kw = dict(features_dir=feats, n_samples=pt["n_samples"], target_dir=s.input("target"),
                   vocab_path=s.input("vocab"), init=pt["init"], source_dir=s.input("source"), train_cfg=cfg,
                   monitor=monitor_of(s, cfg), ckpt_dir=checkpoints(s.name) / pt["name"],
-                  verifier=s.p["targets"]["new"])
+                  verifier=s.p["targets"]["new"], **online_of(s, f"{s.name}-{pt['name']}"))
         if rank > 0:  # rank 0 writes the files, logs and checkpoints
             with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
                 train_phase(scratch, logger=None, progress=False, **kw)

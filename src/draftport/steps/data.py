@@ -96,11 +96,14 @@ def _check_source_fits(source: Path, features: dict) -> None:
                              f"was trained under {cfg.aux_convention}")
 
 
-def _features(s: Step, out_dir, target, prompts, *, n: int, offset: int = 0) -> dict:
+def _features(s: Step, out_dir, target, prompts, *, n: int, offset: int = 0, training: bool = False) -> dict:
+    """training: a training set (features.storage applies: online / hybrid store the answers
+    only); held-out and evaluation sets are always stored with their states."""
     from ..features import build_features
     from ..target import trusted
 
     f = s.p["features"]
+    storage = f["storage"] if training else "disk"
     idx = build_features(target, prompts, out_dir, n_samples=n, offset=offset,
                          trust_remote_code=trusted(target, s.p["targets"]["trust_remote_code"]),
                          aux_layer_ids=f["aux_layer_ids"], convention=f["aux_convention"],
@@ -108,17 +111,21 @@ def _features(s: Step, out_dir, target, prompts, *, n: int, offset: int = 0) -> 
                          batch_size=f["batch_size"], dtype=f["dtype"], device=f["device"],
                          engine=f["engine"], tensor_parallel_size=f["tensor_parallel_size"],
                          regenerate_via=f["regenerate"], base_url=f["base_url"],
-                         served_model=f["served_model"])
-    return {"samples": idx["samples"], "tokens": idx["tokens"],
-            "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2)}
+                         served_model=f["served_model"], storage=storage)
+    out = {"samples": idx["samples"], "tokens": idx["tokens"],
+           "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2)}
+    if storage != "disk":  # mb: what the states would take on disk; stored: the answers alone
+        out.update(storage=storage, stored_mb=round(sum(p.stat().st_size for p in Path(out_dir).iterdir()) / 1e6, 3))
+    return out
 
 
 def features_new(s: Step) -> dict:
     """The new target's own greedy answers to Phase 1's training prompts, and its hidden states
-    at the source drafter's aux layers (train/)."""
+    at the source drafter's aux layers (train/; features.storage online / hybrid: the answers
+    only, the training steps capture the states)."""
     _check_source_fits(s.input("source"), s.p["features"])
     return {"train": _features(s, s.path("train"), s.input("target"), s.p["targets"]["prompts_train"],
-                               n=s.p["phase1"]["n_samples"])}
+                               n=s.p["phase1"]["n_samples"], training=True)}
 
 
 def features_monitor(s: Step) -> dict:
@@ -155,7 +162,7 @@ def features_phase2(s: Step) -> dict:
     _check_source_fits(s.input("source"), s.p["features"])
     n1, n2 = s.p["phase1"]["n_samples"], s.p["phase2"]["n_samples"]
     return {"train": _features(s, s.path("train"), s.input("target"), s.p["targets"]["prompts_train"],
-                               n=n2 - n1, offset=n1), "offset": n1}
+                               n=n2 - n1, offset=n1, training=True), "offset": n1}
 
 
 def vocab_new(s: Step) -> dict:

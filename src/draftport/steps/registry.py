@@ -52,17 +52,21 @@ FEATURE_KEYS = ("targets.new", "targets.trust_remote_code", "features.aux_layer_
                 "features.engine", "features.tensor_parallel_size", "features.regenerate", "features.base_url",
                 "features.served_model")
 FEATURE_MODULES = ("features", "data", "target", "engines.vllm.features", "engines.vllm.venv",
-                   "engines.vllm.runners.features_vllm", "engines.openai", "steps.data")
+                   "engines.vllm.runners.features_vllm", "engines.openai", "storage", "steps.data")
 EVAL_KEYS = ("eval", "costmodel")
 EVAL_MODULES = ("evaluate", "bind", "data", "drafter", "kernels", "ttt", "target", "costmodel", "vocab",
                 "tracking", "steps.evaluate")
 TRAIN_MODULES = ("phases", "train", "evaluate", "bind", "data", "draftmap", "drafter", "kernels", "ttt", "target", "vocab",
-                 "tracking", "steps.train", "packing")
+                 "tracking", "steps.train", "packing", "spool", "features", "storage", "engines.vllm.features",
+                 "engines.vllm.venv", "engines.vllm.runners.features_vllm")  # spool on: the capture runs in training
 SOURCE = Input("fetch/source")
 TARGET = Input("@new")
 EVAL_SET = Input("features_eval/eval_new")
 VOCAB = Input("vocab_new/vocab.safetensors")
 MONITOR_KEYS = ("monitor.k", "monitor.batch_size")
+# where and how large the spool of a training step is when its data is stored online / hybrid (the
+# capture itself is what its sequences folder records); read in disk mode too (unused there)
+SPOOL_KEYS = ("targets.trust_remote_code", "features.spool_gb", "features.spool_dir")
 
 
 def monitor_input(group: str) -> Input:
@@ -88,7 +92,8 @@ STEPS: tuple[Step, ...] = (
          "data:fetch", ("source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"),
          ("fetch", "steps.data"), after=("world",)),
     Step("features_new", "the new target's answers to Phase 1's prompts and its hidden states",
-         "data:features_new", (*FEATURE_KEYS, "targets.prompts_train", "phase1.n_samples"), FEATURE_MODULES,
+         "data:features_new", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples"),
+         FEATURE_MODULES,
          {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
     Step("features_eval", "held-out sets answered by each target (the new one; the old one, the source's home)",
          "data:features_eval", (*FEATURE_KEYS, "targets.old", "targets.prompts_eval_new", "targets.prompts_eval_old",
@@ -102,7 +107,8 @@ STEPS: tuple[Step, ...] = (
          "data:vocab_new", ("targets.new", "vocab_new"), ("draftmap", "data", "vocab", "steps.data"),
          {"features": Input("features_new/train"), "source": SOURCE, "target": TARGET}),
     Step("features_phase2", "Phase 2's scaled data: the next prompts after Phase 1's, answered by the new target",
-         "data:features_phase2", (*FEATURE_KEYS, "targets.prompts_train", "phase1.n_samples", "phase2.n_samples"),
+         "data:features_phase2", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples",
+                                  "phase2.n_samples"),
          FEATURE_MODULES, {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
     Step("compare", "the source drafter against the layout the new target needs: config, weights, vocab, verdict",
          "compare:compare", ("targets.new",), ("compare", "draftmap", "vocab", "fixtures", "tables", "steps.compare"),
@@ -124,26 +130,26 @@ STEPS: tuple[Step, ...] = (
           "phase0": Input("eval_phase0/metrics.json")},
          run="phase0", run_from="eval_phase0", cache=False, enabled="drift.enabled"),
     Step("train_phase1_scratch", "the control: Phase 1's architecture, data and budget from a random init on the new map",
-         "train:train_phase1_scratch", ("profile", "targets.new", "phase1.train", *MONITOR_KEYS), TRAIN_MODULES,
+         "train:train_phase1_scratch", ("profile", "targets.new", "phase1.train", *MONITOR_KEYS, *SPOOL_KEYS), TRAIN_MODULES,
          {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
           "monitor": monitor_input("phase1")},
          run="phase1_scratch", trains=True),
     _eval("phase1_scratch", "train_phase1_scratch"),
     Step("train_phase1", "fine-tune the source drafter on the new target's data (lm_head moved onto the new map)",
-         "train:train_phase1", ("profile", "targets.new", "phase1.train", "phase1.vocab_policy", *MONITOR_KEYS),
+         "train:train_phase1", ("profile", "targets.new", "phase1.train", "phase1.vocab_policy", *MONITOR_KEYS, *SPOOL_KEYS),
          TRAIN_MODULES,
          {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
           "compare": Input("compare/compare.json"), "monitor": monitor_input("phase1")}, run="phase1", trains=True),
     _eval("phase1", "train_phase1", phase0=Input("eval_phase0/metrics.json"),
           phase1_scratch=Input("eval_phase1_scratch/metrics.json")),
     Step("train_phase2", "continue Phase 1's drafter (its map kept) on the scaled data",
-         "train:train_phase2", ("profile", "targets.new", "phase2.train", *MONITOR_KEYS), TRAIN_MODULES,
+         "train:train_phase2", ("profile", "targets.new", "phase2.train", *MONITOR_KEYS, *SPOOL_KEYS), TRAIN_MODULES,
          {"features": Input("features_phase2/train"), "vocab": VOCAB, "init": Input("train_phase1/drafter"),
           "source": SOURCE, "target": TARGET, "monitor": monitor_input("phase2")}, run="phase2", trains=True),
     _eval("phase2", "train_phase2", phase1=Input("eval_phase1/metrics.json")),
     Step("train_curves", "learning curves: fine-tune and scratch at each curves.n_samples x seed, one budget rule",
          "curves:train_curves", ("profile", "targets.new", "curves.n_samples", "curves.seeds", "curves.inits",
-                                 "curves.epochs", "curves.min_steps", "curves.train", *MONITOR_KEYS),
+                                 "curves.epochs", "curves.min_steps", "curves.train", *MONITOR_KEYS, *SPOOL_KEYS),
          (*TRAIN_MODULES, "steps.curves"),
          {"features": Input("features_new/train"), "features_phase2": Input("features_phase2/train"),
           "vocab": VOCAB, "source": SOURCE, "target": TARGET, "monitor": monitor_input("curves")},

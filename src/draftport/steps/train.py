@@ -22,7 +22,7 @@ def _train(s: Step, group: str, *, init, vocab_policy: str = "remap") -> dict:
     kw = dict(features_dir=s.input("features"), target_dir=s.input("target"), vocab_path=s.input("vocab"),
               init=init, source_dir=s.input("source"), vocab_policy=vocab_policy,
               train_cfg=cfg, ckpt_dir=checkpoints(s.name), monitor=monitor_of(s, cfg),
-              verifier=s.p["targets"]["new"])
+              verifier=s.p["targets"]["new"], **online_of(s))
     rank, _ = init_distributed()  # under torchrun: every rank trains on its slice of each batch
     if rank > 0:  # the same run, its files written by rank 0 (checkpoints: shared ckpt_dir)
         with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
@@ -53,6 +53,18 @@ def _train(s: Step, group: str, *, init, vocab_policy: str = "remap") -> dict:
         out["lm_head_rows_new"] = rep["vocab"].get("new_rows")
     print(f"{s.name}: {rep['train_steps']} steps in {rep['train_seconds']:.1f} s, final loss {fin.get('loss')}")
     return {k: v for k, v in out.items() if v is not None}
+
+
+def online_of(s: Step, name: str | None = None) -> dict:
+    """train_phase's spool settings (used when the features are stored online / hybrid): the
+    bound features.spool_gb, in features.spool_dir/<step> or beside the step's checkpoints."""
+    from ..target import trusted
+
+    f = s.p["features"]
+    name = name or s.name
+    sdir = f"{f['spool_dir'].rstrip('/')}/{name}" if f["spool_dir"] else None
+    return {"spool": {"gb": f["spool_gb"], "dir": sdir}, "trust_remote_code": trusted(s.input("target"),
+                                                                                      s.p["targets"]["trust_remote_code"])}
 
 
 def monitor_of(s: Step, cfg) -> dict | None:
