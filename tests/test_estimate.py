@@ -39,8 +39,8 @@ def test_train_seconds_is_tokens_over_aggregate_throughput():
 
 def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     rep = kimi
-    bench = json.loads((ROOT / "benchmarks/results/2026-11-29-h200.json").read_text())
-    rate = bench["tokens_per_s_lm_head_trainable"]  # draftport's default: lm_head trained
+    bench = json.loads(E.DEFAULT_BENCH.read_text())
+    rate = bench["packed_real_tokens_per_s"]  # draftport's default: lm_head trained, packed rows
     rows = {r["rule"]: r for r in rep["rows"]}
     assert rows["phase1"]["gpus"] == 8 and rows["phase1"]["tokens"] == 1200 * 64 * 2048
     assert rows["phase1"]["seconds"] == pytest.approx(1200 * 64 * 2048 / (rate * 8 * 0.9))
@@ -50,7 +50,13 @@ def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     assert rep["bytes_per_token"] == 4 * 7168 * 2 + 5
     frozen = P.merge(kimi_cfg, {"phase2": {"train": {"train_lm_head": False}}})
     assert {r["rule"]: r for r in E.estimate(frozen, capture_eff=0.42)["rows"]}["phase2"]["tok_s_per_gpu"] == round(
-        bench["tokens_per_s_mask_precomputed"])
+        bench["packed_real_tokens_per_s_lm_head_frozen"])
+    # a result without a length mix: its full-row figures
+    old = ROOT / "benchmarks/results/2026-11-29-h200.json"
+    full = json.loads(old.read_text())
+    b = E.bench_throughput(old)
+    assert (b["lm_head_trainable"], b["lm_head_frozen"], b["rate"]) == (
+        full["tokens_per_s_lm_head_trainable"], full["tokens_per_s_mask_precomputed"], "full rows")
 
 
 def test_kimi_shape_is_1t_params_32b_active(kimi):
@@ -256,9 +262,10 @@ def run_cli(*args):
 def test_estimate_command_prints_the_readme_figures():
     r = run_cli()
     assert r.returncode == 0, r.stderr
-    assert "Phase 1 (control + fine-tune): 1.01 h;  Phase 2: 2.52 h" in r.stdout
-    readme = (ROOT / "README.md").read_text()
-    assert "1.01 h" in readme and "2.52 h" in readme  # the README quotes this command's output
+    line = re.search(r"Phase 1 \(control \+ fine-tune\): [0-9.]+ h;  Phase 2: [0-9.]+ h \(training only\)", r.stdout)
+    assert line, r.stdout
+    for doc in ("README.md", "docs/estimate.md"):  # both quote this command's output
+        assert line.group(0) in (ROOT / doc).read_text(), doc
     for label in ("measured: ", "target: ", "capture FLOPs/token: ", "capture rate: ", "regenerate: ", "assumed: "):
         assert label in r.stdout
 

@@ -1,7 +1,7 @@
 """Wall time and disk of a profile's phases: the data (the target's answers, its hidden states) and
 the trainings, per storage mode, from measured throughputs and stated assumptions.
 
-Training (per rule, from a measured one-GPU throughput):
+Training (per rule, from a measured one-GPU throughput; bench_throughput says which figure):
     tokens  = steps x global batch x tokens per sample
     seconds = tokens / (one-GPU tok/s x GPUs x scaling efficiency)
 The one-GPU figure is read from a benchmark result (benchmarks/results/*.json of
@@ -34,7 +34,7 @@ from .storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive,  # n
                       bytes_per_token, check_storage, storage_need)
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-11-29-h200.json"
+DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-12-01-h200-train.json"
 RESULTS = ROOT / "benchmarks" / "results"
 PHASES = (("phase1_scratch", "phase1"), ("phase1", "phase1"), ("phase2", "phase2"))
 
@@ -86,13 +86,25 @@ def _read_json(path: Path, missing: str):
 
 
 def bench_throughput(path=DEFAULT_BENCH) -> dict:
+    """The one-GPU training rates of a bench_train_h200 result: a result with a length mix gives
+    its packed real-token rates (`packed_real_tokens_per_s`, lm_head trained; `..._lm_head_frozen`),
+    the rows the pipeline trains (train.packing, the greedy choice stored); an older one its
+    full-row rates (`tokens_per_s_lm_head_trainable`, `tokens_per_s_mask_precomputed`)."""
     path = Path(path)
     d = _read_json(path, "no such benchmark result")
     try:
-        return {"device": d["device"], "date": d["date"], "seq": d["config"]["seq"],
-                "ttt_steps": d["config"]["ttt_steps"], "hidden_size": d["config"]["hidden_size"],
-                "lm_head_trainable": float(d["tokens_per_s_lm_head_trainable"]),
-                "lm_head_frozen": float(d["tokens_per_s_mask_precomputed"])}
+        out = {"device": d["device"], "date": d["date"], "seq": d["config"]["seq"],
+               "ttt_steps": d["config"]["ttt_steps"], "hidden_size": d["config"]["hidden_size"]}
+        if d.get("packed_real_tokens_per_s"):
+            mix = d.get("mix") or {}
+            out.update(lm_head_trainable=float(d["packed_real_tokens_per_s"]),
+                       lm_head_frozen=float(d["packed_real_tokens_per_s_lm_head_frozen"]),
+                       rate=f"packed rows, real tokens of a length mix ({mix.get('n', '?')} samples, mean "
+                            f"{mix.get('mean', '?')}, max {mix.get('max', '?')} tokens)")
+        else:
+            out.update(lm_head_trainable=float(d["tokens_per_s_lm_head_trainable"]),
+                       lm_head_frozen=float(d["tokens_per_s_mask_precomputed"]), rate="full rows")
+        return out
     except KeyError as e:
         raise DraftportError(path, f"benchmark result lacks {e}") from None
 
@@ -363,7 +375,7 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
                        "disk_bytes": need["need_bytes"] + held_bytes["need_bytes"],
                        "profile": storage in ("online", "hybrid")})
 
-    return {"bench": {k: b[k] for k in ("device", "date", "seq", "ttt_steps")}, "tokens_per_sample": tps,
+    return {"bench": {k: b[k] for k in ("device", "date", "seq", "ttt_steps", "rate")}, "tokens_per_sample": tps,
             "efficiency": efficiency, "rows": rows,
             "phase1_hours": sum(r["hours"] for r in rows if r["rule"] in ("phase1_scratch", "phase1")),
             "phase2_hours": sum(r["hours"] for r in rows if r["rule"] == "phase2"),

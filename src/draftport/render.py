@@ -212,7 +212,7 @@ def estimate_renderables(rep: dict) -> list:
            else f"{ce['capture_write']:.4g} with the write, {ce['capture']:.4g} without (online)")
     head = Text.assemble(
         ("measured: ", "bold"), f"training {b['device']} ({b['date']}), seq {b['seq']}, TTT {b['ttt_steps']}, "
-        "bf16, one GPU\n",
+        f"bf16, one GPU, {b['rate']}\n",
         ("target: ", "bold"), f"{tg['id']} ({tg['config']}): {tg['layers']} layers, H {tg['hidden_size']}, {arch}: "
         f"{tg['active_params'] / 1e9:.2f}B active params per token of {tg['total_params'] / 1e9:,.1f}B\n",
         ("capture FLOPs/token: ", "bold"), f"2 x {tg['active_params_no_embed'] / 1e9:.2f}B (active, input embedding "
@@ -252,7 +252,7 @@ def estimate_renderables(rep: dict) -> list:
     for col in ("regen h", "capture h", "train h", "total h", "disk"):
         p.add_column(col, justify="right", no_wrap=True)
     for r in rep["phases"]:
-        mode = f"disk {r['dtype']}" if r["mode"] == "disk" else "online (planned)"
+        mode = f"disk {r['dtype']}" if r["mode"] == "disk" else "online"
         p.add_row(r["phase"], mode + (" *" if r["profile"] else ""), f"{r['regenerate_hours']:.2f}",
                   f"{r['capture_hours']:.2f}", f"{r['train_hours']:.2f}", f"{r['total_hours']:.2f}",
                   human(r["disk_bytes"]))
@@ -265,10 +265,10 @@ def estimate_renderables(rep: dict) -> list:
         ("disk: ", "bold"), f"(samples + {held:,} held-out: {ho['eval']:,} eval + {ho['monitor']:,} monitor) x {tps} "
         "tokens x B/token: " + ", ".join(f"{k} {v['bytes']:,} ({v['how']})" for k, v in ptb.items())
         + f"; Phase 1 {n1:,} samples, Phase 2 {n2:,} (Phase 1's kept)\n",
-        ("online (planned: the steps capture to disk today): ", "bold"), f"spool min({rep['spool_gb']:g} GB ({rep['spool_from']}), the phase's states) + "
+        ("online: ", "bold"), f"spool min({rep['spool_gb']:g} GB ({rep['spool_from']}), the phase's states) + "
         f"samples x {tps} x 5 B (answers as ids) + the held-out sets at {dt}; capture = the held-out sets once + "
-        f"every training token recomputed (Phase 1 {rec['phase1']:,}, Phase 2 {rec['phase2']:,}), not overlapped "
-        "with training\n",
+        f"every training token recomputed in the training steps (Phase 1 {rec['phase1']:,}, Phase 2 {rec['phase2']:,}), "
+        "billed as not overlapped with training\n",
         ("hybrid: ", "bold"), "disk's hours and bytes when the first epoch's cache fits, else online's;  ",
         ("* ", "bold"), f"the profile's features.storage ({rep['storage_mode']}) and dtype\n",
         ("not estimated: ", "bold"), "the learning curves (curves.*), the drift probe, the online steps, "
