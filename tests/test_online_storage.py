@@ -114,6 +114,20 @@ def test_online_and_hybrid_train_the_disk_drafter(micro):
         assert not list((micro["root"] / name).glob("checkpoints.spool*")), "spool or cache left behind"
 
 
+def test_online_with_fp8_states_trains_the_fp8_disk_drafter(micro):
+    r, target = micro["root"], micro["target"]
+    prompts = r / "w" / "corpus" / "new.jsonl"
+    for mode in ("disk", "online"):
+        build_features(target, prompts, r / f"fp8_{mode}", storage=mode, **{**KW, "dtype": "fp8_e4m3"})
+    assert json.loads((r / "fp8_online" / "index.json").read_text())["capture"]["dtype"] == "fp8_e4m3"
+    c = cfg(6)
+    _, wd = run(micro, "fp8_disk", "r_fp8_disk", c)
+    _, wo = run(micro, "fp8_online", "r_fp8_online", c)
+    _, w32 = run(micro, "disk", "r_f32_disk", c)
+    assert max_diff(wd, wo) < 1e-5
+    assert max_diff(wd, w32) > 10 * max_diff(wd, wo)  # fp8 states did reach the online run
+
+
 def test_resume_restarts_the_capture_at_the_checkpoints_data_position(micro, monkeypatch):
     c = cfg(14)
     for mode in ("online", "hybrid"):

@@ -16,6 +16,7 @@ import torch
 from draftport.engines.vllm.features import vllm_layer_ids
 from draftport.engines.vllm.venv import default_vllm_python, vllm_python
 from draftport.errors import DraftportError
+from draftport.features import build_features
 
 HAVE_VLLM = default_vllm_python().exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
 REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_VLLM"))
@@ -46,7 +47,6 @@ def micro(tmp_path_factory):
 
 @pytest.mark.slow
 def test_vllm_extracted_features_equal_transformers_capture(micro):
-    from draftport.features import build_features
     from draftport.data import FeatureSet
 
     target, prompts = micro / "w" / "target_new", micro / "w" / "corpus" / "new.jsonl"
@@ -67,6 +67,41 @@ def test_vllm_extracted_features_equal_transformers_capture(micro):
         total += sa["target_arg"].numel()
     assert agree == total
     assert not list((micro).glob(".vllm-features.*"))  # the raw per-request files are gone
+
+
+@pytest.mark.slow
+def test_online_training_through_vllm_equals_the_vllm_disk_capture(micro):
+    """features.storage online with engine vllm: the training step's spool is filled by vLLM
+    extraction runs (one per spool shard), and the drafter equals one trained on vLLM's disk
+    capture of the same samples."""
+    from safetensors.torch import load_file
+
+    from draftport.bind import new_drafter_config
+    from draftport.config import target_text_config
+    from draftport.draftmap import build_vocab
+    from draftport.params import TrainConfig
+    from draftport.phases import train_phase
+
+    target, prompts = micro / "w" / "target_new", micro / "w" / "corpus" / "new.jsonl"
+    kw = dict(n_samples=12, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=16, dtype="float32",
+              batch_size=4, shard_samples=6, engine="vllm")
+    build_features(target, prompts, micro / "on_disk", **kw)
+    build_features(target, prompts, micro / "on_seq", storage="online", **kw)
+    tc = target_text_config(target)
+    build_vocab(micro / "on_seq", micro / "on_vocab.safetensors", draft_vocab_size=100, vocab_size=tc["vocab_size"])
+    arch = new_drafter_config({"num_attention_heads": 2, "intermediate_size": 128}, vocab_size=tc["vocab_size"],
+                              hidden_size=tc["hidden_size"], aux_layer_ids=[0, 1, 2], convention="vllm",
+                              draft_vocab_size=100, max_positions=512)
+    cfg = TrainConfig(steps=3, batch_size=4, lr=3e-3, warmup_steps=1, log_every=1, checkpoint_every=3)
+    w = {}
+    for name, feats in (("disk", "on_disk"), ("online", "on_seq")):
+        train_phase(micro / f"on_run_{name}", features_dir=micro / feats, target_dir=target, init="scratch",
+                    vocab_path=micro / "on_vocab.safetensors", arch=arch, train_cfg=cfg, progress=False,
+                    spool={"gb": 0.001})
+        w[name] = load_file(str(micro / f"on_run_{name}" / "drafter" / "model.safetensors"))
+    for k in w["disk"]:
+        torch.testing.assert_close(w["online"][k], w["disk"][k], atol=1e-5, rtol=1e-5)
+    assert not list(micro.glob("on_run_online/*.spool")) and not list(micro.glob(".vllm-features.*"))
 
 
 def _free_port() -> int:
