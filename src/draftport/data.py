@@ -634,6 +634,9 @@ class SequenceSet:
     def __len__(self):
         return int(self.index["samples"])
 
+    def length(self, i: int) -> int:
+        return int(self.t["offsets"][i + 1] - self.t["offsets"][i])
+
     def sequence(self, i: int) -> Sequence:
         a, b = int(self.t["offsets"][i]), int(self.t["offsets"][i + 1])
         return Sequence(self.t["tokens"][a:b].tolist(), int(self.t["response_start"][i]))
@@ -697,6 +700,11 @@ class FeatureChain:
         """A chain of SequenceSets: sample i's Sequence."""
         j, li = self.where[i]
         return self.sets[j].sequence(li)
+
+    def length(self, i: int) -> int:
+        """A chain of SequenceSets: sample i's tokens."""
+        j, li = self.where[i]
+        return self.sets[j].length(li)
 
 
 def prompt_range(fs) -> tuple[str | None, int, int]:

@@ -151,7 +151,8 @@ class SpoolFeatures:
         """An upper bound of the bytes of group g's folder."""
         pos = self._group_range(g)
         n = len(pos)
-        tokens = sum(len(self.sequences[self.order[p]].tokens) for p in pos)
+        length = getattr(self.sequences, "length", None) or (lambda i: len(self.sequences[i].tokens))
+        tokens = sum(length(self.order[p]) for p in pos)
         return tokens * self.per_token + 16 * n + 8 + HEADER_BOUND + self.index_bound
 
     def _prepare_dir(self) -> None:
@@ -304,6 +305,22 @@ class SpoolFeatures:
 CACHE_MARKER = ".draftport-cache.json"
 
 
+class _Sequences:
+    """A SequenceSet (or a chain of them) as the list of Sequences SpoolFeatures indexes."""
+
+    def __init__(self, seqset):
+        self.seqset = seqset
+
+    def __len__(self) -> int:
+        return len(self.seqset)
+
+    def __getitem__(self, i: int) -> Sequence:
+        return self.seqset.sequence(int(i))
+
+    def length(self, i: int) -> int:
+        return self.seqset.length(int(i))
+
+
 class OnlineFeatures:
     """The samples of a sequences folder (data.SequenceSet, or a FeatureChain of them: storage
     online / hybrid) captured while train() reads them. train() calls begin(step, cfg, position)
@@ -333,7 +350,7 @@ class OnlineFeatures:
         self.shard_samples = int(cap.get("shard_samples", 256))
         self.batch_size = int(cap.get("batch_size", 16))
         self.hidden_size, self.dtype = int(self.index["hidden_size"]), cap.get("dtype", "bfloat16")
-        self._seqs = [seqset.sequence(i) for i in range(len(seqset))]
+        self._seqs = _Sequences(seqset)  # read as asked: a 200K-sample set is not held as Python lists
         self._spool: SpoolFeatures | None = None
         self._cached: SpoolFeatures | None = None
         self._open: dict[Path, FeatureSet] = {}
@@ -449,7 +466,7 @@ def online_features(fs, *, target_dir, spool_dir, spool_gb: float, cache_dir=Non
     from .features import capture_writer
 
     mode = fs.index.get("storage")
-    tokens = int(sum(len(fs.sample(i)["tokens"]) for i in range(len(fs))))
+    tokens = int(sum(fs.length(i) for i in range(len(fs))))
     cap = fs.index.get("capture") or {}
     need = storage_need(mode, tokens=tokens, hidden_size=int(fs.index["hidden_size"]), dtype=cap.get("dtype", "bfloat16"),
                         n_aux=len(fs.index.get("aux_layer_ids") or (0, 0, 0)), spool_gb=spool_gb)
