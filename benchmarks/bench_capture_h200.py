@@ -83,7 +83,8 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from draftport import data  # noqa: E402
 from draftport.data import FeatureSet, Sequence, write_features  # noqa: E402
 from draftport.features import featurizer, greedy_choice, greedy_head  # noqa: E402
-from draftport.target import capture_dtype, capture_features, decoder_parts  # noqa: E402
+from draftport.target import capture_dtype, capture_features  # noqa: E402
+from draftport.target import compile_layers, padded_length, uncompile_layers  # noqa: E402 (the library's)
 
 SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
@@ -261,31 +262,9 @@ def host_ceilings(device, work: Path) -> dict:
 
 
 # ---- the compiled lever ----------------------------------------------------------------------------
-def compile_layers(model, mode: str = "default") -> None:
-    """Each decoder layer's forward through torch.compile (dynamic=False), the hooks outside it."""
-    import torch._dynamo as dynamo
-
-    layers, _, _ = decoder_parts(model)
-    for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-        if hasattr(dynamo.config, k):  # the layers share their graphs; bound the shapes, not the layers
-            setattr(dynamo.config, k, max(getattr(dynamo.config, k), 64 if "accumulated" not in k else 1024))
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward, mode=None if mode == "default" else mode, dynamic=False)
-
-
-def uncompile_layers(model) -> None:
-    layers, _, _ = decoder_parts(model)
-    for layer in layers:
-        layer.__dict__.pop("forward", None)
-
-
 def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
-
-
-def padded_length(n: int, multiple: int, top: int) -> int:
-    return n if multiple <= 0 else min(-(-n // multiple) * multiple, max(top, n))
 
 
 @contextlib.contextmanager

@@ -310,6 +310,9 @@ class FeaturesParams(Group):
         "OpenAI-compatible API (vLLM, SGLang) at base_url")
     base_url: Optional[Str] = F(..., "regenerate openai: the server, e.g. http://127.0.0.1:8000/v1")
     served_model: Optional[Str] = F(..., "regenerate openai: the name the server knows the target by")
+    compile: bool = F(True, "a GPU capture (engine transformers): each decoder layer compiled by torch.compile, "
+                      "batch lengths padded to a multiple of 128 (falls back to eager if it fails); the CPU never "
+                      "compiles")
     storage: Literal["disk", "online", "hybrid"] = F(
         "disk", "training data's states: disk (captured by features_new / features_phase2 and stored); online "
         "(those steps store the answers only, each training step captures the states into a bounded spool, "

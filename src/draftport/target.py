@@ -33,6 +33,34 @@ def decoder_parts(model):
     raise DraftportError(None, f"cannot find decoder layers / final norm / lm_head in {type(model).__name__}")
 
 
+def compile_layers(model, mode: str = "default") -> None:
+    """Each decoder layer's forward through torch.compile (dynamic=False): the capture hooks (a
+    pre-hook on aux layers, a hook on the final norm that ends the forward) stay outside the
+    compiled code, in the module's eager __call__, and the layers share one graph (their weights
+    are its inputs). dynamic=False compiles once per batch shape: pad the batch lengths
+    (padded_length) to bound them."""
+    import torch._dynamo as dynamo
+
+    layers, _, _ = decoder_parts(model)
+    for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo.config, k):  # the layers share their graphs; bound the shapes, not the layers
+            setattr(dynamo.config, k, max(getattr(dynamo.config, k), 64 if "accumulated" not in k else 1024))
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, mode=None if mode == "default" else mode, dynamic=False)
+
+
+def uncompile_layers(model) -> None:
+    """Undo compile_layers (the layers' own forward again)."""
+    layers, _, _ = decoder_parts(model)
+    for layer in layers:
+        layer.__dict__.pop("forward", None)
+
+
+def padded_length(n: int, multiple: int, top: int) -> int:
+    """n rounded up to a multiple (0: n), at most max(top, n): a compiled forward's batch width."""
+    return n if multiple <= 0 else min(-(-n // multiple) * multiple, max(top, n))
+
+
 def check_aux_ids(aux_ids, num_layers: int, convention: str, where=None):
     """vllm: 0..L (L = the state leaving the last layer, before the final norm: vLLM collects
     it after the loop too); sglang: 0..L-1."""

@@ -111,7 +111,7 @@ def _features(s: Step, out_dir, target, prompts, *, n: int, offset: int = 0, tra
                          batch_size=f["batch_size"], dtype=f["dtype"], device=f["device"],
                          engine=f["engine"], tensor_parallel_size=f["tensor_parallel_size"],
                          regenerate_via=f["regenerate"], base_url=f["base_url"],
-                         served_model=f["served_model"], storage=storage)
+                         served_model=f["served_model"], storage=storage, compile=f["compile"])
     out = {"samples": idx["samples"], "tokens": idx["tokens"],
            "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2)}
     if storage != "disk":  # mb: what the states would take on disk; stored: the answers alone

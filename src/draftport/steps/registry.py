@@ -50,7 +50,7 @@ RECORD_MODULES = ("steps.bridge",)
 FEATURE_KEYS = ("targets.new", "targets.trust_remote_code", "features.aux_layer_ids", "features.aux_convention",
                 "features.max_new_tokens", "features.batch_size", "features.dtype", "features.device",
                 "features.engine", "features.tensor_parallel_size", "features.regenerate", "features.base_url",
-                "features.served_model")
+                "features.served_model", "features.compile")
 FEATURE_MODULES = ("features", "data", "target", "engines.vllm.features", "engines.vllm.venv",
                    "engines.vllm.runners.features_vllm", "engines.openai", "storage", "steps.data")
 EVAL_KEYS = ("eval", "costmodel")
