@@ -205,6 +205,26 @@ def empty_index(repo):
     edit_json("artifacts/features_new/train/index.json", lambda d: d.update(samples=0, tokens=0, shards=[]))(repo)
 
 
+def online_with_a_tiny_spool(repo):
+    """features_new as storage online writes it (the answers only), and a spool bound of 1 KB."""
+    from draftport.data import FeatureSet, Sequence, write_sequences
+
+    train = repo / "artifacts/features_new/train"
+    fs = FeatureSet(train)
+    seqs = []
+    for i in range(len(fs)):
+        s = fs.sample(i)
+        seqs.append(Sequence(s["tokens"].tolist(), s["response_start"]))
+    meta = {k: fs.index[k] for k in ("aux_layer_ids", "aux_convention", "target", "regenerated", "samples_file",
+                                     "offset", "num_target_layers") if k in fs.index}
+    write_sequences(train, seqs, meta=meta, capture={"storage": "online", "engine": "transformers",
+                                                     "dtype": fs.index["dtype"], "device": "cpu", "batch_size": 8,
+                                                     "tensor_parallel_size": 1, "shard_samples": 256,
+                                                     "hidden_size": fs.index["hidden_size"], "compile": False})
+    set_key("features.storage", "online")(repo)
+    set_key("features.spool_gb", 1e-6)(repo)
+
+
 def long_prompts(repo):
     words = " ".join(["kra"] * 700)
     (repo / "prompts").mkdir(exist_ok=True)
@@ -257,6 +277,12 @@ CASES = [
     Case("params-aux-sglang-out-of-range", "params.yaml: `features.aux_convention: sglang` with aux id 2 on 2-layer "
          "targets (SGLang's id 2 would be the state leaving a third layer)", set_key("features.aux_convention", "sglang"),
          step("features_new"), "features.aux_layer_ids", "[2] out of range for the world's 2-layer targets (sglang convention)"),
+    Case("params-storage-unknown", "params.yaml: `features.storage: cloud`", set_key("features.storage", "cloud"),
+         step("features_new"), "features.storage", 'must be one of disk, online, hybrid; got "cloud"'),
+    Case("spool-below-one-shard", "storage online with `features.spool_gb: 1.0e-06` (1 KB: less than one shard), "
+         "Phase 1's control rerun", online_with_a_tiny_spool, step("train_phase1_scratch"), "features.spool_gb",
+         "is less than one shard",
+         keeps=("artifacts/train_phase1_scratch/drafter/model.safetensors", "artifacts/train_phase1_scratch/metrics.json")),
     Case("params-phase2-not-larger", "params.yaml: `phase2.n_samples` below `phase1.n_samples`",
          set_key("phase2.n_samples", 10), step("features_phase2"), "phase2.n_samples",
          "must exceed phase1.n_samples", ("artifacts/features_phase2",)),

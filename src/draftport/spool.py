@@ -471,6 +471,14 @@ def online_features(fs, *, target_dir, spool_dir, spool_gb: float, cache_dir=Non
     need = storage_need(mode, tokens=tokens, hidden_size=int(fs.index["hidden_size"]), dtype=cap.get("dtype", "bfloat16"),
                         n_aux=len(fs.index.get("aux_layer_ids") or (0, 0, 0)), spool_gb=spool_gb)
     got = check_storage(Path(spool_dir).parent, need, log)
+    # a bound below any shard is refused before the target loads (the exact check, on the shards
+    # of the run's order, follows once train() knows it: SpoolFeatures)
+    S = min(int(cap.get("shard_samples", 256)), len(fs))
+    shortest = sorted(fs.length(i) for i in range(len(fs)))[:S]
+    floor = sum(shortest) * (int(fs.index["bytes_per_token"]) + 4)
+    if spool_gb * 1e9 < floor:
+        raise DraftportError("features.spool_gb", f"{human(spool_gb * 1e9)} is less than one shard (its {S} "
+                             f"samples hold at least {human(floor)})")
     writer = capture_writer(target_dir, fs.index, trust_remote_code=trust_remote_code)
     return OnlineFeatures(fs, writer=writer, spool_dir=spool_dir, spool_bytes=int(spool_gb * 1e9), mode=mode,
                           cache_dir=cache_dir, cache=bool(got.get("cache")), log=log)
