@@ -275,6 +275,19 @@ def _pwrite_all(fd: int, buf, offset: int) -> None:
         mv, offset = mv[n:], offset + n
 
 
+def sequence_tensors(seqs: list[Sequence], offsets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A shard's small tensors for these sequences: tokens, loss_mask (the answer's tokens),
+    offsets, response_start."""
+    masks = []
+    for sq in seqs:
+        m = torch.zeros(len(sq.tokens), dtype=torch.bool)
+        m[sq.response_start:] = True
+        masks.append(m)
+    return {"tokens": torch.tensor([t for sq in seqs for t in sq.tokens], dtype=torch.int32),
+            "loss_mask": torch.cat(masks), "offsets": offsets,
+            "response_start": torch.tensor([sq.response_start for sq in seqs], dtype=torch.int64)}
+
+
 class _ShardFile:
     """One shard, written in place. The samples' lengths and the first batch's widths fix its
     layout (that of save_safetensors for the same tensors: dtype rank, then name), so each batch's
@@ -294,14 +307,7 @@ class _ShardFile:
 
     def _open(self, host: dict[str, torch.Tensor]) -> None:
         chunk, N = self.chunk, self.tokens
-        masks = []
-        for sq in chunk:
-            m = torch.zeros(len(sq.tokens), dtype=torch.bool)
-            m[sq.response_start:] = True
-            masks.append(m)
-        small = {"tokens": torch.tensor([t for sq in chunk for t in sq.tokens], dtype=torch.int32),
-                 "loss_mask": torch.cat(masks), "offsets": self.offsets,
-                 "response_start": torch.tensor([sq.response_start for sq in chunk], dtype=torch.int64)}
+        small = sequence_tensors(chunk, self.offsets)
         items = [(k, TORCH_CODES[str(v.dtype).removeprefix("torch.")], list(v.shape), v.numel() * v.element_size())
                  for k, v in small.items()]
         for k, v in host.items():
@@ -462,18 +468,23 @@ class _ShardWriter:
             f.close()
 
 
+def read_index(folder: Path, what: str) -> tuple[Path, dict]:
+    """(path, parsed) of folder/index.json; one-line errors when it is missing or not JSON."""
+    idx_path = folder / "index.json"
+    if not idx_path.is_file():
+        raise DraftportError(folder, f"not a {what} folder (no index.json)")
+    try:
+        return idx_path, json.loads(idx_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftportError(idx_path, f"corrupt index ({e})") from None
+
+
 class FeatureSet:
     """Random access to the samples of a feature folder (shards opened lazily)."""
 
     def __init__(self, folder: str | Path, verify: bool = True):
         self.folder = Path(folder)
-        idx_path = self.folder / "index.json"
-        if not idx_path.is_file():
-            raise DraftportError(self.folder, "not a feature folder (no index.json)")
-        try:
-            self.index = json.loads(idx_path.read_text())
-        except json.JSONDecodeError as e:
-            raise DraftportError(idx_path, f"corrupt index ({e})") from None
+        idx_path, self.index = read_index(self.folder, "feature")
         if not self.index.get("samples"):
             raise DraftportError(idx_path, "feature folder holds no samples (empty dataset)")
         if self.index.get("storage") in ("online", "hybrid"):
@@ -568,14 +579,7 @@ def write_sequences(out_dir: str | Path, sequences: list[Sequence], *, meta: dic
     if dtype not in DTYPES:
         raise DraftportError("features.dtype", f"{dtype!r} is not a storage dtype ({', '.join(DTYPES)})")
     lens = torch.tensor([len(sq.tokens) for sq in sequences], dtype=torch.int64)
-    masks = []
-    for sq in sequences:
-        m = torch.zeros(len(sq.tokens), dtype=torch.bool)
-        m[sq.response_start:] = True
-        masks.append(m)
-    tensors = {"tokens": torch.tensor([t for sq in sequences for t in sq.tokens], dtype=torch.int32),
-               "loss_mask": torch.cat(masks), "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
-               "response_start": torch.tensor([sq.response_start for sq in sequences], dtype=torch.int64)}
+    tensors = sequence_tensors(sequences, torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]))
     hidden, n_aux = int(capture["hidden_size"]), len(meta.get("aux_layer_ids") or (0, 0, 0))
     with atomic_dir(out_dir) as tmp:
         save_safetensors(tensors, tmp / SEQUENCES)
@@ -605,13 +609,7 @@ class SequenceSet:
         from safetensors.torch import load_file
 
         self.folder = Path(folder)
-        idx_path = self.folder / "index.json"
-        if not idx_path.is_file():
-            raise DraftportError(self.folder, "not a sequences folder (no index.json)")
-        try:
-            self.index = json.loads(idx_path.read_text())
-        except json.JSONDecodeError as e:
-            raise DraftportError(idx_path, f"corrupt index ({e})") from None
+        idx_path, self.index = read_index(self.folder, "sequences")
         ent = self.index.get("sequences")
         if not isinstance(ent, dict) or not self.index.get("samples") or not isinstance(self.index.get("capture"), dict):
             raise DraftportError(idx_path, "not a sequences index (no sequences file, samples or capture settings)")

@@ -236,14 +236,7 @@ class SpoolFeatures:
             raise DraftportError(self.spool_dir, f"the trainer read sample {i} at data position {pos}, where the "
                                  f"order has {self.order[pos]}: it read out of order")
         g = pos // self.shard_samples
-        with self._cond:
-            while self._error is None and g not in self._ready and not self._done:
-                self._cond.wait()
-            if self._error is not None:
-                raise self._error
-            if g not in self._ready:
-                raise DraftportError(self.spool_dir, f"the capture stopped before data position {pos}")
-            folder = self._ready[g]
+        folder = self._wait(g, pos)
         if self._open is None or self._open[0] != g:
             # written and hashed by this process just now; a kept folder may be a killed run's: checked
             self._open = (g, FeatureSet(folder, verify=self.keep))
@@ -271,9 +264,8 @@ class SpoolFeatures:
                 raise DraftportError(fs.folder, f"sample {j} is not the sequence at data position {rng[j]} "
                                      "(a cache of other data?)")
 
-    def kept(self, pos: int) -> tuple[Path, int]:
-        """keep: the folder of data position pos's group, once complete, and pos's index in it."""
-        g = pos // self.shard_samples
+    def _wait(self, g: int, pos: int) -> Path:
+        """Group g's folder once the producer has completed it (its error raised here)."""
         with self._cond:
             while self._error is None and g not in self._ready and not self._done:
                 self._cond.wait()
@@ -281,7 +273,12 @@ class SpoolFeatures:
                 raise self._error
             if g not in self._ready:
                 raise DraftportError(self.spool_dir, f"the capture stopped before data position {pos}")
-        return self._ready[g], pos - self._group_range(g).start
+            return self._ready[g]
+
+    def kept(self, pos: int) -> tuple[Path, int]:
+        """keep: the folder of data position pos's group, once complete, and pos's index in it."""
+        g = pos // self.shard_samples
+        return self._wait(g, pos), pos - self._group_range(g).start
 
     def close(self) -> None:
         """Stop the producer (after its current batch) and remove the spool folder."""
