@@ -180,6 +180,7 @@ def online_copy(tmp_path_factory):
 
     micro_copy(path, edit)
     c = Copy(path)
+    c.env["DRAFTPORT_STRICT_MODULES"] = "1"  # a step importing a module its registry row lacks fails
     c.run("git", "init", "-q")
     c.run(Path(sys.executable).parent / "snakemake", "--cores", "2", "features_new", "features_eval",
           "features_monitor", "vocab_new")
@@ -192,6 +193,7 @@ def test_online_pipeline_phase1_and_phase2_and_a_killed_training_step(online_cop
 
     c = online_copy
     killed = c.clone(tmp_path / "killed")
+    killed.env["DRAFTPORT_STRICT_MODULES"] = "1"
     smk = Path(sys.executable).parent / "snakemake"
     cmd = (smk, "--cores", "1", STEP)  # one intra-op thread, as the killed copy's (threads change rounding)
     c.run(*cmd)

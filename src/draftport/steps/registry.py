@@ -86,7 +86,7 @@ STEPS: tuple[Step, ...] = (
          "data:world", ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
          ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "features", "draftmap",
           "phases", "train", "tracking", "bind", "evaluate", "data", "drafter", "kernels", "ttt", "target", "vocab", "fetch",
-          "steps.data"),
+          "storage", "steps.data"),
          enabled="world.build"),
     Step("fetch", "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
          "data:fetch", ("source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"),
