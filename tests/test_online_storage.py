@@ -197,7 +197,7 @@ def test_online_pipeline_phase1_and_phase2_and_a_killed_training_step(online_cop
     smk = Path(sys.executable).parent / "snakemake"
     cmd = (smk, "--cores", "1", STEP)  # one intra-op thread, as the killed copy's (threads change rounding)
     c.run(*cmd)
-    c.run(smk, "--cores", "2", "eval_phase2", "eval_phase1_scratch")  # Phase 1, its control, Phase 2
+    c.run(smk, "--cores", "2", "eval_phase2", "eval_phase1_scratch", "eval_curves")  # + the learning curves
     art = c.path / "artifacts"
     assert json.loads((art / "features_new" / "train" / "index.json").read_text())["storage"] == "online"
     assert not list((art / "features_new" / "train").glob("shard_*"))  # no states on disk
@@ -209,6 +209,9 @@ def test_online_pipeline_phase1_and_phase2_and_a_killed_training_step(online_cop
     log = (c.path / "logs" / "train_phase2.log").read_text()
     assert "storage (online): need" in log and "spool min(0.05 GB" in log
     assert not list((c.path / "artifacts").rglob("*.spool")), "a spool was left behind"
+    points = json.loads((art / "train_curves" / "points.json").read_text())["points"]
+    assert len(points) >= 8  # every point (a chain of Phase 1's + Phase 2's answers, its first n) online
+    assert (c.path / "logs" / "train_curves.log").read_text().count("storage (online): need") == len(points)
 
     at = kill_after_first_checkpoint(killed, cmd)
     killed.run(*cmd)

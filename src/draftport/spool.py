@@ -398,7 +398,8 @@ class OnlineFeatures:
         """The cache is this data's, in this order, or it is cleared."""
         import hashlib
 
-        key = {"sequences": self.index.get("sequences"), "samples": len(self._seqs),
+        parts = getattr(self.seqset, "sets", [self.seqset])  # a chain: each folder's sequences file
+        key = {"sequences": [p.index.get("sequences") for p in parts], "samples": len(self._seqs),
                "order": hashlib.sha256(json.dumps(self._order[:len(self._seqs)]).encode()).hexdigest(),
                "shard_samples": self.shard_samples, "capture": self.index.get("capture")}
         d, mark = self.cache_dir, self.cache_dir / CACHE_MARKER
@@ -472,7 +473,8 @@ def online_features(fs, *, target_dir, spool_dir, spool_gb: float, cache_dir=Non
     # of the run's order, follows once train() knows it: SpoolFeatures)
     S = min(int(cap.get("shard_samples", 256)), len(fs))
     shortest = sorted(fs.length(i) for i in range(len(fs)))[:S]
-    floor = sum(shortest) * (int(fs.index["bytes_per_token"]) + 4)
+    n_aux = len(fs.index.get("aux_layer_ids") or (0, 0, 0))
+    floor = sum(shortest) * (bytes_per_token(int(fs.index["hidden_size"]), cap.get("dtype", "bfloat16"), n_aux) + 4)
     if spool_gb * 1e9 < floor:
         raise DraftportError("features.spool_gb", f"{human(spool_gb * 1e9)} is less than one shard (its {S} "
                              f"samples hold at least {human(floor)})")
