@@ -207,7 +207,7 @@ def empty_index(repo):
 
 def online_with_a_tiny_spool(repo):
     """features_new as storage online writes it (the answers only), and a spool bound of 1 KB."""
-    from draftport.data import FeatureSet, Sequence, write_sequences
+    from draftport.data import FeatureSet, Sequence, capture_meta, write_sequences
 
     train = repo / "artifacts/features_new/train"
     fs = FeatureSet(train)
@@ -215,8 +215,7 @@ def online_with_a_tiny_spool(repo):
     for i in range(len(fs)):
         s = fs.sample(i)
         seqs.append(Sequence(s["tokens"].tolist(), s["response_start"]))
-    meta = {k: fs.index[k] for k in ("aux_layer_ids", "aux_convention", "target", "regenerated", "samples_file",
-                                     "offset", "num_target_layers") if k in fs.index}
+    meta = capture_meta(fs.index)
     write_sequences(train, seqs, meta=meta, capture={"storage": "online", "engine": "transformers",
                                                      "dtype": fs.index["dtype"], "device": "cpu", "batch_size": 8,
                                                      "tensor_parallel_size": 1, "shard_samples": 256,

@@ -559,6 +559,15 @@ class FeatureSet:
 
 
 SEQUENCES = "sequences.safetensors"
+# what a feature folder's index.json says of where its samples come from (build_features' meta):
+# a capture of a sequences folder's samples carries it over to the shards it writes
+CAPTURE_META = ("aux_layer_ids", "aux_convention", "target", "regenerated", "samples_file", "offset",
+                "num_target_layers")
+
+
+def capture_meta(index: dict) -> dict:
+    """The CAPTURE_META entries of a folder's (or a chain's) index."""
+    return {k: v for k, v in index.items() if k in CAPTURE_META}
 
 
 def write_sequences(out_dir: str | Path, sequences: list[Sequence], *, meta: dict, capture: dict) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .data import Sequence, bytes_per_token, to_device, write_features
+from .data import Sequence, bytes_per_token, capture_meta, to_device, write_features
 from .errors import DraftportError
 from .progress import progress
 from .target import capture_dtype, capture_features, load_target, regenerate, target_identity
@@ -194,8 +194,7 @@ def capture_writer(target_dir, index: dict, trust_remote_code: bool = False):
     dtype; vllm: one extraction run per spool shard (draftport.engines.vllm.features)."""
     cap = index["capture"]
     aux, conv, dtype, bs = list(index["aux_layer_ids"]), index["aux_convention"], cap["dtype"], int(cap["batch_size"])
-    meta = {k: v for k, v in index.items() if k in (
-        "aux_layer_ids", "aux_convention", "target", "regenerated", "samples_file", "offset", "num_target_layers")}
+    meta = capture_meta(index)
     if cap["engine"] == "vllm":
         from .engines.vllm.features import capture_features_vllm
 

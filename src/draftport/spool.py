@@ -55,7 +55,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from .data import DTYPES, FeatureSet, Sequence, bytes_per_token, human, write_features
+from .data import DTYPES, FeatureSet, Sequence, bytes_per_token, capture_meta, human, write_features
 from .errors import DraftportError
 from .train import batch_ids, dist_info
 
@@ -342,8 +342,7 @@ class OnlineFeatures:
         self.spool_dir, self.spool_bytes = Path(spool_dir), int(spool_bytes)
         self.cache_dir, self.cache = (Path(cache_dir) if cache_dir else None), bool(cache and cache_dir)
         self.index = seqset.index
-        self.meta = {k: v for k, v in self.index.items() if k in (
-            "aux_layer_ids", "aux_convention", "target", "regenerated", "samples_file", "offset", "num_target_layers")}
+        self.meta = capture_meta(self.index)
         self.shard_samples = int(cap.get("shard_samples", 256))
         self.batch_size = int(cap.get("batch_size", 16))
         self.hidden_size, self.dtype = int(self.index["hidden_size"]), cap.get("dtype", "bfloat16")
@@ -464,17 +463,16 @@ def online_features(fs, *, target_dir, spool_dir, spool_gb: float, cache_dir=Non
     from .features import capture_writer
 
     mode = fs.index.get("storage")
-    tokens = int(sum(fs.length(i) for i in range(len(fs))))
+    lengths = [fs.length(i) for i in range(len(fs))]
     cap = fs.index.get("capture") or {}
-    need = storage_need(mode, tokens=tokens, hidden_size=int(fs.index["hidden_size"]), dtype=cap.get("dtype", "bfloat16"),
-                        n_aux=len(fs.index.get("aux_layer_ids") or (0, 0, 0)), spool_gb=spool_gb)
+    hidden, dtype = int(fs.index["hidden_size"]), cap.get("dtype", "bfloat16")
+    n_aux = len(fs.index.get("aux_layer_ids") or (0, 0, 0))
+    need = storage_need(mode, tokens=sum(lengths), hidden_size=hidden, dtype=dtype, n_aux=n_aux, spool_gb=spool_gb)
     got = check_storage(Path(spool_dir).parent, need, log)
     # a bound below any shard is refused before the target loads (the exact check, on the shards
     # of the run's order, follows once train() knows it: SpoolFeatures)
     S = min(int(cap.get("shard_samples", 256)), len(fs))
-    shortest = sorted(fs.length(i) for i in range(len(fs)))[:S]
-    n_aux = len(fs.index.get("aux_layer_ids") or (0, 0, 0))
-    floor = sum(shortest) * (bytes_per_token(int(fs.index["hidden_size"]), cap.get("dtype", "bfloat16"), n_aux) + 4)
+    floor = sum(sorted(lengths)[:S]) * (bytes_per_token(hidden, dtype, n_aux) + 4)
     if spool_gb * 1e9 < floor:
         raise DraftportError("features.spool_gb", f"{human(spool_gb * 1e9)} is less than one shard (its {S} "
                              f"samples hold at least {human(floor)})")
