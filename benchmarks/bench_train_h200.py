@@ -7,15 +7,20 @@ device, with a frozen bf16 target lm_head [vocab, H] for the target distribution
 full-vocab argmax mask ("computed"), or the greedy choice stored with the features as the data
 step stores it ("stored": only the draft rows of the target head remain). Per sequence length
 (--seqs, one sample of T tokens per step, as the peers' anchors run) and on a length mix (--mix:
-log-normal lengths, mean ~1.5K, max 2048): ours packed (draftport.packing, rows of --pack-len
-tokens, as speculators packs by default), ours padded (groups of --pad-batch samples right-padded
+log-normal lengths, mean ~1.5K, max 2048): ours packed (draftport.packing: steps of at most
+--pack-len tokens, grouped as speculators groups its rows by default, each step one row of its
+samples rounded up to 64 tokens as train() packs it, where speculators pads each row to
+--pack-len), ours padded (groups of --pad-batch samples right-padded
 to the longest, as data.collate does), and each peer as it trains by default; throughput on the
 mix counts real (non-padding) tokens. Prints tokens/s, analytic FLOPs/token, MFU against
---peak-tflops, peak memory, and writes one JSON with every figure, the ratios and the goals.
+--peak-tflops (model FLOPs) and the hardware rate of the FLOPs our step executes (`hfu`: the
+embedding half of q/k/v runs once per unroll, not once per TTT step), peak memory, and writes
+one JSON with every figure, the ratios and the goals.
 
 Order (one device call): the attention probe (flash vs cuDNN for the dense causal part, the faster
-one is used), ours at each length with the levers at the first one (the other attention kernel,
-fused q/k/v and gate/up GEMMs, --graphs: the whole step as one CUDA graph), the peers in
+one is used), ours at each length (with the embedding half at every step beside it, at each
+length) and the levers at the first one (the other attention kernel, fused q/k/v and gate/up
+GEMMs, --graphs: the whole step as one CUDA graph), the peers in
 subprocesses (benchmarks/peers/*_run.py: each peer's own model, loss, trainer core and optimizer,
 wired as the anchors wire them, several shapes per process, one at a time on the same GPU), then
 ours on the mix (its new shapes compile longest). Parameters are bf16 (no fp32 master copy) for
@@ -68,7 +73,7 @@ from draftport.config import DrafterConfig  # noqa: E402
 from draftport.data import Batch, collate  # noqa: E402
 from draftport.drafter import Attention, Eagle3Drafter  # noqa: E402
 from draftport.kernels import ttt_attention  # noqa: E402
-from draftport.packing import pack, plan_rows  # noqa: E402
+from draftport.packing import ROW_MULTIPLE, pack, plan_rows  # noqa: E402
 from draftport.train import TrainConfig, train_step  # noqa: E402
 from draftport.ttt import combine, stats_to_float, ttt_terms  # noqa: E402
 
@@ -104,6 +109,10 @@ def flops_per_token(cfg: DrafterConfig, T: int, steps: int, lm_head_trainable: b
     needs none = 2x; attention backward = 2x its forward (dQ, dK, dV, dP), so 3x; the target
     head = 1x. Flash recomputation, norms, rope, softmax and the optimizer are not counted.
     The full-vocab argmax mask adds 2 * H * (V - Vd) forward FLOPs (`mask_extra`), counted apart.
+    This is the model's count, whatever the implementation skips: `executed` is what our step runs
+    with the embedding half of q/k/v once per unroll (Eagle3Drafter.embed_once: its fwd, input
+    grad and weight grad over a table of T-1+steps rows instead of every step's T rows), for a
+    hardware FLOP rate beside the MFU.
     """
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -117,7 +126,9 @@ def flops_per_token(cfg: DrafterConfig, T: int, steps: int, lm_head_trainable: b
     per_step_fwd = qkv + o + mlp + head
     train = (steps * 3 * (qkv + o + mlp) + 3 * sum(attn) + steps * (3 if lm_head_trainable else 2) * head
              + 2 * fc + head)
-    return {"train": train, "mask_extra": 2 * H * (V - Vd), "target_draft_rows": head,
+    emb_half = 2 * H * (q + 2 * kv)
+    executed = train - 3 * emb_half * (steps - (T - 1 + steps) / T)
+    return {"train": train, "executed": executed, "mask_extra": 2 * H * (V - Vd), "target_draft_rows": head,
             "fwd_per_ttt_step_weights": per_step_fwd, "attn_fwd_per_ttt_step": attn, "fc_fwd": fc,
             "lm_head_trainable": lm_head_trainable}
 
@@ -154,9 +165,10 @@ def make_batch(cfg, B, T, dev, dtype, seed=0):
                  loss_mask=ones, valid=ones.clone())
 
 
-def sample_flops(cfg, lengths, steps, lm_head_trainable):
-    """Useful training FLOPs of samples of these lengths (each at its own length's count)."""
-    return sum(L * flops_per_token(cfg, L, steps, lm_head_trainable)["train"] for L in lengths)
+def sample_flops(cfg, lengths, steps, lm_head_trainable, key="train"):
+    """Useful training FLOPs of samples of these lengths (each at its own length's count);
+    key="executed": what the step runs with the embedding half once per unroll."""
+    return sum(L * flops_per_token(cfg, L, steps, lm_head_trainable)[key] for L in lengths)
 
 
 class Variant:
@@ -164,18 +176,19 @@ class Variant:
 
     def __init__(self, name, attn_fused=True, loss_fused=True, compiled=True, accumulate=True,
                  adam="fused", clip_in_adam=True, sync_each_step=False, lm_head="frozen", mask="computed",
-                 graph=False, attn="flash", layout="seq", fuse=False):
+                 graph=False, attn="flash", layout="seq", fuse=False, embed_once=True):
         self.name, self.attn_fused, self.loss_fused, self.compiled = name, attn_fused, loss_fused, compiled
         self.accumulate, self.adam, self.clip_in_adam = accumulate, adam, clip_in_adam
         self.sync_each_step, self.lm_head, self.mask = sync_each_step, lm_head, mask
         self.graph, self.attn, self.layout, self.fuse = graph, attn, layout, fuse
+        self.embed_once = embed_once and not fuse   # fused projections run the 2H-wide GEMMs
 
     def as_dict(self):
         return dict(name=self.name, attn_fused=self.attn_fused, loss_fused=self.loss_fused,
                     compiled=self.compiled, accumulate_wgrad=self.accumulate, adam=self.adam,
                     clip_in_adam=self.clip_in_adam, host_sync_each_step=self.sync_each_step,
                     lm_head=self.lm_head, mask=self.mask, cuda_graph=self.graph, attention=self.attn,
-                    layout=self.layout, fused_projections=self.fuse)
+                    layout=self.layout, fused_projections=self.fuse, embed_once=self.embed_once)
 
 
 def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None, profile_name=None):
@@ -193,6 +206,7 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
         d.__dict__.pop("_compiled", None)
     d.accumulate_wgrad = v.accumulate and v.loss_fused
     d.fuse_projections = v.fuse
+    d.embed_once = v.embed_once
     kernels.set_attention_backend(v.attn)
     # the attention lever without the rest: force the fused attention under the reference loss
     if v.attn_fused and not v.loss_fused:
@@ -275,8 +289,12 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     else:
         lengths_run = list(lengths) * (a.iters if fixed else 1)
     useful = sample_flops(cfg, lengths_run, a.ttt, v.lm_head == "trainable")
+    # what the hardware ran: the embedding half once per unroll (fused unroll only), the mask
+    executed = (sample_flops(cfg, lengths_run, a.ttt, v.lm_head == "trainable", "executed")
+                if (v.embed_once and v.attn_fused) else useful)
     H, V, Vd = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
     mask_extra = 0 if v.mask != "computed" else 2 * H * (V - Vd) * real_tokens
+    executed += mask_extra
     T = batches[0].tokens.shape[1]
     res = dict(v.as_dict(), trainable_params=n_train, rows=batches[0].tokens.shape[0], row_len=T,
                steps_timed=len(order), step_s=total / len(order), step_s_each=times,
@@ -285,6 +303,8 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
                gflop_per_token=useful / real_tokens / 1e9,
                mfu=useful / total / (a.peak_tflops * 1e12),
                mfu_with_mask=(useful + mask_extra) / total / (a.peak_tflops * 1e12),
+               executed_gflop_per_token=executed / real_tokens / 1e9,
+               hfu=executed / total / (a.peak_tflops * 1e12),
                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                warmup_s=warm_s, loss=loss, acc_0=stats.get("acc_0"))
     if fixed:   # one shape: the median step (the mix sums its steps)
@@ -292,8 +312,10 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
         res["real_tokens_per_s"] = real_tokens / len(order) / res["step_s_median"]
         res["mfu"] = useful / len(order) / res["step_s_median"] / (a.peak_tflops * 1e12)
         res["mfu_with_mask"] = (useful + mask_extra) / len(order) / res["step_s_median"] / (a.peak_tflops * 1e12)
+        res["hfu"] = executed / len(order) / res["step_s_median"] / (a.peak_tflops * 1e12)
     log(f"[ours] {v.name:52s} {res['real_tokens_per_s']:8.0f} real tok/s ({res['tokens_per_s']:.0f} rows)  "
-        f"step {res['step_s_median'] * 1e3:7.1f} ms  mfu {res['mfu']:.3f} (with mask {res['mfu_with_mask']:.3f})  "
+        f"step {res['step_s_median'] * 1e3:7.1f} ms  mfu {res['mfu']:.3f} (with mask {res['mfu_with_mask']:.3f}, "
+        f"hardware {res['hfu']:.3f})  "
         f"peak {res['peak_mem_gib'] or 0:.2f} GiB  warmup {warm_s:.1f}s  loss {loss:.4f}")
     if a.profile_dir and cuda and profile_name and not v.graph:
         try:
@@ -324,20 +346,68 @@ def safe_variant(*args, **kw):
         return dict(args[0].as_dict(), failed=repr(e))
 
 
+KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
+                ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+                ("optimizer", ("multi_tensor_apply", "adam")),
+                ("compiled elementwise (triton)", ("triton_",)),
+                ("copy / fill", ("copy", "fill", "memcpy", "memset", "catarray")))
+
+
+ANNOTATIONS = ("Optimizer.", "## ", "Torch-Compiled Region", "ProfilerStep", "CompiledFunction")
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other (eager elementwise, reductions)"
+
+
+def kernel_breakdown(prof, wall_s: float, steps: int) -> dict:
+    """GPU kernel time per step by kind (one stream: the rest of the wall time is the GPU idle)."""
+    by, n = {}, {}
+    for e in prof.events():
+        # a kernel (or memcpy/memset) on the GPU; record_function ranges (Optimizer.step, compiled
+        # regions) also appear on the GPU timeline as annotations over their kernels: not counted
+        annotation = getattr(e, "is_user_annotation", False) or e.name.startswith(ANNOTATIONS)
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and not annotation:
+            t = e.time_range.elapsed_us()
+            k = kernel_kind(e.name)
+            by[k] = by.get(k, 0.0) + t / 1e6 / steps
+            n[k] = n.get(k, 0) + 1
+    busy = sum(by.values())
+    step = wall_s / steps
+    return {"step_s": step, "kernel_s": busy, "idle_s": max(0.0, step - busy),
+            "by_kind_s": dict(sorted(by.items(), key=lambda kv: -kv[1])),
+            "kernels_per_step": {k: v // steps for k, v in n.items()}}
+
+
 def profile(step, path: Path, log):
     from torch.profiler import ProfilerActivity, profile as tprof
     path.parent.mkdir(parents=True, exist_ok=True)
     with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         for _ in range(2):
             step()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     ka = prof.key_averages()
     try:
         table = ka.table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
     except Exception:
         table = ka.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-    path.write_text(table)
-    log(f"[profile] {path.name}\n" + "\n".join(table.splitlines()[:22]))
+    bd = kernel_breakdown(prof, wall, 2)
+    lines = [f"per step (profiled, 2 steps): wall {bd['step_s'] * 1e3:.1f} ms, kernels {bd['kernel_s'] * 1e3:.1f} ms, "
+             f"GPU idle {bd['idle_s'] * 1e3:.1f} ms"]
+    lines += [f"  {k:40s} {v * 1e3:8.2f} ms  {v / bd['step_s'] * 100:5.1f}%  ({bd['kernels_per_step'][k]} kernels)"
+              for k, v in bd["by_kind_s"].items()]
+    summary = "\n".join(lines)
+    path.write_text(summary + "\n\n" + table)
+    path.with_suffix(".json").write_text(json.dumps(bd, indent=2) + "\n")
+    log(f"[profile] {path.name}\n{summary}\n" + "\n".join(table.splitlines()[:22]))
+    return bd
 
 
 def gemm_probe(cfg, T, log):
@@ -627,11 +697,15 @@ def mix_samples(cfg, lengths, dev, dtype, seed=7):
 
 def layout_mix(samples, pack_len, pad_batch, dtype):
     """-> (packed: one PackedBatch of one row per step, padded: one collate Batch of pad_batch
-    samples per step, in the mix's order), each with the samples' lengths in step order."""
+    samples per step, in the mix's order), each with the samples' lengths in step order.
+
+    Packed: the samples grouped first-fit decreasing into steps of at most pack_len tokens (as
+    speculators' sampler groups them into its rows), each step's samples in one row as train()
+    packs them: their total length rounded up to packing.ROW_MULTIPLE, not padded to pack_len."""
     lens = [int(s["tokens"].shape[0]) for s in samples]
     packed, packed_lens = [], []
     for row in plan_rows(lens, pack_len):
-        b, _ = pack([samples[i] for i in row], row_len=pack_len, dtype=dtype)
+        b, _ = pack([samples[i] for i in row], multiple=ROW_MULTIPLE, dtype=dtype)
         packed.append(b)
         packed_lens += [lens[i] for i in row]
     padded, padded_lens = [], []
@@ -724,7 +798,7 @@ def parse(argv=None):
     ap.add_argument("--mix", type=int, default=None, help="samples in the length mix (0: none; 20 on CUDA, 8 toy)")
     ap.add_argument("--mix-max", type=int, default=None, help="longest sample (2048; toy 64)")
     ap.add_argument("--mix-seed", type=int, default=1)
-    ap.add_argument("--pack-len", type=int, default=None, help="packed row length (8192 as speculators' "
+    ap.add_argument("--pack-len", type=int, default=None, help="tokens per packed step (8192 as speculators' "
                     "default total_seq_len; toy 128)")
     ap.add_argument("--pad-batch", type=int, default=4, help="samples per padded step on the mix")
     ap.add_argument("--graphs", action="store_true", help="also time the CUDA-graph lever")
@@ -893,7 +967,8 @@ def main(argv=None) -> dict:
         fl = flops_per_token(cfg, T, a.ttt, False)
         log(f"FLOPs/token at T {T}: train {fl['train'] / 1e9:.2f} G (lm_head frozen), "
             f"{flops_per_token(cfg, T, a.ttt, True)['train'] / 1e9:.2f} G (trainable); target draft rows "
-            f"{fl['target_draft_rows'] / 1e9:.3f} G; full-vocab mask extra {fl['mask_extra'] / 1e9:.3f} G (counted apart)")
+            f"{fl['target_draft_rows'] / 1e9:.3f} G; full-vocab mask extra {fl['mask_extra'] / 1e9:.3f} G (counted apart); "
+            f"executed with the embedding half once per unroll {fl['executed'] / 1e9:.2f} G (lm_head frozen)")
     out["gemm_tflops"] = gemm_probe(cfg, a.seqs[0] * a.batch, log) if (a.gemm_probe and cuda) else None
     results = []
 
@@ -908,7 +983,8 @@ def main(argv=None) -> dict:
     # ---- the ladder: each lever on and off (first length) ----
     if a.ladder:
         batch = make_batch(cfg, a.batch, a.seqs[0], dev, dtype)
-        old_loop = dict(adam="fused", clip_in_adam=False, sync_each_step=True)   # train.py before
+        old_loop = dict(adam="fused", clip_in_adam=False, sync_each_step=True,   # train.py before
+                        embed_once=False)
         ladder = [
             Variant("L0 reference (old loop)", attn_fused=False, loss_fused=False, compiled=False,
                     accumulate=False, **old_loop),
@@ -918,7 +994,8 @@ def main(argv=None) -> dict:
             Variant("L3 +in-place wgrad accumulation", compiled=False, **old_loop)]
         if cuda:
             ladder += [Variant("L4 +compiled regions", **old_loop),
-                       Variant("L5 +clip inside fused AdamW", sync_each_step=True),
+                       Variant("L5 +clip inside fused AdamW", sync_each_step=True, embed_once=False),
+                       Variant("L6 +embedding half once per unroll", sync_each_step=True),
                        Variant("X  main with foreach AdamW + clip_grad_norm_", adam="foreach", clip_in_adam=False)]
         for v in ladder:
             r = run(v, [batch], head)
@@ -926,7 +1003,8 @@ def main(argv=None) -> dict:
         del batch
 
     # ---- fixed lengths: lm_head frozen / trainable x mask computed / stored, and the levers
-    # (the other attention kernel, fused projections, CUDA graphs) at the same shape ----
+    # (the other attention kernel, the embedding half at every step, fused projections, CUDA
+    # graphs) at the same shape ----
     by_len, levers = {}, {}
     head_cpu = None
     other = "cudnn" if attn == "flash" else "flash"
@@ -962,6 +1040,9 @@ def main(argv=None) -> dict:
                 r = run(V(f"T{T} lm_head {lh}, mask stored", lm_head=lh, mask="stored"), [batch], rows)
                 r["seq"] = T
                 rec["ours"][f"{lh}_stored"] = r
+            if cuda:   # what the embedding half once per unroll gives, at every length
+                lv["embed_every_step_stored"] = run(V(f"T{T} lm_head frozen, mask stored, embedding half every step",
+                                                      mask="stored", embed_once=False), [batch], rows)
             if lever_here and a.fuse_lever:
                 lv["fused_projections_stored"] = run(V(f"T{T} lm_head frozen, mask stored, fused projections",
                                                        mask="stored", fuse=True), [batch], rows)
@@ -971,7 +1052,12 @@ def main(argv=None) -> dict:
             if a.profile_dir and cuda:
                 try:
                     kernels.set_attention_backend(attn)
-                    profile_fixed(d, rows, batch, a, cfg, Path(a.profile_dir) / f"profile_T{T}_frozen_stored.txt", log)
+                    for once in (True, False):
+                        tag = "" if once else "_embed_every_step"
+                        bd = profile_fixed(d, rows, batch, a, cfg,
+                                           Path(a.profile_dir) / f"profile_T{T}_frozen_stored{tag}.txt", log,
+                                           embed_once=once)
+                        out.setdefault("profiles", {})[f"T{T}_frozen_stored{tag}"] = bd
                 finally:
                     kernels.set_attention_backend("flash")
             del rows
@@ -1055,9 +1141,11 @@ def main(argv=None) -> dict:
                    "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing"},
         "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],
                                      "train_lm_head_trainable": flops_per_token(cfg, T, a.ttt, True)["train"],
-                                     "mask_extra": flops_per_token(cfg, T, a.ttt, False)["mask_extra"]}
+                                     "mask_extra": flops_per_token(cfg, T, a.ttt, False)["mask_extra"],
+                                     "executed_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["executed"]}
                             for T in a.seqs},
         "tokens_per_s": ours.get("tokens_per_s"), "mfu": ours.get("mfu"), "mfu_with_mask": ours.get("mfu_with_mask"),
+        "hfu": ours.get("hfu"),
         "peak_mem_gib": ours.get("peak_mem_gib"), "lm_head": ours.get("lm_head"),
         "trainable_params": ours.get("trainable_params"),
         "tokens_per_s_lm_head_trainable": (first.get("trainable_computed") or {}).get("tokens_per_s"),
@@ -1094,9 +1182,12 @@ def mix_spec(a, log) -> dict | None:
     mix = {"distribution": f"log-normal(mu {MIX_MU}, sigma {MIX_SIGMA}) tokens, x {a.mix_max}/2048, clipped to "
                            f"[{min(64, a.mix_max // 4)}, {a.mix_max}]; seed {a.mix_seed}",
            "n": len(lens), "lengths": lens, "mean": sum(lens) / len(lens), "max": max(lens),
-           "total_tokens": sum(lens), "pack_len": a.pack_len, "pad_batch": a.pad_batch}
+           "total_tokens": sum(lens), "pack_len": a.pack_len, "pad_batch": a.pad_batch,
+           "packed_layout": f"steps of <= {a.pack_len} tokens (first-fit decreasing), each one row of its "
+                            f"samples rounded up to {ROW_MULTIPLE} tokens (as train() packs)"}
     log(f"[mix] {len(lens)} samples, mean {mix['mean']:.0f}, max {mix['max']}, {sum(lens)} tokens; "
-        f"packed rows of {a.pack_len}, padded groups of {a.pad_batch}")
+        f"packed: steps of <= {a.pack_len} tokens, one row each rounded up to {ROW_MULTIPLE} (as train() packs); "
+        f"padded groups of {a.pad_batch}")
     return mix
 
 
@@ -1265,11 +1356,15 @@ def score(out: dict) -> list[dict]:
                 o = rec["ours"].get(f"{k}_{mode}")
                 if o and "failed" not in o:
                     r[f"mfu_{k}_{mode}"] = o["mfu"]
+                    if o.get("hfu") is not None:
+                        r[f"hfu_{k}_{mode}"] = o["hfu"]
                     r[f"peak_mem_gib_{k}_{mode}"] = o["peak_mem_gib"]
             goal(f"T{T} vs the faster peer, lm_head frozen, mask {mode}", r[f"speedup_vs_best_peer_{mode}"], 1.3,
                  f"faster peer: {best}" + (f"; not measured: {', '.join(missing)}" if missing else ""))
             goal(f"T{T} vs SpecForge, lm_head trained, mask {mode}", r[f"vs_specforge_lm_head_trained_{mode}"], 1.6)
-            goal(f"T{T} MFU, lm_head frozen, mask {mode}", r.get(f"mfu_frozen_{mode}"), 0.78)
+            hf = r.get(f"hfu_frozen_{mode}")
+            goal(f"T{T} MFU, lm_head frozen, mask {mode}", r.get(f"mfu_frozen_{mode}"), 0.78,
+                 "model FLOPs; " + (f"hardware FLOPs executed: {hf:.3f}" if hf is not None else ""))
             goal(f"T{T} lm_head trainable vs the faster peer at its default set, mask {mode}",
                  r[f"lm_head_trainable_vs_best_peer_{mode}"], 1.25,
                  "speculators trains lm_head frozen, SpecForge trained: the faster of the two"
@@ -1316,22 +1411,27 @@ def score(out: dict) -> list[dict]:
     return goals
 
 
-def profile_fixed(d, head, batch, a, cfg, path, log):
-    """A profile of two steps of the main variant (lm_head frozen) on this batch."""
+def profile_fixed(d, head, batch, a, cfg, path, log, embed_once=True):
+    """A profile of two steps of the main variant (lm_head frozen) on this batch (embed_once
+    False: the embedding half of q/k/v at every step). -> the kernel breakdown."""
     params = [p for p in d.parameters() if p.requires_grad]
     d.lm_head.weight.requires_grad_(False)
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
     tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=False)
     d.accumulate_wgrad = True
+    d.embed_once = embed_once
 
     def step():
         return train_step(d, batch, head, opt, params, tcfg, impl="fused", use_bf16=True)
-    for _ in range(2):
-        step()
-    profile(step, path, log)
-    del opt
-    d.zero_grad(set_to_none=True)
+    try:
+        for _ in range(2):
+            step()
+        return profile(step, path, log)
+    finally:
+        del opt
+        d.zero_grad(set_to_none=True)
+        d.embed_once = True
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from draftport.config import DrafterConfig
+from draftport.data import Batch
 from draftport.drafter import Attention
 from draftport.kernels import ttt_attention
 from draftport.train import TrainConfig, train
@@ -305,3 +306,72 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
         r = bench("--peers-from", *args, "--json", str(tmp_path / "x.json"))
         assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
         assert not (tmp_path / "x.json").exists()
+
+
+def _train_steps(d, batch, head, n=3):
+    """n fused train steps -> (losses, the first step's gradients, the parameters after n)."""
+    from draftport.train import train_step
+
+    params = [p for p in d.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses, grads = [], None
+    for _ in range(n):   # several steps: the in-place sums restart at each step
+        loss, *_ = train_step(d, batch, head, opt, params, TrainConfig(ttt_steps=4), impl="fused")
+        losses.append(float(loss.detach()))
+        if grads is None:
+            grads = {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+    return losses, grads, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_embedding_half_once_per_unroll_matches_every_step(accumulate, packed):
+    """embed_once (the embedding half of q/k/v as one table per unroll, each step a slice of it)
+    gives the losses, gradients and updates of the 2H-wide GEMMs at every step (fp64), padded
+    and packed (rows past a sample's end fed token 0), gradients summed in place or not."""
+    from draftport.packing import pack
+    from test_packing import make_samples
+
+    cfg = toy_cfg()
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(8),
+                       dtype=torch.float64)
+    if packed:
+        batch = pack(make_samples(cfg, (9, 5, 12, 3, 7, 2)), row_len=14, dtype=torch.float64)[0]
+    else:
+        b = toy_batch(cfg, B=2, T=12)
+        batch = Batch(b.aux.double(), b.final.double(), b.tokens, b.loss_mask, b.valid)
+    out = []
+    for once in (False, True):
+        d = toy_drafter(cfg, seed=6).double()
+        d.accumulate_wgrad, d.embed_once = accumulate, once
+        out.append(_train_steps(d, batch, head))
+    (l0, g0, p0), (l1, g1, p1) = out
+    assert l0 == pytest.approx(l1, rel=1e-10)
+    assert g0.keys() == g1.keys() and "midlayer.input_layernorm.weight" in g0
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], atol=1e-12, rtol=1e-9), k
+    for a, b in zip(p0, p1):
+        assert torch.allclose(a, b, atol=1e-6)   # AdamW divides by sqrt(v): rounding grows
+
+
+def test_embedding_half_once_skips_exactly_its_repeated_gemms():
+    """The FLOPs saved are the embedding half's forward, input grad and weight grad at every
+    step but one (the table has T-1+steps rows instead of steps x T), counted by torch's
+    FlopCounterMode over forward and backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = toy_cfg()
+    b = toy_batch(cfg, B=2, T=12)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
+    flops = {}
+    for once in (False, True):
+        d = toy_drafter(cfg, seed=6)
+        d.embed_once = once
+        with FlopCounterMode(display=False) as fc:
+            loss, _ = combine(ttt_terms(d, b, head, 4, fused=True, chunk=5), 0.8)
+            loss.backward()
+        flops[once] = fc.get_total_flops()
+    B, T, S, H = 2, 12, 4, cfg.hidden_size
+    n_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    saved = 3 * 2 * H * n_out * B * (S * T - (T - 1 + S))   # fwd, dgrad, wgrad of the half
+    assert flops[False] - flops[True] == saved

@@ -164,6 +164,10 @@ class Eagle3Drafter(nn.Module):
         # fused path only: q/k/v and gate/up as one GEMM each (their weights concatenated once
         # per unroll; gradients as row views of one buffer): an opt-in lever, single process
         self.fuse_projections = False
+        # fused path with teacher tokens: the embedding half of q/k/v once per unroll instead of
+        # once per step (step j feeds row p the token at p+1+j: one table, shifted; see
+        # _embed_half). The same function; off runs the 2H-wide GEMMs of every step
+        self.embed_once = True
         if embed_weight is not None:
             self.set_embedding(embed_weight)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -223,6 +227,29 @@ class Eagle3Drafter(nn.Module):
         hn = L.hidden_norm(h)
         return torch.cat([e, hn], dim=-1), (hn if L.norm_before_residual else h)
 
+    def _r_emb(self, tokens, like):
+        """input_layernorm(embed(tokens)) in like's dtype (the embedding half of x)."""
+        return self.midlayer.input_layernorm(self.embed_tokens(tokens).to(like.dtype))
+
+    def _r_hid(self, h):
+        """The hidden half of x and the residual (x's embedding half comes from _embed_half)."""
+        L = self.midlayer
+        hn = L.hidden_norm(h)
+        return hn, (hn if L.norm_before_residual else h)
+
+    def _r_rope_e(self, qh, kh, vh, qe, ke, ve, positions, keep=None, fq=None, fk=None, fv=None):
+        """q/k/v from their two halves (embedding half qe.. + hidden half qh..), summed in at least
+        fp32; with keep (packed rows), rows whose fed token lies past their sample take the fill
+        rows fq.. (token 0's projection, as shift feeds 0 there); then rope."""
+        if keep is not None:
+            m = keep[..., None]
+            qe, ke, ve = torch.where(m, qe, fq), torch.where(m, ke, fk), torch.where(m, ve, fv)
+        acc = torch.promote_types(qh.dtype, torch.float32)
+        q = (qh.to(acc) + qe.to(acc)).to(qh.dtype)
+        k = (kh.to(acc) + ke.to(acc)).to(kh.dtype)
+        v = (vh.to(acc) + ve.to(acc)).to(vh.dtype)
+        return self._r_rope(q, k, v, positions)
+
     def _r_rope(self, q, k, v, positions):
         cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
         return self.midlayer.self_attn.heads_rope(q, k, v, cos, sin)
@@ -235,7 +262,7 @@ class Eagle3Drafter(nn.Module):
         out = resid + m
         return out, self.norm(out)
 
-    _REGIONS = ("_r_in", "_r_rope", "_r_mid", "_r_out")
+    _REGIONS = ("_r_in", "_r_rope", "_r_mid", "_r_out", "_r_emb", "_r_hid", "_r_rope_e")
 
     def compile_regions(self, **kw):
         """torch.compile the elementwise regions of a step (GPU training path).
@@ -251,13 +278,14 @@ class Eagle3Drafter(nn.Module):
         return c if c is not None else {n: getattr(self, n) for n in self._REGIONS}
 
     def step(self, tokens, h, positions, cache_k, cache_v, attn_bias, *, fused: bool = False,
-             head: bool = True, segments=None, cats=None):
+             head: bool = True, segments=None, cats=None, emb=None):
         """One draft step for all rows. Returns (pre-norm output fed back, logits over draft
         vocab), or (output, normed output) with head=False (the fused loss applies lm_head).
 
         fused: flash-based attention, and the linears and MLP as custom functions (the MLP keeps
         only gate/up outputs; with self.accumulate_wgrad the weight gradients are summed in
-        place across TTT steps): draftport.kernels."""
+        place across TTT steps): draftport.kernels. emb (fused, from _embed_half): this step's
+        embedding half of q/k/v (qe, ke, ve, keep, fills); x's other half runs as its own GEMMs."""
         A, M = self.midlayer.self_attn, self.midlayer.mlp
         R = self._regions()
         if fused:
@@ -268,13 +296,20 @@ class Eagle3Drafter(nn.Module):
         else:
             def lin(x, m):
                 return m(x)
-        x, resid = R["_r_in"](tokens, h)
-        if cats is not None:   # fused projections: one GEMM for q, k, v
-            ws = (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight)
-            qkv = kernels.cat_linear(x, cats["qkv"], ws, acc)
-            q, k, v = R["_r_rope"](*qkv.split([w.shape[0] for w in ws], dim=-1), positions)
+        if emb is not None:    # the embedding half came from the unroll's table
+            hn, resid = R["_r_hid"](h)
+            H = self.cfg.hidden_size
+            qh, kh, vh = (kernels.cols_linear(hn, m.weight, H, 2 * H, acc) for m in (A.q_proj, A.k_proj, A.v_proj))
+            qe, ke, ve, keep, fills = emb
+            q, k, v = R["_r_rope_e"](qh, kh, vh, qe, ke, ve, positions, keep, *fills)
         else:
-            q, k, v = R["_r_rope"](lin(x, A.q_proj), lin(x, A.k_proj), lin(x, A.v_proj), positions)
+            x, resid = R["_r_in"](tokens, h)
+            if cats is not None:   # fused projections: one GEMM for q, k, v
+                ws = (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight)
+                qkv = kernels.cat_linear(x, cats["qkv"], ws, acc)
+                q, k, v = R["_r_rope"](*qkv.split([w.shape[0] for w in ws], dim=-1), positions)
+            else:
+                q, k, v = R["_r_rope"](lin(x, A.q_proj), lin(x, A.k_proj), lin(x, A.v_proj), positions)
         cache_k.append(k)
         cache_v.append(v)
         if fused:
@@ -342,11 +377,15 @@ class Eagle3Drafter(nn.Module):
             with torch.no_grad():
                 cats = {"qkv": torch.cat([A.q_proj.weight, A.k_proj.weight, A.v_proj.weight]),
                         "gate_up": torch.cat([M.gate_proj.weight, M.up_proj.weight])}
+        table = None
+        if fused and teacher_tokens and self.embed_once and cats is None:
+            table = self._embed_half(tokens, steps, h, doc)
         cache_k, cache_v, outs = [], [], []
         tok = shift(tokens, 1, doc=doc)
         for j in range(steps):
+            emb = None if table is None else table(j)
             h, res = self.step(tok, h, base_pos + j, cache_k, cache_v, attn_bias, fused=fused,
-                               head=not return_normed, segments=seg, cats=cats)
+                               head=not return_normed, segments=seg, cats=cats, emb=emb)
             outs.append(res)
             if j + 1 < steps:
                 if teacher_tokens:
@@ -354,6 +393,32 @@ class Eagle3Drafter(nn.Module):
                 else:
                     tok = self.hot_ids[res.argmax(-1)]
         return outs
+
+
+    def _embed_half(self, tokens, steps: int, like, doc=None):
+        """The embedding half of q/k/v for every step of a teacher-forced unroll, as one table.
+
+        Step j feeds row p the token at p+1+j (0 past the row's end, and in a packed row past
+        its sample's end): the embedding input of step j is rows j..j+T-1 of one table over the
+        tokens 1..T-1 followed by `steps` zeros. Its input_layernorm and its three GEMMs (the
+        2H-wide input's first H columns of q/k/v) run once per unroll; each step adds its slice
+        to the hidden half's GEMMs (_r_rope_e), and the slices' gradients meet in the table, so
+        the weight gradient of that half is one GEMM too. -> table(j): step j's `emb`."""
+        A = self.midlayer.self_attn
+        R = self._regions()
+        B, T = tokens.shape
+        H = self.cfg.hidden_size
+        ext = torch.cat([tokens[:, 1:], tokens.new_zeros(B, steps)], dim=1)      # [B, T-1+steps]
+        e = R["_r_emb"](ext, like)
+        acc = self.accumulate_wgrad
+        ys = [kernels.cols_linear(e, m.weight, 0, H, acc) for m in (A.q_proj, A.k_proj, A.v_proj)]
+        # the last row is always a fed 0 (steps >= 1 zeros follow the tokens): packed rows' fill
+        fills = tuple(y[:, -1:] for y in ys) if doc is not None else ()
+
+        def table(j):
+            keep = None if doc is None else shift(doc, j + 1, fill=-1) == doc
+            return (*(y[:, j:j + T] for y in ys), keep, fills)
+        return table
 
 
 def shift(tokens: torch.Tensor, n: int, fill: int = 0, doc=None) -> torch.Tensor:

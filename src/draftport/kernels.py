@@ -271,6 +271,52 @@ class _Linear(torch.autograd.Function):
         return dx, dw, None
 
 
+def accumulate_grad_cols(w: torch.Tensor, start: int, stop: int, dy2: torch.Tensor, x2: torch.Tensor) -> None:
+    """accumulate_grad into the column block [start, stop) of w.grad (zeros elsewhere when this
+    is the first gradient the step gives w): a weight whose input halves run as two GEMMs."""
+    if w.grad is None:
+        w.grad = torch.zeros_like(w)
+    g = w.grad[:, start:stop]
+    if g.dtype == dy2.dtype:
+        g.addmm_(dy2.t(), x2)
+    else:  # fp32 master weights under autocast
+        g.add_(dy2.t() @ x2)
+
+
+class _ColsLinear(torch.autograd.Function):
+    """y = x @ w[:, start:stop]^T: a column block of one weight (the embedding or the hidden half
+    of q/k/v's 2H-wide input). The weight gradient fills only that block: with accum summed in
+    place into w.grad (accumulate_grad_cols); else a full-size gradient, zero outside the block,
+    through autograd (DDP / FSDP)."""
+
+    @staticmethod
+    def forward(ctx, x, w, start: int, stop: int, accum: bool):
+        ctx.save_for_backward(x, w)
+        ctx.cols, ctx.accum = (start, stop), accum
+        return F.linear(x, w[:, start:stop])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        s, e = ctx.cols
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy @ w[:, s:e].to(dy.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
+            if ctx.accum:
+                accumulate_grad_cols(w, s, e, dy2, x2)
+            else:
+                dw = torch.zeros_like(w)
+                dw[:, s:e] = (dy2.t() @ x2).to(w.dtype)
+        return dx, dw, None, None, None
+
+
+def cols_linear(x, w, start: int, stop: int, accum: bool):
+    """x @ w[:, start:stop]^T through _ColsLinear (gradient into that block of w's)."""
+    return _ColsLinear.apply(x, w, start, stop, accum)
+
+
 def accumulate_grad_cat(ws, dy2: torch.Tensor, x2: torch.Tensor) -> None:
     """accumulate_grad for weights used as one concatenated GEMM (rows of ws stacked): their
     gradients are row slices (views) of one buffer, summed into in place by the GEMM."""

@@ -74,6 +74,11 @@ def plan_rows(lengths: list[int], row_len: int | None = None) -> list[list[int]]
     return [sorted(r) for r in rows]   # samples in their original order inside a row
 
 
+# train() packs a step's samples into one row of their total length rounded up to this many
+# tokens (fewer distinct shapes for the compiled regions)
+ROW_MULTIPLE = 64
+
+
 def pack(samples: list[dict], row_len: int | None = None, multiple: int = 1,
          dtype=torch.float32) -> tuple[PackedBatch, list[int]]:
     """Pack samples (FeatureSet.sample dicts, as data.collate takes) into rows; -> (PackedBatch,

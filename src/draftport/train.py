@@ -387,7 +387,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
 
         bar = progress_bar(cfg.steps, "train", "step", initial=step)
     if cfg.packing:
-        from .packing import pack   # only then: a step that never packs does not run the module
+        from .packing import ROW_MULTIPLE, pack   # only then: a step that never packs does not run the module
     n = len(features)
     done_this_call = 0
     t0 = time.time()
@@ -399,9 +399,9 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         ids = batch_ids(step, n, cfg.batch_size, cfg.seed)
         mine = ids[rank::world]
         samples = [features.sample(i) for i in mine]
-        # packing: the same samples end to end in one row (rounded up to 64 rows: fewer shapes
-        # for the compiled regions), the same loss as the padded batch
-        batch, _ = pack(samples, multiple=64) if cfg.packing else collate(samples)
+        # packing: the same samples end to end in one row (rounded up to ROW_MULTIPLE rows:
+        # fewer shapes for the compiled regions), the same loss as the padded batch
+        batch, _ = pack(samples, multiple=ROW_MULTIPLE) if cfg.packing else collate(samples)
         batch = batch.to(device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
