@@ -405,7 +405,6 @@ def profile(step, path: Path, log):
               for k, v in bd["by_kind_s"].items()]
     summary = "\n".join(lines)
     path.write_text(summary + "\n\n" + table)
-    path.with_suffix(".json").write_text(json.dumps(bd, indent=2) + "\n")
     log(f"[profile] {path.name}\n{summary}\n" + "\n".join(table.splitlines()[:22]))
     return bd
 
@@ -1052,12 +1051,11 @@ def main(argv=None) -> dict:
             if a.profile_dir and cuda:
                 try:
                     kernels.set_attention_backend(attn)
-                    for once in (True, False):
-                        tag = "" if once else "_embed_every_step"
-                        bd = profile_fixed(d, rows, batch, a, cfg,
-                                           Path(a.profile_dir) / f"profile_T{T}_frozen_stored{tag}.txt", log,
-                                           embed_once=once)
-                        out.setdefault("profiles", {})[f"T{T}_frozen_stored{tag}"] = bd
+                    for lh, once in (("frozen", True), ("frozen", False), ("trainable", True)):
+                        tag = f"{lh}_stored" + ("" if once else "_embed_every_step")
+                        bd = profile_fixed(d, rows, batch, a, cfg, Path(a.profile_dir) / f"profile_T{T}_{tag}.txt",
+                                           log, embed_once=once, lm_head=lh)
+                        out.setdefault("profiles", {})[f"T{T}_{tag}"] = bd
                 finally:
                     kernels.set_attention_backend("flash")
             del rows
@@ -1411,14 +1409,13 @@ def score(out: dict) -> list[dict]:
     return goals
 
 
-def profile_fixed(d, head, batch, a, cfg, path, log, embed_once=True):
-    """A profile of two steps of the main variant (lm_head frozen) on this batch (embed_once
-    False: the embedding half of q/k/v at every step). -> the kernel breakdown."""
-    params = [p for p in d.parameters() if p.requires_grad]
-    d.lm_head.weight.requires_grad_(False)
+def profile_fixed(d, head, batch, a, cfg, path, log, embed_once=True, lm_head="frozen"):
+    """A profile of two steps of the main variant on this batch (embed_once False: the
+    embedding half of q/k/v at every step). -> the kernel breakdown."""
+    d.lm_head.weight.requires_grad_(lm_head == "trainable")
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
-    tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=False)
+    tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=lm_head == "trainable")
     d.accumulate_wgrad = True
     d.embed_once = embed_once
 
@@ -1432,6 +1429,7 @@ def profile_fixed(d, head, batch, a, cfg, path, log, embed_once=True):
         del opt
         d.zero_grad(set_to_none=True)
         d.embed_once = True
+        d.lm_head.weight.requires_grad_(False)
 
 
 if __name__ == "__main__":
