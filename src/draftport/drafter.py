@@ -20,7 +20,9 @@ the dense [T, T] mask and a softmax over [step-0 scores | own scores]: read it t
 EAGLE-3. The fused one (`fused=True`, used for training on the GPU; draftport.kernels) runs the
 step-0 causal part through flash attention and merges the row's own keys by log-sum-exp, with
 the linears and the MLP as custom autograd functions; no [T, T] tensor ever exists. It assumes
-right padding (a valid row's earlier rows are valid), as `data.collate` pads.
+right padding (a valid row's earlier rows are valid), as `data.collate` pads. With teacher
+tokens it also computes the embedding half of q/k/v once per unroll (`embed_once`, default on):
+step j feeds row p the token at p+1+j, so that half of every step is a slice of one table.
 
 Packed rows (draftport.packing: several samples per row) pass `doc`, `positions` and `segments`
 to unroll: attention stays inside each sample in every step (the reference adds doc equality to
