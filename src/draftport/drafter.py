@@ -396,7 +396,6 @@ class Eagle3Drafter(nn.Module):
                     tok = self.hot_ids[res.argmax(-1)]
         return outs
 
-
     def _embed_half(self, tokens, steps: int, like, doc=None):
         """The embedding half of q/k/v for every step of a teacher-forced unroll, as one table.
 

@@ -399,8 +399,8 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         ids = batch_ids(step, n, cfg.batch_size, cfg.seed)
         mine = ids[rank::world]
         samples = [features.sample(i) for i in mine]
-        # packing: the same samples end to end in one row (rounded up to ROW_MULTIPLE rows:
-        # fewer shapes for the compiled regions), the same loss as the padded batch
+        # packing: the same samples end to end in one row (rounded up to ROW_MULTIPLE
+        # tokens: fewer shapes for the compiled regions), the same loss as the padded batch
         batch, _ = pack(samples, multiple=ROW_MULTIPLE) if cfg.packing else collate(samples)
         batch = batch.to(device)
         for g in opt.param_groups:
