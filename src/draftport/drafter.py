@@ -383,13 +383,14 @@ class Eagle3Drafter(nn.Module):
         if fused and teacher_tokens and self.embed_once and cats is None:
             table = self._embed_half(tokens, steps, h, doc)
         cache_k, cache_v, outs = [], [], []
-        tok = shift(tokens, 1, doc=doc)
+        # the tokens fed at each step; with the table its slices stand for them (step reads no tokens)
+        tok = shift(tokens, 1, doc=doc) if table is None else None
         for j in range(steps):
             emb = None if table is None else table(j)
             h, res = self.step(tok, h, base_pos + j, cache_k, cache_v, attn_bias, fused=fused,
                                head=not return_normed, segments=seg, cats=cats, emb=emb)
             outs.append(res)
-            if j + 1 < steps:
+            if j + 1 < steps and table is None:
                 if teacher_tokens:
                     tok = shift(tokens, j + 2, doc=doc)
                 else:
