@@ -1210,7 +1210,8 @@ def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
                   "--warmup", str(a.peer_warmup)] + toy + (["--mix", mix_file] if mix_file else [])
         if not a.no_speculators:
             cmd = [env_py, str(HERE / "peers" / "speculators_run.py"), *common, "--total-seq-len", str(a.pack_len),
-                   "--loss-impl", a.spec_loss] + (["--attn", a.spec_attn] if a.spec_attn else [])
+                   "--loss-impl", a.spec_loss, "--sets", "frozen", "trained"] + (
+                ["--attn", a.spec_attn] if a.spec_attn else [])
             if peers_only:
                 t = left() * a.speculators_share if not a.no_specforge else left() - 8.0
             else:
@@ -1316,9 +1317,21 @@ def score(out: dict) -> list[dict]:
 
     def peer_rec(name, config, which=None):
         for r in peers.get(name, []):
-            if r.get("config") == config and (which is None or r.get("set") == which):
+            # speculators' records before it ran a second set carry none: its default, frozen
+            rs = r.get("set", "frozen" if name == "speculators" else None)
+            if r.get("config") == config and (which is None or rs == which):
                 return r
         return None
+
+    def faster(cands):
+        """(name, rate) of the faster of the peers asked for, or (None, None) with the missing
+        ones when any of them was not measured."""
+        cands = {k: v for k, v in cands.items() if k in requested}
+        missing = [k for k, v in cands.items() if not v]
+        if not cands or missing:
+            return None, None, missing
+        best = max(cands, key=cands.get)
+        return best, cands[best], missing
 
     tps = _tps
     goals = []
@@ -1328,27 +1341,33 @@ def score(out: dict) -> list[dict]:
                       "met": None if value is None else value >= target, "note": note})
 
     for T, rec in by_len.items():
-        sp = tps(peer_rec("speculators", f"seq{T}"))
+        sp = tps(peer_rec("speculators", f"seq{T}", "frozen"))
+        spt = tps(peer_rec("speculators", f"seq{T}", "trained"))
         sff = tps(peer_rec("specforge", f"seq{T}", "frozen"))
         sft = tps(peer_rec("specforge", f"seq{T}", "trained"))
-        rec["peers"] = {"speculators": peer_rec("speculators", f"seq{T}"),
+        rec["peers"] = {"speculators": peer_rec("speculators", f"seq{T}", "frozen"),
+                        "speculators_lm_head_trained": peer_rec("speculators", f"seq{T}", "trained"),
                         "specforge_lm_head_frozen": peer_rec("specforge", f"seq{T}", "frozen"),
                         "specforge_lm_head_trained": peer_rec("specforge", f"seq{T}", "trained")}
-        frozen_peers = {k: v for k, v in {"speculators": sp, "specforge": sff}.items() if k in requested}
-        missing = [k for k, v in frozen_peers.items() if not v]
-        best = max(frozen_peers, key=frozen_peers.get) if frozen_peers and not missing else None
-        r = {"best_peer_lm_head_frozen": best, "missing_peers": missing}
+        best, best_v, missing = faster({"speculators": sp, "specforge": sff})
+        best_t, best_t_v, missing_t = faster({"speculators": spt, "specforge": sft})
+        r = {"best_peer_lm_head_frozen": best, "missing_peers": missing,
+             "best_peer_lm_head_trained": best_t, "missing_peers_lm_head_trained": missing_t}
         for mode in ("computed", "stored"):
             o_f, o_t = tps(rec["ours"].get(f"frozen_{mode}")), tps(rec["ours"].get(f"trainable_{mode}"))
-            r[f"speedup_vs_best_peer_{mode}"] = ratio(o_f, frozen_peers.get(best)) if best else None
+            r[f"speedup_vs_best_peer_{mode}"] = ratio(o_f, best_v) if best else None
             r[f"vs_speculators_{mode}"] = ratio(o_f, sp)
             r[f"vs_specforge_lm_head_frozen_{mode}"] = ratio(o_f, sff)
             r[f"vs_specforge_lm_head_trained_{mode}"] = ratio(o_t, sft)
-            # each peer at its own default trainable set (speculators: lm_head frozen; SpecForge: trained)
+            r[f"vs_speculators_lm_head_trained_{mode}"] = ratio(o_t, spt)
+            # lm_head trained on both sides: against the faster peer at that set
+            r[f"lm_head_trainable_vs_best_peer_{mode}"] = ratio(o_t, best_t_v) if best_t else None
+            # ours trained (more work) against each peer at its own default set (speculators:
+            # lm_head frozen; SpecForge: trained), reported beside the same-set ratio
             defaults = {"speculators": sp, "specforge": sft}
             defaults = [v for k, v in defaults.items() if k in requested]
-            r[f"lm_head_trainable_vs_best_peer_{mode}"] = (ratio(o_t, max(defaults))
-                                                           if defaults and all(defaults) else None)
+            r[f"lm_head_trainable_vs_best_peer_default_sets_{mode}"] = (ratio(o_t, max(defaults))
+                                                                        if defaults and all(defaults) else None)
             r[f"lm_head_trainable_vs_speculators_{mode}"] = ratio(o_t, sp)
             for k in ("frozen", "trainable"):
                 o = rec["ours"].get(f"{k}_{mode}")
@@ -1363,15 +1382,17 @@ def score(out: dict) -> list[dict]:
             hf = r.get(f"hfu_frozen_{mode}")
             goal(f"T{T} MFU, lm_head frozen, mask {mode}", r.get(f"mfu_frozen_{mode}"), 0.78,
                  "model FLOPs; " + (f"hardware FLOPs executed: {hf:.3f}" if hf is not None else ""))
-            goal(f"T{T} lm_head trainable vs the faster peer at its default set, mask {mode}",
+            dflt = r[f"lm_head_trainable_vs_best_peer_default_sets_{mode}"]
+            goal(f"T{T} lm_head trainable vs the faster peer with lm_head trained, mask {mode}",
                  r[f"lm_head_trainable_vs_best_peer_{mode}"], 1.25,
-                 "speculators trains lm_head frozen, SpecForge trained: the faster of the two"
-                 + (f"; not measured: {', '.join(missing)}" if missing else ""))
+                 f"faster peer: {best_t}" + (f"; not measured: {', '.join(missing_t)}" if missing_t else "")
+                 + ("" if dflt is None else f"; vs the faster peer at its default set: {dflt:.3f}"))
         peak_peer = min([x["peak_mem_gib"] for x in rec["peers"].values() if x and x.get("peak_mem_gib")] or [None]) \
             if any(rec["peers"].values()) else None
         r["peer_peak_mem_gib_min"] = peak_peer
         for mode in ("computed", "stored"):   # memory: ours against the peers at the same trainable set
             for k, peer in (("frozen", rec["peers"]["speculators"]), ("frozen", rec["peers"]["specforge_lm_head_frozen"]),
+                            ("trainable", rec["peers"]["speculators_lm_head_trained"]),
                             ("trainable", rec["peers"]["specforge_lm_head_trained"])):
                 o = rec["ours"].get(f"{k}_{mode}")
                 if peer and peer.get("peak_mem_gib") and o and o.get("peak_mem_gib"):
@@ -1384,24 +1405,39 @@ def score(out: dict) -> list[dict]:
 
     mix_ratios = {}
     if mix is not None:
-        spm, sfm = tps(peer_rec("speculators", "mix")), tps(peer_rec("specforge", "mix", "trained"))
-        mix_ratios = {"speculators_real_tokens_per_s": spm, "specforge_real_tokens_per_s": sfm}
+        spm = tps(peer_rec("speculators", "mix", "frozen"))
+        spmt = tps(peer_rec("speculators", "mix", "trained"))
+        sfm = tps(peer_rec("specforge", "mix", "trained"))
+        mix_ratios = {"speculators_real_tokens_per_s": spm, "speculators_lm_head_trained_real_tokens_per_s": spmt,
+                      "specforge_real_tokens_per_s": sfm}
         for k, r in mix_res.items():
             mix_ratios[f"{k}_real_tokens_per_s"] = tps(r)
+        # the faster peer at each set: lm_head frozen speculators (SpecForge's frozen set is not
+        # run on the mix: slower than speculators at every fixed length); trained, the faster of both
+        best_t, best_t_v, missing_t = faster({"speculators": spmt, "specforge": sfm})
+        mix_ratios["best_peer_lm_head_trained"] = best_t
         for mode in ("computed", "stored"):
             f = tps(mix_res.get(f"packed_frozen_{mode}"))
             t = tps(mix_res.get(f"packed_trainable_{mode}"))
             mix_ratios[f"packed_frozen_{mode}_vs_speculators"] = ratio(f, spm)
             mix_ratios[f"packed_trainable_{mode}_vs_specforge"] = ratio(t, sfm)
+            mix_ratios[f"packed_trainable_{mode}_vs_speculators_lm_head_trained"] = ratio(t, spmt)
+            mix_ratios[f"packed_trainable_{mode}_vs_best_peer_lm_head_trained"] = ratio(t, best_t_v) if best_t else None
             mix_ratios[f"packed_frozen_{mode}_vs_padded"] = ratio(f, tps(mix_res.get(f"padded_frozen_{mode}")))
-        eq = {"speculators": mix_ratios.get("packed_frozen_stored_vs_speculators"),
-              "specforge": mix_ratios.get("packed_trainable_stored_vs_specforge")}
-        eq = [v for k, v in eq.items() if k in requested]
+        eq = []
+        if "speculators" in requested:
+            eq.append(mix_ratios.get("packed_frozen_stored_vs_speculators"))
+        if any(k in requested for k in ("speculators", "specforge")):
+            eq.append(mix_ratios.get("packed_trainable_stored_vs_best_peer_lm_head_trained"))
         mix_ratios["speedup_vs_best_peer"] = min(eq) if eq and all(x is not None for x in eq) else None
-        mix_ratios["missing_peers"] = [k for k, v in (("speculators", spm), ("specforge", sfm))
-                                       if k in requested and v is None]
+        mix_ratios["missing_peers"] = [k for k, v in (("speculators", spm), ("speculators lm_head trained", spmt),
+                                                      ("specforge", sfm))
+                                       if k.split()[0] in requested and v is None]
         goal("length mix: real-token rate vs the faster peer (same trainable set each, mask stored)",
-             mix_ratios["speedup_vs_best_peer"], 1.5, "min of ours-frozen/speculators and ours-trainable/SpecForge")
+             mix_ratios["speedup_vs_best_peer"], 1.5,
+             "min of ours-frozen/speculators and ours-trainable/the faster peer with lm_head trained"
+             + (f" ({best_t})" if best_t else "")
+             + (f"; not measured: {', '.join(mix_ratios['missing_peers'])}" if mix_ratios["missing_peers"] else ""))
         out["mix_ratios"] = mix_ratios
     out["goals"] = goals
     out["speedup_vs_best_peer"] = {T: {m: rec.get("ratios", {}).get(f"speedup_vs_best_peer_{m}")

@@ -221,16 +221,28 @@ def test_faster_peer_ratio_needs_every_peer_asked_for():
         score(out)
         return out["by_length"]["2048"]["ratios"], out["goals"]
 
+    # speculators' records from before it ran two sets carry no "set": its default, frozen
     sp = {"config": "seq2048", "real_tokens_per_s": 100.0, "peak_mem_gib": 12.0, "impl": "speculators-0.9.0",
           "lm_head_trainable": False}
+    spt = dict(sp, set="trained", real_tokens_per_s=96.0, peak_mem_gib=11.0, lm_head_trainable=True)
     sff = {"config": "seq2048", "set": "frozen", "real_tokens_per_s": 80.0, "peak_mem_gib": 20.0,
            "impl": "specforge-0.2.0", "lm_head_trainable": False}
     sft = dict(sff, set="trained", real_tokens_per_s=60.0, lm_head_trainable=True)
-    r, goals = run({"speculators": [sp], "specforge": [sff, sft]})
+    trained_goal = "T2048 lm_head trainable vs the faster peer with lm_head trained, mask stored"
+    r, goals = run({"speculators": [spt, sp], "specforge": [sff, sft]})
     assert r["best_peer_lm_head_frozen"] == "speculators" and r["speedup_vs_best_peer_stored"] == 1.5
     assert r["vs_specforge_lm_head_trained_stored"] == 2.0
-    assert r["lm_head_trainable_vs_best_peer_stored"] == 1.2      # against speculators' 100 (its default set)
+    # lm_head trained on both sides: the faster of speculators' 96 and SpecForge's 60
+    assert r["best_peer_lm_head_trained"] == "speculators" and r["lm_head_trainable_vs_best_peer_stored"] == 1.25
+    assert r["lm_head_trainable_vs_best_peer_default_sets_stored"] == 1.2   # vs speculators' frozen 100
+    assert {g["goal"]: g["met"] for g in goals}[trained_goal] is True
+    # memory at the same set: speculators trained (11 GiB) against ours trainable (10 GiB)
+    assert r["peak_mem_peer_over_ours_speculators_trained_stored"] == 1.1
     assert {g["goal"]: g["met"] for g in goals}["T2048 vs the faster peer, lm_head frozen, mask stored"] is True
+    r, goals = run({"speculators": [sp], "specforge": [sff, sft]})   # its trained set not run
+    assert r["best_peer_lm_head_trained"] is None and r["lm_head_trainable_vs_best_peer_stored"] is None
+    assert r["missing_peers_lm_head_trained"] == ["speculators"] and r["speedup_vs_best_peer_stored"] == 1.5
+    assert {g["goal"]: g["met"] for g in goals}[trained_goal] is None
     r, goals = run({"speculators": [], "specforge": [sff, sft]})   # speculators timed out
     assert r["best_peer_lm_head_frozen"] is None and r["speedup_vs_best_peer_stored"] is None
     assert r["missing_peers"] == ["speculators"] and r["vs_specforge_lm_head_frozen_stored"] == 150 / 80
@@ -265,7 +277,10 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
                     lm_head_trainable=trained, trainable_params=1000, step_s_median=0.1, **kw)
 
     p["peers_raw"] = {
-        "speculators": [rec("seq64", 100.0, "speculators-0.9.0", False), rec("mix", 90.0, "speculators-0.9.0", False)],
+        "speculators": [rec("seq64", 100.0, "speculators-0.9.0", False, set="frozen"),
+                        rec("mix", 90.0, "speculators-0.9.0", False, set="frozen"),
+                        rec("seq64", 95.0, "speculators-0.9.0", True, set="trained"),
+                        rec("mix", 60.0, "speculators-0.9.0", True, set="trained")],
         "specforge": [rec("seq64", 80.0, "specforge-0.2.0", True, set="trained"),
                       rec("seq64", 120.0, "specforge-0.2.0", False, set="frozen"),
                       rec("mix", 70.0, "specforge-0.2.0", True, set="trained")]}
@@ -285,7 +300,11 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     assert ra["best_peer_lm_head_frozen"] == "specforge" and ra["missing_peers"] == []
     assert ra["speedup_vs_best_peer_stored"] == pytest.approx(ours["frozen_stored"]["real_tokens_per_s"] / 120.0)
     assert ra["vs_specforge_lm_head_trained_stored"] == pytest.approx(ours["trainable_stored"]["real_tokens_per_s"] / 80)
+    assert ra["best_peer_lm_head_trained"] == "speculators"
+    assert ra["lm_head_trainable_vs_best_peer_stored"] == pytest.approx(ours["trainable_stored"]["real_tokens_per_s"] / 95)
     mr, mres = res["mix_ratios"], res["mix_results"]
+    # trained on the mix: SpecForge's 70 beats speculators' 60
+    assert mr["best_peer_lm_head_trained"] == "specforge"
     assert mr["speedup_vs_best_peer"] == pytest.approx(min(mres["packed_frozen_stored"]["real_tokens_per_s"] / 90.0,
                                                            mres["packed_trainable_stored"]["real_tokens_per_s"] / 70))
     assert all(g["value"] is not None for g in res["goals"] if "faster peer" in g["goal"])

@@ -10,6 +10,11 @@ decay 0.8), built once; then each configuration runs its warmup and timed steps:
                  (document ids, positions restarting per sample, -1 on the padding); one pass over
                  all rows warms up (compiles every shape), the next is timed; throughput counts
                  real tokens (document id != -1).
+  --sets frozen trained
+                 the trainable sets, in this order: frozen (its default: lm_head frozen, as
+                 speculators builds it) and trained (the same model with lm_head.weight trainable:
+                 the set SpecForge trains by default, so a ratio to it compares equal work); each
+                 set runs every shape; records carry "set".
 Prints one JSON line per configuration ({"config": ...}) and flushes it, so a caller that stops
 this process early keeps what finished.
 """
@@ -35,6 +40,7 @@ ap.add_argument("--iters", type=int, default=8)
 ap.add_argument("--warmup", type=int, default=2)
 ap.add_argument("--attn", default="simple_flex_attention")
 ap.add_argument("--loss-impl", default="eager")
+ap.add_argument("--sets", nargs="*", default=["frozen"], choices=["frozen", "trained"])
 a = ap.parse_args()
 
 if a.toy:
@@ -75,12 +81,25 @@ t2d = torch.zeros(V, dtype=torch.bool)
 t2d[hot] = True
 model.load_vocab_mappings(t2d.to(dev), d2t)
 model.train()
-params = [p for p in model.parameters() if p.requires_grad]
-n_train = sum(p.numel() for p in params)
-opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
 loss_cfg = resolve_loss_config("kl_div", a.loss_impl)
-lm_trainable = any(p_.requires_grad for n_, p_ in model.named_parameters() if n_.startswith("lm_head"))
 build_s = time.perf_counter() - t_build
+params, n_train, opt, lm_trainable, which = [], 0, None, False, None
+
+
+def use_set(name):
+    """The trainable set `name` (frozen: as speculators builds the model; trained: lm_head too),
+    with a fresh fused AdamW over it."""
+    global params, n_train, opt, lm_trainable, which
+    model.lm_head.weight.requires_grad_(name == "trained")
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_train = sum(p.numel() for p in params)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
+    lm_trainable = any(p_.requires_grad for n_, p_ in model.named_parameters() if n_.startswith("lm_head"))
+    which = name
+    lm_head_at_start[0] = model.lm_head.weight.detach().clone()
+
+
+lm_head_at_start = [None]
 
 
 def step(b):
@@ -95,7 +114,8 @@ def step(b):
 
 def emit(rec):
     rec.update(impl="speculators-0.9.0", attn=a.attn, loss_impl=a.loss_impl, ttt=a.ttt, trainable_params=n_train,
-               lm_head_trainable=lm_trainable, torch=torch.__version__, build_s=build_s,
+               lm_head_trainable=lm_trainable, set=which,
+               lm_head_changed=bool((model.lm_head.weight.detach() != lm_head_at_start[0]).any()), torch=torch.__version__, build_s=build_s,
                device=torch.cuda.get_device_name() if cuda else "cpu")
     print(json.dumps(rec), flush=True)
 
@@ -121,54 +141,61 @@ def timed(batches, warm_passes, passes):
     return times, warm_s, float(loss.detach()), (torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
 
 
-g = torch.Generator(device=dev).manual_seed(0)
-for T in a.seqs:
-    b = {"hidden_states": torch.randn(1, T, 3 * H, device=dev, dtype=dt, generator=g),
-         "input_ids": torch.randint(0, V, (1, T), device=dev, generator=g),
-         "document_ids": torch.zeros(1, T, dtype=torch.long, device=dev),
-         "loss_mask": torch.ones(1, T, dtype=torch.bool, device=dev),
-         "verifier_last_hidden_states": torch.randn(1, T, H, device=dev, dtype=dt, generator=g)}
-    t_w = time.perf_counter()
-    for _ in range(a.warmup):
-        step(b)
-    sync()
-    warm_s = time.perf_counter() - t_w
-    times, _, loss, peak = timed([b] * a.iters, 0, 1)
-    med = statistics.median(times)
-    emit({"config": f"seq{T}", "seq": T, "real_tokens_per_step": T, "step_s_median": med, "step_s_each": times,
-          "tokens_per_s": T / med, "real_tokens_per_s": T / med, "warmup_s": warm_s, "peak_mem_gib": peak,
-          "loss": loss})
-    del b
-    if cuda:
-        torch.cuda.empty_cache()
+def run_shapes():
+    """Every shape asked for (--seqs, then --mix) at the current trainable set."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    for T in a.seqs:
+        b = {"hidden_states": torch.randn(1, T, 3 * H, device=dev, dtype=dt, generator=g),
+             "input_ids": torch.randint(0, V, (1, T), device=dev, generator=g),
+             "document_ids": torch.zeros(1, T, dtype=torch.long, device=dev),
+             "loss_mask": torch.ones(1, T, dtype=torch.bool, device=dev),
+             "verifier_last_hidden_states": torch.randn(1, T, H, device=dev, dtype=dt, generator=g)}
+        t_w = time.perf_counter()
+        for _ in range(a.warmup):
+            step(b)
+        sync()
+        warm_s = time.perf_counter() - t_w
+        times, _, loss, peak = timed([b] * a.iters, 0, 1)
+        med = statistics.median(times)
+        emit({"config": f"seq{T}", "seq": T, "real_tokens_per_step": T, "step_s_median": med, "step_s_each": times,
+              "tokens_per_s": T / med, "real_tokens_per_s": T / med, "warmup_s": warm_s, "peak_mem_gib": peak,
+              "loss": loss})
+        del b
+        if cuda:
+            torch.cuda.empty_cache()
 
-if a.mix:
-    from speculators.train.data import CollateFn
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    if a.mix:
+        from speculators.train.data import CollateFn
+        from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-    lengths = json.load(open(a.mix))["lengths"]
-    samples = []
-    for n in lengths:   # what its dataset's __getitem__ returns (on the device: no copy is timed)
-        lm = torch.ones(n, dtype=torch.bool, device=dev)
-        samples.append({"hidden_states": torch.randn(n, 3 * H, device=dev, dtype=dt, generator=g),
-                        "input_ids": torch.randint(0, V, (n,), device=dev, generator=g),
-                        "verifier_last_hidden_states": torch.randn(n, H, device=dev, dtype=dt, generator=g),
-                        "loss_mask": lm, "lengths": torch.tensor([n], dtype=torch.long),
-                        "position_ids": torch.arange(n, dtype=torch.long, device=dev)})
-    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=a.total_seq_len, lengths=lengths,
-                                                 num_replicas=1, rank=0, seed=0)
-    collate = CollateFn(a.total_seq_len, H, num_target_layers=3, dtype=dt)
-    groups = list(iter(sampler))
-    batches = []
-    for idx in groups:
-        c = collate([samples[i] for i in idx])
-        batches.append({k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
-    real = [int((b["document_ids"] != -1).sum()) for b in batches]
-    used = sorted(i for idx in groups for i in idx)
-    times, warm_s, loss, peak = timed(batches, 1, 1)
-    emit({"config": "mix", "rows": len(batches), "row_tokens": a.total_seq_len, "samples_used": len(used),
-          "samples": len(lengths), "real_tokens": sum(real), "real_fraction": sum(real) / (len(batches) * a.total_seq_len),
-          "step_s_each": times, "step_s_total": sum(times), "real_tokens_per_s": sum(real) / sum(times),
-          "tokens_per_s": len(batches) * a.total_seq_len / sum(times), "warmup_s": warm_s, "peak_mem_gib": peak,
-          "loss": loss, "layout": "speculators' MultipackDistributedBatchSamplerV2 + CollateFn (packed rows, "
-                                  "document ids)"})
+        lengths = json.load(open(a.mix))["lengths"]
+        samples = []
+        for n in lengths:   # what its dataset's __getitem__ returns (on the device: no copy is timed)
+            lm = torch.ones(n, dtype=torch.bool, device=dev)
+            samples.append({"hidden_states": torch.randn(n, 3 * H, device=dev, dtype=dt, generator=g),
+                            "input_ids": torch.randint(0, V, (n,), device=dev, generator=g),
+                            "verifier_last_hidden_states": torch.randn(n, H, device=dev, dtype=dt, generator=g),
+                            "loss_mask": lm, "lengths": torch.tensor([n], dtype=torch.long),
+                            "position_ids": torch.arange(n, dtype=torch.long, device=dev)})
+        sampler = MultipackDistributedBatchSamplerV2(batch_max_length=a.total_seq_len, lengths=lengths,
+                                                     num_replicas=1, rank=0, seed=0)
+        collate = CollateFn(a.total_seq_len, H, num_target_layers=3, dtype=dt)
+        groups = list(iter(sampler))
+        batches = []
+        for idx in groups:
+            c = collate([samples[i] for i in idx])
+            batches.append({k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+        real = [int((b["document_ids"] != -1).sum()) for b in batches]
+        used = sorted(i for idx in groups for i in idx)
+        times, warm_s, loss, peak = timed(batches, 1, 1)
+        emit({"config": "mix", "rows": len(batches), "row_tokens": a.total_seq_len, "samples_used": len(used),
+              "samples": len(lengths), "real_tokens": sum(real), "real_fraction": sum(real) / (len(batches) * a.total_seq_len),
+              "step_s_each": times, "step_s_total": sum(times), "real_tokens_per_s": sum(real) / sum(times),
+              "tokens_per_s": len(batches) * a.total_seq_len / sum(times), "warmup_s": warm_s, "peak_mem_gib": peak,
+              "loss": loss, "layout": "speculators' MultipackDistributedBatchSamplerV2 + CollateFn (packed rows, "
+                                      "document ids)"})
+
+
+for name in a.sets:
+    use_set(name)
+    run_shapes()
