@@ -33,14 +33,25 @@ def target_logits(final: torch.Tensor, target_head: torch.Tensor) -> torch.Tenso
     return final.float() @ target_head.float().t()
 
 
+# rows per chunk on the fused path: the target side holds fp32 full-vocab logits [chunk, V] at a
+# time (V = 163,840 at Kimi size: 0.67 GB at 1,024 rows); the loss only bf16 draft-vocab logits
+# [chunk, Vd], so it takes whole rows up to 4,096 tokens (one GEMM pair per step, 4x fewer kernels).
+# On the H200 the loss alone ran 13% faster at T 4,096 that way; in the whole training step the
+# A/B is within its run-to-run spread (+1.0% at 4,096, -1.2% at 2,048; benchmarks/results/
+# 2026-12-01-h200-probe-loss-attn.json, -ab-loss-chunk.json)
+TARGET_CHUNK = 1024
+LOSS_CHUNK = 4096
+
+
 def ttt_terms(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, steps: int, *,
-              fused: bool = False, chunk: int = 1024):
+              fused: bool = False, chunk: int | None = None):
     """Per-step (summed soft-CE, rows counted, rows where the argmax agrees), unnormalized, so
     that data-parallel ranks can normalize by the global row count.
 
-    fused: the memory-lean path (same terms; see the module docstring); chunk: rows per chunk."""
+    fused: the memory-lean path (same terms; see the module docstring); chunk: rows per chunk
+    on both sides (default TARGET_CHUNK for the target logits, LOSS_CHUNK for the loss)."""
     if fused:
-        return _ttt_terms_fused(drafter, batch, target_head, steps, chunk)
+        return _ttt_terms_fused(drafter, batch, target_head, steps, chunk or TARGET_CHUNK, chunk or LOSS_CHUNK)
     hot = drafter.hot_ids
     t2d = drafter.t2d
     with torch.no_grad():
@@ -205,7 +216,7 @@ class LinearSoftCE(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: int, chunk: int):
+def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: int, chunk: int, loss_chunk: int):
     base = getattr(drafter, "module", drafter)  # the drafter behind a DDP view
     hot, t2d = drafter.hot_ids, drafter.t2d
     T = batch.tokens.shape[1]
@@ -218,7 +229,7 @@ def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: in
         q = j + 1  # row p of step j is scored against the target's prediction at position p + q
         ok = _ok_rows(batch, in_draft, q)
         loss_sum, arg = LinearSoftCE.apply(xn, base.lm_head.weight, t_prob[:, q:q + T],
-                                           ok.float(), chunk, base.accumulate_wgrad)
+                                           ok.float(), loss_chunk, base.accumulate_wgrad)
         with torch.no_grad():
             correct = ((hot[arg] == shift(t_arg, q)) & ok).sum()
         terms.append((loss_sum, ok.sum(), correct))
