@@ -12,7 +12,9 @@ log-normal lengths, mean ~1.5K, max 2048): ours packed (draftport.packing: steps
 samples rounded up to 64 tokens as train() packs it, where speculators pads each row to
 --pack-len), ours padded (groups of --pad-batch samples right-padded
 to the longest, as data.collate does), and each peer as it trains by default; throughput on the
-mix counts real (non-padding) tokens. Prints tokens/s, analytic FLOPs/token, MFU against
+mix counts real (non-padding) tokens. Each peer also runs the other trainable set (speculators:
+lm_head frozen by default, also trained; SpecForge: trained by default, also frozen at the fixed
+lengths), so every ratio to "the faster peer" compares equal work at one set. Prints tokens/s, analytic FLOPs/token, MFU against
 --peak-tflops (model FLOPs) and the hardware rate of the FLOPs our step executes (`hfu`: the
 embedding half of q/k/v runs once per unroll, not once per TTT step), peak memory, and writes
 one JSON with every figure, the ratios and the goals.
