@@ -38,8 +38,8 @@ def main():
     hot = d.hot_ids
     rows = head.index_select(0, hot).contiguous()
     default = B.ttt_mod.LOSS_CHUNK
-    out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "default_loss_chunk": default,
-           "runs": {}}
+    out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           "default_loss_chunk": default, "runs": {}}
     try:
         for T in x.seqs:
             batch = B.with_stored_mask([B.make_batch(cfg, 1, T, dev, dt)], head, hot, a.chunk)[0]

@@ -14,10 +14,10 @@ samples rounded up to 64 tokens as train() packs it, where speculators pads each
 to the longest, as data.collate does), and each peer as it trains by default; throughput on the
 mix counts real (non-padding) tokens. Each peer also runs the other trainable set (speculators:
 lm_head frozen by default, also trained; SpecForge: trained by default, also frozen at the fixed
-lengths), so every ratio to "the faster peer" compares equal work at one set. Prints tokens/s, analytic FLOPs/token, MFU against
---peak-tflops (model FLOPs) and the hardware rate of the FLOPs our step executes (`hfu`: the
-embedding half of q/k/v runs once per unroll, not once per TTT step), peak memory, and writes
-one JSON with every figure, the ratios and the goals.
+lengths), so every ratio to "the faster peer" compares equal work at one set. Prints tokens/s,
+analytic FLOPs/token, MFU against --peak-tflops (model FLOPs) and the hardware rate of the FLOPs
+our step executes (`hfu`: the embedding half of q/k/v runs once per unroll, not once per TTT
+step), peak memory, and writes one JSON with every figure, the ratios and the goals.
 
 Order (one device call): the attention probe (flash vs cuDNN for the dense causal part, the faster
 one is used), ours at each length (with the embedding half at every step beside it, at each
@@ -1326,8 +1326,8 @@ def score(out: dict) -> list[dict]:
         return None
 
     def faster(cands):
-        """(name, rate) of the faster of the peers asked for, or (None, None) with the missing
-        ones when any of them was not measured."""
+        """(name, rate, missing) of the faster of the peers asked for; (None, None, missing)
+        when any of them was not measured."""
         cands = {k: v for k, v in cands.items() if k in requested}
         missing = [k for k, v in cands.items() if not v]
         if not cands or missing:

@@ -19,25 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from draftport import kernels, ttt  # noqa: E402
-
-
-def timed(fn, iters=10, warm=3):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+from probe_gemm_adam_h200 import timed  # noqa: E402
 
 
 def loss_probe(T, steps, H, Vd, chunks):
@@ -114,7 +104,8 @@ def attn_probe(lengths, h=64, d=128, reps=10):
     res["flash_ms"] = timed(flash, reps, 2) * 1e3
     res["cudnn_ms"] = timed(cudnn, reps, 2) * 1e3
     print(f"[attn] packed row {N} tokens ({len(lengths)} segments, longest {L}), fwd+bwd: flash varlen "
-          f"{res['flash_ms']:.3f} ms, cuDNN ragged {res['cudnn_ms']:.3f} ms (x{res['flash_ms'] / res['cudnn_ms']:.3f}); "
+          f"{res['flash_ms']:.3f} ms, cuDNN ragged {res['cudnn_ms']:.3f} ms "
+          f"(x{res['flash_ms'] / res['cudnn_ms']:.3f}); "
           f"lse {res['cudnn_lse_shape']}, out err {res['out_rel_err']:.1e}, lse err {res['lse_max_abs']:.1e}, "
           f"grad err {max(res['grad_rel_err']):.1e}", flush=True)
     return res

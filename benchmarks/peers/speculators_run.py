@@ -115,7 +115,8 @@ def step(b):
 def emit(rec):
     rec.update(impl="speculators-0.9.0", attn=a.attn, loss_impl=a.loss_impl, ttt=a.ttt, trainable_params=n_train,
                lm_head_trainable=lm_trainable, set=which,
-               lm_head_changed=bool((model.lm_head.weight.detach() != lm_head_at_start[0]).any()), torch=torch.__version__, build_s=build_s,
+               lm_head_changed=bool((model.lm_head.weight.detach() != lm_head_at_start[0]).any()),
+               torch=torch.__version__, build_s=build_s,
                device=torch.cuda.get_device_name() if cuda else "cpu")
     print(json.dumps(rec), flush=True)
 
@@ -189,7 +190,8 @@ def run_shapes():
         used = sorted(i for idx in groups for i in idx)
         times, warm_s, loss, peak = timed(batches, 1, 1)
         emit({"config": "mix", "rows": len(batches), "row_tokens": a.total_seq_len, "samples_used": len(used),
-              "samples": len(lengths), "real_tokens": sum(real), "real_fraction": sum(real) / (len(batches) * a.total_seq_len),
+              "samples": len(lengths), "real_tokens": sum(real),
+              "real_fraction": sum(real) / (len(batches) * a.total_seq_len),
               "step_s_each": times, "step_s_total": sum(times), "real_tokens_per_s": sum(real) / sum(times),
               "tokens_per_s": len(batches) * a.total_seq_len / sum(times), "warmup_s": warm_s, "peak_mem_gib": peak,
               "loss": loss, "layout": "speculators' MultipackDistributedBatchSamplerV2 + CollateFn (packed rows, "
