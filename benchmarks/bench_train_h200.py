@@ -1432,9 +1432,10 @@ def score(out: dict) -> list[dict]:
         if any(k in requested for k in ("speculators", "specforge")):
             eq.append(mix_ratios.get("packed_trainable_stored_vs_best_peer_lm_head_trained"))
         mix_ratios["speedup_vs_best_peer"] = min(eq) if eq and all(x is not None for x in eq) else None
-        mix_ratios["missing_peers"] = [k for k, v in (("speculators", spm), ("speculators lm_head trained", spmt),
-                                                      ("specforge", sfm))
-                                       if k.split()[0] in requested and v is None]
+        mix_ratios["missing_peers"] = [label for peer, label, v in (("speculators", "speculators", spm),
+                                                                    ("speculators", "speculators lm_head trained", spmt),
+                                                                    ("specforge", "specforge", sfm))
+                                       if peer in requested and v is None]
         goal("length mix: real-token rate vs the faster peer (same trainable set each, mask stored)",
              mix_ratios["speedup_vs_best_peer"], 1.5,
              "min of ours-frozen/speculators and ours-trainable/the faster peer with lm_head trained"

@@ -20,8 +20,8 @@ merged output and log-sum-exp).
 The linears can sum their weight gradient in place across TTT steps (`accumulate_grad`: beta = 1
 inside the GEMM), single process only; a column block of one weight runs as its own GEMM
 (`cols_linear`: q/k/v's embedding and hidden halves, the first once per unroll), its gradient
-into that block; the MLP keeps only its gate/up outputs and recomputes the product in backward. `compile_kernels` swaps the elementwise pieces for torch.compile'd
-versions (GPU path).
+into that block; the MLP keeps only its gate/up outputs and recomputes the product in backward.
+`compile_kernels` swaps the elementwise pieces for torch.compile'd versions (GPU path).
 """
 
 from __future__ import annotations
