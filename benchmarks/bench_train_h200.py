@@ -70,6 +70,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from draftport import kernels  # noqa: E402
+from draftport import optim  # noqa: E402
 from draftport import ttt as ttt_mod  # noqa: E402
 from draftport.config import DrafterConfig  # noqa: E402
 from draftport.data import Batch, collate  # noqa: E402
@@ -177,7 +178,7 @@ class Variant:
     """One way of running our step: which levers are on."""
 
     def __init__(self, name, attn_fused=True, loss_fused=True, compiled=True, accumulate=True,
-                 adam="fused", clip_in_adam=True, sync_each_step=False, lm_head="frozen", mask="computed",
+                 adam="draftport", clip_in_adam=True, sync_each_step=False, lm_head="frozen", mask="computed",
                  graph=False, attn="flash", layout="seq", fuse=False, embed_once=True):
         self.name, self.attn_fused, self.loss_fused, self.compiled = name, attn_fused, loss_fused, compiled
         self.accumulate, self.adam, self.clip_in_adam = accumulate, adam, clip_in_adam
@@ -219,11 +220,15 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     n_train = sum(p.numel() for p in params)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    kw = {"fused": True} if (v.adam == "fused" and cuda) else {"foreach": True}
-    if v.graph:
-        kw["capturable"] = True
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-4, betas=(0.9, 0.95), **kw)
+    groups = [{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}]
+    if v.adam == "draftport" and cuda:   # what train() runs on CUDA: one compiled kernel per parameter
+        kw = {"draftport": True}
+        opt = optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95))
+    else:
+        kw = {"fused": True} if (v.adam in ("fused", "draftport") and cuda) else {"foreach": True}
+        if v.graph:
+            kw["capturable"] = True
+        opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), **kw)
     tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=v.lm_head == "trainable")
     impl = "fused" if v.loss_fused else "reference"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -232,7 +237,7 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
         # train.py's step: autocast (a no-op on bf16 weights, but what the loop runs), TTT terms,
         # combine, backward, clip, AdamW; no host sync (the loop reads stats at log steps only)
         loss, terms, counts, stats, gnorm = train_step(d, batch, head, opt, params, tcfg, impl=impl,
-                                                       use_bf16=cuda, clip_in_optimizer=v.clip_in_adam and "fused" in kw)
+                                                       use_bf16=cuda, clip_in_optimizer=v.clip_in_adam and ("fused" in kw or "draftport" in kw))
         if v.sync_each_step:  # what the loop did before: stats, finite check, grad norm each step
             stats = stats_to_float(stats)
             if not torch.isfinite(loss):
@@ -369,13 +374,19 @@ def kernel_kind(name: str) -> str:
 def kernel_breakdown(prof, wall_s: float, steps: int) -> dict:
     """GPU kernel time per step by kind (one stream: the rest of the wall time is the GPU idle)."""
     by, n = {}, {}
-    for e in prof.events():
+    gpu = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    # the optimizer's own range on the GPU timeline: draftport's AdamW runs compiled (triton_*)
+    # kernels, which only their place in that range tells from the step's other compiled kernels
+    opt_ranges = [(e.time_range.start, e.time_range.end) for e in gpu if e.name.startswith("Optimizer.step")]
+    for e in gpu:
         # a kernel (or memcpy/memset) on the GPU; record_function ranges (Optimizer.step, compiled
         # regions) also appear on the GPU timeline as annotations over their kernels: not counted
         annotation = getattr(e, "is_user_annotation", False) or e.name.startswith(ANNOTATIONS)
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and not annotation:
+        if not annotation:
             t = e.time_range.elapsed_us()
             k = kernel_kind(e.name)
+            if any(s <= e.time_range.start < f for s, f in opt_ranges):
+                k = "optimizer"
             by[k] = by.get(k, 0.0) + t / 1e6 / steps
             n[k] = n.get(k, 0) + 1
     busy = sum(by.values())
@@ -400,6 +411,11 @@ def profile(step, path: Path, log):
         table = ka.table(sort_by="device_time_total", row_limit=40, max_name_column_width=70)
     except Exception:
         table = ka.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    try:   # the kernels themselves, by their own time (the table above mixes in the ops' ranges)
+        kern = ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)
+    except Exception:
+        kern = ""
+    table = table + "\n\n" + kern
     bd = kernel_breakdown(prof, wall, 2)
     lines = [f"per step (profiled, 2 steps): wall {bd['step_s'] * 1e3:.1f} ms, kernels {bd['kernel_s'] * 1e3:.1f} ms, "
              f"GPU idle {bd['idle_s'] * 1e3:.1f} ms"]
@@ -995,8 +1011,9 @@ def main(argv=None) -> dict:
             Variant("L3 +in-place wgrad accumulation", compiled=False, **old_loop)]
         if cuda:
             ladder += [Variant("L4 +compiled regions", **old_loop),
-                       Variant("L5 +clip inside fused AdamW", sync_each_step=True, embed_once=False),
-                       Variant("L6 +embedding half once per unroll", sync_each_step=True),
+                       Variant("L5 +clip inside fused AdamW", adam="fused", sync_each_step=True, embed_once=False),
+                       Variant("L6 +embedding half once per unroll", adam="fused", sync_each_step=True),
+                       Variant("L7 +AdamW as one compiled kernel per parameter", sync_each_step=True),
                        Variant("X  main with foreach AdamW + clip_grad_norm_", adam="foreach", clip_in_adam=False)]
         for v in ladder:
             r = run(v, [batch], head)
@@ -1044,6 +1061,10 @@ def main(argv=None) -> dict:
             if cuda:   # what the embedding half once per unroll gives, at every length
                 lv["embed_every_step_stored"] = run(V(f"T{T} lm_head frozen, mask stored, embedding half every step",
                                                       mask="stored", embed_once=False), [batch], rows)
+                # what draftport's AdamW gives over torch's fused one, where the optimizer is largest
+                lv["torch_fused_adamw_trainable_stored"] = run(
+                    V(f"T{T} lm_head trainable, mask stored, torch's fused AdamW", lm_head="trainable",
+                      mask="stored", adam="fused"), [batch], rows)
             if lever_here and a.fuse_lever:
                 lv["fused_projections_stored"] = run(V(f"T{T} lm_head frozen, mask stored, fused projections",
                                                        mask="stored", fuse=True), [batch], rows)
@@ -1453,7 +1474,7 @@ def profile_fixed(d, head, batch, a, cfg, path, log, embed_once=True, lm_head="f
     embedding half of q/k/v at every step). -> the kernel breakdown."""
     d.lm_head.weight.requires_grad_(lm_head == "trainable")
     params = [p for p in d.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    opt = optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)   # as run_variant's main
     tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=lm_head == "trainable")
     d.accumulate_wgrad = True
     d.embed_once = embed_once

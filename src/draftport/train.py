@@ -34,6 +34,7 @@ from .checkpoint import atomic_dir
 from .data import FeatureSet, collate
 from .drafter import Eagle3Drafter
 from .errors import DraftportError
+from .optim import AdamW
 from .tracking import Logger
 from .params import TrainConfig  # the train groups of params.yaml: a pydantic model
 from .ttt import combine, compile_loss_kernels, stats_to_float, ttt_terms
@@ -181,7 +182,8 @@ def load_optimizer_state(path: Path, drafter, opt) -> tuple[int, list]:
     state = json.loads((path / "state.json").read_text())
     params = trainable(drafter)
     # fused (and capturable) AdamW keep the step count on the parameter's device
-    step_on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
+    step_on_device = bool(getattr(opt, "step_on_device", False) or opt.defaults.get("fused")
+                          or opt.defaults.get("capturable"))
     for n, p in params.items():
         if f"{n}.exp_avg" in moments:
             opt.state[p] = {"step": torch.tensor(float(state["adam_steps"][n]), dtype=torch.float32,
@@ -362,9 +364,13 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     params = trainable(drafter)           # under FSDP: this rank's shards
     decay = [p for p in params.values() if p.ndim >= 2]
     no_decay = [p for p in params.values() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
-                            betas=(0.9, 0.95), fused=device.type == "cuda")
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if device.type == "cuda" and not fsdp:
+        # torch's AdamW arithmetic as one compiled kernel per parameter (draftport.optim): the
+        # fused AdamW's pass over ~1B parameters moves 16 bytes each, this one 14
+        opt = AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    else:   # CPU (the embedded runs), and FSDP's sharded parameters: torch's own
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     if last is not None:
         step, history = load_optimizer_state(last, drafter, opt)
         if rank == 0:
@@ -466,8 +472,8 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
     can queue the next step while this one runs (under DDP/FSDP the row counts are all-reduced).
 
     net: the drafter, its DDP view, or the FSDP module of shard_fsdp (params then hold this
-    rank's shards). clip_in_optimizer (default: when the optimizer is fused AdamW and the
-    parameters are not sharded) applies the gradient clipping inside the optimizer's kernel.
+    rank's shards). clip_in_optimizer (default: when the optimizer is fused AdamW or
+    draftport's, and the parameters are not sharded) applies the gradient clipping inside the optimizer's kernel.
     Returns (loss, terms, global counts or None, stats as 0-dim tensors, grad norm before
     clipping)."""
     device = target_head.device
@@ -486,7 +492,7 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
     loss.backward()
     sharded = bool(params) and _is_dtensor(params[0])
     if clip_in_optimizer is None:
-        clip_in_optimizer = bool(opt.defaults.get("fused")) and not sharded
+        clip_in_optimizer = (bool(opt.defaults.get("fused")) or getattr(opt, "takes_grad_scale", False)) and not sharded
     if sharded:
         # FSDP: the norm over this rank's gradient shards, summed over the ranks; the same
         # coefficient as clip_grad_norm_, applied to the local shards
@@ -498,7 +504,7 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
             elif grads:
                 torch._foreach_mul_(grads, (cfg.grad_clip / (gnorm + 1e-6)).clamp_max(1.0))
     elif clip_in_optimizer:
-        # fused AdamW divides every gradient by `grad_scale` as it reads it: clipping there
+        # fused AdamW (and draftport's) divides every gradient by `grad_scale` as it reads it: clipping there
         # saves clip_grad_norm_'s in-place pass over all gradients
         grads = [p.grad for p in params if p.grad is not None]
         gnorm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))

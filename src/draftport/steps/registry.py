@@ -56,7 +56,7 @@ FEATURE_MODULES = ("features", "data", "target", "engines.vllm.features", "engin
 EVAL_KEYS = ("eval", "costmodel")
 EVAL_MODULES = ("evaluate", "bind", "data", "drafter", "kernels", "ttt", "target", "costmodel", "vocab",
                 "tracking", "steps.evaluate")
-TRAIN_MODULES = ("phases", "train", "evaluate", "bind", "data", "draftmap", "drafter", "kernels", "ttt", "target", "vocab",
+TRAIN_MODULES = ("phases", "train", "optim", "evaluate", "bind", "data", "draftmap", "drafter", "kernels", "ttt", "target", "vocab",
                  "tracking", "steps.train", "packing", "spool", "features", "storage", "engines.vllm.features",
                  "engines.vllm.venv", "engines.vllm.runners.features_vllm")  # spool on: the capture runs in training
 SOURCE = Input("fetch/source")
@@ -85,7 +85,7 @@ STEPS: tuple[Step, ...] = (
     Step("world", "the embedded K2 -> K2.5 analog: corpus, tokenizer, two targets, the source drafter in a hub cache",
          "data:world", ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
          ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "features", "draftmap",
-          "phases", "train", "tracking", "bind", "evaluate", "data", "drafter", "kernels", "ttt", "target", "vocab", "fetch",
+          "phases", "train", "optim", "tracking", "bind", "evaluate", "data", "drafter", "kernels", "ttt", "target", "vocab", "fetch",
           "storage", "steps.data"),
          enabled="world.build"),
     Step("fetch", "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
