@@ -1,4 +1,4 @@
-"""Two questions about the training step's remaining time, on the GPU, before building a lever:
+"""Three questions about the training step's remaining time, on the GPU, before building a lever:
 
 1. The fused loss (draftport.ttt.LinearSoftCE) runs the drafter's lm_head GEMMs and the soft-CE
    over row chunks (train_step's default: 1024 rows). What do larger chunks give, lm_head frozen
@@ -9,9 +9,12 @@
    (aten._cudnn_attention_forward with cum_seq_q/k) give on a packed row, and does it agree with
    flash (output, log-sum-exp, gradients)?
 
+3. The soft-CE kernel of one chunk (compiled): log-softmax first, or the loss as
+   sum(t) * lse - sum(t * lg), which needs no log-softmax before its reductions.
+
 Prints ms and errors; asserts nothing.
 
-    python benchmarks/probe_loss_attn_h200.py [--seqs 2048 4096] [--json OUT]
+    python benchmarks/probe_loss_attn_h200.py [--seqs 2048 4096] [--softce-only] [--json OUT]
 """
 
 from __future__ import annotations
@@ -111,17 +114,64 @@ def attn_probe(lengths, h=64, d=128, reps=10):
     return res
 
 
+def softce_log_softmax_first(lg, t, w):
+    """The soft-CE kernel as ttt._softce_rows had it before 2026-12-02: log-softmax, then the
+    loss and the gradient from it."""
+    lg32, t32 = lg.float(), t.float()
+    logp = lg32 - torch.logsumexp(lg32, dim=-1, keepdim=True)
+    loss = -(t32 * logp).sum(-1) * w
+    g = (torch.exp(logp) * t32.sum(-1, keepdim=True) - t32) * w[:, None]
+    return loss, g.to(lg.dtype), lg32.argmax(-1)
+
+
+def softce_probe(T, Vd, steps):
+    """The fused loss's per-chunk soft-CE kernel (compiled), per form: log-softmax first (as it
+    was) vs the loss as sum(t) * lse - sum(t * lg) (ttt._softce_rows, what train runs), on
+    one whole row of T positions, `steps` times as a training step runs it. -> ms per form and
+    the GB/s over the fewest bytes (logits and targets read once, the gradient written once)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lg = torch.randn(T, Vd, device="cuda", generator=g).to(torch.bfloat16) * 3
+    t = torch.softmax(torch.randn(T, Vd, device="cuda", generator=g), -1)
+    w = torch.ones(T, device="cuda")
+    out = {}
+    ref = None
+    for name, fn in (("log_softmax_first", softce_log_softmax_first), ("lse_form", ttt._softce_rows)):
+        f = torch.compile(fn, dynamic=None)
+        r = f(lg, t, w)
+        if ref is None:
+            ref = r
+        err = float((r[0] - ref[0]).abs().max() / ref[0].abs().max())
+        same_g = float((r[1].float() - ref[1].float()).abs().max())
+
+        def run():
+            for _ in range(steps):
+                f(lg, t, w)
+        s = timed(run, iters=10, warm=3)
+        nbytes = steps * (lg.numel() * 2 + t.numel() * 4 + lg.numel() * 2)
+        out[name] = {"ms": s * 1e3, "tb_s_over_fewest_bytes": nbytes / s / 1e12, "loss_rel_diff": err,
+                     "grad_max_abs_diff": same_g}
+        print(f"[softce] T {T} {name:18s} {s * 1e3:7.3f} ms for {steps} steps "
+              f"({nbytes / s / 1e12:.2f} TB/s over the fewest bytes); loss rel diff {err:.1e}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, nargs="*", default=[2048, 4096])
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--chunks", type=int, nargs="*", default=[1024, 2048, 4096])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--softce-only", action="store_true", help="only the soft-CE kernel's two forms")
     a = ap.parse_args()
     H, Vd = 7168, 32000
     ttt.compile_loss_kernels()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "steps": a.steps}
+    out["softce"] = {str(T): softce_probe(T, Vd, a.steps) for T in a.seqs}
+    if a.softce_only:
+        if a.json:
+            Path(a.json).write_text(json.dumps(out, indent=2))
+        return
     out["loss"] = {str(T): loss_probe(T, a.steps, H, Vd, a.chunks) for T in a.seqs}
     rows = {"mix-like row": [1873, 1422, 1187, 2048, 1530], "one segment 2048": [2048],
             "one segment 4096": [4096]}

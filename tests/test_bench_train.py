@@ -394,3 +394,43 @@ def test_embedding_half_once_skips_exactly_its_repeated_gemms():
     n_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     saved = 3 * 2 * H * n_out * B * (S * T - (T - 1 + S))   # fwd, dgrad, wgrad of the half
     assert flops[False] - flops[True] == saved
+
+
+@pytest.mark.parametrize("fill", [False, True])
+def test_shifted_slices_sum_their_gradients_as_autograd_would(fill):
+    """kernels.shifted_slices: the slices y[:, j:j+T] (and the last row) of the embedding half's
+    table, their gradients summed in one pass, give autograd's gradient of plain slicing (fp64)."""
+    from draftport import kernels
+
+    B, T, S, n = 2, 9, 4, 5
+    g = torch.Generator().manual_seed(3)
+    y0 = torch.randn(B, T - 1 + S, n, generator=g, dtype=torch.float64)
+    ws = [torch.randn(B, T, n, generator=g, dtype=torch.float64) for _ in range(S)]
+    wf = torch.randn(B, 1, n, generator=g, dtype=torch.float64)
+    grads = []
+    for fused in (False, True):
+        y = y0.clone().requires_grad_(True)
+        parts = list(kernels.shifted_slices(y, T, S, fill)) if fused else \
+            [y[:, j:j + T] for j in range(S)] + ([y[:, -1:]] if fill else [])
+        assert all(torch.equal(p, y0[:, j:j + T]) for j, p in enumerate(parts[:S]))
+        loss = sum((p * w).sum() for p, w in zip(parts, ws)) + ((parts[S] * wf).sum() if fill else 0)
+        loss.backward()
+        grads.append(y.grad)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_compiled_shift_sum_equals_eager():
+    """The compiled one-pass sum (the GPU path's) equals the eager function, in bf16 too."""
+    from draftport import kernels
+
+    fn = torch.compile(kernels._shift_sum, dynamic=None)
+    g = torch.Generator().manual_seed(4)
+    for dt in (torch.float32, torch.bfloat16):
+        for T in (10, 13):   # a second length: the symbolic-length graph
+            gs = [torch.randn(2, T, 6, generator=g).to(dt) for _ in range(4)]
+            fg = torch.randn(2, 1, 6, generator=g).to(dt)
+            for f in (None, fg):
+                want, got = kernels._shift_sum(gs, f), fn(gs, f)
+                assert got.dtype == dt and got.shape == (2, T + 3, 6)
+                assert torch.allclose(got.float(), want.float(), rtol=1e-2 if dt == torch.bfloat16 else 1e-6, atol=1e-6)

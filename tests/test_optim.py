@@ -143,3 +143,16 @@ def test_train_step_clips_through_it():
     assert n0 > 0.05 and abs(n0 - n1) < 1e-5 * n0
     for a, b in zip(p0, p1):
         assert torch.allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_grad_norm_is_clip_grad_norms(compiled):
+    ps = _params(torch.float32)
+    g = torch.Generator().manual_seed(7)
+    grads = [torch.randn(p.shape, generator=g) for p in ps]
+    for p, gr in zip(ps, grads):
+        p.grad = gr.clone()
+    want = torch.nn.utils.clip_grad_norm_(ps, 1e9)
+    got = AdamW(ps, lr=1e-3, compiled=compiled).grad_norm(grads)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert float(got) == pytest.approx(float(want), rel=1e-6)

@@ -414,12 +414,15 @@ class Eagle3Drafter(nn.Module):
         e = R["_r_emb"](ext, like)
         acc = self.accumulate_wgrad
         ys = [kernels.cols_linear(e, m.weight, 0, H, acc) for m in (A.q_proj, A.k_proj, A.v_proj)]
-        # the last row is always a fed 0 (steps >= 1 zeros follow the tokens): packed rows' fill
-        fills = tuple(y[:, -1:] for y in ys) if doc is not None else ()
+        # every step's slice of each table, and (packed rows) its last row, always a fed 0 (steps >= 1
+        # zeros follow the tokens): the rows past a sample's end take it. The slices' gradients are
+        # summed into the table in one pass
+        sl = [kernels.shifted_slices(y, T, steps, fill=doc is not None) for y in ys]
+        fills = tuple(s[steps] for s in sl) if doc is not None else ()
 
         def table(j):
             keep = None if doc is None else shift(doc, j + 1, fill=-1) == doc
-            return (*(y[:, j:j + T] for y in ys), keep, fills)
+            return (*(s[j] for s in sl), keep, fills)
         return table
 
 

@@ -217,9 +217,22 @@ def _swiglu_grads(da, g, u):
     return (daf * uf * sg * (1 + gf * (1 - sg))).to(g.dtype), (daf * silu).to(u.dtype)
 
 
+def _shift_sum(gs, fill_grad):
+    """d(table) from the gradients of its slices: gs[j] [B, T, n] is the gradient of rows
+    j..j+T-1; fill_grad (or None) that of the last row. -> [B, T-1+len(gs), n], in one pass."""
+    k, acc = len(gs), torch.promote_types(gs[0].dtype, torch.float32)   # summed in at least fp32
+    out = F.pad(gs[0].to(acc), (0, 0, 0, k - 1))
+    for j in range(1, k):
+        out = out + F.pad(gs[j].to(acc), (0, 0, j, k - 1 - j))
+    if fill_grad is not None:
+        out = out + F.pad(fill_grad.to(acc), (0, 0, out.shape[1] - 1, 0))
+    return out.to(gs[0].dtype)
+
+
 # Swapped for torch.compile'd versions by compile_kernels() (diag kernels: one graph per number
 # of diagonal keys).
-_KERNELS = {"merge": _diag_merge, "grads": _diag_grads, "swiglu": _swiglu, "swiglu_grads": _swiglu_grads}
+_KERNELS = {"merge": _diag_merge, "grads": _diag_grads, "swiglu": _swiglu, "swiglu_grads": _swiglu_grads,
+            "shift_sum": _shift_sum}
 
 
 def compile_kernels():
@@ -230,7 +243,7 @@ def compile_kernels():
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), 64))
     for name, fn in (("merge", _diag_merge), ("grads", _diag_grads), ("swiglu", _swiglu),
-                     ("swiglu_grads", _swiglu_grads)):
+                     ("swiglu_grads", _swiglu_grads), ("shift_sum", _shift_sum)):
         # the first shape compiles static; a second length makes T symbolic (one more compile), so
         # variable-length batches (padded to their longest, or packed) do not recompile per length
         _KERNELS[name] = torch.compile(fn, dynamic=None)
@@ -398,6 +411,35 @@ class _SwiGLUDown(torch.autograd.Function):
                 dw = (dy2.t() @ a2).to(w.dtype)
         dg, du = _KERNELS["swiglu_grads"](da, g, u)
         return dg, du, dw, None
+
+
+class _ShiftedSlices(torch.autograd.Function):
+    """The `steps` slices y[:, j:j+T] of one table (and, with fill, its last row y[:, -1:]) as
+    views. Their gradients meet in one pass (_shift_sum) instead of autograd's per slice: a
+    zeroed table-sized buffer, a copy into it and an add into the running sum, seven times."""
+
+    @staticmethod
+    def forward(ctx, y, T: int, steps: int, fill: bool):
+        ctx.steps, ctx.fill = steps, fill
+        outs = [y[:, j:j + T] for j in range(steps)]
+        if fill:
+            outs.append(y[:, -1:])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        steps = ctx.steps
+        parts = list(gs[:steps])
+        like = next(g for g in parts if g is not None)
+        parts = [torch.zeros_like(like) if g is None else g for g in parts]
+        fill_grad = gs[steps] if ctx.fill else None
+        return _KERNELS["shift_sum"](parts, fill_grad), None, None, None
+
+
+def shifted_slices(y, T: int, steps: int, fill: bool = False) -> tuple:
+    """y[:, j:j+T] for j < steps (and y[:, -1:] with fill): slices of the embedding half's table
+    whose gradients are summed in one pass (see _ShiftedSlices)."""
+    return _ShiftedSlices.apply(y, T, steps, fill)
 
 
 # ---- fused TTT attention, as one autograd function ---------------------------------------------

@@ -63,21 +63,27 @@ def adamw_update(p, g, m, v, step, lr, scale, beta1: float, beta2: float, eps: f
     pw(p, g, m, v, step_size, bc2_sqrt, lr_wd, scale, beta1, beta2, eps, weight_decay != 0)
 
 
+def square_sum(g):
+    """sum(g^2) in at least fp32 (one gradient's part of the clipping norm)."""
+    return g.to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum()
+
+
 _COMPILED = {}
 
 
 def _compiled():
-    """The two parts compiled. The pointwise one is compiled per parameter size (a drafter has
-    about six): with the size a constant it ran at 4.2 TB/s on an H200, with sizes dynamic at 3.5
-    (benchmarks/probe_adamw_h200.py)."""
-    if not _COMPILED:
+    """The update's two parts and the clipping norm's reduction, compiled. The pointwise part
+    is compiled per parameter size (a drafter has about six): with the size a constant it ran at
+    4.2 TB/s on an H200, with sizes dynamic at 3.5 (benchmarks/probe_adamw_h200.py)."""
+    if "fns" not in _COMPILED or "norm" not in _COMPILED:
         import torch._dynamo
         cfg = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
                 setattr(cfg, name, max(getattr(cfg, name), 64))
-        _COMPILED["fns"] = (torch.compile(adamw_scalars, fullgraph=True),
-                            torch.compile(adamw_pointwise, dynamic=False, fullgraph=True))
+        _COMPILED.setdefault("fns", (torch.compile(adamw_scalars, fullgraph=True),
+                                     torch.compile(adamw_pointwise, dynamic=False, fullgraph=True)))
+        _COMPILED.setdefault("norm", torch.compile(square_sum, dynamic=False, fullgraph=True))
     return _COMPILED["fns"]
 
 
@@ -100,6 +106,19 @@ class AdamW(torch.optim.Optimizer):
         self.compiled = compiled
         self.grad_scale = None
         self._lr = {}   # per group: its learning rate as a device tensor (refilled when it changes)
+
+    def grad_norm(self, grads) -> torch.Tensor:
+        """The L2 norm of all these gradients (0-dim fp32, no host sync), as clip_grad_norm_
+        computes it: on CUDA one compiled reduction per gradient, at the rate of a plain read
+        (torch's _foreach_norm read the Kimi-size drafter's gradients at ~2.4 TB/s)."""
+        parts = []
+        for g in grads:
+            compiled = (g.is_cuda if self.compiled is None else self.compiled) and g.is_contiguous()
+            if compiled:
+                _compiled()
+            fn = _COMPILED["norm"] if compiled else square_sum
+            parts.append(fn(g.view(-1) if g.is_contiguous() else g).float())
+        return torch.stack(parts).sum().sqrt()
 
     def _lr_tensor(self, i: int, group: dict, device) -> torch.Tensor:
         key = (i, str(device))

@@ -507,7 +507,10 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
         # fused AdamW (and draftport's) divides every gradient by `grad_scale` as it reads it: clipping there
         # saves clip_grad_norm_'s in-place pass over all gradients
         grads = [p.grad for p in params if p.grad is not None]
-        gnorm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        if hasattr(opt, "grad_norm"):   # draftport's AdamW: one compiled reduction per gradient
+            gnorm = opt.grad_norm(grads)
+        else:
+            gnorm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
         opt.grad_scale = ((gnorm + 1e-6) / cfg.grad_clip).clamp_min(1.0)
     else:
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
