@@ -33,6 +33,8 @@ faster peer" is only given when every peer asked for was measured at that shape 
     python benchmarks/bench_train_h200.py --size toy --no-peers --json /tmp/x.json   # CPU
     python benchmarks/bench_train_h200.py --ladder             # what each lever gives
     python benchmarks/bench_train_h200.py --rescore RESULTS.json   # ratios/goals from its records
+    python benchmarks/bench_train_h200.py --merge-peers A.json B.json --json PEERS.json  # one machine's
+                                    # peer calls as one file (a peer that failed in A, measured in B)
 
 Two device calls instead of one (each call limited to ~600 s; the machine may be a fresh one):
     python benchmarks/bench_train_h200.py --peers-only --json PEERS.json      # the peers alone
@@ -844,6 +846,9 @@ def parse(argv=None):
     ap.add_argument("--speculators-share", type=float, default=0.55, help="--peers-only: the part of the "
                     "budget left that speculators (run first) may use when SpecForge runs after it")
     ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--merge-peers", nargs="+", default=None, metavar="FILE", help="merge the peer files of "
+                    "several calls on one machine (each peer from the last file that measured it) into --json; "
+                    "nothing runs")
     ap.add_argument("--rescore", default=None, help="recompute the ratios and goals of this results file "
                     "from its records, in place (no run)")
     ap.add_argument("--log", default=None, help="also write the printed lines here")
@@ -912,6 +917,49 @@ def load_peers(path: str, a) -> dict:
     return src
 
 
+def merge_peers(files: list[str], dest: str | None) -> dict:
+    """--merge-peers: peer files of several calls on one machine as one (each peer's records and
+    run from the last file that measured it; a run that failed with no records fills nothing),
+    written to dest for --peers-from. A one-line SystemExit for a file that is missing, not
+    JSON, without peers_raw, or of other work or another device than the first."""
+    srcs = []
+    for f in files:
+        def refuse(why, f=f):
+            raise SystemExit(f"bench_train_h200.py: --merge-peers {f}: {why}")
+        try:
+            src = json.loads(Path(f).read_text())
+        except FileNotFoundError:
+            refuse("no such file")
+        except (ValueError, OSError) as e:
+            refuse(f"not JSON ({str(e).splitlines()[0][:120]})")
+        if not isinstance(src, dict) or not isinstance(src.get("peers_raw"), dict):
+            refuse("no peers_raw in it")
+        if srcs and file_key(src) != file_key(srcs[0][1]):
+            refuse(f"its config differs from {files[0]}'s (different work)")
+        if srcs and src.get("device") != srcs[0][1].get("device"):
+            refuse(f"measured on {src.get('device')}, {files[0]} on {srcs[0][1].get('device')}")
+        srcs.append((f, src))
+    out = json.loads(json.dumps(srcs[0][1]))
+    out["peers_raw"], out["peer_runs"], out["merged_from"] = {}, {}, []
+    for f, src in srcs:
+        got = [name for name, recs in src["peers_raw"].items() if recs]
+        for name in got:
+            out["peers_raw"][name] = src["peers_raw"][name]
+            out["peer_runs"][name] = (src.get("peer_runs") or {}).get(name)
+        for name in src["peers_raw"]:
+            out["peers_raw"].setdefault(name, [])
+            out["peer_runs"].setdefault(name, (src.get("peer_runs") or {}).get(name))
+        out["merged_from"].append({"file": f, "date": src.get("date"), "wall_s": src.get("wall_s"), "peers": got})
+    out["peers_requested"] = list(dict.fromkeys(p for _, src in srcs for p in src.get("peers_requested") or []))
+    out["wall_s"] = sum(float(src.get("wall_s") or 0) for _, src in srcs)
+    for name in out["peers_requested"]:
+        print(f"[merge] {name}: {len(out['peers_raw'].get(name, []))} records"
+              + "".join(f" from {m['file']}" for m in out["merged_from"] if name in m["peers"]))
+    if dest:
+        Path(dest).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return out
+
+
 def ratio(x, y):
     return None if (x is None or not y) else x / y
 
@@ -932,6 +980,8 @@ def main(argv=None) -> dict:
     a = parse(argv)
     if a.rescore:
         return rescore(a.rescore)
+    if a.merge_peers:
+        return merge_peers(a.merge_peers, a.json)
     src = load_peers(a.peers_from, a) if a.peers_from else None   # refuse before any work
     t_start = time.perf_counter()
     lines = []

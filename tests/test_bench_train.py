@@ -434,3 +434,36 @@ def test_compiled_shift_sum_equals_eager():
                 want, got = kernels._shift_sum(gs, f), fn(gs, f)
                 assert got.dtype == dt and got.shape == (2, T + 3, 6)
                 assert torch.allclose(got.float(), want.float(), rtol=1e-2 if dt == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
+def test_merge_peers_takes_each_peer_from_the_file_that_measured_it(tmp_path):
+    """--merge-peers: two calls' peer files on one machine as one --peers-from file (a peer that
+    failed in the first, measured in the second); files of other work or another device refused
+    with one line."""
+    def peers_file(name, raw, runs, device="NVIDIA H200", seqs=(2048, 4096)):
+        f = tmp_path / name
+        f.write_text(json.dumps({"date": "2026-12-02", "device": device, "mode": "peers-only", "wall_s": 10.0,
+                                 "config": {"hidden_size": 7168, "seqs": list(seqs), "ttt_steps": 7},
+                                 "mix": {"lengths": [5, 7], "pack_len": 8192},
+                                 "peers_requested": ["speculators", "specforge"], "peers_raw": raw, "peer_runs": runs}))
+        return str(f)
+    sf = [{"config": "seq2048", "set": "trained", "real_tokens_per_s": 9000.0}]
+    sp = [{"config": "seq2048", "set": "frozen", "real_tokens_per_s": 11900.0}]
+    a = peers_file("a.json", {"speculators": [], "specforge": sf},
+                   {"speculators": {"status": "failed (rc 1)"}, "specforge": {"status": "done"}})
+    b = peers_file("b.json", {"speculators": sp}, {"speculators": {"status": "done"}})
+    out = tmp_path / "m.json"
+    r = subprocess.run([sys.executable, str(BENCH), "--merge-peers", a, b, "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads(out.read_text())
+    assert m["peers_raw"] == {"speculators": sp, "specforge": sf}
+    assert m["peer_runs"]["speculators"]["status"] == "done" and m["peer_runs"]["specforge"]["status"] == "done"
+    assert [x["peers"] for x in m["merged_from"]] == [["specforge"], ["speculators"]] and m["wall_s"] == 20.0
+    for bad, why in ((peers_file("c.json", {"speculators": sp}, {}, device="NVIDIA H100"), "measured on NVIDIA H100"),
+                     (peers_file("d.json", {"speculators": sp}, {}, seqs=(2048,)), "config differs"),
+                     (str(tmp_path / "none.json"), "no such file")):
+        r = subprocess.run([sys.executable, str(BENCH), "--merge-peers", a, bad, "--json", str(tmp_path / "x.json")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "x.json").exists()
