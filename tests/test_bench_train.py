@@ -155,24 +155,31 @@ def test_captured_target_argmax_needs_only_the_draft_rows_of_the_head():
     assert abs(float(ref.detach()) - float(fused.detach())) < 1e-5 * abs(float(ref.detach()))
 
 
-def test_clipping_inside_fused_adamw_equals_clip_grad_norm():
+@pytest.mark.parametrize("optimizer", ["torch_fused", "draftport"])
+def test_clipping_inside_fused_adamw_equals_clip_grad_norm(optimizer):
+    """train_step clips inside the optimizer (grad_scale; by default for torch's fused AdamW and
+    draftport.optim's) as clip_grad_norm_ before the update would."""
+    from draftport.optim import AdamW
     from draftport.train import train_step
 
     cfg = toy_cfg()
     batch = toy_batch(cfg)
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
     out = []
-    for in_opt in (False, True):
+    for in_opt in (False, None):   # None: train_step's default
         d = toy_drafter(cfg, seed=2)
         params = [p for p in d.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        opt = (torch.optim.AdamW(params, lr=1e-2, fused=True) if optimizer == "torch_fused"
+               else AdamW(params, lr=1e-2, compiled=False))
         tcfg = TrainConfig(ttt_steps=3, grad_clip=0.05)          # clipping active
         for _ in range(3):
             _, _, _, _, gnorm = train_step(d, batch, head, opt, params, tcfg, impl="fused",
                                            clip_in_optimizer=in_opt)
-        out.append((float(gnorm), [p.detach().clone() for p in params]))
-    assert out[0][0] > 0.05 and abs(out[0][0] - out[1][0]) < 1e-5 * out[0][0]
-    for a, b in zip(out[0][1], out[1][1]):
+        out.append((float(gnorm), getattr(opt, "grad_scale", None), [p.detach().clone() for p in params]))
+    (n0, s0, p0), (n1, s1, p1) = out
+    assert s0 is None and s1 is not None and float(s1) > 1.0     # the default clipped inside
+    assert n0 > 0.05 and abs(n0 - n1) < 1e-5 * n0
+    for a, b in zip(p0, p1):
         assert torch.allclose(a, b, atol=1e-4)   # AdamW divides by sqrt(v): rounding grows
 
 

@@ -1,7 +1,8 @@
 """draftport.optim.AdamW: torch's fused AdamW arithmetic as one compiled kernel per parameter (the
 GPU training path). Here on the CPU: the same updates as torch's fused AdamW (which also divides
 gradients by a grad_scale), eagerly and compiled (inductor's C++ kernel on this machine, Triton's
-on a GPU), the same checkpoint files, and train_step's clipping through it."""
+on a GPU), the same checkpoint files, and the clipping norm (train_step's clipping through it:
+tests/test_bench_train.py)."""
 
 from __future__ import annotations
 
@@ -117,32 +118,6 @@ def test_checkpoint_round_trip_and_resume_under_either_optimizer(tmp_path):
         steps(d2, opt2, 1)
         for n, p in trainable(d2).items():
             assert torch.allclose(p.detach(), want[n], rtol=1e-5, atol=1e-6), n
-
-
-def test_train_step_clips_through_it():
-    """train_step's default with this optimizer is clipping inside it (grad_scale), and it gives
-    what clip_grad_norm_ followed by the update gives."""
-    from test_drafter import toy_batch, toy_cfg, toy_drafter
-    from draftport.train import train_step
-
-    cfg = toy_cfg()
-    batch = toy_batch(cfg)
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
-    out = []
-    for in_opt in (None, False):
-        d = toy_drafter(cfg, seed=2)
-        params = [p for p in d.parameters() if p.requires_grad]
-        opt = AdamW(params, lr=1e-2, compiled=False)
-        tcfg = TrainConfig(ttt_steps=3, grad_clip=0.05)          # clipping active
-        for _ in range(3):
-            _, _, _, _, gnorm = train_step(d, batch, head, opt, params, tcfg, impl="fused",
-                                           clip_in_optimizer=in_opt)
-        out.append((float(gnorm), opt.grad_scale, [p.detach().clone() for p in params]))
-    (n0, s0, p0), (n1, s1, p1) = out
-    assert s0 is not None and float(s0) > 1.0 and s1 is None    # the default clipped inside
-    assert n0 > 0.05 and abs(n0 - n1) < 1e-5 * n0
-    for a, b in zip(p0, p1):
-        assert torch.allclose(a, b, atol=1e-4)
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])

@@ -473,7 +473,8 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
 
     net: the drafter, its DDP view, or the FSDP module of shard_fsdp (params then hold this
     rank's shards). clip_in_optimizer (default: when the optimizer is fused AdamW or
-    draftport's, and the parameters are not sharded) applies the gradient clipping inside the optimizer's kernel.
+    draftport's, and the parameters are not sharded) applies the gradient clipping inside the
+    optimizer's kernel.
     Returns (loss, terms, global counts or None, stats as 0-dim tensors, grad norm before
     clipping)."""
     device = target_head.device
@@ -492,7 +493,8 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
     loss.backward()
     sharded = bool(params) and _is_dtensor(params[0])
     if clip_in_optimizer is None:
-        clip_in_optimizer = (bool(opt.defaults.get("fused")) or getattr(opt, "takes_grad_scale", False)) and not sharded
+        takes_scale = bool(opt.defaults.get("fused")) or getattr(opt, "takes_grad_scale", False)
+        clip_in_optimizer = takes_scale and not sharded
     if sharded:
         # FSDP: the norm over this rank's gradient shards, summed over the ranks; the same
         # coefficient as clip_grad_norm_, applied to the local shards
@@ -504,8 +506,8 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
             elif grads:
                 torch._foreach_mul_(grads, (cfg.grad_clip / (gnorm + 1e-6)).clamp_max(1.0))
     elif clip_in_optimizer:
-        # fused AdamW (and draftport's) divides every gradient by `grad_scale` as it reads it: clipping there
-        # saves clip_grad_norm_'s in-place pass over all gradients
+        # fused AdamW (and draftport's) divides every gradient by `grad_scale` as it reads it:
+        # clipping there saves clip_grad_norm_'s in-place pass over all gradients
         grads = [p.grad for p in params if p.grad is not None]
         if hasattr(opt, "grad_norm"):   # draftport's AdamW: one compiled reduction per gradient
             gnorm = opt.grad_norm(grads)
