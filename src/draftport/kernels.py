@@ -235,13 +235,19 @@ _KERNELS = {"merge": _diag_merge, "grads": _diag_grads, "swiglu": _swiglu, "swig
             "shift_sum": _shift_sum}
 
 
-def compile_kernels():
-    """Compile the elementwise diagonal-key kernels (GPU path; call once)."""
+def allow_recompiles(n: int = 64) -> None:
+    """Let a compiled function hold up to n graphs (one per number of diagonal keys, per
+    parameter size, ...) before dynamo gives up on it (its default is 8)."""
     import torch._dynamo
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), 64))
+            setattr(cfg, name, max(getattr(cfg, name), n))
+
+
+def compile_kernels():
+    """Compile the elementwise diagonal-key kernels (GPU path; call once)."""
+    allow_recompiles()
     for name, fn in (("merge", _diag_merge), ("grads", _diag_grads), ("swiglu", _swiglu),
                      ("swiglu_grads", _swiglu_grads), ("shift_sum", _shift_sum)):
         # the first shape compiles static; a second length makes T symbolic (one more compile), so
@@ -427,13 +433,9 @@ class _ShiftedSlices(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, *gs):
-        steps = ctx.steps
-        parts = list(gs[:steps])
-        like = next(g for g in parts if g is not None)
-        parts = [torch.zeros_like(like) if g is None else g for g in parts]
-        fill_grad = gs[steps] if ctx.fill else None
-        return _KERNELS["shift_sum"](parts, fill_grad), None, None, None
+    def backward(ctx, *gs):   # autograd hands zeros for an unused slice (materialize_grads)
+        fill_grad = gs[ctx.steps] if ctx.fill else None
+        return _KERNELS["shift_sum"](list(gs[:ctx.steps]), fill_grad), None, None, None
 
 
 def shifted_slices(y, T: int, steps: int, fill: bool = False) -> tuple:

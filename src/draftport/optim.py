@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import allow_recompiles
+
 
 def adamw_scalars(step, lr, beta1: float, beta2: float, weight_decay: float):
     """step += 1; -> (lr / bias correction 1, sqrt(bias correction 2), lr * weight_decay) as 0-dim
@@ -77,11 +79,7 @@ def _compiled():
     is compiled per parameter size (a drafter has about six): with the size a constant it ran at
     4.2 TB/s on an H200, with sizes dynamic at 3.5 (benchmarks/probe_adamw_h200.py)."""
     if "fns" not in _COMPILED or "norm" not in _COMPILED:
-        import torch._dynamo
-        cfg = torch._dynamo.config
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 64))
+        allow_recompiles()
         _COMPILED.setdefault("fns", (torch.compile(adamw_scalars, fullgraph=True),
                                      torch.compile(adamw_pointwise, dynamic=False, fullgraph=True)))
         _COMPILED.setdefault("norm", torch.compile(square_sum, dynamic=False, fullgraph=True))
