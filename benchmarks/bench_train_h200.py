@@ -1204,7 +1204,7 @@ def main(argv=None) -> dict:
         "config": {"size": a.size, **SIZES[a.size], "fc_in": cfg.fc_in, "batch": a.batch, "seqs": a.seqs,
                    "seq": a.seqs[0], "ttt_steps": a.ttt, "gamma": a.gamma, "dtype": str(dtype).replace("torch.", ""),
                    "params_dtype": str(dtype).replace("torch.", ""), "impl": a.impl, "chunk": a.chunk,
-                   "attention": attn, "optimizer": "AdamW fused (CUDA), betas (0.9, 0.95)", "grad_clip": 1.0,
+                   "attention": attn, "optimizer": "AdamW: draftport.optim (CUDA; torch's fused AdamW as a lever), betas (0.9, 0.95)", "grad_clip": 1.0,
                    "target": "frozen target lm_head [V, H]: full-vocab argmax mask (computed) or the stored "
                              "greedy choice + draft rows (stored); draft-vocab softmax",
                    "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
