@@ -224,13 +224,14 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}]
     if v.adam == "draftport" and cuda:   # what train() runs on CUDA: one compiled kernel per parameter
-        kw = {"draftport": True}
         opt = optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95))
     else:
         kw = {"fused": True} if (v.adam in ("fused", "draftport") and cuda) else {"foreach": True}
         if v.graph:
             kw["capturable"] = True
         opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), **kw)
+    # both fused AdamWs divide the gradients by grad_scale as they read them: clipping goes there
+    clip_inside = v.clip_in_adam and (isinstance(opt, optim.AdamW) or bool(opt.defaults.get("fused")))
     tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=v.lm_head == "trainable")
     impl = "fused" if v.loss_fused else "reference"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -239,7 +240,7 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
         # train.py's step: autocast (a no-op on bf16 weights, but what the loop runs), TTT terms,
         # combine, backward, clip, AdamW; no host sync (the loop reads stats at log steps only)
         loss, terms, counts, stats, gnorm = train_step(d, batch, head, opt, params, tcfg, impl=impl,
-                                                       use_bf16=cuda, clip_in_optimizer=v.clip_in_adam and ("fused" in kw or "draftport" in kw))
+                                                       use_bf16=cuda, clip_in_optimizer=clip_inside)
         if v.sync_each_step:  # what the loop did before: stats, finite check, grad norm each step
             stats = stats_to_float(stats)
             if not torch.isfinite(loss):
@@ -892,11 +893,9 @@ def file_key(res: dict) -> dict:
             "mix": None if not m else {"lengths": m.get("lengths"), "pack_len": m.get("pack_len")}}
 
 
-def load_peers(path: str, a) -> dict:
-    """The peers' records of a --peers-only (or full) results file; a one-line SystemExit (exit 1)
-    when the file is missing, is not JSON, has no peers_raw, or measured other work."""
-    def refuse(why):
-        raise SystemExit(f"bench_train_h200.py: --peers-from {path}: {why}")
+def read_peer_file(path: str, refuse) -> dict:
+    """A results file holding peers' records, or refuse(why) when it is missing, is not JSON or
+    has no peers_raw."""
     p = Path(path)
     if not p.is_file():
         refuse("no such file")
@@ -906,6 +905,15 @@ def load_peers(path: str, a) -> dict:
         refuse(f"not JSON ({str(e).splitlines()[0][:120]})")
     if not isinstance(src, dict) or not isinstance(src.get("peers_raw"), dict):
         refuse("no peers_raw in it")
+    return src
+
+
+def load_peers(path: str, a) -> dict:
+    """The peers' records of a --peers-only (or full) results file; a one-line SystemExit (exit 1)
+    when the file is missing, is not JSON, has no peers_raw, or measured other work."""
+    def refuse(why):
+        raise SystemExit(f"bench_train_h200.py: --peers-from {path}: {why}")
+    src = read_peer_file(path, refuse)
     want, got = run_key(a), file_key(src)
     diff = [k for k in want if want[k] != got[k]]
     if diff:
@@ -926,14 +934,7 @@ def merge_peers(files: list[str], dest: str | None) -> dict:
     for f in files:
         def refuse(why, f=f):
             raise SystemExit(f"bench_train_h200.py: --merge-peers {f}: {why}")
-        try:
-            src = json.loads(Path(f).read_text())
-        except FileNotFoundError:
-            refuse("no such file")
-        except (ValueError, OSError) as e:
-            refuse(f"not JSON ({str(e).splitlines()[0][:120]})")
-        if not isinstance(src, dict) or not isinstance(src.get("peers_raw"), dict):
-            refuse("no peers_raw in it")
+        src = read_peer_file(f, refuse)
         if srcs and file_key(src) != file_key(srcs[0][1]):
             refuse(f"its config differs from {files[0]}'s (different work)")
         if srcs and src.get("device") != srcs[0][1].get("device"):
