@@ -61,7 +61,11 @@ def adamw_update(p, g, m, v, step, lr, scale, beta1: float, beta2: float, eps: f
                  compiled: bool = False):
     """One AdamW step of one parameter, in place (p, m, v; step += 1). compiled: both parts
     through torch.compile (two kernels: the scalars, then one pass over the parameter)."""
-    sc, pw = (_compiled() if compiled else (adamw_scalars, adamw_pointwise))
+    if compiled:
+        c = _compiled()
+        sc, pw = c["scalars"], c["pointwise"]
+    else:
+        sc, pw = adamw_scalars, adamw_pointwise
     step_size, bc2_sqrt, lr_wd = sc(step, lr, beta1, beta2, weight_decay)
     pw(p, g, m, v, step_size, bc2_sqrt, lr_wd, scale, beta1, beta2, eps, weight_decay != 0)
 
@@ -77,13 +81,14 @@ _COMPILED = {}
 def _compiled():
     """The update's two parts and the clipping norm's reduction, compiled. The pointwise part
     is compiled per parameter size (a drafter has about six): with the size a constant it ran at
-    4.2 TB/s on an H200, with sizes dynamic at 3.5 (benchmarks/probe_adamw_h200.py)."""
-    if "fns" not in _COMPILED or "norm" not in _COMPILED:
+    4.2 TB/s on an H200, with sizes dynamic at 3.4 (benchmarks/probe_adamw_h200.py). -> {"scalars",
+    "pointwise", "norm"}."""
+    if not _COMPILED:
         allow_recompiles()
-        _COMPILED.setdefault("fns", (torch.compile(adamw_scalars, fullgraph=True),
-                                     torch.compile(adamw_pointwise, dynamic=False, fullgraph=True)))
-        _COMPILED.setdefault("norm", torch.compile(square_sum, dynamic=False, fullgraph=True))
-    return _COMPILED["fns"]
+        _COMPILED.update(scalars=torch.compile(adamw_scalars, fullgraph=True),
+                         pointwise=torch.compile(adamw_pointwise, dynamic=False, fullgraph=True),
+                         norm=torch.compile(square_sum, dynamic=False, fullgraph=True))
+    return _COMPILED
 
 
 class AdamW(torch.optim.Optimizer):
@@ -112,11 +117,10 @@ class AdamW(torch.optim.Optimizer):
         (torch's _foreach_norm read the Kimi-size drafter's gradients at ~2.4 TB/s)."""
         parts = []
         for g in grads:
-            compiled = (g.is_cuda if self.compiled is None else self.compiled) and g.is_contiguous()
-            if compiled:
-                _compiled()
-            fn = _COMPILED["norm"] if compiled else square_sum
-            parts.append(fn(g.view(-1) if g.is_contiguous() else g).float())
+            flat = g.is_contiguous()
+            compiled = (g.is_cuda if self.compiled is None else self.compiled) and flat
+            fn = _compiled()["norm"] if compiled else square_sum
+            parts.append(fn(g.view(-1) if flat else g).float())
         return torch.stack(parts).sum().sqrt()
 
     def _lr_tensor(self, i: int, group: dict, device) -> torch.Tensor:
