@@ -44,9 +44,9 @@ def make_samples(cfg, lengths, seed=0, dtype=torch.float64, target_arg=None):
     return out
 
 
-def loss_and_grads(d, batch, head, steps, fused):
+def loss_and_grads(d, batch, head, steps, fused, chunk=5):
     d.zero_grad(set_to_none=True)
-    terms = ttt_terms(d, batch, head, steps, fused=fused, chunk=5)
+    terms = ttt_terms(d, batch, head, steps, fused=fused, chunk=chunk)
     loss, stats = combine(terms, 0.8)
     loss.backward()
     return float(loss.detach()), stats, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
@@ -93,9 +93,12 @@ def test_pack_layout_positions_restart_and_segments_cover_every_row():
 @pytest.mark.parametrize("train_head", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("row_len", [None, 14])
-def test_packed_loss_and_grads_equal_the_padded_batch(train_head, fused, row_len):
+@pytest.mark.parametrize("chunk", [5, None])
+def test_packed_loss_and_grads_equal_the_padded_batch(train_head, fused, row_len, chunk):
     """The reference path on the padded batch is the definition; packed rows (one row, or rows
-    of 14) must give the same loss, stats and gradients on either path (fp64)."""
+    of 14) must give the same loss, stats and gradients on either path (fp64), the fused loss in
+    chunks of 5 rows or in one chunk per row (its default sizes: the lm_head-trained gradient
+    then kept as the kernel made it, no gather)."""
     cfg = toy_cfg()
     d = toy_drafter(cfg, seed=1).double()
     d.lm_head.weight.requires_grad_(train_head)
@@ -104,7 +107,7 @@ def test_packed_loss_and_grads_equal_the_padded_batch(train_head, fused, row_len
     samples = make_samples(cfg, LENGTHS)
     ref = loss_and_grads(d, collate(samples, torch.float64)[0], head, 4, fused=False)
     packed = pack(samples, row_len=row_len, dtype=torch.float64)[0]
-    assert_same(ref, loss_and_grads(d, packed, head, 4, fused=fused))
+    assert_same(ref, loss_and_grads(d, packed, head, 4, fused=fused, chunk=chunk))
 
 
 def test_packing_without_document_masks_would_differ():

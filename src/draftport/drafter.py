@@ -301,7 +301,7 @@ class Eagle3Drafter(nn.Module):
         if emb is not None:    # the embedding half came from the unroll's table
             hn, resid = R["_r_hid"](h)
             H = self.cfg.hidden_size
-            qh, kh, vh = (kernels.cols_linear(hn, m.weight, H, 2 * H, acc) for m in (A.q_proj, A.k_proj, A.v_proj))
+            qh, kh, vh = kernels.multi_linear(hn, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), (H, 2 * H), acc)
             qe, ke, ve, keep, fills = emb
             q, k, v = R["_r_rope_e"](qh, kh, vh, qe, ke, ve, positions, keep, *fills)
         else:
@@ -310,6 +310,9 @@ class Eagle3Drafter(nn.Module):
                 ws = (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight)
                 qkv = kernels.cat_linear(x, cats["qkv"], ws, acc)
                 q, k, v = R["_r_rope"](*qkv.split([w.shape[0] for w in ws], dim=-1), positions)
+            elif fused:   # q/k/v over the whole 2H-wide input (the embedding half at every step)
+                q, k, v = R["_r_rope"](*kernels.multi_linear(
+                    x, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), None, acc), positions)
             else:
                 q, k, v = R["_r_rope"](lin(x, A.q_proj), lin(x, A.k_proj), lin(x, A.v_proj), positions)
         cache_k.append(k)
@@ -324,7 +327,8 @@ class Eagle3Drafter(nn.Module):
             g, u = kernels.cat_linear(xn, cats["gate_up"], ws, acc).split([w.shape[0] for w in ws], dim=-1)
             m = kernels.swiglu_down(g, u, M.down_proj.weight, acc)
         elif fused:
-            m = kernels.swiglu_down(lin(xn, M.gate_proj), lin(xn, M.up_proj), M.down_proj.weight, acc)
+            g, u = kernels.multi_linear(xn, (M.gate_proj.weight, M.up_proj.weight), None, acc)
+            m = kernels.swiglu_down(g, u, M.down_proj.weight, acc)
         else:
             m = M(xn)
         out, normed = R["_r_out"](resid, m)
@@ -413,7 +417,7 @@ class Eagle3Drafter(nn.Module):
         ext = torch.cat([tokens[:, 1:], tokens.new_zeros(B, steps)], dim=1)      # [B, T-1+steps]
         e = R["_r_emb"](ext, like)
         acc = self.accumulate_wgrad
-        ys = [kernels.cols_linear(e, m.weight, 0, H, acc) for m in (A.q_proj, A.k_proj, A.v_proj)]
+        ys = kernels.multi_linear(e, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), (0, H), acc)
         # every step's slice of each table, and (packed rows) its last row, always a fed 0 (steps >= 1
         # zeros follow the tokens): the rows past a sample's end take it. The slices' gradients are
         # summed into the table in one pass

@@ -18,14 +18,17 @@ through cuDNN's fused attention instead of flash (same identity, its backward al
 merged output and log-sum-exp).
 
 The linears can sum their weight gradient in place across TTT steps (`accumulate_grad`: beta = 1
-inside the GEMM), single process only; a column block of one weight runs as its own GEMM
-(`cols_linear`: q/k/v's embedding and hidden halves, the first once per unroll), its gradient
-into that block; the MLP keeps only its gate/up outputs and recomputes the product in backward.
+inside the GEMM), single process only; weights reading one input run as one function
+(`multi_linear`: q/k/v, gate/up) whose input gradient is summed inside the GEMMs, and a column
+block of them as its own GEMMs (q/k/v's embedding and hidden halves, the first once per unroll),
+its gradient into that block; the MLP keeps only its gate/up outputs and recomputes the product
+in backward.
 `compile_kernels` swaps the elementwise pieces for torch.compile'd versions (GPU path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -255,6 +258,56 @@ def compile_kernels():
         _KERNELS[name] = torch.compile(fn, dynamic=None)
 
 
+# ---- weight gradients on a second stream (opt-in) ------------------------------------------------
+# The in-place weight-gradient GEMMs (accumulate_grad*) depend on nothing that follows them in
+# backward but the optimizer: on a side stream they can run beside the input-gradient chain
+# (its GEMMs, attention backward and elementwise kernels). The side stream starts after the work
+# queued so far on the stream backward runs on, the tensors it reads are recorded on it (the
+# caching allocator keeps them until its kernels are done), and the end of that backward pass
+# makes the main stream wait for it (an autograd final callback), so whatever reads .grad after
+# backward() sees the sums complete.
+_WGRAD = {"on": False, "streams": {}, "joins": set()}
+
+
+def set_wgrad_stream(on: bool) -> None:
+    """Run the in-place weight-gradient GEMMs on a second CUDA stream (single process; a no-op
+    on the CPU). Off by default: on one H200 it gave +0.7-1.5% at T 2,048 and nothing at 4,096
+    or on the packed length mix (benchmarks/probe_wgrad_stream_h200.py)."""
+    _WGRAD["on"] = bool(on)
+
+
+def _join(key, main) -> None:
+    main.wait_stream(_WGRAD["streams"][key[0]])
+    _WGRAD["joins"].discard(key)
+
+
+@contextlib.contextmanager
+def wgrad_side(*reads: torch.Tensor):
+    """Run the block on the weight-gradient stream when it is on (else where it is): `reads` are
+    the tensors made on the main stream that the block reads."""
+    dev = reads[0].device
+    if not (_WGRAD["on"] and dev.type == "cuda"):
+        yield
+        return
+    main = torch.cuda.current_stream(dev)
+    side = _WGRAD["streams"].get(dev)
+    if side is None:
+        side = _WGRAD["streams"][dev] = torch.cuda.Stream(dev)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield
+    for t in reads:
+        t.record_stream(side)
+    task = torch._C._current_graph_task_id()
+    if task < 0:          # outside a backward pass: join now
+        main.wait_stream(side)
+        return
+    key = (dev, task, main.cuda_stream)   # one join per backward pass (and stream it ran on)
+    if key not in _WGRAD["joins"]:
+        _WGRAD["joins"].add(key)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _join(key, main))
+
+
 def accumulate_grad(w: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> None:
     """w.grad += dy2^T @ x2 inside the GEMM (beta = 1): a weight used in every TTT step gets its
     gradient summed in place instead of one [out, in] tensor per step plus an add."""
@@ -283,10 +336,11 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = (dy @ w.to(dy.dtype)).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
             if ctx.accum:
-                accumulate_grad(w, dy2, x2)
+                with wgrad_side(dy, x):
+                    accumulate_grad(w, dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype))
             else:
+                dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
                 dw = (dy2.t() @ x2).to(w.dtype)
         return dx, dw, None
 
@@ -303,38 +357,59 @@ def accumulate_grad_cols(w: torch.Tensor, start: int, stop: int, dy2: torch.Tens
         g.add_(dy2.t() @ x2)
 
 
-class _ColsLinear(torch.autograd.Function):
-    """y = x @ w[:, start:stop]^T: a column block of one weight (the embedding or the hidden half
-    of q/k/v's 2H-wide input). The weight gradient fills only that block: with accum summed in
-    place into w.grad (accumulate_grad_cols); else a full-size gradient, zero outside the block,
-    through autograd (DDP / FSDP)."""
+class _MultiLinear(torch.autograd.Function):
+    """ys[i] = x @ ws[i][:, cols]^T for several weights reading one input (q/k/v, or one column
+    block of their 2H-wide input; gate/up): one GEMM per weight, as a _Linear each would run, but
+    in backward the input gradient is one running sum inside the GEMMs (beta = 1) instead of one
+    tensor per weight that autograd then adds up. The weight gradients: with accum summed in
+    place into w.grad (into the column block: accumulate_grad_cols); else full-size gradients
+    through autograd (zero outside the block), for DDP / FSDP."""
 
     @staticmethod
-    def forward(ctx, x, w, start: int, stop: int, accum: bool):
-        ctx.save_for_backward(x, w)
-        ctx.cols, ctx.accum = (start, stop), accum
-        return F.linear(x, w[:, start:stop])
+    def forward(ctx, x, cols, accum: bool, *ws):
+        ctx.save_for_backward(x, *ws)
+        ctx.cols, ctx.accum = cols, accum
+        return tuple(F.linear(x, w if cols is None else w[:, cols[0]:cols[1]]) for w in ws)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        s, e = ctx.cols
-        dx = dw = None
+    def backward(ctx, *dys):
+        x, *ws = ctx.saved_tensors
+        cols = ctx.cols
+        blocks = [w if cols is None else w[:, cols[0]:cols[1]] for w in ws]
+        dx = None
         if ctx.needs_input_grad[0]:
-            dx = (dy @ w[:, s:e].to(dy.dtype)).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
+            for dy, wb in zip(dys, blocks):
+                dy2, wc = dy.reshape(-1, dy.shape[-1]), wb.to(dy.dtype)
+                if dx is None:
+                    dx = dy2 @ wc
+                else:
+                    dx.addmm_(dy2, wc)
+            dx = dx.view(*x.shape[:-1], dx.shape[-1]).to(x.dtype)
+        grads = [None] * len(ws)
+        for i, (dy, w) in enumerate(zip(dys, ws)):
+            if not ctx.needs_input_grad[3 + i]:
+                continue
             if ctx.accum:
-                accumulate_grad_cols(w, s, e, dy2, x2)
+                with wgrad_side(dy, x):
+                    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
+                    if cols is None:
+                        accumulate_grad(w, dy2, x2)
+                    else:
+                        accumulate_grad_cols(w, cols[0], cols[1], dy2, x2)
             else:
-                dw = torch.zeros_like(w)
-                dw[:, s:e] = (dy2.t() @ x2).to(w.dtype)
-        return dx, dw, None, None, None
+                dw = (dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(dy.dtype)).to(w.dtype)
+                if cols is not None:
+                    full = torch.zeros_like(w)
+                    full[:, cols[0]:cols[1]] = dw
+                    dw = full
+                grads[i] = dw
+        return (dx, None, None, *grads)
 
 
-def cols_linear(x, w, start: int, stop: int, accum: bool):
-    """x @ w[:, start:stop]^T through _ColsLinear (gradient into that block of w's)."""
-    return _ColsLinear.apply(x, w, start, stop, accum)
+def multi_linear(x, ws, cols: tuple[int, int] | None, accum: bool) -> tuple:
+    """x @ w[:, cols]^T (cols None: all of w) for each w in ws, through _MultiLinear (the input
+    gradient summed inside the GEMMs)."""
+    return _MultiLinear.apply(x, cols, accum, *ws)
 
 
 def accumulate_grad_cat(ws, dy2: torch.Tensor, x2: torch.Tensor) -> None:
@@ -377,10 +452,11 @@ class _CatLinear(torch.autograd.Function):
         dx = (dy @ wcat.to(dy.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grads = [None] * len(ctx.ws)
         if any(ctx.needs_input_grad[3:]):
-            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
             if ctx.accum:
-                accumulate_grad_cat(ctx.ws, dy2, x2)
+                with wgrad_side(dy, x):
+                    accumulate_grad_cat(ctx.ws, dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype))
             else:
+                dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
                 dw = dy2.t() @ x2
                 off = 0
                 for i, w in enumerate(ctx.ws):
@@ -409,12 +485,14 @@ class _SwiGLUDown(torch.autograd.Function):
         dw = None
         da = dy @ w.to(dy.dtype)
         if ctx.needs_input_grad[2]:
-            a2 = _KERNELS["swiglu"](g, u).reshape(-1, g.shape[-1]).to(dy.dtype)
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            if ctx.accum:
-                accumulate_grad(w, dy2, a2)
-            else:
-                dw = (dy2.t() @ a2).to(w.dtype)
+            # with accum, the product's recompute goes with its GEMM (on the side stream when on)
+            with (wgrad_side(dy, g, u) if ctx.accum else contextlib.nullcontext()):
+                a2 = _KERNELS["swiglu"](g, u).reshape(-1, g.shape[-1]).to(dy.dtype)
+                dy2 = dy.reshape(-1, dy.shape[-1])
+                if ctx.accum:
+                    accumulate_grad(w, dy2, a2)
+                else:
+                    dw = (dy2.t() @ a2).to(w.dtype)
         dg, du = _KERNELS["swiglu_grads"](da, g, u)
         return dg, du, dw, None
 

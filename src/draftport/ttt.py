@@ -25,7 +25,7 @@ import torch
 
 from .data import Batch
 from .drafter import Eagle3Drafter, shift
-from .kernels import Segments, accumulate_grad
+from .kernels import Segments, accumulate_grad, wgrad_side
 
 
 def target_logits(final: torch.Tensor, target_head: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,10 @@ class LinearSoftCE(torch.autograd.Function):
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
             arg = torch.empty(B, T, dtype=torch.long, device=x.device)
             dx = torch.empty_like(x) if need_x and not need_w else None
-            g_all = torch.empty(B, T, w.shape[0], dtype=x.dtype, device=x.device) if need_w else None
+            # lm_head trained: one chunk (a row of at most `chunk` tokens, the usual case) keeps the
+            # kernel's own gradient tensor; several are gathered into one [B, T, V] (a copy each)
+            whole = need_w and B == 1 and chunk >= T
+            g_all = torch.empty(B, T, w.shape[0], dtype=x.dtype, device=x.device) if need_w and not whole else None
             kern = _LOSS_KERNELS["softce"]
             for b in range(B):
                 for s in range(0, T, chunk):
@@ -190,7 +193,9 @@ class LinearSoftCE(torch.autograd.Function):
                     l_rows, g, a = kern(lg, t[b, s:e], rw[b, s:e])
                     loss += l_rows.sum()
                     arg[b, s:e] = a
-                    if g_all is not None:
+                    if whole:
+                        g_all = g.reshape(1, T, -1)
+                    elif g_all is not None:
                         g_all[b, s:e] = g
                     elif dx is not None:
                         torch.mm(g, wc, out=dx[b, s:e])
@@ -215,12 +220,13 @@ class LinearSoftCE(torch.autograd.Function):
         g2 = g_all.view(B * T, -1)
         wc = w.to(x.dtype)
         dx = (g2 @ wc).view(B, T, H) * gl.to(x.dtype) if ctx.needs_input_grad[0] else None
-        x2 = x.reshape(B * T, H) * gl.to(x.dtype)   # the loss scale folded into the smaller side
         dw = None
         if ctx.accum:
-            accumulate_grad(w, g2, x2)
+            with wgrad_side(g_all, x, gl):
+                # the loss scale folded into the smaller side
+                accumulate_grad(w, g2, x.reshape(B * T, H) * gl.to(x.dtype))
         else:
-            dw = (g2.t() @ x2).to(w.dtype)
+            dw = (g2.t() @ (x.reshape(B * T, H) * gl.to(x.dtype))).to(w.dtype)
         return dx, dw, None, None, None, None
 
 
