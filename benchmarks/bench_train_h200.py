@@ -12,7 +12,8 @@ log-normal lengths, mean ~1.5K, max 2048): ours packed (draftport.packing: steps
 samples rounded up to 64 tokens as train() packs it, where speculators pads each row to
 --pack-len), ours padded (groups of --pad-batch samples right-padded
 to the longest, as data.collate does), and each peer as it trains by default; throughput on the
-mix counts real (non-padding) tokens. Each peer also runs the other trainable set (speculators:
+mix counts real (non-padding) tokens, over the median of --mix-passes timed passes (ours and each
+peer's alike; the fixed lengths take the median step). Each peer also runs the other trainable set (speculators:
 lm_head frozen by default, also trained; SpecForge: trained by default, also frozen at the fixed
 lengths), so every ratio to "the faster peer" compares equal work at one set. Prints tokens/s,
 analytic FLOPs/token, MFU against --peak-tflops (model FLOPs) and the hardware rate of the FLOPs
@@ -60,6 +61,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -200,8 +202,9 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     """Warm up, then time full training steps (train.train_step). -> result dict.
 
     batches: [one batch] (a fixed shape: --warmup steps, then --iters timed) or several (a mix:
-    one untimed pass over all, then one timed pass). lengths: the samples' lengths (the useful
-    FLOPs); default every row of every batch is one sample."""
+    one untimed pass over all, then --mix-passes timed ones, the rates at the median pass).
+    lengths: the samples' lengths (the useful FLOPs); default every row of every batch is one
+    sample."""
     cuda = dev.type == "cuda"
     d.lm_head.weight.requires_grad_(v.lm_head == "trainable")
     if v.compiled and "_compiled" not in d.__dict__:
@@ -275,7 +278,8 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
                 loss, stats = step(b)
     sync()
     warm_s = time.perf_counter() - t_c
-    order = batches * a.iters if fixed else list(batches)
+    passes = 1 if fixed else max(1, getattr(a, "mix_passes", 1))
+    order = batches * a.iters if fixed else list(batches) * passes
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)]
@@ -297,7 +301,7 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     if lengths is None:
         lengths_run = [b.tokens.shape[1]] * sum(b.tokens.shape[0] for b in order)
     else:
-        lengths_run = list(lengths) * (a.iters if fixed else 1)
+        lengths_run = list(lengths) * (a.iters if fixed else passes)
     useful = sample_flops(cfg, lengths_run, a.ttt, v.lm_head == "trainable")
     # what the hardware ran: the embedding half once per unroll (fused unroll only), the mask
     executed = (sample_flops(cfg, lengths_run, a.ttt, v.lm_head == "trainable", "executed")
@@ -317,6 +321,13 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
                hfu=executed / total / (a.peak_tflops * 1e12),
                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                warmup_s=warm_s, loss=loss, acc_0=stats.get("acc_0"))
+    if not fixed and passes > 1:   # the mix: its steps summed per pass, the median pass
+        n = len(batches)
+        pass_s = [sum(times[i:i + n]) for i in range(0, len(times), n)]
+        scale = total / passes / statistics.median(pass_s)    # the rates below, at the median pass
+        res.update(passes=passes, pass_s=pass_s, step_s=statistics.median(pass_s) / n)
+        for k in ("tokens_per_s", "real_tokens_per_s", "mfu", "mfu_with_mask", "hfu"):
+            res[k] *= scale
     if fixed:   # one shape: the median step (the mix sums its steps)
         res["tokens_per_s"] = row_tokens / len(order) / res["step_s_median"]
         res["real_tokens_per_s"] = real_tokens / len(order) / res["step_s_median"]
@@ -415,7 +426,7 @@ def profile(step, path: Path, log):
     except Exception:
         table = ka.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
     try:   # the kernels themselves, by their own time (the table above mixes in the ops' ranges)
-        kern = ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)
+        kern = ka.table(sort_by="self_device_time_total", row_limit=90, max_name_column_width=90)
     except Exception:
         kern = ""
     table = table + "\n\n" + kern
@@ -818,6 +829,8 @@ def parse(argv=None):
     ap.add_argument("--mix", type=int, default=None, help="samples in the length mix (0: none; 20 on CUDA, 8 toy)")
     ap.add_argument("--mix-max", type=int, default=None, help="longest sample (2048; toy 64)")
     ap.add_argument("--mix-seed", type=int, default=1)
+    ap.add_argument("--mix-passes", type=int, default=3, help="timed passes over the mix, ours and the peers' "
+                    "(each figure: real tokens over its median pass)")
     ap.add_argument("--pack-len", type=int, default=None, help="tokens per packed step (8192 as speculators' "
                     "default total_seq_len; toy 128)")
     ap.add_argument("--pad-batch", type=int, default=4, help="samples per padded step on the mix")
@@ -825,6 +838,8 @@ def parse(argv=None):
     ap.add_argument("--no-fuse-lever", dest="fuse_lever", action="store_false",
                     help="skip the fused-projections lever")
     ap.add_argument("--levers-all", action="store_true", help="levers at every length (default: the first)")
+    ap.add_argument("--no-levers", dest="levers", action="store_false", help="skip the levers timed at every "
+                    "length (the embedding half at every step, torch's fused AdamW)")
     ap.add_argument("--mix-computed", action="store_true", help="also the mix with the mask computed")
     ap.add_argument("--ladder", action="store_true", help="also time each lever on and off")
     ap.add_argument("--check", action="store_true", help="fused vs reference (and packed vs padded) first")
@@ -880,7 +895,8 @@ def run_key(a) -> dict:
     """What the peers' figures depend on in this run: a --peers-from file must have the same."""
     mix = None
     if a.mix:
-        mix = {"lengths": mix_lengths(a.mix, a.mix_max, a.mix_seed), "pack_len": a.pack_len}
+        mix = {"lengths": mix_lengths(a.mix, a.mix_max, a.mix_seed), "pack_len": a.pack_len,
+               "timed_passes": a.mix_passes}
     return {"hidden_size": SIZES[a.size]["hidden_size"], "seqs": [int(t) for t in a.seqs], "ttt_steps": a.ttt,
             "mix": mix}
 
@@ -890,7 +906,8 @@ def file_key(res: dict) -> dict:
     c, m = res.get("config") or {}, res.get("mix")
     return {"hidden_size": c.get("hidden_size"), "seqs": [int(t) for t in (c.get("seqs") or [])],
             "ttt_steps": c.get("ttt_steps"),
-            "mix": None if not m else {"lengths": m.get("lengths"), "pack_len": m.get("pack_len")}}
+            "mix": None if not m else {"lengths": m.get("lengths"), "pack_len": m.get("pack_len"),
+                                       "timed_passes": m.get("timed_passes", 1)}}
 
 
 def read_peer_file(path: str, refuse) -> dict:
@@ -1109,7 +1126,7 @@ def main(argv=None) -> dict:
                 r = run(V(f"T{T} lm_head {lh}, mask stored", lm_head=lh, mask="stored"), [batch], rows)
                 r["seq"] = T
                 rec["ours"][f"{lh}_stored"] = r
-            if cuda:   # what the embedding half once per unroll gives, at every length
+            if cuda and a.levers:   # what the embedding half once per unroll gives, at every length
                 lv["embed_every_step_stored"] = run(V(f"T{T} lm_head frozen, mask stored, embedding half every step",
                                                       mask="stored", embed_once=False), [batch], rows)
                 # what draftport's AdamW gives over torch's fused one, where the optimizer is largest
@@ -1255,6 +1272,8 @@ def mix_spec(a, log) -> dict | None:
                            f"[{min(64, a.mix_max // 4)}, {a.mix_max}]; seed {a.mix_seed}",
            "n": len(lens), "lengths": lens, "mean": sum(lens) / len(lens), "max": max(lens),
            "total_tokens": sum(lens), "pack_len": a.pack_len, "pad_batch": a.pad_batch,
+           "timed_passes": a.mix_passes, "figure": "real tokens of one pass over its median timed pass (ours and "
+                                                    "each peer's)",
            "packed_layout": f"steps of <= {a.pack_len} tokens (first-fit decreasing), each one row of its "
                             f"samples rounded up to {ROW_MULTIPLE} tokens (as train() packs)"}
     log(f"[mix] {len(lens)} samples, mean {mix['mean']:.0f}, max {mix['max']}, {sum(lens)} tokens; "
@@ -1281,7 +1300,8 @@ def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
         env_py = sys.executable
         toy = ["--toy"] if a.size == "toy" else []
         common = ["--seqs", *map(str, a.seqs), "--ttt", str(a.ttt), "--iters", str(a.peer_iters),
-                  "--warmup", str(a.peer_warmup)] + toy + (["--mix", mix_file] if mix_file else [])
+                  "--warmup", str(a.peer_warmup)] + toy + (
+                      ["--mix", mix_file, "--mix-passes", str(a.mix_passes)] if mix_file else [])
         if not a.no_speculators:
             cmd = [env_py, str(HERE / "peers" / "speculators_run.py"), *common, "--total-seq-len", str(a.pack_len),
                    "--loss-impl", a.spec_loss, "--sets", "frozen", "trained"] + (

@@ -5,6 +5,7 @@ loss and gradients as the reference path."""
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,13 @@ def test_bench_runs_toy_on_cpu_and_writes_fields(tmp_path):
     assert set(mr) == {"packed_frozen_computed", "padded_frozen_computed", "packed_frozen_stored",
                        "padded_frozen_stored", "packed_trainable_stored", "padded_trainable_stored"}
     assert res["packed_real_tokens_per_s"] == mr["packed_trainable_stored"]["real_tokens_per_s"] > 0
+    # the mix is timed over --mix-passes passes (3 by default); its rate is one pass's real tokens
+    # over the median pass
+    assert mix["timed_passes"] == 3
+    for k, r_ in mr.items():
+        per_pass = mix["packed_rows"] if k.startswith("packed") else mix["padded_steps"]
+        assert r_["passes"] == 3 and len(r_["pass_s"]) == 3 and r_["steps_timed"] == 3 * per_pass
+        assert r_["real_tokens_per_s"] == pytest.approx(mix["total_tokens"] / statistics.median(r_["pass_s"]))
     assert {g["goal"].split()[0] for g in res["goals"]} >= {"T64", "length"}
     text = log.read_text()
     assert "tok/s" in text and "FLOPs/token" in text and "summary:" in text
