@@ -1,0 +1,185 @@
+"""The weight-gradient GEMMs on a second CUDA stream (kernels.set_wgrad_stream) against one
+stream, in the whole training step (train.train_step, as bench_train_h200.py runs it): the
+Kimi-size drafter, TTT 7, bf16, the greedy choice stored (mask "stored") and computed, lm_head
+frozen and trained, at each --seqs length.
+
+Per configuration: first the gradients of one step from the same state with the stream off,
+off again and on (the largest absolute difference over all trainable tensors, and how many
+tensors differ at all, on vs off beside off vs off: the step is not bitwise repeatable by
+itself); then --rounds rounds of (off, on) blocks, alternated so that a drift of the card's
+clocks falls on both sides: a block is --iters steps at a fixed length, or one pass over the
+bench's length mix (--mix samples, packed into rows of <= 8192 tokens as train() packs them);
+the figure is real tokens over the median block of each side. With --profile-dir, a profile of
+two steps at each fixed length (lm_head trained, mask stored; kernel time by kind and the kernel
+table) with the stream on and/or off (--profile-stream on off), and with --profile-shapes one
+step's ops by input shape (which add, mul or copy is which).
+
+Prints figures and writes --json; asserts nothing.
+
+    python benchmarks/probe_wgrad_stream_h200.py [--seqs 2048 4096] [--rounds 3] [--iters 4] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+
+import bench_train_h200 as bench  # noqa: E402
+from draftport import kernels, optim  # noqa: E402
+from draftport import ttt as ttt_mod  # noqa: E402
+from draftport.train import TrainConfig, train_step  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", type=int, nargs="*", default=[2048, 4096], help="fixed lengths (none: the mix only)")
+    ap.add_argument("--size", default="kimi")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--sets", nargs="+", default=["trainable_stored", "frozen_stored", "trainable_computed"])
+    ap.add_argument("--attn-backend", default="cudnn")
+    ap.add_argument("--mix", type=int, default=20, help="samples in the bench's length mix, packed (0: none)")
+    ap.add_argument("--profile-dir", default=None)
+    ap.add_argument("--profile-stream", nargs="+", type=lambda v: v == "on", default=[True],
+                    help="profile with the stream on and/or off (on off)")
+    ap.add_argument("--profile-shapes", action="store_true", help="also the ops by input shape (one stream)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("probe_wgrad_stream_h200.py needs a CUDA device")
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    t_start = time.perf_counter()
+    cfg, d, head = bench.build(a.size, dev, dtype)
+    hot = d.hot_ids
+    rows = head.index_select(0, hot).contiguous()
+    d.compile_regions()
+    ttt_mod.compile_loss_kernels()
+    d.accumulate_wgrad = True
+    kernels.set_attention_backend(a.attn_backend)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seqs": a.seqs,
+           "rounds": a.rounds, "iters": a.iters, "attention": a.attn_backend, "results": {}}
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    cases = []
+    for T in a.seqs:
+        cases.append((f"T{T}", [bench.make_batch(cfg, 1, T, dev, dtype)] * a.iters))
+    if a.mix:   # the bench's length mix, packed as train() packs it: one pass per block
+        samples = bench.mix_samples(cfg, bench.mix_lengths(a.mix, 2048, 1), dev, dtype)
+        (packed, _), _ = bench.layout_mix(samples, 8192, 4, dtype)
+        cases.append(("mix_packed", [b.to(dev) for b in packed]))
+    for label, batches in cases:
+        stored = bench.with_stored_mask([copy.copy(b) for b in batches[:len(set(map(id, batches)))]], head, hot, 2048)
+        stored = stored * (len(batches) // len(stored))
+        tokens = sum(int(b.valid.sum()) for b in batches)
+        for name in a.sets:
+            lh, mask = name.split("_")
+            bs, hd = (stored, rows) if mask == "stored" else (batches, head)
+            d.lm_head.weight.requires_grad_(lh == "trainable")
+            params = [p for p in d.parameters() if p.requires_grad]
+            tcfg = TrainConfig(ttt_steps=a.ttt, gamma=0.8, grad_clip=1.0, train_lm_head=lh == "trainable")
+
+            def step(b):
+                train_step(d, b, hd, opt, params, tcfg, impl="fused", use_bf16=True)
+
+            # the same gradients either way (from the same state: no optimizer step between),
+            # twice with the stream off first: what the step's own nondeterminism gives (the
+            # attention backward's atomics), against which the on/off difference is read
+            grads = {}
+            for key, on in (("off", False), ("off_again", False), ("on", True)):
+                kernels.set_wgrad_stream(on)
+                d.zero_grad(set_to_none=True)
+                terms = ttt_mod.ttt_terms(d, bs[0], hd, a.ttt, fused=True)
+                loss, _ = ttt_mod.combine(terms, 0.8, sync=False)
+                loss.backward()
+                torch.cuda.synchronize()
+                grads[key] = [p.grad.detach().clone() for p in params]
+
+            def compare(other):
+                diffs = [float((x.float() - y.float()).abs().max()) for x, y in zip(grads["off"], grads[other])]
+                n = sum(1 for x, y in zip(grads["off"], grads[other]) if not torch.equal(x, y))
+                return max(diffs), n
+            diff_on, n_diff = compare("on")
+            diff_base, n_base = compare("off_again")
+            del grads
+            d.zero_grad(set_to_none=True)
+
+            opt = optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))
+            for on in (False, True, False, True):     # warm both (compiles, allocator)
+                kernels.set_wgrad_stream(on)
+                for b in bs[:len(set(map(id, bs)))]:
+                    step(b)
+            blocks = {False: [], True: []}
+            for r in range(a.rounds):
+                for on in ((False, True) if r % 2 == 0 else (True, False)):
+                    kernels.set_wgrad_stream(on)
+                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    torch.cuda.synchronize()
+                    ev[0].record()
+                    for b in bs:
+                        step(b)
+                    ev[1].record()
+                    torch.cuda.synchronize()
+                    blocks[on].append(ev[0].elapsed_time(ev[1]) / 1e3)
+            peak = {}
+            for on in (True, False):
+                torch.cuda.reset_peak_memory_stats()
+                kernels.set_wgrad_stream(on)
+                for b in bs[:len(set(map(id, bs)))]:
+                    step(b)
+                torch.cuda.synchronize()
+                peak[on] = torch.cuda.max_memory_allocated() / 2**30
+            med = {k: statistics.median(v) for k, v in blocks.items()}
+            rec = {"grad_max_abs_diff": diff_on, "grad_tensors_differing": n_diff, "tensors": len(params),
+                   "grad_max_abs_diff_off_vs_off": diff_base, "grad_tensors_differing_off_vs_off": n_base,
+                   "steps_per_block": len(bs), "real_tokens_per_block": tokens,
+                   "block_s_off": blocks[False], "block_s_on": blocks[True],
+                   "tok_s_off": tokens / med[False], "tok_s_on": tokens / med[True],
+                   "gain": med[False] / med[True], "peak_gib_off": peak[False], "peak_gib_on": peak[True]}
+            out["results"][f"{label}_{name}"] = rec
+            log(f"{label} {name:20s} off {rec['tok_s_off']:8.0f} tok/s  on {rec['tok_s_on']:8.0f} tok/s  "
+                f"gain {rec['gain']:.4f}  grads on vs off differ in {n_diff}/{len(params)} (max {diff_on:.3g}; "
+                f"off vs off {n_base}, max {diff_base:.3g})  peak {peak[False]:.2f} / {peak[True]:.2f} GiB")
+            if a.profile_dir and name == "trainable_stored" and label.startswith("T"):
+                for on in a.profile_stream:
+                    kernels.set_wgrad_stream(on)
+                    tag = "wgrad_stream" if on else "one_stream"
+                    rec[f"profile_{tag}"] = bench.profile(
+                        lambda: step(bs[0]), Path(a.profile_dir) / f"profile_{label}_{name}_{tag}.txt", log)
+                if a.profile_shapes:   # the eager ops by input shape (which add, mul, copy is which)
+                    from torch.profiler import ProfilerActivity, profile as tprof
+                    kernels.set_wgrad_stream(False)
+                    with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+                        step(bs[0])
+                        torch.cuda.synchronize()
+                    tab = prof.key_averages(group_by_input_shape=True).table(
+                        sort_by="self_device_time_total", row_limit=80, max_name_column_width=40,
+                        max_shapes_column_width=110)
+                    (Path(a.profile_dir) / f"shapes_{label}_{name}_one_stream.txt").write_text(tab)
+            del opt
+            d.zero_grad(set_to_none=True)
+            kernels.set_wgrad_stream(False)
+            torch.cuda.empty_cache()
+            if a.json:
+                Path(a.json).write_text(json.dumps(out, indent=1))
+    out["wall_s"] = time.perf_counter() - t_start
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
