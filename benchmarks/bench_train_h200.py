@@ -866,7 +866,7 @@ def parse(argv=None):
                     "several calls on one machine (each peer from the last file that measured it) into --json; "
                     "nothing runs")
     ap.add_argument("--rescore", default=None, help="recompute the ratios and goals of this results file "
-                    "from its records, in place (no run)")
+                    "from its records, in place (no run); with --peers-from, against that file's peers")
     ap.add_argument("--log", default=None, help="also write the printed lines here")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -982,12 +982,35 @@ def ratio(x, y):
     return None if (x is None or not y) else x / y
 
 
-def rescore(path: str) -> dict:
-    """Recompute a results file's ratios and goals from its own records (score), in place."""
+def rescore(path: str, peers_path: str | None = None) -> dict:
+    """Recompute a results file's ratios and goals from its own records (score), in place; with
+    peers_path (--peers-from), against that file's peer records instead (the peers measured in
+    the call after ours, on the same machine), which must be of the same work."""
     out = json.loads(Path(path).read_text())
+    note = ("ratios and goals recomputed from this file's records by bench_train_h200.py --rescore "
+            "(a faster-peer ratio needs every peer asked for measured at that shape)")
+    if peers_path:
+        def refuse(why):
+            raise SystemExit(f"bench_train_h200.py: --rescore {path} --peers-from {peers_path}: {why}")
+        src = read_peer_file(peers_path, refuse)
+        if file_key(src) != file_key(out):
+            refuse("its config differs from the results file's (the ratios would compare different work)")
+        if src.get("device") != out.get("device"):
+            refuse(f"measured on {src.get('device')}, the results file on {out.get('device')}")
+        sv = src.get("versions") or {}
+        out["peers_raw"] = src["peers_raw"]
+        out["peers_from"] = {"file": str(Path(peers_path).resolve()), "date": src.get("date"),
+                             "device": src.get("device"), "mode": src.get("mode", "full run"),
+                             "wall_s": src.get("wall_s"),
+                             "peers_requested": src.get("peers_requested") or list(src["peers_raw"]),
+                             "versions": {k: sv.get(k) for k in ("speculators", "specforge", "torch",
+                                                                 "transformers", "triton")},
+                             "peer_runs": src.get("peer_runs")}
+        for k in ("speculators", "specforge"):
+            out.setdefault("versions", {})[k] = sv.get(k)
+        note += f"; the peers' records replaced by those of {Path(peers_path).name}"
     goals = score(out)
-    out["rescored"] = ("ratios and goals recomputed from this file's records by bench_train_h200.py --rescore "
-                       "(a faster-peer ratio needs every peer asked for measured at that shape)")
+    out["rescored"] = note
     for gl in goals:
         print(goal_line(gl))
     Path(path).write_text(json.dumps(out, indent=2, default=str) + "\n")
@@ -997,7 +1020,7 @@ def rescore(path: str) -> dict:
 def main(argv=None) -> dict:
     a = parse(argv)
     if a.rescore:
-        return rescore(a.rescore)
+        return rescore(a.rescore, a.peers_from)
     if a.merge_peers:
         return merge_peers(a.merge_peers, a.json)
     src = load_peers(a.peers_from, a) if a.peers_from else None   # refuse before any work

@@ -1,22 +1,25 @@
-"""The weight-gradient GEMMs on a second CUDA stream (kernels.set_wgrad_stream) against one
-stream, in the whole training step (train.train_step, as bench_train_h200.py runs it): the
-Kimi-size drafter, TTT 7, bf16, the greedy choice stored (mask "stored") and computed, lm_head
-frozen and trained, at each --seqs length.
+"""A switch lever of the training step, on against off, in the whole training step
+(train.train_step, as bench_train_h200.py runs it): the Kimi-size drafter, TTT 7, bf16, the
+greedy choice stored (mask "stored") and computed, lm_head frozen and trained, at each --seqs
+length. --lever wgrad_stream (default): the weight-gradient GEMMs on a second CUDA stream
+(kernels.set_wgrad_stream) against one stream; --lever kv_sum: the keys' and values' gradients
+summed across TTT steps in one accumulator per unroll (kernels.set_kv_grad_sum) against
+autograd's adds.
 
-Per configuration: first the gradients of one step from the same state with the stream off,
+Per configuration: first the gradients of one step from the same state with the lever off,
 off again and on (the largest absolute difference over all trainable tensors, and how many
 tensors differ at all, on vs off beside off vs off: the step is not bitwise repeatable by
 itself); then --rounds rounds of (off, on) blocks, alternated so that a drift of the card's
 clocks falls on both sides: a block is --iters steps at a fixed length, or one pass over the
 bench's length mix (--mix samples, packed into rows of <= 8192 tokens as train() packs them);
 the figure is real tokens over the median block of each side. With --profile-dir, a profile of
-two steps at each fixed length (lm_head trained, mask stored; kernel time by kind and the kernel
-table) with the stream on and/or off (--profile-stream on off), and with --profile-shapes one
-step's ops by input shape (which add, mul or copy is which).
+two steps at each fixed length (the --profile-sets; kernel time by kind and the kernel table)
+with the lever on and/or off (--profile-stream on off), and with --profile-shapes one step's ops
+by input shape with the levers at their defaults (which add, mul or copy is which).
 
 Prints figures and writes --json; asserts nothing.
 
-    python benchmarks/probe_wgrad_stream_h200.py [--seqs 2048 4096] [--rounds 3] [--iters 4] [--json OUT]
+    python benchmarks/probe_wgrad_stream_h200.py [--lever kv_sum] [--seqs 2048 4096] [--rounds 3] [--iters 4] [--json OUT]
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ from draftport import ttt as ttt_mod  # noqa: E402
 from draftport.train import TrainConfig, train_step  # noqa: E402
 
 
+LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_grad_sum}
+LEVER = [kernels.set_wgrad_stream]
+DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"]}   # as imported
+
+
+def set_lever(on: bool) -> None:
+    LEVER[0](on)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, nargs="*", default=[2048, 4096], help="fixed lengths (none: the mix only)")
@@ -54,9 +66,14 @@ def main(argv=None):
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--profile-stream", nargs="+", type=lambda v: v == "on", default=[True],
                     help="profile with the stream on and/or off (on off)")
-    ap.add_argument("--profile-shapes", action="store_true", help="also the ops by input shape (one stream)")
+    ap.add_argument("--profile-shapes", action="store_true", help="also the ops by input shape (the defaults)")
+    ap.add_argument("--profile-sets", nargs="+", default=["trainable_stored"], help="the sets profiled")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--lever", choices=sorted(LEVERS), default="wgrad_stream",
+                    help="what on/off switches: the weight-gradient stream (default), or the keys' "
+                         "gradients summed across TTT steps (kv_sum)")
     a = ap.parse_args(argv)
+    LEVER[0] = LEVERS[a.lever]
     if not torch.cuda.is_available():
         sys.exit("probe_wgrad_stream_h200.py needs a CUDA device")
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -100,7 +117,7 @@ def main(argv=None):
             # attention backward's atomics), against which the on/off difference is read
             grads = {}
             for key, on in (("off", False), ("off_again", False), ("on", True)):
-                kernels.set_wgrad_stream(on)
+                set_lever(on)
                 d.zero_grad(set_to_none=True)
                 terms = ttt_mod.ttt_terms(d, bs[0], hd, a.ttt, fused=True)
                 loss, _ = ttt_mod.combine(terms, 0.8, sync=False)
@@ -119,13 +136,13 @@ def main(argv=None):
 
             opt = optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))
             for on in (False, True, False, True):     # warm both (compiles, allocator)
-                kernels.set_wgrad_stream(on)
+                set_lever(on)
                 for b in bs[:len(set(map(id, bs)))]:
                     step(b)
             blocks = {False: [], True: []}
             for r in range(a.rounds):
                 for on in ((False, True) if r % 2 == 0 else (True, False)):
-                    kernels.set_wgrad_stream(on)
+                    set_lever(on)
                     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                     torch.cuda.synchronize()
                     ev[0].record()
@@ -137,7 +154,7 @@ def main(argv=None):
             peak = {}
             for on in (True, False):
                 torch.cuda.reset_peak_memory_stats()
-                kernels.set_wgrad_stream(on)
+                set_lever(on)
                 for b in bs[:len(set(map(id, bs)))]:
                     step(b)
                 torch.cuda.synchronize()
@@ -153,25 +170,26 @@ def main(argv=None):
             log(f"{label} {name:20s} off {rec['tok_s_off']:8.0f} tok/s  on {rec['tok_s_on']:8.0f} tok/s  "
                 f"gain {rec['gain']:.4f}  grads on vs off differ in {n_diff}/{len(params)} (max {diff_on:.3g}; "
                 f"off vs off {n_base}, max {diff_base:.3g})  peak {peak[False]:.2f} / {peak[True]:.2f} GiB")
-            if a.profile_dir and name == "trainable_stored" and label.startswith("T"):
+            if a.profile_dir and name in a.profile_sets and label.startswith("T"):
                 for on in a.profile_stream:
-                    kernels.set_wgrad_stream(on)
-                    tag = "wgrad_stream" if on else "one_stream"
+                    set_lever(on)
+                    tag = (a.lever if on else "off") if a.lever != "wgrad_stream" else (
+                        "wgrad_stream" if on else "one_stream")
                     rec[f"profile_{tag}"] = bench.profile(
                         lambda: step(bs[0]), Path(a.profile_dir) / f"profile_{label}_{name}_{tag}.txt", log)
                 if a.profile_shapes:   # the eager ops by input shape (which add, mul, copy is which)
                     from torch.profiler import ProfilerActivity, profile as tprof
-                    kernels.set_wgrad_stream(False)
+                    set_lever(DEFAULTS[a.lever])   # the defaults
                     with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
                         step(bs[0])
                         torch.cuda.synchronize()
                     tab = prof.key_averages(group_by_input_shape=True).table(
                         sort_by="self_device_time_total", row_limit=80, max_name_column_width=40,
                         max_shapes_column_width=110)
-                    (Path(a.profile_dir) / f"shapes_{label}_{name}_one_stream.txt").write_text(tab)
+                    (Path(a.profile_dir) / f"shapes_{label}_{name}_defaults.txt").write_text(tab)
             del opt
             d.zero_grad(set_to_none=True)
-            kernels.set_wgrad_stream(False)
+            set_lever(DEFAULTS[a.lever])   # the lever back to its default
             torch.cuda.empty_cache()
             if a.json:
                 Path(a.json).write_text(json.dumps(out, indent=1))

@@ -329,6 +329,29 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     assert subprocess.run([sys.executable, str(BENCH), "--rescore", str(again)], capture_output=True,
                           timeout=120, env=env).returncode == 0
     assert json.loads(again.read_text())["goals"] == res["goals"]
+    # --rescore with --peers-from: the same records of ours against another call's peers (twice as fast)
+    p2 = json.loads(json.dumps(p))
+    for recs in p2["peers_raw"].values():
+        for r_ in recs:
+            r_["real_tokens_per_s"] *= 2
+    peers2 = tmp_path / "peers2.json"
+    peers2.write_text(json.dumps(p2))
+    r = subprocess.run([sys.executable, str(BENCH), "--rescore", str(again), "--peers-from", str(peers2)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    re2 = json.loads(again.read_text())
+    assert re2["peers_raw"] == p2["peers_raw"] and re2["peers_from"]["file"] == str(peers2.resolve())
+    assert "peers2.json" in re2["rescored"]
+    ra2 = re2["by_length"]["64"]["ratios"]
+    assert ra2["speedup_vs_best_peer_stored"] == pytest.approx(ra["speedup_vs_best_peer_stored"] / 2)
+    assert ra2["vs_specforge_lm_head_trained_stored"] == pytest.approx(ra["vs_specforge_lm_head_trained_stored"] / 2)
+    p3 = dict(p2, config=dict(p2["config"], seqs=[32]))
+    (tmp_path / "peers3.json").write_text(json.dumps(p3))
+    before = again.read_text()
+    r = subprocess.run([sys.executable, str(BENCH), "--rescore", str(again), "--peers-from", str(tmp_path / "peers3.json")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1 and "config differs" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert again.read_text() == before
 
     # refusals: one line on stderr, exit 1, before any work
     (tmp_path / "bad.json").write_text("{not json")
@@ -357,23 +380,27 @@ def _train_steps(d, batch, head, n=3):
     return losses, grads, [p.detach().clone() for p in params]
 
 
+def _fp64_problem(cfg, packed: bool, seed: int):
+    """A target head and a batch in fp64: two padded rows, or six samples packed into rows of 14."""
+    from draftport.packing import pack
+    from test_packing import make_samples
+
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64)
+    if packed:
+        return head, pack(make_samples(cfg, (9, 5, 12, 3, 7, 2)), row_len=14, dtype=torch.float64)[0]
+    b = toy_batch(cfg, B=2, T=12)
+    return head, Batch(b.aux.double(), b.final.double(), b.tokens, b.loss_mask, b.valid)
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_embedding_half_once_per_unroll_matches_every_step(accumulate, packed):
     """embed_once (the embedding half of q/k/v as one table per unroll, each step a slice of it)
     gives the losses, gradients and updates of the 2H-wide GEMMs at every step (fp64), padded
     and packed (rows past a sample's end fed token 0), gradients summed in place or not."""
-    from draftport.packing import pack
-    from test_packing import make_samples
-
     cfg = toy_cfg()
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(8),
-                       dtype=torch.float64)
-    if packed:
-        batch = pack(make_samples(cfg, (9, 5, 12, 3, 7, 2)), row_len=14, dtype=torch.float64)[0]
-    else:
-        b = toy_batch(cfg, B=2, T=12)
-        batch = Batch(b.aux.double(), b.final.double(), b.tokens, b.loss_mask, b.valid)
+    head, batch = _fp64_problem(cfg, packed, seed=8)
     out = []
     for once in (False, True):
         d = toy_drafter(cfg, seed=6).double()
@@ -487,3 +514,53 @@ def test_merge_peers_takes_each_peer_from_the_file_that_measured_it(tmp_path):
             main(["--merge-peers", a, bad, "--json", str(tmp_path / "x.json")])
         assert why in str(e.value) and "\n" not in str(e.value)
         assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_keys_gradients_summed_across_steps_equal_autograds_sums(packed):
+    """kernels.set_kv_grad_sum: the keys' and values' gradients summed in one accumulator per
+    unroll (each step's attention the last reader of its own keys) give autograd's gradients
+    (fp64, padded and packed rows), and a backward pass that stops before step 0 (autograd.grad
+    of a later step's output) leaves nothing behind for the next one."""
+    from draftport import kernels
+
+    cfg = toy_cfg()
+    head, batch = _fp64_problem(cfg, packed, seed=4)
+    out = []
+    try:
+        for on in (False, True):
+            kernels.set_kv_grad_sum(on)
+            d = toy_drafter(cfg, seed=5).double()
+            d.zero_grad(set_to_none=True)
+            terms = ttt_terms(d, batch, head, 5, fused=True, chunk=5)
+            loss, _ = combine(terms, 0.8)
+            # a partial pass first: the gradient of the last step's loss w.r.t. the fc output
+            # stops before reaching step 0's attention's backward
+            part = torch.autograd.grad(terms[-1][0], [d.midlayer.self_attn.o_proj.weight], retain_graph=True)[0]
+            loss.backward()
+            out.append((part, {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}))
+    finally:
+        kernels.set_kv_grad_sum(True)
+    (p0, g0), (p1, g1) = out
+    assert torch.allclose(p0, p1, atol=1e-12, rtol=1e-9)
+    assert g0.keys() == g1.keys() and "midlayer.self_attn.k_proj.weight" in g0
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], atol=1e-12, rtol=1e-9), k
+
+
+def test_swiglu_gradient_kernel_hands_back_the_forward_product():
+    """kernels._swiglu_grads_act: the down projection's weight gradient reads silu(g) * u from the
+    kernel that computes dg and du; it is bitwise the product the forward computed (_swiglu), and
+    dg, du are _swiglu_grads' (bf16, as on the GPU path)."""
+    from draftport import kernels
+
+    g = torch.Generator().manual_seed(0)
+    da, gg, u = (torch.randn(3, 5, 40, generator=g).to(torch.bfloat16) for _ in range(3))
+    dg, du, act = kernels._swiglu_grads_act(da, gg, u)
+    assert torch.equal(act, kernels._swiglu(gg, u))
+    dg2, du2 = kernels._swiglu_grads(da, gg, u)
+    assert torch.equal(dg, dg2) and torch.equal(du, du2)
+    ref_g, ref_u = gg.double().requires_grad_(), u.double().requires_grad_()
+    (torch.nn.functional.silu(ref_g) * ref_u * da.double()).sum().backward()
+    assert torch.allclose(dg.double(), ref_g.grad, rtol=2e-2, atol=1e-2)
+    assert torch.allclose(du.double(), ref_u.grad, rtol=2e-2, atol=1e-2)

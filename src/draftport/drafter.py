@@ -69,9 +69,10 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x, cos, sin):
-    # x: [B, heads, T, hd]; cos/sin: [B, T, hd] (Llama's rotate_half convention)
-    cos, sin = cos[:, None], sin[:, None]
+def apply_rope(x, cos, sin, heads_dim: int = 1):
+    # x: [B, heads, T, hd] (heads_dim 1) or [B, T, heads, hd] (heads_dim 2); cos/sin: [B, T, hd]
+    # (Llama's rotate_half convention)
+    cos, sin = cos.unsqueeze(heads_dim), sin.unsqueeze(heads_dim)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -91,15 +92,21 @@ class Attention(nn.Module):
 
     def heads_rope(self, q, k, v, cos, sin):
         """Projections [B,T,n*d] -> heads [B,h,T,d], rope on q and k, kv heads repeated."""
+        return tuple(t.transpose(1, 2) for t in self.heads_rope_tok(q, k, v, cos, sin))
+
+    def heads_rope_tok(self, q, k, v, cos, sin):
+        """heads_rope laid out token-major: [B,T,h,d] (contiguous where computed). Its transpose is
+        heads_rope's [B,h,T,d] with the token-major strides the attention kernels keep: their
+        outputs and gradients then need no transposing copies to and from the [B,T,h*d] GEMMs."""
         B, T, _ = q.shape
-        q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = q.view(B, T, self.heads, self.head_dim)
+        k = k.view(B, T, self.kv_heads, self.head_dim)
+        v = v.view(B, T, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin, heads_dim=2), apply_rope(k, cos, sin, heads_dim=2)
         if self.kv_heads != self.heads:
             rep = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return q, k, v
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        return q, k, v.contiguous()
 
     def attend(self, q, cache_k, cache_v, attn_bias):
         return self.o_proj(self.attend_core(q, cache_k, cache_v, attn_bias))
@@ -253,8 +260,9 @@ class Eagle3Drafter(nn.Module):
         return self._r_rope(q, k, v, positions)
 
     def _r_rope(self, q, k, v, positions):
+        """-> q, k, v token-major [B,T,h,d] (step() hands the attention their [B,h,T,d] views)."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
-        return self.midlayer.self_attn.heads_rope(q, k, v, cos, sin)
+        return self.midlayer.self_attn.heads_rope_tok(q, k, v, cos, sin)
 
     def _r_mid(self, o, resid):
         resid = resid + o
@@ -280,14 +288,15 @@ class Eagle3Drafter(nn.Module):
         return c if c is not None else {n: getattr(self, n) for n in self._REGIONS}
 
     def step(self, tokens, h, positions, cache_k, cache_v, attn_bias, *, fused: bool = False,
-             head: bool = True, segments=None, cats=None, emb=None):
+             head: bool = True, segments=None, cats=None, emb=None, kv_sum=None):
         """One draft step for all rows. Returns (pre-norm output fed back, logits over draft
         vocab), or (output, normed output) with head=False (the fused loss applies lm_head).
 
         fused: flash-based attention, and the linears and MLP as custom functions (the MLP keeps
         only gate/up outputs; with self.accumulate_wgrad the weight gradients are summed in
         place across TTT steps): draftport.kernels. emb (fused, from _embed_half): this step's
-        embedding half of q/k/v (qe, ke, ve, keep, fills); x's other half runs as its own GEMMs."""
+        embedding half of q/k/v (qe, ke, ve, keep, fills); x's other half runs as its own GEMMs.
+        kv_sum (fused): the unroll's kernels.KVGradSum (the keys' gradients summed across steps)."""
         A, M = self.midlayer.self_attn, self.midlayer.mlp
         R = self._regions()
         if fused:
@@ -303,22 +312,22 @@ class Eagle3Drafter(nn.Module):
             H = self.cfg.hidden_size
             qh, kh, vh = kernels.multi_linear(hn, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), (H, 2 * H), acc)
             qe, ke, ve, keep, fills = emb
-            q, k, v = R["_r_rope_e"](qh, kh, vh, qe, ke, ve, positions, keep, *fills)
+            q, k, v = _heads(R["_r_rope_e"](qh, kh, vh, qe, ke, ve, positions, keep, *fills))
         else:
             x, resid = R["_r_in"](tokens, h)
             if cats is not None:   # fused projections: one GEMM for q, k, v
                 ws = (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight)
                 qkv = kernels.cat_linear(x, cats["qkv"], ws, acc)
-                q, k, v = R["_r_rope"](*qkv.split([w.shape[0] for w in ws], dim=-1), positions)
+                q, k, v = _heads(R["_r_rope"](*qkv.split([w.shape[0] for w in ws], dim=-1), positions))
             elif fused:   # q/k/v over the whole 2H-wide input (the embedding half at every step)
-                q, k, v = R["_r_rope"](*kernels.multi_linear(
-                    x, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), None, acc), positions)
+                q, k, v = _heads(R["_r_rope"](*kernels.multi_linear(
+                    x, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), None, acc), positions))
             else:
-                q, k, v = R["_r_rope"](lin(x, A.q_proj), lin(x, A.k_proj), lin(x, A.v_proj), positions)
+                q, k, v = _heads(R["_r_rope"](lin(x, A.q_proj), lin(x, A.k_proj), lin(x, A.v_proj), positions))
         cache_k.append(k)
         cache_v.append(v)
         if fused:
-            a = kernels.ttt_attention(q, cache_k, cache_v, 1.0 / math.sqrt(self.cfg.head_dim), segments)
+            a = kernels.ttt_attention(q, cache_k, cache_v, 1.0 / math.sqrt(self.cfg.head_dim), segments, kv_sum)
         else:
             a = A.attend_core(q, cache_k, cache_v, attn_bias)
         resid, xn = R["_r_mid"](lin(a, A.o_proj), resid)
@@ -387,12 +396,13 @@ class Eagle3Drafter(nn.Module):
         if fused and teacher_tokens and self.embed_once and cats is None:
             table = self._embed_half(tokens, steps, h, doc)
         cache_k, cache_v, outs = [], [], []
+        kv_sum = kernels.kv_grad_sum() if fused else None
         # the tokens fed at each step; with the table its slices stand for them (step reads no tokens)
         tok = shift(tokens, 1, doc=doc) if table is None else None
         for j in range(steps):
             emb = None if table is None else table(j)
             h, res = self.step(tok, h, base_pos + j, cache_k, cache_v, attn_bias, fused=fused,
-                               head=not return_normed, segments=seg, cats=cats, emb=emb)
+                               head=not return_normed, segments=seg, cats=cats, emb=emb, kv_sum=kv_sum)
             outs.append(res)
             if j + 1 < steps and table is None:
                 if teacher_tokens:
@@ -428,6 +438,11 @@ class Eagle3Drafter(nn.Module):
             keep = None if doc is None else shift(doc, j + 1, fill=-1) == doc
             return (*(s[j] for s in sl), keep, fills)
         return table
+
+
+def _heads(qkv):
+    """Token-major q, k, v [B,T,h,d] -> their [B,h,T,d] views (no copy)."""
+    return tuple(t.transpose(1, 2) for t in qkv)
 
 
 def shift(tokens: torch.Tensor, n: int, fill: int = 0, doc=None) -> torch.Tensor:

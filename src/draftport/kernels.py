@@ -12,8 +12,11 @@ assumes right padding (a valid row's earlier rows are valid), as `data.collate` 
 
 Packed rows (draftport.packing): the step-0 part runs per segment instead (variable-length
 flash attention over cu_seqlens on CUDA, the CPU flash kernel segment by segment elsewhere), in
-a token-major layout [B*T, h, d] with the log-sum-exp as [B*T, h]; the diagonal merge is the same
-elementwise function in that layout. `set_attention_backend("cudnn")` runs the dense causal part
+a token-major layout [B*T, h, d] with the log-sum-exp as [B*T, h]. The diagonal merge and its
+gradients run in that layout on both paths: q/k/v come token-major from the drafter (a
+[B, h, T, d] view of [B, T, h, d]), the dense kernels keep that layout in their outputs and
+gradients, so no step copies to or from the [B, T, h*d] GEMM layout. The keys' gradients across
+TTT steps can be summed in one accumulator per unroll (KVGradSum, `set_kv_grad_sum`). `set_attention_backend("cudnn")` runs the dense causal part
 through cuDNN's fused attention instead of flash (same identity, its backward also takes the
 merged output and log-sum-exp).
 
@@ -191,20 +194,27 @@ def _diag_merge(q, o0, lse0, ks, vs, scale: float):
     return o.to(q.dtype), m + torch.log(z)
 
 
-def _diag_grads(do, q, o, lse, ks, vs, scale: float, dq_causal):
+def _diag_grads(do, q, o, lse, ks, vs, scale: float, dq_causal, aks=(), avs=()):
     """Gradients through the diagonal keys, given the merged output and log-sum-exp; dq adds
-    the causal part's dq_causal."""
-    dof, qf = do.float(), q.float()
-    D = (dof * o.float()).sum(-1)                                  # [B,h,T]
-    dq = dq_causal.float()
+    the causal part's dq_causal. aks/avs (one per key, or empty): the gradients those keys got
+    from later steps, added in (in at least fp32, one rounding) so that the sum leaves as one
+    tensor."""
+    acc = torch.promote_types(q.dtype, torch.float32)             # fp32 (fp64 stays fp64)
+    dof, qf = do.to(acc), q.to(acc)
+    D = (dof * o.to(acc)).sum(-1)                                  # [B,h,T]
+    dq = dq_causal.to(acc)
     dks, dvs = [], []
-    for k, v in zip(ks, vs):
-        kf = k.float()
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        kf = k.to(acc)
         p = torch.exp((qf * kf).sum(-1) * scale - lse)             # final softmax weight
-        dvs.append((p[..., None] * dof).to(v.dtype))
-        ds = p * ((dof * v.float()).sum(-1) - D) * scale
+        dv = p[..., None] * dof
+        ds = p * ((dof * v.to(acc)).sum(-1) - D) * scale
         dq = dq + ds[..., None] * kf
-        dks.append((ds[..., None] * qf).to(k.dtype))
+        dk = ds[..., None] * qf
+        if aks:
+            dk, dv = dk + aks[i].to(acc), dv + avs[i].to(acc)
+        dvs.append(dv.to(v.dtype))
+        dks.append(dk.to(k.dtype))
     return dq.to(q.dtype), dks, dvs
 
 
@@ -214,10 +224,18 @@ def _swiglu(g, u):
 
 
 def _swiglu_grads(da, g, u):
+    return _swiglu_grads_act(da, g, u, act=False)
+
+
+def _swiglu_grads_act(da, g, u, act: bool = True):
+    """(dg, du) of silu(g) * u given its gradient da, and (act) the product itself, as _swiglu
+    computes it in forward (the down projection's weight-gradient operand), from one read of g
+    and u."""
     gf, uf, daf = g.float(), u.float(), da.float()
     sg = torch.sigmoid(gf)
     silu = gf * sg
-    return (daf * uf * sg * (1 + gf * (1 - sg))).to(g.dtype), (daf * silu).to(u.dtype)
+    dg, du = (daf * uf * sg * (1 + gf * (1 - sg))).to(g.dtype), (daf * silu).to(u.dtype)
+    return (dg, du, (F.silu(gf) * uf).to(g.dtype)) if act else (dg, du)
 
 
 def _shift_sum(gs, fill_grad):
@@ -235,7 +253,7 @@ def _shift_sum(gs, fill_grad):
 # Swapped for torch.compile'd versions by compile_kernels() (diag kernels: one graph per number
 # of diagonal keys).
 _KERNELS = {"merge": _diag_merge, "grads": _diag_grads, "swiglu": _swiglu, "swiglu_grads": _swiglu_grads,
-            "shift_sum": _shift_sum}
+            "swiglu_grads_act": _swiglu_grads_act, "shift_sum": _shift_sum}
 
 
 def allow_recompiles(n: int = 64) -> None:
@@ -252,7 +270,8 @@ def compile_kernels():
     """Compile the elementwise diagonal-key kernels (GPU path; call once)."""
     allow_recompiles()
     for name, fn in (("merge", _diag_merge), ("grads", _diag_grads), ("swiglu", _swiglu),
-                     ("swiglu_grads", _swiglu_grads), ("shift_sum", _shift_sum)):
+                     ("swiglu_grads", _swiglu_grads), ("swiglu_grads_act", _swiglu_grads_act),
+                     ("shift_sum", _shift_sum)):
         # the first shape compiles static; a second length makes T symbolic (one more compile), so
         # variable-length batches (padded to their longest, or packed) do not recompile per length
         _KERNELS[name] = torch.compile(fn, dynamic=None)
@@ -484,6 +503,15 @@ class _SwiGLUDown(torch.autograd.Function):
         g, u, w = ctx.saved_tensors
         dw = None
         da = dy @ w.to(dy.dtype)
+        if ctx.needs_input_grad[2] and not (_WGRAD["on"] and ctx.accum and dy.is_cuda):
+            # the product recomputed by the kernel that computes dg and du (it reads g and u anyway)
+            dg, du, a = _KERNELS["swiglu_grads_act"](da, g, u)
+            a2, dy2 = a.reshape(-1, g.shape[-1]).to(dy.dtype), dy.reshape(-1, dy.shape[-1])
+            if ctx.accum:
+                accumulate_grad(w, dy2, a2)
+            else:
+                dw = (dy2.t() @ a2).to(w.dtype)
+            return dg, du, dw, None
         if ctx.needs_input_grad[2]:
             # with accum, the product's recompute goes with its GEMM (on the side stream when on)
             with (wgrad_side(dy, g, u) if ctx.accum else contextlib.nullcontext()):
@@ -522,60 +550,144 @@ def shifted_slices(y, T: int, steps: int, fill: bool = False) -> tuple:
     return _ShiftedSlices.apply(y, T, steps, fill)
 
 
+# ---- the keys' gradients across TTT steps ------------------------------------------------------
+# Step i's keys and values are read by the attention of steps i..K-1 (the step-0 ones by every
+# step): autograd would get one gradient per reader and add them, a [B, h, T, d] add each (42 at
+# TTT 7). Their readers' backward runs in reverse step order (step j's attention input depends on
+# step j-1's output), so step i's own attention is always the last to run: the later steps leave
+# their part in a per-unroll accumulator (KVGradSum) and hand autograd no gradient for those keys;
+# the diagonal part adds the sum so far inside its compiled kernel, and step i's backward hands
+# autograd the whole sum, once.
+_KVSUM = {"on": True}
+
+
+def set_kv_grad_sum(on: bool) -> None:
+    """Sum the keys' and values' gradients across TTT steps in a per-unroll accumulator (default
+    on) instead of one autograd add per reading step."""
+    _KVSUM["on"] = bool(on)
+
+
+class KVGradSum:
+    """The gradients the keys and values of one unroll's steps have had from the steps after
+    them so far: index i -> (dk, dv) in the attention's working layout. Tied to the backward pass
+    that fills it: a pass that stops before it reached step i (autograd.grad of an intermediate)
+    leaves no sum for the next one."""
+
+    def __init__(self):
+        self.task, self.sums = None, {}
+
+    def take(self, i: int):
+        """(dk, dv) summed for step i's keys so far (None, None if none), removed."""
+        self._check()
+        return self.sums.pop(i, (None, None))
+
+    def put(self, i: int, dk, dv) -> None:
+        self._check()
+        self.sums[i] = (dk, dv)
+
+    def _check(self):
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task, self.sums = task, {}
+
+
+def kv_grad_sum():
+    """A new accumulator for one unroll, or None when the lever is off."""
+    return KVGradSum() if _KVSUM["on"] else None
+
+
 # ---- fused TTT attention, as one autograd function ---------------------------------------------
 class _TTTAttention(torch.autograd.Function):
-    """seg None: dense causal over each row ([B, h, T, d] layout). seg: causal inside each segment
-    of packed rows, computed token-major ([B*T, h, d]); the output is handed back as a
-    [B, h, T, d] view of it."""
+    """The step-0 causal part: seg None, dense causal over each row (flash or cudnn, [B, h, T, d]);
+    seg, causal inside each segment of packed rows, token-major ([B*T, h, d]). The diagonal keys
+    are merged (and their gradients computed) token-major either way: with q/k/v laid out
+    token-major (drafter.heads_rope_tok), which the dense kernels' outputs and gradients follow,
+    every change of layout is a view. The output is a [B, h, T, d] view of a token-major tensor.
+    acc (a KVGradSum, or None): the keys' gradients summed across steps (the step reading keys
+    1..j adds its part for keys 0..j-1 there and hands autograd the sums for its own keys j only)."""
 
     @staticmethod
-    def forward(ctx, scale, seg, q, k0, v0, *kv):
+    def forward(ctx, scale, seg, acc, q, k0, v0, *kv):
         B, h, T, d = q.shape
+        ks, vs = kv[0::2], kv[1::2]
+        lse_t = None
         if seg is not None:
-            q, k0, v0, *kv = (_tok(t) for t in (q, k0, v0, *kv))
-            o, lse, extras = _seg_fwd(q, k0, v0, seg, scale)
+            o_t, lse_t, extras = _seg_fwd(_tok(q), _tok(k0), _tok(v0), seg, scale)
         else:
             o, lse, extras = _flash_fwd(q, k0, v0, scale)
-        ks, vs = kv[0::2], kv[1::2]
+            o_t = _tok(o)
         if ks:
-            o, lse = _KERNELS["merge"](q, o, lse, ks, vs, scale)
-            lse = lse.contiguous()
-        ctx.save_for_backward(q, k0, v0, o, lse, *kv)
-        ctx.scale, ctx.extras, ctx.seg, ctx.shape = scale, extras, seg, (B, T)
-        return _untok(o, B, T) if seg is not None else o
+            if lse_t is None:
+                lse_t = lse.transpose(1, 2).reshape(B * T, h)
+            o_t, lse_t = _KERNELS["merge"](_tok(q), o_t, lse_t, [_tok(k) for k in ks], [_tok(v) for v in vs], scale)
+            lse_t = lse_t.contiguous()
+            if seg is None:   # the dense backward takes the merged output and lse in its layout
+                o, lse = _untok(o_t, B, T), lse_t.view(B, T, h).permute(0, 2, 1).contiguous()
+        if seg is not None:
+            o, lse = o_t, lse_t
+        ctx.save_for_backward(q, k0, v0, o, lse, lse_t, *kv)
+        ctx.scale, ctx.extras, ctx.seg, ctx.shape, ctx.acc = scale, extras, seg, (B, T), acc
+        return _untok(o_t, B, T)
 
     @staticmethod
     def backward(ctx, do):
-        q, k0, v0, o, lse, *kv = ctx.saved_tensors
-        seg = ctx.seg
+        q, k0, v0, o, lse, lse_t, *kv = ctx.saved_tensors
+        seg, acc = ctx.seg, ctx.acc
+        B, T = ctx.shape
+        do_t = _tok(do)
         if seg is not None:
-            do = _tok(do)
-        do = do.contiguous() if do.stride(-1) != 1 else do
-        if seg is not None:
-            dq, dk0, dv0 = _seg_bwd(do, q, k0, v0, o, lse, seg, ctx.scale, ctx.extras)
+            do_t = do_t.contiguous() if do_t.stride(-1) != 1 else do_t
+            dq_t, dk0, dv0 = _seg_bwd(do_t, _tok(q), _tok(k0), _tok(v0), o, lse, seg, ctx.scale, ctx.extras)
         else:
+            do = do.contiguous() if do.stride(-1) != 1 else do
             dq, dk0, dv0 = _flash_bwd(do, q, k0, v0, o, lse, ctx.scale, ctx.extras)
+            dq_t = _tok(dq)
         ks, vs = kv[0::2], kv[1::2]
+        j = len(ks)
+        if acc is not None:   # step 0's keys: their sum so far, plus this step's part
+            sk, sv = acc.take(0)
+            if sk is not None:
+                dk0, dv0 = sk + dk0, sv + dv0
         grads = []
         if ks:
-            dq, dks, dvs = _KERNELS["grads"](do, q, o, lse, ks, vs, ctx.scale, dq)
+            prior = [acc.take(i) for i in range(1, j + 1)] if acc is not None else []
+            have = [p[0] is not None for p in prior]
+            aks = avs = ()
+            if have and all(have):   # a later step has run (none has before the last step's backward)
+                aks, avs = [p[0] for p in prior], [p[1] for p in prior]
+            o_t = o if seg is not None else _tok(o)
+            dq_t, dks, dvs = _KERNELS["grads"](do_t, _tok(q), o_t, lse_t, [_tok(k) for k in ks],
+                                               [_tok(v) for v in vs], ctx.scale, dq_t, aks, avs)
+            if any(have) and not all(have):   # not from unroll's step order: add what there is
+                dks = [dk if p[0] is None else dk + p[0] for dk, p in zip(dks, prior)]
+                dvs = [dv if p[1] is None else dv + p[1] for dv, p in zip(dvs, prior)]
             for dk, dv in zip(dks, dvs):
                 grads += [dk, dv]
+        dk0_out, dv0_out = dk0, dv0
+        if acc is not None:   # keys 0..j-1 are read again by earlier steps: keep their sums
+            if j > 0:
+                acc.put(0, dk0, dv0)
+                dk0_out = dv0_out = None
+            for i in range(1, j):
+                acc.put(i, grads[2 * (i - 1)], grads[2 * (i - 1) + 1])
+                grads[2 * (i - 1)] = grads[2 * (i - 1) + 1] = None
         if seg is not None:
-            B, T = ctx.shape
-            dq, dk0, dv0, *grads = (_untok(g, B, T) for g in (dq, dk0, dv0, *grads))
-        return (None, None, dq, dk0, dv0, *grads)
+            dk0_out, dv0_out = (None if g is None else _untok(g, B, T) for g in (dk0_out, dv0_out))
+        grads = [None if g is None else _untok(g, B, T) for g in grads]
+        return (None, None, None, _untok(dq_t, B, T), dk0_out, dv0_out, *grads)
 
 
 def fused_attention_supported(q: torch.Tensor) -> bool:
     return (not q.is_cuda) or q.dtype in (torch.float16, torch.bfloat16)
 
 
-def ttt_attention(q, cache_k, cache_v, scale: float, segments: Segments | None = None):
+def ttt_attention(q, cache_k, cache_v, scale: float, segments: Segments | None = None,
+                  acc: KVGradSum | None = None):
     """Fused TTT attention: the same function as Attention.attend_core (right padding; with
-    segments, none across the segments of packed rows). -> [B,T,h*d]"""
+    segments, none across the segments of packed rows). acc: one KVGradSum shared by the steps
+    of one unroll, called in step order (cache_k[j] made by step j). -> [B,T,h*d]"""
     kv = [t for pair in zip(cache_k[1:], cache_v[1:]) for t in pair]
-    o = _TTTAttention.apply(scale, segments, q, cache_k[0], cache_v[0], *kv)
+    o = _TTTAttention.apply(scale, segments, acc, q, cache_k[0], cache_v[0], *kv)
     B, h, T, d = o.shape
     return o.transpose(1, 2).reshape(B, T, h * d)
 
