@@ -16,9 +16,9 @@ a token-major layout [B*T, h, d] with the log-sum-exp as [B*T, h]. The diagonal 
 gradients run in that layout on both paths: q/k/v come token-major from the drafter (a
 [B, h, T, d] view of [B, T, h, d]), the dense kernels keep that layout in their outputs and
 gradients, so no step copies to or from the [B, T, h*d] GEMM layout. The keys' gradients across
-TTT steps can be summed in one accumulator per unroll (KVGradSum, `set_kv_grad_sum`). `set_attention_backend("cudnn")` runs the dense causal part
-through cuDNN's fused attention instead of flash (same identity, its backward also takes the
-merged output and log-sum-exp).
+TTT steps can be summed in one accumulator per unroll (KVGradSum, `set_kv_grad_sum`).
+`set_attention_backend("cudnn")` runs the dense causal part through cuDNN's fused attention
+instead of flash (same identity, its backward also takes the merged output and log-sum-exp).
 
 The linears can sum their weight gradient in place across TTT steps (`accumulate_grad`: beta = 1
 inside the GEMM), single process only; weights reading one input run as one function
