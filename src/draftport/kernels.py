@@ -610,16 +610,16 @@ class _TTTAttention(torch.autograd.Function):
     def forward(ctx, scale, seg, acc, q, k0, v0, *kv):
         B, h, T, d = q.shape
         ks, vs = kv[0::2], kv[1::2]
-        lse_t = None
+        lse_t, q_t = None, _tok(q)
         if seg is not None:
-            o_t, lse_t, extras = _seg_fwd(_tok(q), _tok(k0), _tok(v0), seg, scale)
+            o_t, lse_t, extras = _seg_fwd(q_t, _tok(k0), _tok(v0), seg, scale)
         else:
             o, lse, extras = _flash_fwd(q, k0, v0, scale)
             o_t = _tok(o)
         if ks:
             if lse_t is None:
                 lse_t = lse.transpose(1, 2).reshape(B * T, h)
-            o_t, lse_t = _KERNELS["merge"](_tok(q), o_t, lse_t, [_tok(k) for k in ks], [_tok(v) for v in vs], scale)
+            o_t, lse_t = _KERNELS["merge"](q_t, o_t, lse_t, [_tok(k) for k in ks], [_tok(v) for v in vs], scale)
             lse_t = lse_t.contiguous()
             if seg is None:   # the dense backward takes the merged output and lse in its layout
                 o, lse = _untok(o_t, B, T), lse_t.view(B, T, h).permute(0, 2, 1).contiguous()
@@ -634,10 +634,10 @@ class _TTTAttention(torch.autograd.Function):
         q, k0, v0, o, lse, lse_t, *kv = ctx.saved_tensors
         seg, acc = ctx.seg, ctx.acc
         B, T = ctx.shape
-        do_t = _tok(do)
+        do_t, q_t = _tok(do), _tok(q)
         if seg is not None:
             do_t = do_t.contiguous() if do_t.stride(-1) != 1 else do_t
-            dq_t, dk0, dv0 = _seg_bwd(do_t, _tok(q), _tok(k0), _tok(v0), o, lse, seg, ctx.scale, ctx.extras)
+            dq_t, dk0, dv0 = _seg_bwd(do_t, q_t, _tok(k0), _tok(v0), o, lse, seg, ctx.scale, ctx.extras)
         else:
             do = do.contiguous() if do.stride(-1) != 1 else do
             dq, dk0, dv0 = _flash_bwd(do, q, k0, v0, o, lse, ctx.scale, ctx.extras)
@@ -656,7 +656,7 @@ class _TTTAttention(torch.autograd.Function):
             if have and all(have):   # a later step has run (none has before the last step's backward)
                 aks, avs = [p[0] for p in prior], [p[1] for p in prior]
             o_t = o if seg is not None else _tok(o)
-            dq_t, dks, dvs = _KERNELS["grads"](do_t, _tok(q), o_t, lse_t, [_tok(k) for k in ks],
+            dq_t, dks, dvs = _KERNELS["grads"](do_t, q_t, o_t, lse_t, [_tok(k) for k in ks],
                                                [_tok(v) for v in vs], ctx.scale, dq_t, aks, avs)
             if any(have) and not all(have):   # not from unroll's step order: add what there is
                 dks = [dk if p[0] is None else dk + p[0] for dk, p in zip(dks, prior)]
