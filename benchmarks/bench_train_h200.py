@@ -1249,6 +1249,8 @@ def main(argv=None) -> dict:
                    "target": "frozen target lm_head [V, H]: full-vocab argmax mask (computed) or the stored "
                              "greedy choice + draft rows (stored); draft-vocab softmax",
                    "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
+                   "switches": {"kv_grad_sum": kernels._KVSUM["on"], "wgrad_stream": kernels._WGRAD["on"],
+                                "stacked_lm_head": ttt_mod._STACKED["on"]},
                    "peak_tflops": a.peak_tflops, "pipeline_trains_with": "mask stored (features.build_features "
                    "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing"},
         "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],

@@ -4,7 +4,8 @@ greedy choice stored (mask "stored") and computed, lm_head frozen and trained, a
 length. --lever wgrad_stream (default): the weight-gradient GEMMs on a second CUDA stream
 (kernels.set_wgrad_stream) against one stream; --lever kv_sum: the keys' and values' gradients
 summed across TTT steps in one accumulator per unroll (kernels.set_kv_grad_sum) against
-autograd's adds.
+autograd's adds; --lever stacked_head: the TTT steps' lm_head GEMMs and soft-CE taken stacked
+(ttt.set_stacked_head, one GEMM each way over S*T rows) against one LinearSoftCE per step.
 
 Per configuration: first the gradients of one step from the same state with the lever off,
 off again and on (the largest absolute difference over all trainable tensors, and how many
@@ -44,9 +45,11 @@ from draftport import ttt as ttt_mod  # noqa: E402
 from draftport.train import TrainConfig, train_step  # noqa: E402
 
 
-LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_grad_sum}
+LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_grad_sum,
+          "stacked_head": ttt_mod.set_stacked_head}
 LEVER = [kernels.set_wgrad_stream]
-DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"]}   # as imported
+DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"],
+            "stacked_head": ttt_mod._STACKED["on"]}   # as imported
 
 
 def set_lever(on: bool) -> None:
@@ -70,8 +73,9 @@ def main(argv=None):
     ap.add_argument("--profile-sets", nargs="+", default=["trainable_stored"], help="the sets profiled")
     ap.add_argument("--json", default=None)
     ap.add_argument("--lever", choices=sorted(LEVERS), default="wgrad_stream",
-                    help="what on/off switches: the weight-gradient stream (default), or the keys' "
-                         "gradients summed across TTT steps (kv_sum)")
+                    help="what on/off switches: the weight-gradient stream (default), the keys' "
+                         "gradients summed across TTT steps (kv_sum), or the lm_head stacked over the "
+                         "TTT steps (stacked_head)")
     a = ap.parse_args(argv)
     LEVER[0] = LEVERS[a.lever]
     if not torch.cuda.is_available():

@@ -564,3 +564,68 @@ def test_swiglu_gradient_kernel_hands_back_the_forward_product():
     (torch.nn.functional.silu(ref_g) * ref_u * da.double()).sum().backward()
     assert torch.allclose(dg.double(), ref_g.grad, rtol=2e-2, atol=1e-2)
     assert torch.allclose(du.double(), ref_u.grad, rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("train_head,accumulate", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("group_bytes", [None, 1])
+def test_stacked_lm_head_gives_the_per_step_terms_and_gradients(packed, train_head, accumulate, group_bytes):
+    """ttt.set_stacked_head: the TTT steps' lm_head GEMMs and soft-CE taken stacked
+    (StackedLinearSoftCE, the gradient written over the logits) give the per-step LinearSoftCE's
+    losses, stats and gradients (fp64, padded and packed rows), lm_head frozen or trained, its
+    gradient summed in place or returned; group_bytes=1 forces one step per group."""
+    from draftport import ttt
+
+    cfg = toy_cfg()
+    head, batch = _fp64_problem(cfg, packed, seed=9)
+    out = []
+    budget, default = ttt.STACK_BYTES, ttt._STACKED["on"]
+    try:
+        for on in (False, True):
+            ttt.set_stacked_head(on)
+            ttt.STACK_BYTES = group_bytes or budget
+            d = toy_drafter(cfg, seed=7).double()
+            d.lm_head.weight.requires_grad_(train_head)
+            d.accumulate_wgrad = accumulate
+            d.zero_grad(set_to_none=True)
+            loss, stats = combine(ttt_terms(d, batch, head, 4, fused=True, chunk=5), 0.8)
+            loss.backward()
+            out.append((float(loss), stats, {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}))
+    finally:
+        ttt.set_stacked_head(default)
+        ttt.STACK_BYTES = budget
+    (l0, s0, g0), (l1, s1, g1) = out
+    assert l0 == pytest.approx(l1, rel=1e-12) and l0 > 0
+    assert s0 == pytest.approx(s1, rel=1e-6) and s0["n_3"] > 0   # stats pass through fp32
+    assert g0.keys() == g1.keys() and ("lm_head.weight" in g0) == train_head
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], atol=1e-12, rtol=1e-9), k
+
+
+def test_stacked_groups_cover_the_steps_within_the_byte_budget():
+    from draftport import ttt
+
+    assert ttt._step_groups(7, 4096, 32000, 2) == [range(0, 7)]          # Kimi size, T 4,096: 1.8 GB
+    assert ttt._step_groups(7, 8192, 32000, 2) == [range(0, 4), range(4, 7)]
+    assert ttt._step_groups(3, 10 ** 9, 32000, 2) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
+@pytest.mark.slow
+def test_compiled_softce_written_over_its_logits_equals_eager():
+    """The compiled soft-CE that writes its gradient over the logits (the GPU path's) gives the
+    eager kernel's loss, argmax and gradient, into a slice of a larger buffer, in bf16 too."""
+    from draftport import ttt
+
+    fn = torch.compile(ttt._softce_rows_into, dynamic=None)
+    g = torch.Generator().manual_seed(5)
+    for dt in (torch.float32, torch.bfloat16):
+        buf = torch.randn(3 * 7, 50, generator=g).to(dt)
+        t = torch.softmax(torch.randn(7, 50, generator=g), -1)
+        w = (torch.rand(7, generator=g) > 0.3).float()
+        want_l, want_g, want_a = ttt._softce_rows(buf[7:14].clone(), t, w)
+        before = buf.clone()
+        got_l, got_a = fn(buf[7:14], t, w)
+        tol = dict(rtol=1e-2, atol=1e-2) if dt == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+        assert torch.allclose(got_l, want_l, **tol) and torch.equal(got_a, want_a)
+        assert torch.allclose(buf[7:14].float(), want_g.float(), **tol)
+        assert torch.equal(buf[:7], before[:7]) and torch.equal(buf[14:], before[14:])

@@ -166,13 +166,21 @@ def _scale_both(a, b, s):
     return a * s.to(a.dtype), b * s.to(b.dtype)
 
 
-_LOSS_KERNELS = {"softce": _softce_rows, "scale": _scale_both}
+def _softce_rows_into(lg, t, w):
+    """_softce_rows with the gradient written over the logits (lg is a slice of the stacked
+    logits; its rows become d(loss)/d(lg)). -> (weighted loss per row [c] fp32, argmax [c])."""
+    loss, g, arg = _softce_rows(lg, t, w)
+    lg.copy_(g)
+    return loss, arg
+
+
+_LOSS_KERNELS = {"softce": _softce_rows, "softce_into": _softce_rows_into, "scale": _scale_both}
 
 
 def compile_loss_kernels():
-    """Compile the per-chunk soft-CE elementwise kernel and the loss scale (GPU path; call once)."""
-    _LOSS_KERNELS["softce"] = torch.compile(_softce_rows, dynamic=None)   # see kernels.compile_kernels
-    _LOSS_KERNELS["scale"] = torch.compile(_scale_both, dynamic=None)
+    """Compile the per-chunk soft-CE elementwise kernels and the loss scale (GPU path; call once)."""
+    for name, fn in (("softce", _softce_rows), ("softce_into", _softce_rows_into), ("scale", _scale_both)):
+        _LOSS_KERNELS[name] = torch.compile(fn, dynamic=None)   # see kernels.compile_kernels
 
 
 class LinearSoftCE(torch.autograd.Function):
@@ -245,6 +253,100 @@ class LinearSoftCE(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+class StackedLinearSoftCE(torch.autograd.Function):
+    """LinearSoftCE for several TTT steps at once: their inputs stacked into one [S*B*T, H]
+    operand, so the lm_head forward, its input gradient and its weight gradient are one GEMM
+    each (the weight gradient's K is S*B*T: summed inside the GEMM, not S in-place updates of a
+    bf16 gradient). With teacher tokens no step reads another's logits, so nothing waits for
+    them. The soft-CE kernel writes each step's d(loss)/d(logits) over its logits (no second
+    [S*B*T, V] buffer); the input gradient is computed in forward when W is frozen, as
+    LinearSoftCE does. Row p of step j is scored against t[:, q0 + j + p].
+
+    apply(w, t, rw [S, B, T], q0, accum, *xs) -> (losses [S] fp32, argmax [S, B, T])."""
+
+    @staticmethod
+    def forward(ctx, w, t, rw, q0, accum, *xs):
+        S = len(xs)
+        B, T, H = xs[0].shape
+        need_w = ctx.needs_input_grad[0]
+        need_x = any(ctx.needs_input_grad[5:])
+        with torch.autocast(xs[0].device.type, enabled=False):
+            wc = w.to(xs[0].dtype)
+            x2 = torch.stack(xs).view(S * B * T, H)
+            lg = x2 @ wc.t()                                        # [S*B*T, V]: one GEMM
+            losses, arg = [], torch.empty(S, B, T, dtype=torch.long, device=x2.device)
+            kern = _LOSS_KERNELS["softce_into"]
+            for j in range(S):
+                loss = torch.zeros((), dtype=torch.float32, device=x2.device)
+                for b in range(B):
+                    r = (j * B + b) * T
+                    l_rows, a = kern(lg[r:r + T], t[b, q0 + j:q0 + j + T], rw[j, b])
+                    loss = loss + l_rows.sum()
+                    arg[j, b] = a
+                losses.append(loss)
+            dx = lg @ wc if need_x and not need_w else None           # [S*B*T, H]: one GEMM
+        ctx.mode = "w" if need_w else ("x" if need_x else None)
+        ctx.accum, ctx.shape = accum, (S, B, T, H)
+        if need_w:
+            ctx.save_for_backward(x2, w, lg)
+        elif need_x:
+            ctx.save_for_backward(dx)
+        ctx.mark_non_differentiable(arg)
+        return torch.stack(losses), arg
+
+    @staticmethod
+    def backward(ctx, gl, _garg):
+        S, B, T, H = ctx.shape
+        none = (None,) * 5
+        if ctx.mode is None:
+            return none + (None,) * S
+        s = gl.view(S, 1, 1)
+        if ctx.mode == "x":
+            (dx,) = ctx.saved_tensors
+            dx = dx.view(S, B * T, H) * s.to(dx.dtype)
+            return none + tuple(dx[j].view(B, T, H) for j in range(S))
+        x2, w, g2 = ctx.saved_tensors
+        wc = w.to(x2.dtype)
+        need_x = any(ctx.needs_input_grad[5:])
+        if need_x:   # the loss scale on the smaller operand of each GEMM, as LinearSoftCE
+            dx, xs = _LOSS_KERNELS["scale"]((g2 @ wc).view(S, B * T, H), x2.view(S, B * T, H), s)
+        else:
+            dx, xs = None, x2.view(S, B * T, H) * s.to(x2.dtype)
+        xs = xs.view(S * B * T, H)
+        dw = None
+        if ctx.accum:
+            with wgrad_side(g2, xs):
+                accumulate_grad(w, g2, xs)
+        else:
+            dw = (g2.t() @ xs).to(w.dtype)
+        dxs = tuple(dx[j].view(B, T, H) for j in range(S)) if need_x else (None,) * S
+        return (dw,) + none[1:] + dxs
+
+
+# the stacked lm_head (StackedLinearSoftCE) holds the logits of every step it takes at once:
+# bf16 [S*B*T, V], which become the kept gradient when the lm_head is trained. Steps are taken in
+# groups whose logits fit this many bytes (Kimi size, T 4,096, 7 steps: 1.8 GB, one group).
+STACK_BYTES = 2 << 30
+_STACKED = {"on": False}
+
+
+def set_stacked_head(on: bool) -> None:
+    """The fused loss takes its TTT steps' lm_head GEMMs stacked (StackedLinearSoftCE) instead of
+    one LinearSoftCE per step: the same terms. Off by default: on one H200 (Kimi size, TTT 7) the
+    whole step moved +0.4 / -1.2 / +0.4% at T 4,096 (lm_head trained mask stored / trained
+    computed / frozen stored), -2.7 / +2.0 / +2.3% at 2,048 and -0.1 to +0.5% on the packed mix,
+    all within the blocks' spread: the stacked GEMMs ran at ~690-710 TFLOP/s, as the per-step
+    ones do; lm_head frozen, the stacked logits add 0.8-1.6 GiB of peak memory
+    (benchmarks/results/2026-12-02-h200-probe-stacked-head.json)."""
+    _STACKED["on"] = bool(on)
+
+
+def _step_groups(steps: int, rows: int, vocab: int, itemsize: int) -> list[range]:
+    """Consecutive steps in groups whose stacked logits fit STACK_BYTES (at least one step each)."""
+    per = max(1, STACK_BYTES // max(1, rows * vocab * itemsize))
+    return [range(s, min(steps, s + per)) for s in range(0, steps, per)]
+
+
 def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: int, chunk: int, loss_chunk: int):
     base = getattr(drafter, "module", drafter)  # the drafter behind a DDP view
     hot, t2d = drafter.hot_ids, drafter.t2d
@@ -253,14 +355,25 @@ def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: in
     in_draft = t2d[t_arg]
     normed = drafter.unroll(batch.aux, batch.tokens, steps, teacher_tokens=True, valid=batch.valid,
                             fused=True, return_normed=True, **packed_args(batch))
+    oks = [_ok_rows(batch, in_draft, j + 1) for j in range(len(normed))]
+    w = base.lm_head.weight
+    if _STACKED["on"]:
+        args, losses = [], []
+        for grp in _step_groups(len(normed), normed[0].shape[0] * T, w.shape[0], normed[0].element_size()):
+            rw = torch.stack([oks[j] for j in grp]).float()
+            l_g, a_g = StackedLinearSoftCE.apply(w, t_prob, rw, grp[0] + 1, base.accumulate_wgrad,
+                                                 *[normed[j] for j in grp])
+            losses += list(l_g.unbind(0))
+            args += list(a_g.unbind(0))
+    else:
+        # row p of step j is scored against the target's prediction at position p + j + 1
+        losses, args = zip(*[LinearSoftCE.apply(xn, w, t_prob[:, j + 1:j + 1 + T], oks[j].float(),
+                                                loss_chunk, base.accumulate_wgrad)
+                             for j, xn in enumerate(normed)])
     terms = []
-    for j, xn in enumerate(normed):
-        q = j + 1  # row p of step j is scored against the target's prediction at position p + q
-        ok = _ok_rows(batch, in_draft, q)
-        loss_sum, arg = LinearSoftCE.apply(xn, base.lm_head.weight, t_prob[:, q:q + T],
-                                           ok.float(), loss_chunk, base.accumulate_wgrad)
+    for j, (loss_sum, arg, ok) in enumerate(zip(losses, args, oks)):
         with torch.no_grad():
-            correct = ((hot[arg] == shift(t_arg, q)) & ok).sum()
+            correct = ((hot[arg] == shift(t_arg, j + 1)) & ok).sum()
         terms.append((loss_sum, ok.sum(), correct))
     return terms
 
