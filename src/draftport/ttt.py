@@ -244,13 +244,17 @@ class LinearSoftCE(torch.autograd.Function):
             dx = dx.view(B, T, H)
         else:
             dx, xs = None, x2 * gl.to(x.dtype)
-        dw = None
-        if ctx.accum:
-            with wgrad_side(g_all, xs):
-                accumulate_grad(w, g2, xs)
-        else:
-            dw = (g2.t() @ xs).to(w.dtype)
-        return dx, dw, None, None, None, None
+        return dx, _head_wgrad(w, g2, xs, ctx.accum), None, None, None, None
+
+
+def _head_wgrad(w, g2, xs, accum: bool):
+    """The lm_head's weight gradient g2^T @ xs: summed into w.grad in place (accum; returns None)
+    or returned for autograd."""
+    if accum:
+        with wgrad_side(g2, xs):
+            accumulate_grad(w, g2, xs)
+        return None
+    return (g2.t() @ xs).to(w.dtype)
 
 
 class StackedLinearSoftCE(torch.autograd.Function):
@@ -312,13 +316,7 @@ class StackedLinearSoftCE(torch.autograd.Function):
             dx, xs = _LOSS_KERNELS["scale"]((g2 @ wc).view(S, B * T, H), x2.view(S, B * T, H), s)
         else:
             dx, xs = None, x2.view(S, B * T, H) * s.to(x2.dtype)
-        xs = xs.view(S * B * T, H)
-        dw = None
-        if ctx.accum:
-            with wgrad_side(g2, xs):
-                accumulate_grad(w, g2, xs)
-        else:
-            dw = (g2.t() @ xs).to(w.dtype)
+        dw = _head_wgrad(w, g2, xs.view(S * B * T, H), ctx.accum)
         dxs = tuple(dx[j].view(B, T, H) for j in range(S)) if need_x else (None,) * S
         return (dw,) + none[1:] + dxs
 
@@ -332,7 +330,8 @@ _STACKED = {"on": False}
 
 def set_stacked_head(on: bool) -> None:
     """The fused loss takes its TTT steps' lm_head GEMMs stacked (StackedLinearSoftCE) instead of
-    one LinearSoftCE per step: the same terms. Off by default: on one H200 (Kimi size, TTT 7) the
+    one LinearSoftCE per step: the same terms (the loss's row chunk does not apply: each step's
+    rows are one chunk). Off by default: on one H200 (Kimi size, TTT 7) the
     whole step moved +0.4 / -1.2 / +0.4% at T 4,096 (lm_head trained mask stored / trained
     computed / frozen stored), -2.7 / +2.0 / +2.3% at 2,048 and -0.1 to +0.5% on the packed mix,
     all within the blocks' spread: the stacked GEMMs ran at ~690-710 TFLOP/s, as the per-step
