@@ -997,17 +997,8 @@ def rescore(path: str, peers_path: str | None = None) -> dict:
             refuse("its config differs from the results file's (the ratios would compare different work)")
         if src.get("device") != out.get("device"):
             refuse(f"measured on {src.get('device')}, the results file on {out.get('device')}")
-        sv = src.get("versions") or {}
         out["peers_raw"] = src["peers_raw"]
-        out["peers_from"] = {"file": str(Path(peers_path).resolve()), "date": src.get("date"),
-                             "device": src.get("device"), "mode": src.get("mode", "full run"),
-                             "wall_s": src.get("wall_s"),
-                             "peers_requested": src.get("peers_requested") or list(src["peers_raw"]),
-                             "versions": {k: sv.get(k) for k in ("speculators", "specforge", "torch",
-                                                                 "transformers", "triton")},
-                             "peer_runs": src.get("peer_runs")}
-        for k in ("speculators", "specforge"):
-            out.setdefault("versions", {})[k] = sv.get(k)
+        note_peers_from(out, src, peers_path, src.get("peers_requested") or list(src["peers_raw"]))
         note += f"; the peers' records replaced by those of {Path(peers_path).name}"
     goals = score(out)
     out["rescored"] = note
@@ -1351,21 +1342,27 @@ def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
     return peers
 
 
-def use_peers(src: dict, a, out: dict, log) -> tuple[dict, list[str]]:
-    """--peers-from: the file's peer records and the peers asked for in both calls; records where
-    they came from in out["peers_from"] and the peers' package versions in out["versions"]."""
-    peers = src["peers_raw"]
-    asked = src.get("peers_requested") or list(peers)
-    requested = [p for p in requested_peers(a) if p in asked]
+def note_peers_from(out: dict, src: dict, path: str, asked: list[str]) -> None:
+    """Where the peer records came from (out["peers_from"]), and the peers' package versions in
+    out["versions"]."""
     sv = src.get("versions") or {}
-    out["peers_from"] = {"file": str(Path(a.peers_from).resolve()), "date": src.get("date"),
+    out["peers_from"] = {"file": str(Path(path).resolve()), "date": src.get("date"),
                          "device": src.get("device"), "mode": src.get("mode", "full run"),
                          "wall_s": src.get("wall_s"), "peers_requested": asked,
                          "versions": {k: sv.get(k) for k in ("speculators", "specforge", "torch", "transformers",
                                                              "triton")},
                          "peer_runs": src.get("peer_runs")}
     for k in ("speculators", "specforge"):
-        out["versions"][k] = sv.get(k)
+        out.setdefault("versions", {})[k] = sv.get(k)
+
+
+def use_peers(src: dict, a, out: dict, log) -> tuple[dict, list[str]]:
+    """--peers-from: the file's peer records and the peers asked for in both calls; records where
+    they came from in out["peers_from"] and the peers' package versions in out["versions"]."""
+    peers = src["peers_raw"]
+    asked = src.get("peers_requested") or list(peers)
+    requested = [p for p in requested_peers(a) if p in asked]
+    note_peers_from(out, src, a.peers_from, asked)
     for name in requested:
         for r in peers.get(name, []):
             tag = r.get("config", "?") + (f"/{r['set']}" if "set" in r else "")

@@ -92,7 +92,7 @@ class Attention(nn.Module):
 
     def heads_rope(self, q, k, v, cos, sin):
         """Projections [B,T,n*d] -> heads [B,h,T,d], rope on q and k, kv heads repeated."""
-        return tuple(t.transpose(1, 2) for t in self.heads_rope_tok(q, k, v, cos, sin))
+        return _heads(self.heads_rope_tok(q, k, v, cos, sin))
 
     def heads_rope_tok(self, q, k, v, cos, sin):
         """heads_rope laid out token-major: [B,T,h,d] (contiguous where computed). Its transpose is
