@@ -569,13 +569,28 @@ def test_swiglu_gradient_kernel_hands_back_the_forward_product():
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("train_head,accumulate", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("group_bytes", [None, 1])
-def test_stacked_lm_head_gives_the_per_step_terms_and_gradients(packed, train_head, accumulate, group_bytes):
+def test_stacked_lm_head_gives_the_per_step_terms_and_gradients(packed, train_head, accumulate, group_bytes,
+                                                                   monkeypatch):
     """ttt.set_stacked_head: the TTT steps' lm_head GEMMs and soft-CE taken stacked
     (StackedLinearSoftCE, the gradient written over the logits) give the per-step LinearSoftCE's
     losses, stats and gradients (fp64, padded and packed rows), lm_head frozen or trained, its
-    gradient summed in place or returned; group_bytes=1 forces one step per group."""
+    gradient summed in place or returned; group_bytes=1 forces one step per group (the groups
+    each path ran are counted: the switch must change the path)."""
     from draftport import ttt
 
+    calls = {"stacked": [], "per_step": 0}
+    stacked_apply, per_step_apply = ttt.StackedLinearSoftCE.apply, ttt.LinearSoftCE.apply
+
+    def count_stacked(*args):
+        calls["stacked"].append(len(args) - 5)   # steps in this group
+        return stacked_apply(*args)
+
+    def count_per_step(*args):
+        calls["per_step"] += 1
+        return per_step_apply(*args)
+
+    monkeypatch.setattr(ttt.StackedLinearSoftCE, "apply", count_stacked)
+    monkeypatch.setattr(ttt.LinearSoftCE, "apply", count_per_step)
     cfg = toy_cfg()
     head, batch = _fp64_problem(cfg, packed, seed=9)
     out = []
@@ -594,6 +609,7 @@ def test_stacked_lm_head_gives_the_per_step_terms_and_gradients(packed, train_he
     finally:
         ttt.set_stacked_head(default)
         ttt.STACK_BYTES = budget
+    assert calls == {"stacked": [1, 1, 1, 1] if group_bytes else [4], "per_step": 4}
     (l0, s0, g0), (l1, s1, g1) = out
     assert l0 == pytest.approx(l1, rel=1e-12) and l0 > 0
     assert s0 == pytest.approx(s1, rel=1e-6) and s0["n_3"] > 0   # stats pass through fp32
