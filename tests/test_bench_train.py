@@ -52,6 +52,11 @@ def test_bench_runs_toy_on_cpu_and_writes_fields(tmp_path):
     mix = res["mix"]
     assert mix["n"] == 6 and max(mix["lengths"]) <= 64 and mix["total_tokens"] == sum(mix["lengths"])
     assert 0 < mix["packed_real_fraction"] <= 1 and 0 < mix["padded_real_fraction"] <= 1
+    # the loss counts no padding and no prompt row, fewer still in later TTT steps
+    assert 0 < mix["packed_counted_fraction"] < mix["packed_real_fraction"]
+    assert 0 < mix["padded_counted_fraction"] < mix["padded_real_fraction"]
+    # the timing head puts the target's greedy choice in the draft vocab, as real data does
+    assert res["target_argmax_in_draft"] >= 0.99 and res["skip_uncounted"]["on"] is True
     mr = res["mix_results"]
     assert set(mr) == {"packed_frozen_computed", "padded_frozen_computed", "packed_frozen_stored",
                        "padded_frozen_stored", "packed_trainable_stored", "padded_trainable_stored"}
@@ -618,12 +623,127 @@ def test_stacked_lm_head_gives_the_per_step_terms_and_gradients(packed, train_he
         assert torch.allclose(g0[k], g1[k], atol=1e-12, rtol=1e-9), k
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("train_head,accumulate", [(False, False), (True, False), (True, True)])
+def test_skipping_uncounted_rows_gives_every_row_s_terms_and_gradients(packed, train_head, accumulate,
+                                                                        monkeypatch):
+    """ttt.set_skip_uncounted: the per-step lm_head and soft-CE on the rows the loss counts only
+    give the losses, stats and gradients of every row's (fp64; padded rows with a prompt, packed
+    samples; lm_head frozen or trained, summed in place or returned). The path each side ran is
+    counted: off, none took the counted rows; on, every step did."""
+    from draftport import ttt
+
+    ran = []
+    counted = ttt._step_loss_counted
+
+    def count(xn, w, t_prob, ok, idx, j, *rest):
+        ran.append((j, int(idx.numel()), int(ok.sum())))
+        return counted(xn, w, t_prob, ok, idx, j, *rest)
+
+    monkeypatch.setattr(ttt, "_step_loss_counted", count)
+    cfg = toy_cfg()
+    head, batch = _fp64_problem(cfg, packed, seed=11)
+    if not packed:
+        batch.loss_mask[:, :4] = False   # a prompt
+    out = []
+    default = ttt._SKIP["on"]
+    try:
+        for on in (False, True):
+            ttt.set_skip_uncounted(on)
+            d = toy_drafter(cfg, seed=7).double()
+            d.lm_head.weight.requires_grad_(train_head)
+            d.accumulate_wgrad = accumulate
+            d.zero_grad(set_to_none=True)
+            loss, stats = combine(ttt_terms(d, batch, head, 5, fused=True, chunk=5), 0.8)
+            loss.backward()
+            out.append((float(loss), stats, {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}))
+            if not on:
+                assert ran == []
+    finally:
+        ttt.set_skip_uncounted(default)
+    rows = batch.tokens.numel()
+    assert [j for j, _, _ in ran] == list(range(5))
+    for j, n_idx, n_ok in ran:
+        assert n_idx == max(n_ok, 1) and n_ok <= (1 - ttt.SKIP_MIN) * rows, (j, n_idx, n_ok)
+    (l0, s0, g0), (l1, s1, g1) = out
+    assert l0 == pytest.approx(l1, rel=1e-12) and l0 > 0
+    assert s0 == pytest.approx(s1, rel=1e-6) and s0["n_0"] > 0
+    assert g0.keys() == g1.keys() and ("lm_head.weight" in g0) == train_head
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], atol=1e-12, rtol=1e-9), k
+
+
+def test_counted_rows_leave_dense_steps_alone_and_keep_a_row_for_empty_ones():
+    """_counted_rows: a step whose uncounted rows are fewer than SKIP_MIN runs every row (None);
+    one with none counted runs row 0 (at weight 0); otherwise the counted rows, in order; off,
+    every step runs every row."""
+    from draftport import ttt
+
+    full = torch.ones(2, 32, dtype=torch.bool)
+    few_off = full.clone()
+    few_off[0, :3] = False                               # 3 of 64 < 64 / 16
+    half = full.clone()
+    half[:, 16:] = False
+    none = torch.zeros(2, 32, dtype=torch.bool)
+    idx = ttt._counted_rows([full, few_off, half, none])
+    assert idx[0] is None and idx[1] is None
+    assert idx[2].tolist() == list(range(16)) + list(range(32, 48))
+    assert idx[3].tolist() == [0]
+    default = ttt._SKIP["on"]
+    try:
+        ttt.set_skip_uncounted(False)
+        assert ttt._counted_rows([half, none]) == [None, None]
+    finally:
+        ttt.set_skip_uncounted(default)
+
+
+def test_host_loss_share_spares_the_count_when_few_rows_are_out(monkeypatch):
+    """Batch.to() reads the share of loss rows on the host; when fewer than SKIP_MIN of the rows
+    are out of the loss, the fused loss neither counts the rows on the device nor waits for them
+    (every row runs); with a prompt it counts and skips; a batch without the share counts."""
+    from draftport import ttt
+
+    cfg = toy_cfg()
+    head, b = _fp64_problem(cfg, False, seed=12)
+    full = b.to("cpu")
+    assert full.loss_share == pytest.approx(float((b.loss_mask & b.valid).sum()) / b.loss_mask.numel())
+    calls = []
+    real = ttt._count_rows
+    monkeypatch.setattr(ttt, "_count_rows", lambda oks: calls.append(len(oks)) or real(oks))
+    d = toy_drafter(cfg, seed=7).double()
+    for loss_share, counted in ((1.0, False), (0.5, True), (None, True)):
+        calls.clear()
+        full.loss_share = loss_share
+        combine(ttt_terms(d, full, head, 3, fused=True, chunk=5), 0.8)
+        assert bool(calls) == counted, loss_share
+    assert b.to("cpu").host_loss_share() == b.to("cpu").loss_share
+
+
 def test_stacked_groups_cover_the_steps_within_the_byte_budget():
     from draftport import ttt
 
     assert ttt._step_groups(7, 4096, 32000, 2) == [range(0, 7)]          # Kimi size, T 4,096: 1.8 GB
     assert ttt._step_groups(7, 8192, 32000, 2) == [range(0, 4), range(4, 7)]
     assert ttt._step_groups(3, 10 ** 9, 32000, 2) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
+@pytest.mark.slow
+def test_compiled_softce_at_gathered_targets_equals_eager():
+    """The compiled soft-CE that reads its targets through an index (the counted rows' path on
+    the GPU) gives the eager kernel's loss, gradient and argmax on the gathered rows, bf16 too."""
+    from draftport import ttt
+
+    fn = torch.compile(ttt._softce_rows_at, dynamic=None)
+    g = torch.Generator().manual_seed(6)
+    for dt in (torch.float32, torch.bfloat16):
+        lg = torch.randn(5, 40, generator=g).to(dt)
+        t = torch.softmax(torch.randn(9, 40, generator=g), -1)
+        idx = torch.tensor([7, 0, 3, 8, 2])
+        w = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5])
+        got, ref = fn(lg, t, idx, w), ttt._softce_rows(lg, t[idx], w)
+        assert torch.allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(got[1].float(), ref[1].float(), rtol=1e-2 if dt == torch.bfloat16 else 1e-5, atol=1e-6)
+        assert torch.equal(got[2], ref[2])
 
 
 @pytest.mark.slow

@@ -78,12 +78,23 @@ class Batch:
     # [B, T] long, optional: the target's full-vocab argmax at each position, when the capture
     # stored it; the fused loss then needs only the draft-vocab rows of the target head.
     target_arg: torch.Tensor | None = None
+    # the share of rows that are assistant tokens and not padding, read on the host (to() fills
+    # it from a host batch): the fused loss reads it to know, without waiting on the device,
+    # that too few rows lie outside the loss for skipping them to pay (ttt.set_skip_uncounted)
+    loss_share: float | None = None
+
+    def host_loss_share(self) -> float | None:
+        """loss_share, or computed here when the masks are host tensors (None on a device)."""
+        if self.loss_share is not None or self.loss_mask.device.type != "cpu":
+            return self.loss_share
+        return float((self.loss_mask.bool() & self.valid.bool()).sum()) / max(1, self.loss_mask.numel())
 
     def to(self, device, dtype=None):
         f = (lambda t: t.to(device=device, dtype=dtype)) if dtype else (lambda t: t.to(device))
         return Batch(f(self.aux), f(self.final), self.tokens.to(device), self.loss_mask.to(device),
                      self.valid.to(device),
-                     None if self.target_arg is None else self.target_arg.to(device))
+                     None if self.target_arg is None else self.target_arg.to(device),
+                     loss_share=self.host_loss_share())
 
 
 def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -> int:

@@ -41,7 +41,7 @@ class PackedBatch(Batch):
     def to(self, device, dtype=None):
         b = Batch.to(self, device, dtype)
         cu = torch.tensor(self.cu_seqlens, dtype=torch.int32) if self.cu_seqlens_t is None else self.cu_seqlens_t
-        return PackedBatch(b.aux, b.final, b.tokens, b.loss_mask, b.valid, b.target_arg,
+        return PackedBatch(b.aux, b.final, b.tokens, b.loss_mask, b.valid, b.target_arg, b.loss_share,
                            doc=self.doc.to(device), positions=self.positions.to(device),
                            cu_seqlens=list(self.cu_seqlens), max_seqlen=self.max_seqlen,
                            n_samples=self.n_samples, cu_seqlens_t=cu.to(device))

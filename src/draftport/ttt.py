@@ -174,12 +174,20 @@ def _softce_rows_into(lg, t, w):
     return loss, arg
 
 
-_LOSS_KERNELS = {"softce": _softce_rows, "softce_into": _softce_rows_into, "scale": _scale_both}
+def _softce_rows_at(lg, t, idx, w):
+    """_softce_rows against the target rows t[idx] (t [R, V], idx [c]): compiled, the gather is
+    read inside the soft-CE kernel, no [c, V] copy of the targets."""
+    return _softce_rows(lg, t.index_select(0, idx), w)
+
+
+_LOSS_KERNELS = {"softce": _softce_rows, "softce_into": _softce_rows_into, "scale": _scale_both,
+                 "softce_at": _softce_rows_at}
 
 
 def compile_loss_kernels():
     """Compile the per-chunk soft-CE elementwise kernels and the loss scale (GPU path; call once)."""
-    for name, fn in (("softce", _softce_rows), ("softce_into", _softce_rows_into), ("scale", _scale_both)):
+    for name, fn in (("softce", _softce_rows), ("softce_into", _softce_rows_into), ("scale", _scale_both),
+                     ("softce_at", _softce_rows_at)):
         _LOSS_KERNELS[name] = torch.compile(fn, dynamic=None)   # see kernels.compile_kernels
 
 
@@ -187,10 +195,12 @@ class LinearSoftCE(torch.autograd.Function):
     """sum_rows w * softCE(x @ W^T, t) over row chunks; -> (loss fp32 scalar, argmax [B, T]).
 
     W frozen: d(loss)/dx is computed in the forward, chunk by chunk, and only it is kept.
-    W trainable: the bf16 d(loss)/d(logits) [B, T, V] is kept and both GEMMs run in backward."""
+    W trainable: the bf16 d(loss)/d(logits) [B, T, V] is kept and both GEMMs run in backward.
+    t_idx (B == 1): row i of x is scored against t[t_idx[i]], t being [R, V] (the counted rows
+    of a step, see _counted_rows)."""
 
     @staticmethod
-    def forward(ctx, x, w, t, rw, chunk, accum=False):
+    def forward(ctx, x, w, t, rw, chunk, accum=False, t_idx=None):
         B, T, H = x.shape
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(x.device.type, enabled=False):
@@ -202,12 +212,15 @@ class LinearSoftCE(torch.autograd.Function):
             # kernel's own gradient tensor; several are gathered into one [B, T, V] (a copy each)
             whole = need_w and B == 1 and chunk >= T
             g_all = torch.empty(B, T, w.shape[0], dtype=x.dtype, device=x.device) if need_w and not whole else None
-            kern = _LOSS_KERNELS["softce"]
+            kern = _LOSS_KERNELS["softce" if t_idx is None else "softce_at"]
             for b in range(B):
                 for s in range(0, T, chunk):
                     e = min(T, s + chunk)
                     lg = x[b, s:e] @ wc.t()
-                    l_rows, g, a = kern(lg, t[b, s:e], rw[b, s:e])
+                    if t_idx is None:
+                        l_rows, g, a = kern(lg, t[b, s:e], rw[b, s:e])
+                    else:   # x's rows are the rows t_idx of t [R, V] (B == 1: see _counted_rows)
+                        l_rows, g, a = kern(lg, t, t_idx[s:e], rw[b, s:e])
                     loss += l_rows.sum()
                     arg[b, s:e] = a
                     if whole:
@@ -228,10 +241,10 @@ class LinearSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gl, _garg):
         if ctx.mode is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         if ctx.mode == "x":
             (dx,) = ctx.saved_tensors
-            return dx * gl.to(dx.dtype), None, None, None, None, None
+            return dx * gl.to(dx.dtype), None, None, None, None, None, None
         x, w, g_all = ctx.saved_tensors
         B, T, H = x.shape
         g2 = g_all.view(B * T, -1)
@@ -244,7 +257,7 @@ class LinearSoftCE(torch.autograd.Function):
             dx = dx.view(B, T, H)
         else:
             dx, xs = None, x2 * gl.to(x.dtype)
-        return dx, _head_wgrad(w, g2, xs, ctx.accum), None, None, None, None
+        return dx, _head_wgrad(w, g2, xs, ctx.accum), None, None, None, None, None
 
 
 def _head_wgrad(w, g2, xs, accum: bool):
@@ -346,15 +359,126 @@ def _step_groups(steps: int, rows: int, vocab: int, itemsize: int) -> list[range
     return [range(s, min(steps, s + per)) for s in range(0, steps, per)]
 
 
+class _SelectRows(torch.autograd.Function):
+    """x [B, T, H] -> the rows idx of its flattened [B*T, H], as [1, n, H]; the gradient goes
+    back to those rows, zeros elsewhere (index_copy: no atomics, exact)."""
+
+    @staticmethod
+    def forward(ctx, x, idx):
+        ctx.shape = x.shape
+        ctx.save_for_backward(idx)
+        return x.reshape(-1, x.shape[-1]).index_select(0, idx).unsqueeze(0)
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        B, T, H = ctx.shape
+        out = g.new_zeros(B * T, H)
+        out.index_copy_(0, idx, g.reshape(-1, H))
+        return out.view(B, T, H), None
+
+
+# the per-step lm_head GEMMs and soft-CE run on the rows the loss counts only (rows whose scored
+# position is a prompt token, padding, past the sample's end, or whose target argmax lies outside
+# the draft vocab add nothing to the loss or any gradient) when a step leaves at least this share
+# of its rows uncounted; below it, gathering the rows costs about what the GEMMs save
+SKIP_MIN = 1 / 16
+_SKIP = {"on": True}
+
+
+def set_skip_uncounted(on: bool) -> None:
+    """The fused loss's per-step lm_head and soft-CE on the counted rows only (on, the default)
+    or on every row: the same terms and gradients. The rows counted are read back to the host
+    while the drafter's forward is queued; that wait ties the host to the device once per step
+    (on one H200 it cost 1-3% at T 2,048 with nothing to skip), so a batch whose host-side
+    loss_share (Batch.to fills it) leaves fewer than SKIP_MIN of its rows out of the loss skips
+    nothing and waits for nothing. Not under CUDA-graph capture or with the stacked lm_head
+    (set_stacked_head), which take every row."""
+    _SKIP["on"] = bool(on)
+
+
+class _RowCounts:
+    """Which rows each TTT step counts, read back without stalling the GPU: the counts go to the
+    host by an asynchronous copy and each step's rows are ordered counted-first (a stable sort:
+    no host sync); rows() waits for the copy alone, which the GPU reached before the drafter's
+    forward that was queued since."""
+
+    def __init__(self, oks: list[torch.Tensor]):
+        ok_all = torch.stack([ok.reshape(-1) for ok in oks])                      # [S, B*T]
+        self.rows = ok_all.shape[1]
+        self.order = torch.argsort((~ok_all).to(torch.int8), dim=1, stable=True)  # counted rows first
+        counts = ok_all.sum(1)
+        self.event = None
+        if counts.is_cuda:
+            self.counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.counts.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.counts = counts
+
+    def rows_to_run(self) -> list[torch.Tensor | None]:
+        """Per step: the counted rows' indices in the flattened [B*T] (ascending) when at least
+        SKIP_MIN of its rows are not counted, else None (every row); a step with no counted row
+        runs row 0, at weight 0."""
+        if self.event is not None:
+            self.event.synchronize()
+        out = []
+        for j, n in enumerate(self.counts.tolist()):
+            if n > (1 - SKIP_MIN) * self.rows:
+                out.append(None)
+            elif n == 0:
+                out.append(self.order[j, :1])
+            else:
+                out.append(self.order[j, :n])
+        return out
+
+
+def _count_rows(oks: list[torch.Tensor]) -> _RowCounts | None:
+    """The rows counted, read back asynchronously (None: every row runs, as when off, under
+    CUDA-graph capture or with no steps)."""
+    if not oks or not _SKIP["on"] or (oks[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    return _RowCounts(oks)
+
+
+def _counted_rows(oks: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """_count_rows(oks).rows_to_run(), or every row (None) per step."""
+    rc = _count_rows(oks)
+    return [None] * len(oks) if rc is None else rc.rows_to_run()
+
+
+def _step_loss_counted(xn, w, t_prob, ok, idx, j: int, loss_chunk: int, accum: bool):
+    """LinearSoftCE of step j on the rows idx of xn [B, T, H] only -> (loss, argmax [B, T]; rows
+    not counted hold 0). t_prob [B, T + pad, V]: row p of sample b is scored against
+    t_prob[b, p + j + 1]."""
+    B, T = ok.shape
+    pad = t_prob.shape[1] - T
+    t_idx = idx + (idx // T) * pad + (j + 1)
+    rw = ok.reshape(1, -1).index_select(1, idx).float()
+    loss, a = LinearSoftCE.apply(_SelectRows.apply(xn, idx), w, t_prob.view(-1, t_prob.shape[-1]), rw,
+                                 loss_chunk, accum, t_idx)
+    arg = torch.zeros(B * T, dtype=a.dtype, device=a.device)
+    arg.index_copy_(0, idx, a.reshape(-1))
+    return loss, arg.view(B, T)
+
+
 def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: int, chunk: int, loss_chunk: int):
     base = getattr(drafter, "module", drafter)  # the drafter behind a DDP view
     hot, t2d = drafter.hot_ids, drafter.t2d
     T = batch.tokens.shape[1]
     t_prob, t_arg = target_stats(batch.final, target_head, hot, chunk, pad=steps, target_arg=batch.target_arg)
     in_draft = t2d[t_arg]
+    # which rows count is known before the drafter runs: counted here, read back once its
+    # forward is queued
+    oks = [_ok_rows(batch, in_draft, j + 1) for j in range(steps)]
+    share = getattr(batch, "loss_share", None)
+    few_out = share is not None and share > 1 - SKIP_MIN   # known on the host: nothing to wait for
+    counted = None if (_STACKED["on"] or few_out) else _count_rows(oks)
     normed = drafter.unroll(batch.aux, batch.tokens, steps, teacher_tokens=True, valid=batch.valid,
                             fused=True, return_normed=True, **packed_args(batch))
-    oks = [_ok_rows(batch, in_draft, j + 1) for j in range(len(normed))]
+    oks = oks[:len(normed)]
+    idxs = [None] * steps if counted is None else counted.rows_to_run()
     w = base.lm_head.weight
     if _STACKED["on"]:
         args, losses = [], []
@@ -368,6 +492,8 @@ def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: in
         # row p of step j is scored against the target's prediction at position p + j + 1
         losses, args = zip(*[LinearSoftCE.apply(xn, w, t_prob[:, j + 1:j + 1 + T], oks[j].float(),
                                                 loss_chunk, base.accumulate_wgrad)
+                             if idxs[j] is None else
+                             _step_loss_counted(xn, w, t_prob, oks[j], idxs[j], j, loss_chunk, base.accumulate_wgrad)
                              for j, xn in enumerate(normed)])
     terms = []
     for j, (loss_sum, arg, ok) in enumerate(zip(losses, args, oks)):
