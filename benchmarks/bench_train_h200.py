@@ -141,7 +141,18 @@ def flops_per_token(cfg: DrafterConfig, T: int, steps: int, lm_head_trainable: b
 
 
 # ---- setup ------------------------------------------------------------------------------------
-def build(size: str, dev, dtype, seed: int = 0):
+# the target head's rows outside the draft vocab scaled by this much: the target's greedy choice
+# then lies in the draft vocab at (nearly) every row, as on real data, where the draft vocab holds
+# the target's most frequent tokens; a head of equal rows puts it there at Vd / V of the rows only
+# (1 in 5 at Kimi size), leaving 4 rows in 5 to no loss at all, which a step that skips uncounted
+# rows (ttt.set_skip_uncounted) would not compute
+OFF_DRAFT_SCALE = 0.5
+
+
+def build(size: str, dev, dtype, seed: int = 0, draft_argmax: bool = True):
+    """(config, drafter, target head). draft_argmax: the head makes the greedy choice a draft id
+    at nearly every row (the timing runs); off, an unbiased random head (the correctness checks:
+    many rows masked)."""
     cfg = DrafterConfig(**SIZES[size], aux_layer_ids=[2, 30, 58], max_position_embeddings=131072,
                         rope_theta=1e6, rms_norm_eps=1e-5)
     torch.manual_seed(seed)
@@ -158,8 +169,24 @@ def build(size: str, dev, dtype, seed: int = 0):
     t2d[hot] = True
     d.set_vocab_maps(hot - torch.arange(Vd), t2d)
     d.embed_loaded = True
-    head = (torch.randn(V, cfg.hidden_size, device=dev, dtype=dtype) * 0.02).requires_grad_(False)
-    return cfg, d, head
+    head = torch.randn(V, cfg.hidden_size, device=dev, dtype=dtype) * 0.02
+    if draft_argmax:
+        head[~t2d.to(dev)] *= OFF_DRAFT_SCALE
+    return cfg, d, head.requires_grad_(False)
+
+
+def argmax_in_draft_share(head, hot, batches, chunk: int = 2048) -> float:
+    """The share of rows (valid ones) whose target greedy choice is a draft id."""
+    t2d = torch.zeros(head.shape[0], dtype=torch.bool, device=head.device)
+    t2d[hot.to(head.device)] = True
+    hit = tot = 0
+    for b in batches:
+        with torch.no_grad():
+            arg = ttt_mod.target_stats(b.final, head, hot, chunk)[1]
+        v = b.valid.bool()
+        hit += int((t2d[arg] & v).sum())
+        tot += int(v.sum())
+    return hit / max(tot, 1)
 
 
 def make_batch(cfg, B, T, dev, dtype, seed=0):
@@ -169,7 +196,7 @@ def make_batch(cfg, B, T, dev, dtype, seed=0):
     return Batch(aux=torch.randn(B, T, cfg.fc_in, device=dev, dtype=dtype, generator=g),
                  final=torch.randn(B, T, H, device=dev, dtype=dtype, generator=g),
                  tokens=torch.randint(0, cfg.vocab_size, (B, T), device=dev, generator=g),
-                 loss_mask=ones, valid=ones.clone())
+                 loss_mask=ones, valid=ones.clone(), loss_share=1.0)   # as Batch.to() reads a host batch
 
 
 def sample_flops(cfg, lengths, steps, lm_head_trainable, key="train"):
@@ -473,7 +500,7 @@ def check_equivalence(a, dev, log):
     the attention alone is compared with an fp32 reference too. On CPU both run in fp32."""
     cuda = dev.type == "cuda"
     size = "small" if cuda else "toy"
-    cfg, d, head = build(size, dev, torch.float32, seed=1)
+    cfg, d, head = build(size, dev, torch.float32, seed=1, draft_argmax=False)
     d.lm_head.weight.requires_grad_(True)
     batch = make_batch(cfg, 2, 256 if cuda else 24, dev, torch.float32, seed=1)
     batch.valid[1, -17:] = False
@@ -567,7 +594,7 @@ def check_packed(a, dev, log):
     reference. Also the attention alone: per-segment kernel vs a dense document mask (fp32)."""
     cuda = dev.type == "cuda"
     size = "small" if cuda else "toy"
-    cfg, d, head = build(size, dev, torch.float32, seed=2)
+    cfg, d, head = build(size, dev, torch.float32, seed=2, draft_argmax=False)
     d.lm_head.weight.requires_grad_(True)
     lens = [200, 131, 300, 90, 257] if cuda else [19, 7, 24, 11]
     g = torch.Generator(device=dev).manual_seed(4)
@@ -755,6 +782,17 @@ def with_stored_mask(batches, head, hot, chunk):
     return batches
 
 
+def counted_share(batches, t2d, steps: int) -> float:
+    """The share of row slots the TTT loss counts, over the steps (batches with target_arg)."""
+    hit = tot = 0
+    for b in batches:
+        in_draft = t2d.to(b.target_arg.device)[b.target_arg]
+        for j in range(steps):
+            hit += int(ttt_mod._ok_rows(b, in_draft, j + 1).sum())
+            tot += b.tokens.numel()
+    return hit / max(tot, 1)
+
+
 def run_peer(name, cmd, timeout, log, info=None) -> list[dict]:
     """A peer's runner in a subprocess; -> its JSON records (those printed before any timeout).
     info (a dict): gets wall_s, status ("done", "timed out", "failed (rc N)")."""
@@ -898,7 +936,7 @@ def run_key(a) -> dict:
         mix = {"lengths": mix_lengths(a.mix, a.mix_max, a.mix_seed), "pack_len": a.pack_len,
                "timed_passes": a.mix_passes}
     return {"hidden_size": SIZES[a.size]["hidden_size"], "seqs": [int(t) for t in a.seqs], "ttt_steps": a.ttt,
-            "mix": mix}
+            "mix": mix, "target_off_draft_scale": OFF_DRAFT_SCALE}
 
 
 def file_key(res: dict) -> dict:
@@ -907,7 +945,8 @@ def file_key(res: dict) -> dict:
     return {"hidden_size": c.get("hidden_size"), "seqs": [int(t) for t in (c.get("seqs") or [])],
             "ttt_steps": c.get("ttt_steps"),
             "mix": None if not m else {"lengths": m.get("lengths"), "pack_len": m.get("pack_len"),
-                                       "timed_passes": m.get("timed_passes", 1)}}
+                                       "timed_passes": m.get("timed_passes", 1)},
+            "target_off_draft_scale": c.get("target_off_draft_scale")}
 
 
 def read_peer_file(path: str, refuse) -> dict:
@@ -1056,6 +1095,10 @@ def main(argv=None) -> dict:
 
     cfg, d, head = build(a.size, dev, dtype)
     hot = d.hot_ids
+    out["target_argmax_in_draft"] = argmax_in_draft_share(head, hot, [make_batch(cfg, 1, 2048, dev, dtype, seed=3)])
+    out["skip_uncounted"] = {"on": ttt_mod._SKIP["on"], "min_share": ttt_mod.SKIP_MIN}
+    log(f"target: greedy choice in the draft vocab at {out['target_argmax_in_draft']:.4f} of rows; the lm_head "
+        f"skips uncounted rows: {'on' if ttt_mod._SKIP['on'] else 'off'} (when >= {ttt_mod.SKIP_MIN:.4f} of a step's)")
     comp = a.impl == "compiled"
     fused = a.impl in ("compiled", "fused")
     heads = ["frozen", "trainable"] if a.lm_head == "both" else [a.lm_head]
@@ -1204,6 +1247,8 @@ def main(argv=None) -> dict:
                                                     pd, head, lengths=pd_lens)
         with_stored_mask(pk, head, hot, a.chunk)
         with_stored_mask(pd, head, hot, a.chunk)
+        mix.update(packed_counted_fraction=counted_share(pk, d.t2d, a.ttt),
+                   padded_counted_fraction=counted_share(pd, d.t2d, a.ttt))
         rows = head.index_select(0, hot).contiguous()
         head_cpu = head.cpu()
         del head
@@ -1241,8 +1286,8 @@ def main(argv=None) -> dict:
                              "greedy choice + draft rows (stored); draft-vocab softmax",
                    "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
                    "switches": {"kv_grad_sum": kernels._KVSUM["on"], "wgrad_stream": kernels._WGRAD["on"],
-                                "stacked_lm_head": ttt_mod._STACKED["on"]},
-                   "peak_tflops": a.peak_tflops, "pipeline_trains_with": "mask stored (features.build_features "
+                                "stacked_lm_head": ttt_mod._STACKED["on"], "skip_uncounted_rows": ttt_mod._SKIP["on"]},
+                   "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "pipeline_trains_with": "mask stored (features.build_features "
                    "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing"},
         "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],
                                      "train_lm_head_trainable": flops_per_token(cfg, T, a.ttt, True)["train"],
@@ -1330,7 +1375,8 @@ def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
             peers["speculators"] = run_peer("speculators", cmd, t, log, runs["speculators"])
             on_peer(peers, runs)
         if not a.no_specforge:
-            cmd = [env_py, str(HERE / "peers" / "specforge_run.py"), *common, "--sets", "trained", "frozen"] + (
+            cmd = [env_py, str(HERE / "peers" / "specforge_run.py"), *common, "--sets", "trained", "frozen",
+                   "--off-draft-scale", str(OFF_DRAFT_SCALE)] + (
                 ["--attn", a.sf_attn] if a.sf_attn else []) + ([] if cuda else ["--cpu-test"])
             t = left() - 8.0 if peers_only else max(170.0, left() - (160.0 if mix else 0.0) - 8.0)
             runs["specforge"] = {"timeout_s": t}
@@ -1386,7 +1432,7 @@ def peers_only(a, out, cuda, left, log, save, t_start) -> dict:
                    "ttt_steps": a.ttt, "dtype": "bfloat16" if cuda else "float32", "peer_iters": a.peer_iters,
                    "peer_warmup": a.peer_warmup, "pack_len": a.pack_len, "spec_loss": a.spec_loss,
                    "spec_attn": a.spec_attn, "sf_attn": a.sf_attn, "budget_s": a.budget_s,
-                   "speculators_share": a.speculators_share},
+                   "speculators_share": a.speculators_share, "target_off_draft_scale": OFF_DRAFT_SCALE},
         "peers_requested": requested, "peers_raw": {}, "peer_runs": {}})
     log(f"peers only: {', '.join(requested)}; size {a.size}, T {a.seqs}, TTT {a.ttt}; budget {a.budget_s:.0f}s")
     mix = mix_spec(a, log)

@@ -5,7 +5,10 @@ length. --lever wgrad_stream (default): the weight-gradient GEMMs on a second CU
 (kernels.set_wgrad_stream) against one stream; --lever kv_sum: the keys' and values' gradients
 summed across TTT steps in one accumulator per unroll (kernels.set_kv_grad_sum) against
 autograd's adds; --lever stacked_head: the TTT steps' lm_head GEMMs and soft-CE taken stacked
-(ttt.set_stacked_head, one GEMM each way over S*T rows) against one LinearSoftCE per step.
+(ttt.set_stacked_head, one GEMM each way over S*T rows) against one LinearSoftCE per step;
+--lever skip_uncounted: the per-step lm_head and soft-CE on the rows the loss counts only
+(ttt.set_skip_uncounted) against every row. --prompt-share F [F ...]: each fixed length also
+with its first F of the rows a prompt (no loss there), as chat data has.
 
 Per configuration: first the gradients of one step from the same state with the lever off,
 off again and on (the largest absolute difference over all trainable tensors, and how many
@@ -46,10 +49,10 @@ from draftport.train import TrainConfig, train_step  # noqa: E402
 
 
 LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_grad_sum,
-          "stacked_head": ttt_mod.set_stacked_head}
+          "stacked_head": ttt_mod.set_stacked_head, "skip_uncounted": ttt_mod.set_skip_uncounted}
 LEVER = [kernels.set_wgrad_stream]
 DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"],
-            "stacked_head": ttt_mod._STACKED["on"]}   # as imported
+            "stacked_head": ttt_mod._STACKED["on"], "skip_uncounted": ttt_mod._SKIP["on"]}   # as imported
 
 
 def set_lever(on: bool) -> None:
@@ -66,16 +69,20 @@ def main(argv=None):
     ap.add_argument("--sets", nargs="+", default=["trainable_stored", "frozen_stored", "trainable_computed"])
     ap.add_argument("--attn-backend", default="cudnn")
     ap.add_argument("--mix", type=int, default=20, help="samples in the bench's length mix, packed (0: none)")
+    ap.add_argument("--mix-layouts", nargs="+", choices=["packed", "padded"], default=["packed"],
+                    help="the mix as train() packs it and/or padded in groups of 4 samples")
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--profile-stream", nargs="+", type=lambda v: v == "on", default=[True],
                     help="profile with the stream on and/or off (on off)")
     ap.add_argument("--profile-shapes", action="store_true", help="also the ops by input shape (the defaults)")
     ap.add_argument("--profile-sets", nargs="+", default=["trainable_stored"], help="the sets profiled")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prompt-share", type=float, nargs="+", default=[0.0],
+                    help="fixed-length cases with this share of each row's first tokens a prompt (no loss)")
     ap.add_argument("--lever", choices=sorted(LEVERS), default="wgrad_stream",
                     help="what on/off switches: the weight-gradient stream (default), the keys' "
                          "gradients summed across TTT steps (kv_sum), or the lm_head stacked over the "
-                         "TTT steps (stacked_head)")
+                         "TTT steps (stacked_head), or the lm_head on counted rows only (skip_uncounted)")
     a = ap.parse_args(argv)
     LEVER[0] = LEVERS[a.lever]
     if not torch.cuda.is_available():
@@ -97,11 +104,19 @@ def main(argv=None):
 
     cases = []
     for T in a.seqs:
-        cases.append((f"T{T}", [bench.make_batch(cfg, 1, T, dev, dtype)] * a.iters))
-    if a.mix:   # the bench's length mix, packed as train() packs it: one pass per block
+        for share in a.prompt_share:
+            b = bench.make_batch(cfg, 1, T, dev, dtype)
+            b.loss_mask[:, :int(round(share * T))] = False
+            b.loss_share = float(b.loss_mask.float().mean())   # what Batch.to() reads on the host
+            cases.append((f"T{T}" + (f"_prompt{share:g}" if share else ""), [b] * a.iters))
+    out["prompt_share"] = a.prompt_share
+    out["lever"] = a.lever
+    if a.mix:   # the bench's length mix, packed as train() packs it (or padded in groups of 4): one pass per block
         samples = bench.mix_samples(cfg, bench.mix_lengths(a.mix, 2048, 1), dev, dtype)
-        (packed, _), _ = bench.layout_mix(samples, 8192, 4, dtype)
-        cases.append(("mix_packed", [b.to(dev) for b in packed]))
+        (packed, _), (padded, _) = bench.layout_mix(samples, 8192, 4, dtype)
+        for layout, bs in (("packed", packed), ("padded", padded)):
+            if layout in a.mix_layouts:
+                cases.append((f"mix_{layout}", [b.to(dev) for b in bs]))
     for label, batches in cases:
         stored = bench.with_stored_mask([copy.copy(b) for b in batches[:len(set(map(id, batches)))]], head, hot, 2048)
         stored = stored * (len(batches) // len(stored))
@@ -164,7 +179,7 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 peak[on] = torch.cuda.max_memory_allocated() / 2**30
             med = {k: statistics.median(v) for k, v in blocks.items()}
-            rec = {"grad_max_abs_diff": diff_on, "grad_tensors_differing": n_diff, "tensors": len(params),
+            rec = {"counted_share": bench.counted_share(stored[:len(set(map(id, stored)))], d.t2d, a.ttt), "grad_max_abs_diff": diff_on, "grad_tensors_differing": n_diff, "tensors": len(params),
                    "grad_max_abs_diff_off_vs_off": diff_base, "grad_tensors_differing_off_vs_off": n_base,
                    "steps_per_block": len(bs), "real_tokens_per_block": tokens,
                    "block_s_off": blocks[False], "block_s_on": blocks[True],

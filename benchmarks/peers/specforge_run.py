@@ -31,6 +31,10 @@ ap.add_argument("--ttt", type=int, default=7)
 ap.add_argument("--iters", type=int, default=8)
 ap.add_argument("--warmup", type=int, default=2)
 ap.add_argument("--attn", default="flex_attention")
+ap.add_argument("--off-draft-scale", type=float, default=0.5,
+                help="the target head's rows outside the draft vocab scaled by this (the bench's "
+                     "OFF_DRAFT_SCALE: the greedy choice a draft id at nearly every row, as on real "
+                     "data; 1: an unbiased random head, the choice a draft id at Vd / V of the rows)")
 ap.add_argument("--cpu-test", action="store_true", help="as the anchor's: triton stubbed for import, "
                 "SpecForge's reference loss in place of its Triton kernel (plumbing only)")
 a = ap.parse_args()
@@ -113,6 +117,7 @@ with torch.device(dev):
     target_head = TargetHead(cfg_dir)
 with torch.no_grad():
     target_head.fc.weight.normal_(0.0, 0.02)
+    target_head.fc.weight[~t2d.to(target_head.fc.weight.device)] *= a.off_draft_scale
 target_head.freeze_weights()
 target_head = target_head.eval().to(device=dev, dtype=torch.bfloat16 if cuda else dt)
 build_s = time.perf_counter() - t0
