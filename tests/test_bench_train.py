@@ -674,7 +674,7 @@ def test_skipping_uncounted_rows_gives_every_row_s_terms_and_gradients(packed, t
 
 
 def test_counted_rows_leave_dense_steps_alone_and_keep_a_row_for_empty_ones():
-    """_counted_rows: a step whose uncounted rows are fewer than SKIP_MIN runs every row (None);
+    """_count_rows: a step whose uncounted rows are fewer than SKIP_MIN runs every row (None);
     one with none counted runs row 0 (at weight 0); otherwise the counted rows, in order; off,
     every step runs every row."""
     from draftport import ttt
@@ -685,14 +685,14 @@ def test_counted_rows_leave_dense_steps_alone_and_keep_a_row_for_empty_ones():
     half = full.clone()
     half[:, 16:] = False
     none = torch.zeros(2, 32, dtype=torch.bool)
-    idx = ttt._counted_rows([full, few_off, half, none])
+    idx = ttt._count_rows([full, few_off, half, none]).rows_to_run()
     assert idx[0] is None and idx[1] is None
     assert idx[2].tolist() == list(range(16)) + list(range(32, 48))
     assert idx[3].tolist() == [0]
     default = ttt._SKIP["on"]
     try:
         ttt.set_skip_uncounted(False)
-        assert ttt._counted_rows([half, none]) == [None, None]
+        assert ttt._count_rows([half, none]) is None
     finally:
         ttt.set_skip_uncounted(default)
 

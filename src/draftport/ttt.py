@@ -197,7 +197,7 @@ class LinearSoftCE(torch.autograd.Function):
     W frozen: d(loss)/dx is computed in the forward, chunk by chunk, and only it is kept.
     W trainable: the bf16 d(loss)/d(logits) [B, T, V] is kept and both GEMMs run in backward.
     t_idx (B == 1): row i of x is scored against t[t_idx[i]], t being [R, V] (the counted rows
-    of a step, see _counted_rows)."""
+    of a step, see _step_loss_counted)."""
 
     @staticmethod
     def forward(ctx, x, w, t, rw, chunk, accum=False, t_idx=None):
@@ -219,7 +219,7 @@ class LinearSoftCE(torch.autograd.Function):
                     lg = x[b, s:e] @ wc.t()
                     if t_idx is None:
                         l_rows, g, a = kern(lg, t[b, s:e], rw[b, s:e])
-                    else:   # x's rows are the rows t_idx of t [R, V] (B == 1: see _counted_rows)
+                    else:   # x's rows are the rows t_idx of t [R, V] (B == 1: _step_loss_counted)
                         l_rows, g, a = kern(lg, t, t_idx[s:e], rw[b, s:e])
                     loss += l_rows.sum()
                     arg[b, s:e] = a
@@ -390,9 +390,9 @@ def set_skip_uncounted(on: bool) -> None:
     """The fused loss's per-step lm_head and soft-CE on the counted rows only (on, the default)
     or on every row: the same terms and gradients. The rows counted are read back to the host
     while the drafter's forward is queued; that wait ties the host to the device once per step
-    (on one H200 it cost 1-3% at T 2,048 with nothing to skip), so a batch whose host-side
-    loss_share (Batch.to fills it) leaves fewer than SKIP_MIN of its rows out of the loss skips
-    nothing and waits for nothing. Not under CUDA-graph capture or with the stacked lm_head
+    (an H200 probe read -1 to -3% at T 2,048 with nothing to skip, inside that probe's own A/A
+    bias there), so a batch whose host-side loss_share (Batch.to fills it) leaves fewer than
+    SKIP_MIN of its rows out of the loss skips nothing and waits for nothing. Not under CUDA-graph capture or with the stacked lm_head
     (set_stacked_head), which take every row."""
     _SKIP["on"] = bool(on)
 
@@ -400,8 +400,8 @@ def set_skip_uncounted(on: bool) -> None:
 class _RowCounts:
     """Which rows each TTT step counts, read back without stalling the GPU: the counts go to the
     host by an asynchronous copy and each step's rows are ordered counted-first (a stable sort:
-    no host sync); rows() waits for the copy alone, which the GPU reached before the drafter's
-    forward that was queued since."""
+    no host sync); rows_to_run() waits for the copy alone, which the GPU reaches before the
+    drafter's forward queued in between."""
 
     def __init__(self, oks: list[torch.Tensor]):
         ok_all = torch.stack([ok.reshape(-1) for ok in oks])                      # [S, B*T]
@@ -440,12 +440,6 @@ def _count_rows(oks: list[torch.Tensor]) -> _RowCounts | None:
     if not oks or not _SKIP["on"] or (oks[0].is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     return _RowCounts(oks)
-
-
-def _counted_rows(oks: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """_count_rows(oks).rows_to_run(), or every row (None) per step."""
-    rc = _count_rows(oks)
-    return [None] * len(oks) if rc is None else rc.rows_to_run()
 
 
 def _step_loss_counted(xn, w, t_prob, ok, idx, j: int, loss_chunk: int, accum: bool):
