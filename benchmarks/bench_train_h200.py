@@ -25,7 +25,9 @@ one is used), ours at each length (with the embedding half at every step beside 
 length) and the levers at the first one (the other attention kernel, fused q/k/v and gate/up
 GEMMs, --graphs: the whole step as one CUDA graph), the peers in
 subprocesses (benchmarks/peers/*_run.py: each peer's own model, loss, trainer core and optimizer,
-wired as the anchors wire them, several shapes per process, one at a time on the same GPU), then
+wired as the anchors wire them, a process of its own per shape (after 2,048 in the same process,
+speculators ran 3-6% slower at 4,096 and on the mix than in a process of its own; likely cause:
+torch.compile recompiles with dynamic sizes at a second shape), one at a time on the same GPU), then
 ours on the mix (its new shapes compile longest). Parameters are bf16 (no fp32 master copy) for
 ours and speculators' anchor; SpecForge keeps its fp32 masters (its default). A ratio to "the
 faster peer" is only given when every peer asked for was measured at that shape (score()).
@@ -48,7 +50,8 @@ full results file) runs no peer: it loads their records and scores them with thi
 figures through score() (the code --rescore uses), so the ratios and goals are those of a
 single run; the output names the source in `peers_from`. It refuses (one line, exit 1) a FILE
 that is missing, not JSON, without peers_raw, or whose config (hidden size, seqs, TTT steps,
-the mix: lengths and packed row length) differs from this run's.
+the mix: lengths and packed row length) differs from this run's, or whose peers ran several
+shapes in one process (files before `peer_process`).
 
 Never asserts timings: it prints figures.
 """
@@ -94,6 +97,9 @@ SIZES = {
     "toy": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=4, head_dim=16, draft_vocab_size=256, vocab_size=1024),
 }
+# each peer runs in a process of its own per shape (run_peers); files of peers measured several
+# shapes per process lack the key and are refused by --peers-from
+PEER_PROCESS = "per-shape"
 # the length mix: log-normal (mu, sigma) in tokens, clipped to [64, max]: mean ~1.5K at max 2048
 MIX_MU, MIX_SIGMA = 7.3065, 0.35
 
@@ -394,8 +400,9 @@ def safe_variant(*args, **kw):
         return dict(args[0].as_dict(), failed=repr(e))
 
 
-KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
-                ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+# attention first: FlashAttention's kernels carry "cutlass" in their template names
+KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+                ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
                 ("optimizer", ("multi_tensor_apply", "adam")),
                 ("compiled elementwise (triton)", ("triton_",)),
                 ("copy / fill", ("copy", "fill", "memcpy", "memset", "catarray")))
@@ -936,7 +943,7 @@ def run_key(a) -> dict:
         mix = {"lengths": mix_lengths(a.mix, a.mix_max, a.mix_seed), "pack_len": a.pack_len,
                "timed_passes": a.mix_passes}
     return {"hidden_size": SIZES[a.size]["hidden_size"], "seqs": [int(t) for t in a.seqs], "ttt_steps": a.ttt,
-            "mix": mix, "target_off_draft_scale": OFF_DRAFT_SCALE}
+            "mix": mix, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS}
 
 
 def file_key(res: dict) -> dict:
@@ -946,7 +953,7 @@ def file_key(res: dict) -> dict:
             "ttt_steps": c.get("ttt_steps"),
             "mix": None if not m else {"lengths": m.get("lengths"), "pack_len": m.get("pack_len"),
                                        "timed_passes": m.get("timed_passes", 1)},
-            "target_off_draft_scale": c.get("target_off_draft_scale")}
+            "target_off_draft_scale": c.get("target_off_draft_scale"), "peer_process": c.get("peer_process")}
 
 
 def read_peer_file(path: str, refuse) -> dict:
@@ -1287,7 +1294,7 @@ def main(argv=None) -> dict:
                    "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
                    "switches": {"kv_grad_sum": kernels._KVSUM["on"], "wgrad_stream": kernels._WGRAD["on"],
                                 "stacked_lm_head": ttt_mod._STACKED["on"], "skip_uncounted_rows": ttt_mod._SKIP["on"]},
-                   "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "pipeline_trains_with": "mask stored (features.build_features "
+                   "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS, "pipeline_trains_with": "mask stored (features.build_features "
                    "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing"},
         "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],
                                      "train_lm_head_trainable": flops_per_token(cfg, T, a.ttt, True)["train"],
@@ -1344,8 +1351,10 @@ def mix_spec(a, log) -> dict | None:
 
 
 def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
-    """The peers asked for, one at a time, in subprocesses on the same GPU, speculators first.
-    -> peers_raw {name: [records]}; on_peer(peers, runs) after each (runs: timeout, wall, status).
+    """The peers asked for, one at a time, in subprocesses on the same GPU, speculators first,
+    each in a process of its own per shape (each length, then the mix).
+    -> peers_raw {name: [records]}; on_peer(peers, runs) after each (runs: timeout, wall, status,
+    and the same per shape).
 
     Timeouts: in a full run speculators gets 150-220 s and SpecForge what is left but the mix's
     share; with --peers-only the whole budget is theirs: speculators (it compiles at each length
@@ -1360,27 +1369,43 @@ def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
     try:
         env_py = sys.executable
         toy = ["--toy"] if a.size == "toy" else []
-        common = ["--seqs", *map(str, a.seqs), "--ttt", str(a.ttt), "--iters", str(a.peer_iters),
-                  "--warmup", str(a.peer_warmup)] + toy + (
-                      ["--mix", mix_file, "--mix-passes", str(a.mix_passes)] if mix_file else [])
+        common = ["--ttt", str(a.ttt), "--iters", str(a.peer_iters), "--warmup", str(a.peer_warmup)] + toy
+        # one process per shape: after 2,048 in the same process, speculators' step ran 6% slower at
+        # 4,096 and 3% on the mix than in a process of its own (H200, 2026-12-02: results/*-peers-5
+        # against *-peers-6-speculators); likely cause: torch.compile recompiles with dynamic sizes
+        shapes = [["--seqs", str(t)] for t in a.seqs] + (
+            [["--seqs", "--mix", mix_file, "--mix-passes", str(a.mix_passes)]] if mix_file else [])
+
+        def per_shape(name, tail, t_all):
+            """The peer once per shape, each with an even share of what is left of t_all."""
+            recs, info, t0 = [], {"timeout_s": t_all, "shapes": []}, time.perf_counter()
+            runs[name] = info
+            for i, shape in enumerate(shapes):
+                t = (t_all - (time.perf_counter() - t0)) / (len(shapes) - i)
+                one = {"timeout_s": t}
+                recs += run_peer(name, [*tail[:2], *shape, *common, *tail[2:]], t, log, one)
+                info["shapes"].append(one)
+            info.update(wall_s=time.perf_counter() - t0, records=len(recs),
+                        status="done" if all(s["status"] == "done" for s in info["shapes"]) else
+                        "; ".join(sorted({s["status"] for s in info["shapes"] if s["status"] != "done"})))
+            return recs
+
         if not a.no_speculators:
-            cmd = [env_py, str(HERE / "peers" / "speculators_run.py"), *common, "--total-seq-len", str(a.pack_len),
-                   "--loss-impl", a.spec_loss, "--sets", "frozen", "trained"] + (
+            tail = [env_py, str(HERE / "peers" / "speculators_run.py"), "--total-seq-len", str(a.pack_len),
+                    "--loss-impl", a.spec_loss, "--sets", "frozen", "trained"] + (
                 ["--attn", a.spec_attn] if a.spec_attn else [])
             if peers_only:
                 t = left() * a.speculators_share if not a.no_specforge else left() - 8.0
             else:
                 t = max(150.0, min(220.0, left() * 0.4))
-            runs["speculators"] = {"timeout_s": t}
-            peers["speculators"] = run_peer("speculators", cmd, t, log, runs["speculators"])
+            peers["speculators"] = per_shape("speculators", tail, t)
             on_peer(peers, runs)
         if not a.no_specforge:
-            cmd = [env_py, str(HERE / "peers" / "specforge_run.py"), *common, "--sets", "trained", "frozen",
-                   "--off-draft-scale", str(OFF_DRAFT_SCALE)] + (
+            tail = [env_py, str(HERE / "peers" / "specforge_run.py"), "--sets", "trained", "frozen",
+                    "--off-draft-scale", str(OFF_DRAFT_SCALE)] + (
                 ["--attn", a.sf_attn] if a.sf_attn else []) + ([] if cuda else ["--cpu-test"])
             t = left() - 8.0 if peers_only else max(170.0, left() - (160.0 if mix else 0.0) - 8.0)
-            runs["specforge"] = {"timeout_s": t}
-            peers["specforge"] = run_peer("specforge", cmd, t, log, runs["specforge"])
+            peers["specforge"] = per_shape("specforge", tail, t)
             on_peer(peers, runs)
     finally:
         if mix_file:
@@ -1432,7 +1457,8 @@ def peers_only(a, out, cuda, left, log, save, t_start) -> dict:
                    "ttt_steps": a.ttt, "dtype": "bfloat16" if cuda else "float32", "peer_iters": a.peer_iters,
                    "peer_warmup": a.peer_warmup, "pack_len": a.pack_len, "spec_loss": a.spec_loss,
                    "spec_attn": a.spec_attn, "sf_attn": a.sf_attn, "budget_s": a.budget_s,
-                   "speculators_share": a.speculators_share, "target_off_draft_scale": OFF_DRAFT_SCALE},
+                   "speculators_share": a.speculators_share, "target_off_draft_scale": OFF_DRAFT_SCALE,
+                   "peer_process": PEER_PROCESS},
         "peers_requested": requested, "peers_raw": {}, "peer_runs": {}})
     log(f"peers only: {', '.join(requested)}; size {a.size}, T {a.seqs}, TTT {a.ttt}; budget {a.budget_s:.0f}s")
     mix = mix_spec(a, log)

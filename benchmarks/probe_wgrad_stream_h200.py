@@ -17,7 +17,7 @@ itself); then --rounds rounds of (off, on) blocks, alternated so that a drift of
 clocks falls on both sides: a block is --iters steps at a fixed length, or one pass over the
 bench's length mix (--mix samples, packed into rows of <= 8192 tokens as train() packs them);
 the figure is real tokens over the median block of each side. With --profile-dir, a profile of
-two steps at each fixed length (the --profile-sets; kernel time by kind and the kernel table)
+two steps at each fixed length and of the mix's first step twice (the --profile-sets; kernel time by kind and the kernel table)
 with the lever on and/or off (--profile-stream on off), and with --profile-shapes one step's ops
 by input shape with the levers at their defaults (which add, mul or copy is which).
 
@@ -189,7 +189,7 @@ def main(argv=None):
             log(f"{label} {name:20s} off {rec['tok_s_off']:8.0f} tok/s  on {rec['tok_s_on']:8.0f} tok/s  "
                 f"gain {rec['gain']:.4f}  grads on vs off differ in {n_diff}/{len(params)} (max {diff_on:.3g}; "
                 f"off vs off {n_base}, max {diff_base:.3g})  peak {peak[False]:.2f} / {peak[True]:.2f} GiB")
-            if a.profile_dir and name in a.profile_sets and label.startswith("T"):
+            if a.profile_dir and name in a.profile_sets:   # a mix: its first step (a packed row of 8,192)
                 for on in a.profile_stream:
                     set_lever(on)
                     tag = (a.lever if on else "off") if a.lever != "wgrad_stream" else (

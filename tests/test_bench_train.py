@@ -291,6 +291,14 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     assert p["peers_requested"] == ["speculators", "specforge"]
     assert p["config"]["seqs"] == [64] and p["config"]["ttt_steps"] == 7 and p["config"]["hidden_size"] == 64
     assert p["mix"]["n"] == 4 and "[ours]" not in r.stdout and "[attn]" not in r.stdout
+    # each peer once per shape, each in a process of its own (a second shape in one process ran
+    # the peer's compiled regions with dynamic sizes): the length, then the mix
+    for name, script in (("speculators", "speculators_run.py"), ("specforge", "specforge_run.py")):
+        cmds = [ln for ln in r.stdout.splitlines() if ln.startswith(f"[{name}] ") and script in ln]
+        assert len(cmds) == 2 and len(p["peer_runs"][name]["shapes"]) == 2, r.stdout
+        assert "--seqs 64 " in cmds[0] and "--mix " not in cmds[0]
+        assert "--mix " in cmds[1] and "--seqs 64" not in cmds[1]
+    assert p["config"]["peer_process"] == "per-shape"
 
     def rec(config, tps, impl, trained, **kw):
         return dict(config=config, real_tokens_per_s=tps, tokens_per_s=tps, peak_mem_gib=1.0, impl=impl,
@@ -361,10 +369,12 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     # refusals: one line on stderr, exit 1, before any work
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "nopeers.json").write_text(json.dumps({"config": p["config"], "mix": p["mix"]}))
+    shared = dict(p, config={k: v for k, v in p["config"].items() if k != "peer_process"})
+    (tmp_path / "shared.json").write_text(json.dumps(shared))   # peers run several shapes per process
     for args, why in (([str(tmp_path / "missing.json")], "no such file"), ([str(tmp_path / "bad.json")], "not JSON"),
                       ([str(tmp_path / "nopeers.json")], "no peers_raw"),
                       ([str(peers_file), "--ttt", "5"], "ttt_steps"), ([str(peers_file), "--mix-seed", "3"], "mix"),
-                      ([str(peers_file), "--seqs", "32"], "seqs")):
+                      ([str(peers_file), "--seqs", "32"], "seqs"), ([str(tmp_path / "shared.json")], "peer_process")):
         r = bench("--peers-from", *args, "--json", str(tmp_path / "x.json"))
         assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
         assert not (tmp_path / "x.json").exists()
@@ -765,3 +775,20 @@ def test_compiled_softce_written_over_its_logits_equals_eager():
         assert torch.allclose(got_l, want_l, **tol) and torch.equal(got_a, want_a)
         assert torch.allclose(buf[7:14].float(), want_g.float(), **tol)
         assert torch.equal(buf[:7], before[:7]) and torch.equal(buf[14:], before[14:])
+
+
+def test_profile_kinds_put_flash_varlen_under_attention():
+    """The profile's breakdown by kind: FlashAttention's kernels name cutlass in their template
+    arguments and were counted as GEMMs; attention is matched first."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_train_h200", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    kind = bench.kernel_kind
+    assert kind("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits"
+                "<128, 64, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t>>") == "attention"
+    assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, cutlass::bfloat16_t>>") == "attention"
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7") == "attention"
+    assert kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert kind("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>") == "gemm"
+    assert kind("triton_poi_fused__to_copy_mul_silu_0") == "compiled elementwise (triton)"
