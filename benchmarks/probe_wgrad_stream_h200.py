@@ -7,7 +7,9 @@ summed across TTT steps in one accumulator per unroll (kernels.set_kv_grad_sum) 
 autograd's adds; --lever stacked_head: the TTT steps' lm_head GEMMs and soft-CE taken stacked
 (ttt.set_stacked_head, one GEMM each way over S*T rows) against one LinearSoftCE per step;
 --lever skip_uncounted: the per-step lm_head and soft-CE on the rows the loss counts only
-(ttt.set_skip_uncounted) against every row. --prompt-share F [F ...]: each fixed length also
+(ttt.set_skip_uncounted) against every row; --lever packed_segments: packed rows' causal
+attention by the dense kernel (--attn-backend's) once per segment (kernels.set_packed_attention)
+against flash varlen over all segments (only the mix's packed rows differ). --prompt-share F [F ...]: each fixed length also
 with its first F of the rows a prompt (no loss there), as chat data has.
 
 Per configuration: first the gradients of one step from the same state with the lever off,
@@ -49,10 +51,12 @@ from draftport.train import TrainConfig, train_step  # noqa: E402
 
 
 LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_grad_sum,
-          "stacked_head": ttt_mod.set_stacked_head, "skip_uncounted": ttt_mod.set_skip_uncounted}
+          "stacked_head": ttt_mod.set_stacked_head, "skip_uncounted": ttt_mod.set_skip_uncounted,
+          "packed_segments": lambda on: kernels.set_packed_attention("segments" if on else "varlen")}
 LEVER = [kernels.set_wgrad_stream]
 DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"],
-            "stacked_head": ttt_mod._STACKED["on"], "skip_uncounted": ttt_mod._SKIP["on"]}   # as imported
+            "stacked_head": ttt_mod._STACKED["on"], "skip_uncounted": ttt_mod._SKIP["on"],
+            "packed_segments": kernels._BACKEND["packed"] == "segments"}   # as imported
 
 
 def set_lever(on: bool) -> None:
@@ -82,7 +86,9 @@ def main(argv=None):
     ap.add_argument("--lever", choices=sorted(LEVERS), default="wgrad_stream",
                     help="what on/off switches: the weight-gradient stream (default), the keys' "
                          "gradients summed across TTT steps (kv_sum), or the lm_head stacked over the "
-                         "TTT steps (stacked_head), or the lm_head on counted rows only (skip_uncounted)")
+                         "TTT steps (stacked_head), or the lm_head on counted rows only (skip_uncounted), "
+                         "or packed rows' attention by the dense kernel once per segment (packed_segments; "
+                         "a mix case only)")
     a = ap.parse_args(argv)
     LEVER[0] = LEVERS[a.lever]
     if not torch.cuda.is_available():

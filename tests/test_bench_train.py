@@ -792,3 +792,25 @@ def test_profile_kinds_put_flash_varlen_under_attention():
     assert kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
     assert kind("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>") == "gemm"
     assert kind("triton_poi_fused__to_copy_mul_silu_0") == "compiled elementwise (triton)"
+
+
+def test_attention_switches_refuse_unknown_names():
+    """The dense and packed attention switches take their known names only, by call or by
+    environment (the environment's checked at import, one line naming the variable)."""
+    from draftport import kernels
+    before = dict(kernels._BACKEND)
+    try:
+        kernels.set_packed_attention("segments")
+        assert kernels._BACKEND["packed"] == "segments"
+        kernels.set_packed_attention("varlen")
+        with pytest.raises(ValueError, match="varlen or segments"):
+            kernels.set_packed_attention("ragged")
+        with pytest.raises(ValueError, match="flash or cudnn"):
+            kernels.set_attention_backend("math")
+        assert kernels._BACKEND["packed"] == "varlen"
+    finally:
+        kernels._BACKEND.update(before)
+    env = dict(os.environ, DRAFTPORT_PACKED_ATTENTION="ragged")
+    r = subprocess.run([sys.executable, "-c", "import draftport.kernels"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode != 0 and "DRAFTPORT_PACKED_ATTENTION='ragged': varlen or segments" in r.stderr

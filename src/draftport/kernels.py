@@ -41,9 +41,15 @@ import torch.nn.functional as F
 # ---- fused TTT attention ----------------------------------------------------------------------
 # the CUDA kernel of the dense causal part: flash (default) or cudnn (DRAFTPORT_ATTENTION=cudnn);
 # benchmarks/bench_train_h200.py times both on the device and says which is faster where
-_BACKEND = {"dense": os.environ.get("DRAFTPORT_ATTENTION", "flash")}
+# packed rows on CUDA: flash varlen, one call for all segments (default), or the dense kernel
+# above once per segment (DRAFTPORT_PACKED_ATTENTION=segments; with cudnn, cuDNN's dense causal
+# kernel, which ran ~2x flash varlen's rate at 2,048 on an H200: results/*-profiles-4 vs -6)
+_BACKEND = {"dense": os.environ.get("DRAFTPORT_ATTENTION", "flash"),
+            "packed": os.environ.get("DRAFTPORT_PACKED_ATTENTION", "varlen")}
 if _BACKEND["dense"] not in ("flash", "cudnn"):
     raise ValueError(f"DRAFTPORT_ATTENTION={_BACKEND['dense']!r}: flash or cudnn")
+if _BACKEND["packed"] not in ("varlen", "segments"):
+    raise ValueError(f"DRAFTPORT_PACKED_ATTENTION={_BACKEND['packed']!r}: varlen or segments")
 
 
 def set_attention_backend(name: str) -> None:
@@ -51,6 +57,14 @@ def set_attention_backend(name: str) -> None:
     if name not in ("flash", "cudnn"):
         raise ValueError(f"attention backend {name!r}: flash or cudnn")
     _BACKEND["dense"] = name
+
+
+def set_packed_attention(name: str) -> None:
+    """varlen (default) or segments: how packed rows' causal part runs on CUDA (the CPU path
+    always runs the dense kernel once per segment)."""
+    if name not in ("varlen", "segments"):
+        raise ValueError(f"packed attention {name!r}: varlen or segments")
+    _BACKEND["packed"] = name
 
 
 def _flash_fwd(q, k, v, scale):
@@ -137,40 +151,50 @@ def _lse_from_tok(lse_tok, like, seg: Segments):
     return out.view(S, L, h).permute(0, 2, 1).contiguous()
 
 
+def _seg_view(t, s: int, e: int):
+    """Rows s..e of a token-major [N, h, d] tensor as [1, h, e-s, d]: a view on CUDA (the dense
+    kernels take the token-major strides), a contiguous copy for the CPU kernels."""
+    v = t[s:e].transpose(0, 1)[None]
+    return v if t.is_cuda else v.contiguous()
+
+
 def _seg_fwd(q, k, v, seg: Segments, scale):
     """Causal attention inside each segment, token-major: q/k/v [N, h, d] -> (o [N, h, d],
     lse [N, h] fp32, extras)."""
-    if q.is_cuda:
+    if q.is_cuda and _BACKEND["packed"] == "varlen":
         cu = seg.cu_dev(q.device)
         r = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, seg.max_len, seg.max_len, 0.0, True,
                                                     False, scale=scale)
         lse = r[1]
         return r[0], _lse_to_tok(lse, seg, q.shape[0]), (lse, r[2], r[3])
+    # the dense kernel once per segment (_flash_fwd: the CPU kernel, or flash/cuDNN on CUDA)
     N, h, d = q.shape
-    o, lse = torch.empty_like(q), None
+    o, lse, each = torch.empty_like(q), None, []
     for s, e in zip(seg.cu[:-1], seg.cu[1:]):
-        qs, ks, vs = (t[s:e].transpose(0, 1)[None].contiguous() for t in (q, k, v))
-        os_, ls = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, ks, vs, 0.0, True, scale=scale)
+        os_, ls, ex = _flash_fwd(_seg_view(q, s, e), _seg_view(k, s, e), _seg_view(v, s, e), scale)
         if lse is None:
             lse = torch.empty(N, h, dtype=ls.dtype, device=q.device)
         o[s:e] = os_[0].transpose(0, 1)
         lse[s:e] = ls[0].t()
-    return o, lse, ()
+        each.append(ex)
+    return o, lse, ("segments", each)
 
 
 def _seg_bwd(do, q, k, v, o, lse, seg: Segments, scale, extras):
-    if q.is_cuda:
+    if not isinstance(extras[0], str):   # flash varlen (CUDA): (its lse, rng state, unused)
         like, rng, unused = extras
         cu = seg.cu_dev(q.device)
         do = do if do.stride(-1) == 1 else do.contiguous()
         return torch.ops.aten._flash_attention_backward(
             do, q, k, v, o, _lse_from_tok(lse, like, seg), cu, cu, seg.max_len, seg.max_len, 0.0, True,
             rng, unused, scale=scale)
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    lse_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    for s, e in zip(seg.cu[:-1], seg.cu[1:]):
-        ts = [t[s:e].transpose(0, 1)[None].contiguous() for t in (do, q, k, v, o)]
-        ls = lse[s:e].t()[None].contiguous().to(torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype)
-        g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*ts, ls, 0.0, True, scale=scale)
+    for (s, e), ex in zip(zip(seg.cu[:-1], seg.cu[1:]), extras[1]):
+        ts = [_seg_view(t, s, e) for t in (do, q, k, v, o)]
+        ls = lse[s:e].t()[None].contiguous().to(lse_dtype)
+        g = _flash_bwd(*ts, ls, scale, ex)
         for out, gi in zip((dq, dk, dv), g):
             out[s:e] = gi[0].transpose(0, 1)
     return dq, dk, dv
