@@ -9,8 +9,9 @@ autograd's adds; --lever stacked_head: the TTT steps' lm_head GEMMs and soft-CE 
 --lever skip_uncounted: the per-step lm_head and soft-CE on the rows the loss counts only
 (ttt.set_skip_uncounted) against every row; --lever packed_segments: packed rows' causal
 attention by the dense kernel (--attn-backend's) once per segment (kernels.set_packed_attention)
-against flash varlen over all segments (only the mix's packed rows differ). --prompt-share F [F ...]: each fixed length also
-with its first F of the rows a prompt (no loss there), as chat data has.
+against flash varlen over all segments (only the mix's packed rows differ). --prompt-share F
+[F ...]: each fixed length also with its first F of the rows a prompt (no loss there), as chat
+data has.
 
 Per configuration: first the gradients of one step from the same state with the lever off,
 off again and on (the largest absolute difference over all trainable tensors, and how many
@@ -19,9 +20,10 @@ itself); then --rounds rounds of (off, on) blocks, alternated so that a drift of
 clocks falls on both sides: a block is --iters steps at a fixed length, or one pass over the
 bench's length mix (--mix samples, packed into rows of <= 8192 tokens as train() packs them);
 the figure is real tokens over the median block of each side. With --profile-dir, a profile of
-two steps at each fixed length and of the mix's first step twice (the --profile-sets; kernel time by kind and the kernel table)
-with the lever on and/or off (--profile-stream on off), and with --profile-shapes one step's ops
-by input shape with the levers at their defaults (which add, mul or copy is which).
+two steps at each fixed length and of the mix's first step twice (the --profile-sets; kernel
+time by kind and the kernel table) with the lever on and/or off (--profile-stream on off), and
+with --profile-shapes one step's ops by input shape with the levers at their defaults (which
+add, mul or copy is which).
 
 Prints figures and writes --json; asserts nothing.
 
