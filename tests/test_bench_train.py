@@ -299,6 +299,9 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
         assert "--seqs 64 " in cmds[0] and "--mix " not in cmds[0]
         assert "--mix " in cmds[1] and "--seqs 64" not in cmds[1]
     assert p["config"]["peer_process"] == "per-shape"
+    # a peer missing from this Python stops before importing torch, saying so
+    assert "speculators_run.py: speculators is not installed in" in r.stdout
+    assert "specforge_run.py: specforge is not installed in" in r.stdout
 
     def rec(config, tps, impl, trained, **kw):
         return dict(config=config, real_tokens_per_s=tps, tokens_per_s=tps, peak_mem_gib=1.0, impl=impl,

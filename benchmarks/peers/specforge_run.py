@@ -14,6 +14,7 @@ TrainerCore, BF16Optimizer with fp32 masters, clip 0.5), built once per trainabl
 Timing: torch.cuda.synchronize around each step. Prints one JSON line per configuration.
 """
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -38,6 +39,9 @@ ap.add_argument("--off-draft-scale", type=float, default=0.5,
 ap.add_argument("--cpu-test", action="store_true", help="as the anchor's: triton stubbed for import, "
                 "SpecForge's reference loss in place of its Triton kernel (plumbing only)")
 a = ap.parse_args()
+
+if importlib.util.find_spec("specforge") is None:   # before torch's import: a missing peer fails in ~0.1 s
+    sys.exit(f"specforge_run.py: specforge is not installed in {sys.executable} (pip install --no-deps specforge==0.2.0)")
 
 import torch  # noqa: E402
 
