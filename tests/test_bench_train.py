@@ -584,6 +584,27 @@ def test_swiglu_gradient_kernel_hands_back_the_forward_product():
     assert torch.allclose(du.double(), ref_u.grad, rtol=2e-2, atol=1e-2)
 
 
+def _fp64_terms_and_grads(cfg, batch, head, steps, train_head, accumulate):
+    """One fused TTT loss and backward of a fresh fp64 toy drafter -> (loss, stats, gradients)."""
+    d = toy_drafter(cfg, seed=7).double()
+    d.lm_head.weight.requires_grad_(train_head)
+    d.accumulate_wgrad = accumulate
+    d.zero_grad(set_to_none=True)
+    loss, stats = combine(ttt_terms(d, batch, head, steps, fused=True, chunk=5), 0.8)
+    loss.backward()
+    return float(loss), stats, {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+
+
+def _assert_same_fp64(out, train_head, stat_key):
+    """The two sides of a switch: the same loss, stats (they pass through fp32) and gradients."""
+    (l0, s0, g0), (l1, s1, g1) = out
+    assert l0 == pytest.approx(l1, rel=1e-12) and l0 > 0
+    assert s0 == pytest.approx(s1, rel=1e-6) and s0[stat_key] > 0
+    assert g0.keys() == g1.keys() and ("lm_head.weight" in g0) == train_head
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], atol=1e-12, rtol=1e-9), k
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("train_head,accumulate", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("group_bytes", [None, 1])
@@ -617,23 +638,12 @@ def test_stacked_lm_head_gives_the_per_step_terms_and_gradients(packed, train_he
         for on in (False, True):
             ttt.set_stacked_head(on)
             ttt.STACK_BYTES = group_bytes or budget
-            d = toy_drafter(cfg, seed=7).double()
-            d.lm_head.weight.requires_grad_(train_head)
-            d.accumulate_wgrad = accumulate
-            d.zero_grad(set_to_none=True)
-            loss, stats = combine(ttt_terms(d, batch, head, 4, fused=True, chunk=5), 0.8)
-            loss.backward()
-            out.append((float(loss), stats, {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}))
+            out.append(_fp64_terms_and_grads(cfg, batch, head, 4, train_head, accumulate))
     finally:
         ttt.set_stacked_head(default)
         ttt.STACK_BYTES = budget
     assert calls == {"stacked": [1, 1, 1, 1] if group_bytes else [4], "per_step": 4}
-    (l0, s0, g0), (l1, s1, g1) = out
-    assert l0 == pytest.approx(l1, rel=1e-12) and l0 > 0
-    assert s0 == pytest.approx(s1, rel=1e-6) and s0["n_3"] > 0   # stats pass through fp32
-    assert g0.keys() == g1.keys() and ("lm_head.weight" in g0) == train_head
-    for k in g0:
-        assert torch.allclose(g0[k], g1[k], atol=1e-12, rtol=1e-9), k
+    _assert_same_fp64(out, train_head, "n_3")
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -663,13 +673,7 @@ def test_skipping_uncounted_rows_gives_every_row_s_terms_and_gradients(packed, t
     try:
         for on in (False, True):
             ttt.set_skip_uncounted(on)
-            d = toy_drafter(cfg, seed=7).double()
-            d.lm_head.weight.requires_grad_(train_head)
-            d.accumulate_wgrad = accumulate
-            d.zero_grad(set_to_none=True)
-            loss, stats = combine(ttt_terms(d, batch, head, 5, fused=True, chunk=5), 0.8)
-            loss.backward()
-            out.append((float(loss), stats, {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}))
+            out.append(_fp64_terms_and_grads(cfg, batch, head, 5, train_head, accumulate))
             if not on:
                 assert ran == []
     finally:
@@ -678,12 +682,7 @@ def test_skipping_uncounted_rows_gives_every_row_s_terms_and_gradients(packed, t
     assert [j for j, _, _ in ran] == list(range(5))
     for j, n_idx, n_ok in ran:
         assert n_idx == max(n_ok, 1) and n_ok <= (1 - ttt.SKIP_MIN) * rows, (j, n_idx, n_ok)
-    (l0, s0, g0), (l1, s1, g1) = out
-    assert l0 == pytest.approx(l1, rel=1e-12) and l0 > 0
-    assert s0 == pytest.approx(s1, rel=1e-6) and s0["n_0"] > 0
-    assert g0.keys() == g1.keys() and ("lm_head.weight" in g0) == train_head
-    for k in g0:
-        assert torch.allclose(g0[k], g1[k], atol=1e-12, rtol=1e-9), k
+    _assert_same_fp64(out, train_head, "n_0")
 
 
 def test_counted_rows_leave_dense_steps_alone_and_keep_a_row_for_empty_ones():
