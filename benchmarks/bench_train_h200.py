@@ -871,9 +871,9 @@ def parse(argv=None):
     ap.add_argument("--attn-backend", choices=["auto", "flash", "cudnn"], default="auto",
                     help="the dense causal part's kernel; auto: the faster of the two at these lengths "
                          "(timed first), flash if cuDNN fails its check")
-    ap.add_argument("--packed-attention", choices=["varlen", "segments"], default=None,
-                    help="packed rows' causal part on CUDA: flash varlen (draftport's default) or the "
-                         "dense kernel (--attn-backend's) once per segment")
+    ap.add_argument("--packed-attention", choices=["auto", "varlen", "segments"], default=None,
+                    help="packed rows' causal part on CUDA: flash varlen or the dense kernel "
+                         "(--attn-backend's) once per segment; auto (draftport's default): segments under cudnn")
     ap.add_argument("--mix", type=int, default=None, help="samples in the length mix (0: none; 20 on CUDA, 8 toy)")
     ap.add_argument("--mix-max", type=int, default=None, help="longest sample (2048; toy 64)")
     ap.add_argument("--mix-seed", type=int, default=1)
@@ -1299,7 +1299,7 @@ def main(argv=None) -> dict:
                    "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
                    "switches": {"kv_grad_sum": kernels._KVSUM["on"], "wgrad_stream": kernels._WGRAD["on"],
                                 "stacked_lm_head": ttt_mod._STACKED["on"], "skip_uncounted_rows": ttt_mod._SKIP["on"],
-                                "packed_attention": kernels._BACKEND["packed"]},
+                                "packed_attention": kernels.packed_attention(attn)},
                    "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS, "pipeline_trains_with": "mask stored (features.build_features "
                    "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing"},
         "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],

@@ -58,7 +58,7 @@ LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_gra
 LEVER = [kernels.set_wgrad_stream]
 DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"],
             "stacked_head": ttt_mod._STACKED["on"], "skip_uncounted": ttt_mod._SKIP["on"],
-            "packed_segments": kernels._BACKEND["packed"] == "segments"}   # as imported
+            "packed_segments": None}   # as imported; packed_segments: set after the dense backend
 
 
 def set_lever(on: bool) -> None:
@@ -104,6 +104,7 @@ def main(argv=None):
     ttt_mod.compile_loss_kernels()
     d.accumulate_wgrad = True
     kernels.set_attention_backend(a.attn_backend)
+    DEFAULTS["packed_segments"] = kernels.packed_attention() == "segments"
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seqs": a.seqs,
            "rounds": a.rounds, "iters": a.iters, "attention": a.attn_backend, "results": {}}
 

@@ -798,21 +798,28 @@ def test_profile_kinds_put_flash_varlen_under_attention():
 
 def test_attention_switches_refuse_unknown_names():
     """The dense and packed attention switches take their known names only, by call or by
-    environment (the environment's checked at import, one line naming the variable)."""
+    environment (the environment's checked at import, one line naming the variable); the packed
+    default, auto, runs segments under cudnn and varlen under flash."""
     from draftport import kernels
     before = dict(kernels._BACKEND)
     try:
+        assert before["packed"] == "auto" or os.environ.get("DRAFTPORT_PACKED_ATTENTION")
+        kernels.set_packed_attention("auto")
+        for dense, path in (("cudnn", "segments"), ("flash", "varlen")):
+            kernels.set_attention_backend(dense)
+            assert kernels.packed_attention() == path
+        assert kernels.packed_attention("cudnn") == "segments"   # under a named backend
         kernels.set_packed_attention("segments")
-        assert kernels._BACKEND["packed"] == "segments"
+        assert kernels.packed_attention() == "segments" == kernels.packed_attention("flash")
         kernels.set_packed_attention("varlen")
-        with pytest.raises(ValueError, match="varlen or segments"):
+        with pytest.raises(ValueError, match="auto, varlen or segments"):
             kernels.set_packed_attention("ragged")
         with pytest.raises(ValueError, match="flash or cudnn"):
             kernels.set_attention_backend("math")
-        assert kernels._BACKEND["packed"] == "varlen"
+        assert kernels._BACKEND["packed"] == "varlen" and kernels.packed_attention("cudnn") == "varlen"
     finally:
         kernels._BACKEND.update(before)
     env = dict(os.environ, DRAFTPORT_PACKED_ATTENTION="ragged")
     r = subprocess.run([sys.executable, "-c", "import draftport.kernels"], capture_output=True, text=True,
                        env=env, timeout=120)
-    assert r.returncode != 0 and "DRAFTPORT_PACKED_ATTENTION='ragged': varlen or segments" in r.stderr
+    assert r.returncode != 0 and "DRAFTPORT_PACKED_ATTENTION='ragged': auto, varlen or segments" in r.stderr

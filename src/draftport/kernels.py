@@ -11,7 +11,8 @@ dS = P_final * (dP - rowsum(dO * O_final)) per key block), so no [T, T] tensor e
 assumes right padding (a valid row's earlier rows are valid), as `data.collate` pads.
 
 Packed rows (draftport.packing): the step-0 part runs per segment instead (variable-length
-flash attention over cu_seqlens on CUDA, the CPU flash kernel segment by segment elsewhere), in
+flash attention over cu_seqlens on CUDA, or the dense kernel segment by segment: the CPU
+flash kernel, and on CUDA under cudnn by default, `set_packed_attention`), in
 a token-major layout [B*T, h, d] with the log-sum-exp as [B*T, h]. The diagonal merge and its
 gradients run in that layout on both paths: q/k/v come token-major from the drafter (a
 [B, h, T, d] view of [B, T, h, d]), the dense kernels keep that layout in their outputs and
@@ -41,15 +42,16 @@ import torch.nn.functional as F
 # ---- fused TTT attention ----------------------------------------------------------------------
 # the CUDA kernel of the dense causal part: flash (default) or cudnn (DRAFTPORT_ATTENTION=cudnn);
 # benchmarks/bench_train_h200.py times both on the device and says which is faster where
-# packed rows on CUDA: flash varlen, one call for all segments (default), or the dense kernel
-# above once per segment (DRAFTPORT_PACKED_ATTENTION=segments; with cudnn, cuDNN's dense causal
-# kernel, which ran ~2x flash varlen's rate at 2,048 on an H200: results/*-profiles-4 vs -6)
+# packed rows on CUDA: flash varlen, one call for all segments, or the dense kernel above once
+# per segment (segments). auto (default): segments when the dense kernel is cuDNN, whose dense
+# causal 2,048 ran ~2x flash varlen's rate on an H200 (results/*-profiles-4 vs -6) and the length
+# mix's whole step 1.0-1.2% faster (results/*-probe-packed-segments); varlen with flash
 _BACKEND = {"dense": os.environ.get("DRAFTPORT_ATTENTION", "flash"),
-            "packed": os.environ.get("DRAFTPORT_PACKED_ATTENTION", "varlen")}
+            "packed": os.environ.get("DRAFTPORT_PACKED_ATTENTION", "auto")}
 if _BACKEND["dense"] not in ("flash", "cudnn"):
     raise ValueError(f"DRAFTPORT_ATTENTION={_BACKEND['dense']!r}: flash or cudnn")
-if _BACKEND["packed"] not in ("varlen", "segments"):
-    raise ValueError(f"DRAFTPORT_PACKED_ATTENTION={_BACKEND['packed']!r}: varlen or segments")
+if _BACKEND["packed"] not in ("auto", "varlen", "segments"):
+    raise ValueError(f"DRAFTPORT_PACKED_ATTENTION={_BACKEND['packed']!r}: auto, varlen or segments")
 
 
 def set_attention_backend(name: str) -> None:
@@ -60,11 +62,19 @@ def set_attention_backend(name: str) -> None:
 
 
 def set_packed_attention(name: str) -> None:
-    """varlen (default) or segments: how packed rows' causal part runs on CUDA (the CPU path
-    always runs the dense kernel once per segment)."""
-    if name not in ("varlen", "segments"):
-        raise ValueError(f"packed attention {name!r}: varlen or segments")
+    """auto (default), varlen or segments: how packed rows' causal part runs on CUDA (the CPU
+    path always runs the dense kernel once per segment); auto is segments under cudnn."""
+    if name not in ("auto", "varlen", "segments"):
+        raise ValueError(f"packed attention {name!r}: auto, varlen or segments")
     _BACKEND["packed"] = name
+
+
+def packed_attention(dense: str | None = None) -> str:
+    """The packed rows' path on CUDA, varlen or segments, under this dense backend (None: the
+    one set now)."""
+    if _BACKEND["packed"] == "auto":
+        return "segments" if (dense or _BACKEND["dense"]) == "cudnn" else "varlen"
+    return _BACKEND["packed"]
 
 
 def _flash_fwd(q, k, v, scale):
@@ -161,7 +171,7 @@ def _seg_view(t, s: int, e: int):
 def _seg_fwd(q, k, v, seg: Segments, scale):
     """Causal attention inside each segment, token-major: q/k/v [N, h, d] -> (o [N, h, d],
     lse [N, h] fp32, extras)."""
-    if q.is_cuda and _BACKEND["packed"] == "varlen":
+    if q.is_cuda and packed_attention() == "varlen":
         cu = seg.cu_dev(q.device)
         r = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, seg.max_len, seg.max_len, 0.0, True,
                                                     False, scale=scale)
