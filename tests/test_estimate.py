@@ -48,15 +48,26 @@ def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     assert rep["phase1_hours"] == pytest.approx(2 * rows["phase1"]["hours"])  # control + fine-tune
     # 57 KB/token at H 7168, as DESIGN.md states
     assert rep["bytes_per_token"] == 4 * 7168 * 2 + 5
+    assert {r["rows"] for r in rep["rows"]} == {"packed"}   # the profile packs (train.packing)
     frozen = P.merge(kimi_cfg, {"phase2": {"train": {"train_lm_head": False}}})
     assert {r["rule"]: r for r in E.estimate(frozen, capture_eff=0.42)["rows"]}["phase2"]["tok_s_per_gpu"] == round(
         bench["packed_real_tokens_per_s_lm_head_frozen"])
-    # a result without a length mix: its full-row figures
+    # a rule that pads its rows reads the padded figures of the same mix
+    padded = P.merge(kimi_cfg, {"phase1": {"train": {"packing": False}},
+                                "phase2": {"train": {"packing": False, "train_lm_head": False}}})
+    rows = {r["rule"]: r for r in E.estimate(padded, capture_eff=0.42)["rows"]}
+    assert (rows["phase1"]["rows"], rows["phase1"]["tok_s_per_gpu"]) == ("padded", round(bench["padded_real_tokens_per_s"]))
+    assert (rows["phase2"]["rows"], rows["phase2"]["tok_s_per_gpu"]) == (
+        "padded", round(bench["mix_results"]["padded_frozen_stored"]["tokens_per_s"]))
+    assert rows["phase1_scratch"]["rows"] == "padded"   # the control trains as phase1.train says
+    assert bench["padded_real_tokens_per_s"] < bench["packed_real_tokens_per_s"]
+    # a result without a length mix: its full-row figures, for either layout
     old = ROOT / "benchmarks/results/2026-11-29-h200.json"
     full = json.loads(old.read_text())
     b = E.bench_throughput(old)
     assert (b["lm_head_trainable"], b["lm_head_frozen"], b["rate"]) == (
         full["tokens_per_s_lm_head_trainable"], full["tokens_per_s_mask_precomputed"], "full rows")
+    assert (b["padded_lm_head_trainable"], b["padded_lm_head_frozen"]) == (b["lm_head_trainable"], b["lm_head_frozen"])
 
 
 def test_kimi_shape_is_1t_params_32b_active(kimi):

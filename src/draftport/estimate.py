@@ -5,8 +5,9 @@ Training (per rule, from a measured one-GPU throughput; bench_throughput says wh
     tokens  = steps x global batch x tokens per sample
     seconds = tokens / (one-GPU tok/s x GPUs x scaling efficiency)
 The one-GPU figure is read from a benchmark result (benchmarks/results/*.json of
-benchmarks/bench_train_h200.py): `tokens_per_s_lm_head_trainable` when the phase trains lm_head
-(draftport's default; Phase 1's vocab remap needs it), else `tokens_per_s_mask_precomputed`.
+benchmarks/bench_train_h200.py): its rate with lm_head trained when the phase trains it
+(draftport's default; Phase 1's vocab remap needs it), else frozen; on packed rows when the
+phase's train.packing is true, else padded (bench_throughput).
 
 Data (per feature step; docs/estimate.md has the formulas and the kimi table):
     regenerate: samples x answer tokens / the serving deployment's output tok/s (stated)
@@ -86,10 +87,12 @@ def _read_json(path: Path, missing: str):
 
 
 def bench_throughput(path=DEFAULT_BENCH) -> dict:
-    """The one-GPU training rates of a bench_train_h200 result: a result with a length mix gives
-    its packed real-token rates (`packed_real_tokens_per_s`, lm_head trained; `..._lm_head_frozen`),
-    the rows the pipeline trains (train.packing, the greedy choice stored); an older one its
-    full-row rates (`tokens_per_s_lm_head_trainable`, `tokens_per_s_mask_precomputed`)."""
+    """The one-GPU training rates of a bench_train_h200 result. A result with a length mix gives
+    its real-token rates for the two row layouts train.packing picks from: packed
+    (`packed_real_tokens_per_s`, lm_head trained; `..._lm_head_frozen`) and padded
+    (`padded_real_tokens_per_s`; frozen: `mix_results.padded_frozen_stored`), the greedy choice
+    stored as the pipeline stores it. An older one gives its full-row rates for both
+    (`tokens_per_s_lm_head_trainable`, `tokens_per_s_mask_precomputed`)."""
     path = Path(path)
     d = _read_json(path, "no such benchmark result")
     try:
@@ -99,13 +102,18 @@ def bench_throughput(path=DEFAULT_BENCH) -> dict:
             mix = d.get("mix") or {}
             out.update(lm_head_trainable=float(d["packed_real_tokens_per_s"]),
                        lm_head_frozen=float(d["packed_real_tokens_per_s_lm_head_frozen"]),
-                       rate=f"packed rows, real tokens of a length mix ({mix.get('n', '?')} samples, mean "
-                            f"{mix.get('mean', '?')}, max {mix.get('max', '?')} tokens)")
+                       padded_lm_head_trainable=float(d["padded_real_tokens_per_s"]),
+                       padded_lm_head_frozen=float(d["mix_results"]["padded_frozen_stored"]["tokens_per_s"]),
+                       rate=f"real tokens of a length mix ({mix.get('n', '?')} samples, mean "
+                            f"{mix.get('mean', '?')}, max {mix.get('max', '?')} tokens), packed rows or "
+                            f"padded groups of {mix.get('pad_batch', '?')} as train.packing says")
         else:
             out.update(lm_head_trainable=float(d["tokens_per_s_lm_head_trainable"]),
                        lm_head_frozen=float(d["tokens_per_s_mask_precomputed"]), rate="full rows")
+            out.update(padded_lm_head_trainable=out["lm_head_trainable"],
+                       padded_lm_head_frozen=out["lm_head_frozen"])
         return out
-    except KeyError as e:
+    except (KeyError, TypeError) as e:
         raise DraftportError(path, f"benchmark result lacks {e}") from None
 
 
@@ -303,14 +311,16 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
         tr = cfg[group]["train"]
         n_gpu = _gpus(cfg, f"train_{rule}", gpus)  # the training step's resources (draftport.steps.registry)
         trainable = tr.get("train_lm_head", True)
-        rate = b["lm_head_trainable"] if trainable else b["lm_head_frozen"]
+        packed = bool(tr.get("packing", False))
+        rate = b[("" if packed else "padded_") + ("lm_head_trainable" if trainable else "lm_head_frozen")]
         steps, batch = int(tr["steps"]), int(tr["batch_size"])
         sec = train_seconds(steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate,
                             gpus=n_gpu, efficiency=efficiency)
         n = cfg[group]["n_samples"]
         rows.append({"rule": rule, "phase": group, "steps": steps, "batch_size": batch, "samples": n,
                      "epochs": round(steps * batch / n, 2), "tokens": steps * batch * tps,
-                     "lm_head": "trainable" if trainable else "frozen", "tok_s_per_gpu": round(rate),
+                     "lm_head": "trainable" if trainable else "frozen", "rows": "packed" if packed else "padded",
+                     "tok_s_per_gpu": round(rate),
                      "gpus": n_gpu, "seconds": sec, "hours": sec / 3600})
 
     tc, shape_from = target_config(cfg, target_config_path)

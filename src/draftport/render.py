@@ -229,7 +229,7 @@ def estimate_renderables(rep: dict) -> list:
         f"one-GPU dense capture fraction holds for the MoE target over {g} GPUs (tensor parallel, "
         "active params per token)")
     # no cell padding (the box's column divider is a space): the nine columns fit an 80-column
-    # terminal without cutting a figure
+    # terminal without cutting a figure (the rows' layout goes on the line below the table)
     t = Table(box=box.SIMPLE_HEAD, padding=0)
     t.add_column("rule", no_wrap=True)
     for col in ("steps", "batch", "epochs", "tokens", "lm_head", "tok/s/GPU", "GPUs", "hours"):
@@ -237,7 +237,10 @@ def estimate_renderables(rep: dict) -> list:
     for r in rep["rows"]:
         t.add_row(r["rule"], str(r["steps"]), str(r["batch_size"]), f"{r['epochs']:.2f}", f"{r['tokens']:,}",
                   r["lm_head"], f"{r['tok_s_per_gpu']:,}", str(r["gpus"]), f"{r['hours']:.2f}")
-    mid = Text.assemble(("Phase 1 (control + fine-tune): ", "bold"), f"{rep['phase1_hours']:.2f} h;  ",
+    layout = {k: [r["rule"] for r in rep["rows"] if r["rows"] == k] for k in ("packed", "padded")}
+    rows_line = Text.assemble(("rows: ", "bold"), ";  ".join(
+        f"{k} ({', '.join(v)})" for k, v in layout.items() if v), " as each rule's train.packing says\n")
+    mid = Text.assemble(rows_line, ("Phase 1 (control + fine-tune): ", "bold"), f"{rep['phase1_hours']:.2f} h;  ",
                         ("Phase 2: ", "bold"), f"{rep['phase2_hours']:.2f} h (training only)")
     d = Table(box=box.SIMPLE_HEAD, padding=0)
     d.add_column("data step", no_wrap=True)
