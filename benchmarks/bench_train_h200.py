@@ -1301,7 +1301,8 @@ def main(argv=None) -> dict:
                                 "stacked_lm_head": ttt_mod._STACKED["on"], "skip_uncounted_rows": ttt_mod._SKIP["on"],
                                 "packed_attention": kernels.packed_attention(attn)},
                    "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS, "pipeline_trains_with": "mask stored (features.build_features "
-                   "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing"},
+                   "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing "
+                   "(the kimi profile: true), the attention kernel per train.attention (the kimi profile: cudnn)"},
         "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],
                                      "train_lm_head_trainable": flops_per_token(cfg, T, a.ttt, True)["train"],
                                      "mask_extra": flops_per_token(cfg, T, a.ttt, False)["mask_extra"],

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from draftport.data import FeatureSet, Sequence, write_features
+from draftport.errors import DraftportError
 from draftport.train import TrainConfig, batch_ids, lr_at, train
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -128,6 +130,34 @@ def test_checkpoint_of_other_config_is_set_aside_not_resumed(tmp_path):
     res = train(toy_drafter(seed=5), fs, head, tmp_path / "run", edited, progress=False)
     assert res["steps"] == 4 and len(res["history"]) == 2  # trained from step 0, not resumed
     assert list(tmp_path.glob("run/checkpoints.stale-*"))
+
+
+def test_attention_key_sets_the_kernel_and_a_change_of_it_still_resumes(tmp_path):
+    """train.attention picks the process's CUDA attention kernel (the CPU path ignores it: this
+    checks the switch and the resume, the H200 benchmark runs the kernels); a checkpoint made
+    under one kernel is continued under the other, and "default" leaves the switch alone."""
+    from draftport import kernels
+
+    fs, head = make_features(tmp_path)
+    before = dict(kernels._BACKEND)
+    base = dict(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2)
+    try:
+        kernels.set_attention_backend("flash")
+        kernels.set_packed_attention("auto")
+        train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, attention="cudnn"),
+              progress=False, stop_after=2)
+        assert kernels._BACKEND["dense"] == "cudnn" and kernels.packed_attention() == "segments"
+        res = train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, attention="flash"),
+                    progress=False)
+        assert res["resumed_from"] == 2 and res["steps"] == 4
+        assert kernels._BACKEND["dense"] == "flash" and kernels.packed_attention() == "varlen"
+        kernels.set_attention_backend("cudnn")
+        train(toy_drafter(seed=5), fs, head, tmp_path / "other", TrainConfig(**dict(base, steps=1)), progress=False)
+        assert kernels._BACKEND["dense"] == "cudnn"   # default: as the environment / caller set it
+    finally:
+        kernels._BACKEND.update(before)
+    with pytest.raises(DraftportError, match=r"train\.attention: must be one of default, flash, cudnn"):
+        TrainConfig(**base, attention="math")
 
 
 # ---- held-out tau during training (train.eval_every, train.patience) ----------------------------

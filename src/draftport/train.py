@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .checkpoint import atomic_dir
 from .data import FeatureSet, collate
+from . import kernels
 from .drafter import Eagle3Drafter
 from .errors import DraftportError
 from .optim import AdamW
@@ -154,8 +155,9 @@ def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None) -> bool:
     if state.get("inputs") != inputs:
         return False
     saved = {"eval_every": 0, "patience": 0, "packing": False, **state.get("config", {})}  # older checkpoints predate them
-    # parallel: ddp and fsdp make the same updates (and older checkpoints predate the key)
-    cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel"}
+    # parallel: ddp and fsdp make the same updates, and so do the attention kernels (up to their
+    # rounding); older checkpoints predate both keys
+    cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel", "attention"}
     now = cfg.model_dump()
     return {k: v for k, v in saved.items() if k not in cadence} == {k: v for k, v in now.items() if k not in cadence}
 
@@ -333,6 +335,8 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     if cfg.eval_every and fsdp:
         raise DraftportError("train.eval_every", "held-out tau during training runs on a whole drafter: "
                              "use parallel ddp (or eval_every 0) under fsdp")
+    if cfg.attention != "default":   # the process's kernel from here on (a training owns its process)
+        kernels.set_attention_backend(cfg.attention)
     if impl == "compiled":
         drafter.compile_regions()
         compile_loss_kernels()
