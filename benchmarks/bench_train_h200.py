@@ -13,7 +13,10 @@ samples rounded up to 64 tokens as train() packs it, where speculators pads each
 --pack-len), ours padded (groups of --pad-batch samples right-padded
 to the longest, as data.collate does), and each peer as it trains by default; throughput on the
 mix counts real (non-padding) tokens, over the median of --mix-passes timed passes (ours and each
-peer's alike; the fixed lengths take the median step). Each peer also runs the other trainable set (speculators:
+peer's alike; the fixed lengths take the median step). Each mix sample opens with a 16-token
+prompt in ours (none in the peers'); --mix-prompt-share F makes the first F of each sample's
+tokens a prompt, masked in ours and in the peers' losses alike (chat-shaped data, where ours
+runs TTT steps >= 1 on fewer rows: ttt.set_skip_dead_rows). Each peer also runs the other trainable set (speculators:
 lm_head frozen by default, also trained; SpecForge: trained by default, also frozen at the fixed
 lengths), so every ratio to "the faster peer" compares equal work at one set. Prints tokens/s,
 analytic FLOPs/token, MFU against --peak-tflops (model FLOPs) and the hardware rate of the FLOPs
@@ -744,13 +747,18 @@ def mix_lengths(n, max_len, seed, min_len=64):
     return [int(v) for v in x.round().clamp(min(min_len, max_len // 4), max_len).tolist()]
 
 
-def mix_samples(cfg, lengths, dev, dtype, seed=7):
+def mix_prompts(lengths, prompt_share=0.0) -> list[int]:
+    """The prompt (no-loss) rows at the head of each mix sample: 16 tokens (a quarter of a
+    shorter sample), or with prompt_share > 0 that share of the sample's tokens, at least that."""
+    return [max(min(16, n // 4), int(round(prompt_share * n))) for n in lengths]
+
+
+def mix_samples(cfg, lengths, dev, dtype, seed=7, prompt_share=0.0):
     """Synthetic samples (FeatureSet.sample dicts) of these lengths, on the device: assistant
-    tokens after a 16-token prompt."""
+    tokens after the prompt mix_prompts gives."""
     g = torch.Generator(device=dev).manual_seed(seed)
     out = []
-    for n in lengths:
-        rs = min(16, n // 4)
+    for n, rs in zip(lengths, mix_prompts(lengths, prompt_share)):
         lm = torch.zeros(n, dtype=torch.bool, device=dev)
         lm[rs:] = True
         out.append({"tokens": torch.randint(0, cfg.vocab_size, (n,), device=dev, generator=g), "loss_mask": lm,
@@ -877,6 +885,9 @@ def parse(argv=None):
     ap.add_argument("--mix", type=int, default=None, help="samples in the length mix (0: none; 20 on CUDA, 8 toy)")
     ap.add_argument("--mix-max", type=int, default=None, help="longest sample (2048; toy 64)")
     ap.add_argument("--mix-seed", type=int, default=1)
+    ap.add_argument("--mix-prompt-share", type=float, default=0.0,
+                    help="each mix sample's first share of tokens a prompt, no loss there, ours and the peers' "
+                         "(0: 16-token prompts in ours, none in the peers')")
     ap.add_argument("--mix-passes", type=int, default=3, help="timed passes over the mix, ours and the peers' "
                     "(each figure: real tokens over its median pass)")
     ap.add_argument("--pack-len", type=int, default=None, help="tokens per packed step (8192 as speculators' "
@@ -946,7 +957,7 @@ def run_key(a) -> dict:
     mix = None
     if a.mix:
         mix = {"lengths": mix_lengths(a.mix, a.mix_max, a.mix_seed), "pack_len": a.pack_len,
-               "timed_passes": a.mix_passes}
+               "timed_passes": a.mix_passes, "prompt_share": a.mix_prompt_share}
     return {"hidden_size": SIZES[a.size]["hidden_size"], "seqs": [int(t) for t in a.seqs], "ttt_steps": a.ttt,
             "mix": mix, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS}
 
@@ -957,7 +968,8 @@ def file_key(res: dict) -> dict:
     return {"hidden_size": c.get("hidden_size"), "seqs": [int(t) for t in (c.get("seqs") or [])],
             "ttt_steps": c.get("ttt_steps"),
             "mix": None if not m else {"lengths": m.get("lengths"), "pack_len": m.get("pack_len"),
-                                       "timed_passes": m.get("timed_passes", 1)},
+                                       "timed_passes": m.get("timed_passes", 1),
+                                       "prompt_share": m.get("prompt_share", 0.0)},
             "target_off_draft_scale": c.get("target_off_draft_scale"), "peer_process": c.get("peer_process")}
 
 
@@ -1243,7 +1255,7 @@ def main(argv=None) -> dict:
     # ---- ours on the mix, after the peers: its compiles (new shapes) are the slowest part ----
     mix_res = {}
     if mix is not None and fused:
-        samples = mix_samples(cfg, mix["lengths"], dev, dtype)
+        samples = mix_samples(cfg, mix["lengths"], dev, dtype, prompt_share=a.mix_prompt_share)
         samples = [{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()} for s in samples]
         (pk, pk_lens), (pd, pd_lens) = layout_mix(samples, a.pack_len, a.pad_batch, dtype)
         del samples
@@ -1349,6 +1361,11 @@ def mix_spec(a, log) -> dict | None:
            "total_tokens": sum(lens), "pack_len": a.pack_len, "pad_batch": a.pad_batch,
            "timed_passes": a.mix_passes, "figure": "real tokens of one pass over its median timed pass (ours and "
                                                     "each peer's)",
+           "prompt_share": a.mix_prompt_share,
+           "prompts": ("16 tokens per sample (a quarter of a shorter one); the peers' loss takes every row"
+                       if not a.mix_prompt_share else
+                       f"the first {a.mix_prompt_share:g} of each sample's tokens (at least 16), in ours' loss "
+                       "masks and the peers'"),
            "packed_layout": f"steps of <= {a.pack_len} tokens (first-fit decreasing), each one row of its "
                             f"samples rounded up to {ROW_MULTIPLE} tokens (as train() packs)"}
     log(f"[mix] {len(lens)} samples, mean {mix['mean']:.0f}, max {mix['max']}, {sum(lens)} tokens; "
@@ -1372,7 +1389,10 @@ def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
     if mix is not None:
         fd, mix_file = tempfile.mkstemp(prefix="mix_", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({"lengths": mix["lengths"]}, f)
+            spec = {"lengths": mix["lengths"]}
+            if mix.get("prompt_share"):   # the peers mask the same prompt rows as ours
+                spec["prompts"] = mix_prompts(mix["lengths"], mix["prompt_share"])
+            json.dump(spec, f)
     try:
         env_py = sys.executable
         toy = ["--toy"] if a.size == "toy" else []

@@ -9,7 +9,9 @@ autograd's adds; --lever stacked_head: the TTT steps' lm_head GEMMs and soft-CE 
 --lever skip_uncounted: the per-step lm_head and soft-CE on the rows the loss counts only
 (ttt.set_skip_uncounted) against every row; --lever packed_segments: packed rows' causal
 attention by the dense kernel (--attn-backend's) once per segment (kernels.set_packed_attention)
-against flash varlen over all segments (only the mix's packed rows differ). --prompt-share F
+against flash varlen over all segments (only the mix's packed rows differ); --lever dead_rows:
+TTT steps >= 1 on the rows a later step scores only (ttt.set_skip_dead_rows: a prompt's rows
+then run step 0 alone) against every row. --prompt-share F
 [F ...]: each fixed length also with its first F of the rows a prompt (no loss there), as chat
 data has.
 
@@ -54,11 +56,13 @@ from draftport.train import TrainConfig, train_step  # noqa: E402
 
 LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_grad_sum,
           "stacked_head": ttt_mod.set_stacked_head, "skip_uncounted": ttt_mod.set_skip_uncounted,
-          "packed_segments": lambda on: kernels.set_packed_attention("segments" if on else "varlen")}
+          "packed_segments": lambda on: kernels.set_packed_attention("segments" if on else "varlen"),
+          "dead_rows": ttt_mod.set_skip_dead_rows}
 LEVER = [kernels.set_wgrad_stream]
 DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"],
             "stacked_head": ttt_mod._STACKED["on"], "skip_uncounted": ttt_mod._SKIP["on"],
-            "packed_segments": None}   # as imported; packed_segments: set after the dense backend
+            "packed_segments": None,   # as imported; packed_segments: set after the dense backend
+            "dead_rows": ttt_mod._LIVE["on"]}
 
 
 def set_lever(on: bool) -> None:
@@ -85,12 +89,15 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--prompt-share", type=float, nargs="+", default=[0.0],
                     help="fixed-length cases with this share of each row's first tokens a prompt (no loss)")
+    ap.add_argument("--mix-prompt-share", type=float, nargs="+", default=[0.0],
+                    help="the mix also with this share of each sample's first tokens a prompt (0: the "
+                         "bench's 16-token prompts)")
     ap.add_argument("--lever", choices=sorted(LEVERS), default="wgrad_stream",
                     help="what on/off switches: the weight-gradient stream (default), the keys' "
                          "gradients summed across TTT steps (kv_sum), or the lm_head stacked over the "
                          "TTT steps (stacked_head), or the lm_head on counted rows only (skip_uncounted), "
                          "or packed rows' attention by the dense kernel once per segment (packed_segments; "
-                         "a mix case only)")
+                         "a mix case only), or steps >= 1 on the rows a later step scores (dead_rows)")
     a = ap.parse_args(argv)
     LEVER[0] = LEVERS[a.lever]
     if not torch.cuda.is_available():
@@ -121,11 +128,13 @@ def main(argv=None):
     out["prompt_share"] = a.prompt_share
     out["lever"] = a.lever
     if a.mix:   # the bench's length mix, packed as train() packs it (or padded in groups of 4): one pass per block
-        samples = bench.mix_samples(cfg, bench.mix_lengths(a.mix, 2048, 1), dev, dtype)
-        (packed, _), (padded, _) = bench.layout_mix(samples, 8192, 4, dtype)
-        for layout, bs in (("packed", packed), ("padded", padded)):
-            if layout in a.mix_layouts:
-                cases.append((f"mix_{layout}", [b.to(dev) for b in bs]))
+        for share in a.mix_prompt_share:
+            samples = bench.mix_samples(cfg, bench.mix_lengths(a.mix, 2048, 1), dev, dtype, prompt_share=share)
+            (packed, _), (padded, _) = bench.layout_mix(samples, 8192, 4, dtype)
+            for layout, bs in (("packed", packed), ("padded", padded)):
+                if layout in a.mix_layouts:
+                    cases.append((f"mix_{layout}" + (f"_prompt{share:g}" if share else ""), [b.to(dev) for b in bs]))
+    out["mix_prompt_share"] = a.mix_prompt_share
     for label, batches in cases:
         stored = bench.with_stored_mask([copy.copy(b) for b in batches[:len(set(map(id, batches)))]], head, hot, 2048)
         stored = stored * (len(batches) // len(stored))

@@ -377,7 +377,8 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     for args, why in (([str(tmp_path / "missing.json")], "no such file"), ([str(tmp_path / "bad.json")], "not JSON"),
                       ([str(tmp_path / "nopeers.json")], "no peers_raw"),
                       ([str(peers_file), "--ttt", "5"], "ttt_steps"), ([str(peers_file), "--mix-seed", "3"], "mix"),
-                      ([str(peers_file), "--seqs", "32"], "seqs"), ([str(tmp_path / "shared.json")], "peer_process")):
+                      ([str(peers_file), "--seqs", "32"], "seqs"), ([str(tmp_path / "shared.json")], "peer_process"),
+                      ([str(peers_file), "--mix-prompt-share", "0.25"], "mix")):
         r = bench("--peers-from", *args, "--json", str(tmp_path / "x.json"))
         assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
         assert not (tmp_path / "x.json").exists()
@@ -443,21 +444,75 @@ def test_embedding_half_once_skips_exactly_its_repeated_gemms():
     def addmm_inplace(self_shape, a_shape, b_shape, *args, out_shape=None, **kw):
         return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
+    from draftport import ttt
+
     cfg = toy_cfg()
     b = toy_batch(cfg, B=2, T=12)
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
     flops = {}
-    for once in (False, True):
-        d = toy_drafter(cfg, seed=6)
-        d.embed_once = once
-        with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_inplace}) as fc:
-            loss, _ = combine(ttt_terms(d, b, head, 4, fused=True, chunk=5), 0.8)
-            loss.backward()
-        flops[once] = fc.get_total_flops()
+    default = ttt._LIVE["on"]
+    try:
+        ttt.set_skip_dead_rows(False)   # every row at every step: this lever's saving alone
+        for once in (False, True):
+            d = toy_drafter(cfg, seed=6)
+            d.embed_once = once
+            with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_inplace}) as fc:
+                loss, _ = combine(ttt_terms(d, b, head, 4, fused=True, chunk=5), 0.8)
+                loss.backward()
+            flops[once] = fc.get_total_flops()
+    finally:
+        ttt.set_skip_dead_rows(default)
     B, T, S, H = 2, 12, 4, cfg.hidden_size
     n_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     saved = 3 * 2 * H * n_out * B * (S * T - (T - 1 + S))   # fwd, dgrad, wgrad of the half
     assert flops[False] - flops[True] == saved
+
+
+def test_steps_on_live_rows_skip_exactly_the_dropped_rows_gemms(monkeypatch):
+    """ttt.set_skip_dead_rows saves, at each step j >= 1, the midlayer's GEMMs (q/k/v's hidden
+    half, o, gate/up, down: forward, input grad and weight grad) over the rows it dropped, and
+    nothing else (the attention and the lm_head run as before), counted by FlopCounterMode as
+    the embedding-half test counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from draftport import drafter as drafter_mod
+    from draftport import ttt
+
+    def addmm_inplace(self_shape, a_shape, b_shape, *args, out_shape=None, **kw):
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    ran = []
+    step = drafter_mod.Eagle3Drafter.step
+
+    def record(self, tok, h, *args, **kw):
+        ran.append(h.shape[0] * h.shape[1])
+        return step(self, tok, h, *args, **kw)
+
+    monkeypatch.setattr(drafter_mod.Eagle3Drafter, "step", record)
+    cfg = toy_cfg()
+    b = toy_batch(cfg, B=2, T=12)
+    b.loss_mask[:, :3] = False   # a prompt
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
+    flops, rows = {}, {}
+    default = ttt._LIVE["on"]
+    try:
+        for on in (False, True):
+            ttt.set_skip_dead_rows(on)
+            ran.clear()
+            d = toy_drafter(cfg, seed=6)
+            with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_inplace}) as fc:
+                loss, _ = combine(ttt_terms(d, b, head, 4, fused=True, chunk=5), 0.8)
+                loss.backward()
+            flops[on], rows[on] = fc.get_total_flops(), list(ran)
+    finally:
+        ttt.set_skip_dead_rows(default)
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    n_out = q + 2 * cfg.num_key_value_heads * cfg.head_dim
+    per_row = 3 * 2 * (H * n_out + q * H + 3 * H * I)   # fwd, dgrad, wgrad
+    dropped = sum(n0 - n1 for n0, n1 in zip(rows[False][1:], rows[True][1:]))
+    assert rows[False] == [24] * 4 and dropped > 0, rows
+    assert flops[False] - flops[True] == dropped * per_row
 
 
 @pytest.mark.parametrize("fill", [False, True])
@@ -729,6 +784,172 @@ def test_host_loss_share_spares_the_count_when_few_rows_are_out(monkeypatch):
         combine(ttt_terms(d, full, head, 3, fused=True, chunk=5), 0.8)
         assert bool(calls) == counted, loss_share
     assert b.to("cpu").host_loss_share() == b.to("cpu").loss_share
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("train_head,accumulate", [(False, False), (True, False), (True, True)])
+def test_steps_on_the_rows_later_steps_score_give_every_row_s_terms_and_gradients(packed, train_head, accumulate,
+                                                                                   monkeypatch):
+    """ttt.set_skip_dead_rows: TTT steps >= 1 running their GEMMs on the rows a later step scores
+    only give the losses, stats and gradients of every row's (fp64; two padded rows with a prompt,
+    or six samples packed into three rows; lm_head frozen or trained, summed in place or
+    returned). The rows each step ran are recorded: off, every step every row; on, step 0 every
+    row, then fewer, never more than the step before, and never fewer than the step scores."""
+    from draftport import drafter as drafter_mod
+    from draftport import ttt
+
+    ran = []
+    step = drafter_mod.Eagle3Drafter.step
+
+    def record(self, tok, h, *args, **kw):
+        ran.append(h.shape[0] * h.shape[1])
+        return step(self, tok, h, *args, **kw)
+
+    monkeypatch.setattr(drafter_mod.Eagle3Drafter, "step", record)
+    cfg = toy_cfg()
+    head, batch = _fp64_problem(cfg, packed, seed=11)
+    if not packed:
+        batch.loss_mask[:, :4] = False   # a prompt
+    rows = batch.tokens.numel()
+    out, runs = [], {}
+    default = ttt._LIVE["on"]
+    try:
+        for on in (False, True):
+            ttt.set_skip_dead_rows(on)
+            ran.clear()
+            out.append(_fp64_terms_and_grads(cfg, batch, head, 5, train_head, accumulate))
+            runs[on] = list(ran)
+    finally:
+        ttt.set_skip_dead_rows(default)
+    assert runs[False] == [rows] * 5
+    on = runs[True]
+    assert on[0] == rows and on[-1] < rows and on == sorted(on, reverse=True), on
+    (_, stats, _) = out[1]
+    for j in range(5):
+        assert on[j] >= stats[f"n_{j}"] > 0, (on, stats)
+    _assert_same_fp64(out, train_head, "n_0")
+
+
+def test_live_rows_are_nested_prefixes_rounded_up_and_spare_dense_batches():
+    """_LiveRows: rows ordered by the last step that scores them (latest first, ties in row
+    order), step j's rows a prefix of step j-1's, counts rounded up to the multiple (at least one
+    multiple), None where too few rows could go; _live_rows counts nothing when off, for a
+    batch whose host-side share leaves fewer than SKIP_MIN of the rows out, or for one step."""
+    from draftport import ttt
+
+    N = 32
+    oks = [torch.zeros(1, N, dtype=torch.bool) for _ in range(4)]
+    oks[0][0, :] = True                   # step 0 scores every row
+    oks[1][0, 4:30] = True
+    oks[2][0, 8:20] = True
+    oks[3][0, 10:12] = True
+    oks[2][0, 1] = True                   # row 1: last scored at step 2
+    live = ttt._LiveRows(oks, multiple=1)
+    assert live.order.tolist() == ([10, 11] + [1, 8, 9] + list(range(12, 20))          # last scored at 3, 2
+                                   + [4, 5, 6, 7] + list(range(20, 30)) + [0, 2, 3, 30, 31])   # at 1, 0
+    assert live.rows(1) is not None and live.rows(1).numel() == 27      # 4..29 and row 1
+    r1, r2, r3 = live.rows(1), live.rows(2), live.rows(3)
+    assert torch.equal(r2, r1[:r2.numel()]) and torch.equal(r3, r2[:r3.numel()])
+    assert sorted(r2.tolist()) == [1] + list(range(8, 20)) and sorted(r3.tolist()) == [10, 11]
+    assert ttt._LiveRows(oks, multiple=8).rows(3).numel() == 8          # 2 rows, rounded up to 8
+    assert ttt._LiveRows(oks, multiple=8).rows(1) is None               # 27 -> 32: nothing to spare
+    few = [torch.ones(1, N, dtype=torch.bool), torch.ones(1, N, dtype=torch.bool)]
+    few[1][0, :1] = False                                               # 1 of 32 < 32 / 16
+    assert ttt._LiveRows(few, multiple=1).rows(1) is None
+    assert ttt._live_rows(oks, None) is not None and ttt._live_rows(oks, 0.5) is not None
+    assert ttt._live_rows(oks, 1.0) is None and ttt._live_rows(oks[:1], None) is None
+    default = ttt._LIVE["on"]
+    try:
+        ttt.set_skip_dead_rows(False)
+        assert ttt._live_rows(oks, None) is None
+    finally:
+        ttt.set_skip_dead_rows(default)
+
+
+def test_a_reduced_step_must_be_followed_by_reduced_ones():
+    """drafter.unroll refuses a `live` whose rows widen back to every row after a reduced step
+    (the state no longer holds the other rows)."""
+    from draftport import ttt
+
+    cfg = toy_cfg()
+    head, batch = _fp64_problem(cfg, False, seed=13)
+    d = toy_drafter(cfg, seed=7).double()
+
+    class Widening:
+        def rows(self, j):
+            return torch.arange(5) if j == 1 else None
+
+    with pytest.raises(ValueError, match="after a reduced one"):
+        d.unroll(batch.aux, batch.tokens, 3, teacher_tokens=True, valid=batch.valid, fused=True,
+                 return_normed=True, live=Widening())
+    assert ttt._LIVE["on"] is True   # the default
+
+
+def test_train_with_prompts_follows_every_row_s_run(tmp_path, monkeypatch):
+    """train() (fused, packed, fp32, the toy features' prompts and out-of-draft rows) with the
+    dead rows skipped gives every row's losses, and its steps did skip rows."""
+    from draftport import ttt
+    from draftport.train import TrainConfig as TC
+
+    fs, head = make_features(tmp_path)
+    reduced = []
+    rows = ttt._LiveRows.rows
+
+    def count(self, j):
+        r = rows(self, j)
+        reduced.append(r is not None)
+        return r
+
+    monkeypatch.setattr(ttt._LiveRows, "rows", count)
+    hist = {}
+    default = ttt._LIVE["on"]
+    try:
+        for on in (False, True):
+            ttt.set_skip_dead_rows(on)
+            cfg = TC(steps=3, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
+                     impl="fused", packing=True)
+            hist[on] = train(toy_drafter(seed=5), fs, head, tmp_path / str(on), cfg, progress=False)["history"]
+    finally:
+        ttt.set_skip_dead_rows(default)
+    assert any(reduced)
+    for a, b in zip(hist[False], hist[True]):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(a["loss"])), (a, b)
+        assert a["n_0"] == b["n_0"]
+
+
+def test_mix_prompts_mask_the_same_rows_in_ours_and_name_them_for_the_peers(tmp_path, monkeypatch):
+    """--mix-prompt-share: each mix sample's first share of tokens is a prompt (at least the
+    default 16, a quarter of a shorter sample) in our samples' loss masks, and the mix file the
+    peers' runners read lists the same prompt lengths (without it, no "prompts" key: the peers'
+    loss takes every row, as before)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_train_h200 as bench_mod
+
+    lengths = [40, 100, 2048]
+    assert bench_mod.mix_prompts(lengths) == [10, 16, 16]
+    assert bench_mod.mix_prompts(lengths, 0.25) == [10, 25, 512]
+    cfg = toy_cfg()
+    for share in (0.0, 0.25):
+        samples = bench_mod.mix_samples(cfg, lengths, torch.device("cpu"), torch.float32, prompt_share=share)
+        for s_, n, p_ in zip(samples, lengths, bench_mod.mix_prompts(lengths, share)):
+            assert s_["response_start"] == p_ and int((~s_["loss_mask"]).sum()) == p_ and len(s_["tokens"]) == n
+    written = []
+
+    def fake_run_peer(name, cmd, t, log, one):
+        written.append(json.loads(Path(cmd[cmd.index("--mix") + 1]).read_text()))
+        one.update(status="done")
+        return []
+
+    monkeypatch.setattr(bench_mod, "run_peer", fake_run_peer)
+    for share in (0.0, 0.25):
+        a = bench_mod.argparse.Namespace(size="toy", ttt=7, peer_iters=1, peer_warmup=1, seqs=[], mix_passes=1,
+                                         no_speculators=False, no_specforge=True, pack_len=128, spec_loss="eager",
+                                         spec_attn=None, speculators_share=0.5)
+        mix = {"lengths": lengths, "prompt_share": share}
+        written.clear()
+        bench_mod.run_peers(a, mix, False, lambda: 100.0, lambda m: None, lambda p, r: None, peers_only=True)
+        assert written and written[0]["lengths"] == lengths
+        assert written[0].get("prompts") == (bench_mod.mix_prompts(lengths, share) if share else None)
 
 
 def test_stacked_groups_cover_the_steps_within_the_byte_budget():

@@ -7,7 +7,8 @@ TrainerCore, BF16Optimizer with fp32 masters, clip 0.5), built once per trainabl
   --sets trained frozen   trained: its default (lm_head trained); frozen: lm_head frozen, as
                           speculators and draftport train it (the optimizer is rebuilt over that set)
   --seqs T ...            one sample of T tokens per step (all masks ones), as the anchor
-  --mix FILE              the length mix as SpecForge trains by default: training.batch_size 1 and
+  --mix FILE              the length mix (JSON {"lengths", optional "prompts": rows without loss at
+                          each sample's head}) as SpecForge trains by default: training.batch_size 1 and
                           DataCollatorWithPadding, i.e. one sample per step at its own length (no
                           padding); one pass over all samples warms up (compiles every length), the
                           next is timed; the lm_head-trained set only (its default)
@@ -144,12 +145,14 @@ def make_core():
 g = torch.Generator(device=dev).manual_seed(0)
 
 
-def make_batch(T, i=0):
+def make_batch(T, i=0, prompt=0):
+    lm = torch.ones(1, T, dtype=torch.long, device=dev)
+    lm[:, :prompt] = 0   # a prompt: no loss
     return TrainBatch(
         sample_ids=[f"synthetic-{i}"], strategy="eagle3",
         tensors={"input_ids": torch.randint(0, V, (1, T), device=dev, generator=g),
                  "attention_mask": torch.ones(1, T, dtype=torch.long, device=dev),
-                 "loss_mask": torch.ones(1, T, dtype=torch.long, device=dev),
+                 "loss_mask": lm,
                  "hidden_state": torch.randn(1, T, 3 * H, device=dev, dtype=dt, generator=g),
                  "target": torch.randn(1, T, H, device=dev, dtype=dt, generator=g)},
         metadata={"target_repr": "hidden_state"})
@@ -209,8 +212,9 @@ if a.mix and "trained" in a.sets:
     core, backend = make_core()
     n_train = sum(p.numel() for p in model.draft_model.parameters() if p.requires_grad)
     common.update(trainable_params=n_train, lm_head_trainable=True, set=which)
-    lengths = json.load(open(a.mix))["lengths"]
-    batches = [make_batch(n, i) for i, n in enumerate(lengths)]
+    spec = json.load(open(a.mix))
+    lengths = spec["lengths"]
+    batches = [make_batch(n, i, p) for i, (n, p) in enumerate(zip(lengths, spec.get("prompts") or [0] * len(lengths)))]
     times, warm_s, r, peak = run(core, batches, 1, a.mix_passes)
     n = len(batches)
     pass_s = [sum(times[i:i + n]) for i in range(0, len(times), n)]

@@ -4,7 +4,8 @@ The model, vocab map, optimizer and step are the anchor's (benchmarks/anchors/
 speculators_train_bench.py: bf16 parameters, fused AdamW, eager KL loss, flex attention, TTT 7,
 decay 0.8), built once; then each configuration runs its warmup and timed steps:
   --seqs T ...   one sample of T tokens per step (document ids all 0), as the anchor;
-  --mix FILE     a length mix (JSON list of sample lengths) as speculators trains on it by default:
+  --mix FILE     a length mix (JSON {"lengths": [...], optional "prompts": [...] rows without loss
+                 at each sample's head}) as speculators trains on it by default:
                  its MultipackDistributedBatchSamplerV2 groups samples into rows of
                  --total-seq-len tokens (its default 8192) and its CollateFn packs each group
                  (document ids, positions restarting per sample, -1 on the padding); one pass over
@@ -176,10 +177,13 @@ def run_shapes():
         from speculators.train.data import CollateFn
         from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-        lengths = json.load(open(a.mix))["lengths"]
+        spec = json.load(open(a.mix))
+        lengths = spec["lengths"]
+        prompts = spec.get("prompts") or [0] * len(lengths)
         samples = []
-        for n in lengths:   # what its dataset's __getitem__ returns (on the device: no copy is timed)
+        for n, np_ in zip(lengths, prompts):   # what its dataset's __getitem__ returns (on the device: no copy is timed)
             lm = torch.ones(n, dtype=torch.bool, device=dev)
+            lm[:np_] = False   # a prompt: no loss
             samples.append({"hidden_states": torch.randn(n, 3 * H, device=dev, dtype=dt, generator=g),
                             "input_ids": torch.randint(0, V, (n,), device=dev, generator=g),
                             "verifier_last_hidden_states": torch.randn(n, H, device=dev, dtype=dt, generator=g),

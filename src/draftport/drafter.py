@@ -24,6 +24,10 @@ right padding (a valid row's earlier rows are valid), as `data.collate` pads. Wi
 tokens it also computes the embedding half of q/k/v once per unroll (`embed_once`, default on):
 step j feeds row p the token at p+1+j, so that half of every step is a slice of one table.
 
+A row's state at steps >= 1 reaches only that row (its later-step keys are read by itself alone):
+the fused loss passes `live` to unroll, and steps >= 1 run their GEMMs on the rows some later
+step still scores (not a sample's prompt, padding or last rows; draftport.ttt.set_skip_dead_rows).
+
 Packed rows (draftport.packing: several samples per row) pass `doc`, `positions` and `segments`
 to unroll: attention stays inside each sample in every step (the reference adds doc equality to
 its mask, the fused path attends per segment), RoPE positions restart per sample, and the token
@@ -288,7 +292,7 @@ class Eagle3Drafter(nn.Module):
         return c if c is not None else {n: getattr(self, n) for n in self._REGIONS}
 
     def step(self, tokens, h, positions, cache_k, cache_v, attn_bias, *, fused: bool = False,
-             head: bool = True, segments=None, cats=None, emb=None, kv_sum=None):
+             head: bool = True, segments=None, cats=None, emb=None, kv_sum=None, rows=None, shape=None):
         """One draft step for all rows. Returns (pre-norm output fed back, logits over draft
         vocab), or (output, normed output) with head=False (the fused loss applies lm_head).
 
@@ -296,7 +300,11 @@ class Eagle3Drafter(nn.Module):
         only gate/up outputs; with self.accumulate_wgrad the weight gradients are summed in
         place across TTT steps): draftport.kernels. emb (fused, from _embed_half): this step's
         embedding half of q/k/v (qe, ke, ve, keep, fills); x's other half runs as its own GEMMs.
-        kv_sum (fused): the unroll's kernels.KVGradSum (the keys' gradients summed across steps)."""
+        kv_sum (fused): the unroll's kernels.KVGradSum (the keys' gradients summed across steps).
+        rows (fused, with emb): h [1, n, H] holds only the rows `rows` of the flattened batch of
+        `shape` (B, T): every GEMM runs on those n rows; the attention runs on the whole batch with
+        the other rows' q/k/v zero (a row reads its own keys of steps >= 1 only, so no kept row
+        reads them), and its output is taken at `rows` again. -> ([1, n, H], [1, n, H])."""
         A, M = self.midlayer.self_attn, self.midlayer.mlp
         R = self._regions()
         if fused:
@@ -312,7 +320,16 @@ class Eagle3Drafter(nn.Module):
             H = self.cfg.hidden_size
             qh, kh, vh = kernels.multi_linear(hn, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), (H, 2 * H), acc)
             qe, ke, ve, keep, fills = emb
-            q, k, v = _heads(R["_r_rope_e"](qh, kh, vh, qe, ke, ve, positions, keep, *fills))
+            if rows is not None:   # this step's slices and positions at the kept rows
+                qe, ke, ve = (kernels.select_rows(t, rows) for t in (qe, ke, ve))
+                positions = positions.reshape(-1).index_select(0, rows)[None]
+                if keep is not None:
+                    # the fill rows are token 0's projection, the same in every batch row
+                    keep, fills = keep.reshape(-1).index_select(0, rows)[None], tuple(f[:1] for f in fills)
+            q, k, v = R["_r_rope_e"](qh, kh, vh, qe, ke, ve, positions, keep, *fills)
+            if rows is not None:
+                q, k, v = (kernels.scatter_rows(t, rows, *shape) for t in (q, k, v))
+            q, k, v = _heads((q, k, v))
         else:
             x, resid = R["_r_in"](tokens, h)
             if cats is not None:   # fused projections: one GEMM for q, k, v
@@ -328,6 +345,8 @@ class Eagle3Drafter(nn.Module):
         cache_v.append(v)
         if fused:
             a = kernels.ttt_attention(q, cache_k, cache_v, 1.0 / math.sqrt(self.cfg.head_dim), segments, kv_sum)
+            if rows is not None:
+                a = kernels.select_rows(a, rows)
         else:
             a = A.attend_core(q, cache_k, cache_v, attn_bias)
         resid, xn = R["_r_mid"](lin(a, A.o_proj), resid)
@@ -345,7 +364,7 @@ class Eagle3Drafter(nn.Module):
 
     def unroll(self, aux, tokens, steps: int, *, teacher_tokens: bool = True, valid=None,
                fused: bool = False, return_normed: bool = False, doc=None, positions=None,
-               segments=None):
+               segments=None, live=None):
         """Run `steps` draft steps over a batch of sequences.
 
         aux: [B, T, 3*Ht] target aux states at positions 0..T-1.
@@ -358,6 +377,13 @@ class Eagle3Drafter(nn.Module):
         only), for a loss that applies lm_head itself in chunks.
         doc, positions [B, T], segments (cu_seqlens over the B*T rows, longest): packed rows
         (draftport.packing.PackedBatch); attention, positions and token shifts stay per sample.
+        live (fused, return_normed, embed_once): live.rows(j) for j >= 1 is None (every row) or
+        the rows of the flattened [B*T] that step j still needs, each step's a prefix of the
+        previous one's (ttt's _LiveRows: rows some step >= j scores). Steps from the first one
+        it names run their GEMMs on those rows only; their normed outputs come back [B, T, H]
+        with zeros at the other rows. A row's state at step j >= 1 reaches no other row (the
+        attention reads a row's later-step keys from that row alone), so the scored rows' losses
+        and every gradient are the same function as without it.
         """
         if return_normed and not teacher_tokens:
             raise ValueError("return_normed needs teacher_tokens (drafting needs the logits)")
@@ -399,10 +425,24 @@ class Eagle3Drafter(nn.Module):
         kv_sum = kernels.kv_grad_sum() if fused else None
         # the tokens fed at each step; with the table its slices stand for them (step reads no tokens)
         tok = shift(tokens, 1, doc=doc) if table is None else None
+        use_live = live is not None and table is not None and return_normed
+        held = None   # the rows h holds (None: all B*T)
         for j in range(steps):
             emb = None if table is None else table(j)
+            rows = live.rows(j) if use_live and j > 0 else None
+            if rows is None and held is not None:
+                raise ValueError("live.rows: a step after a reduced one must be reduced too")
+            if rows is not None:
+                if held is None:
+                    h = kernels.select_rows(h, rows)
+                elif rows.numel() < held.numel():
+                    h = h[:, :rows.numel()]   # a prefix of the rows held
+                held = rows
             h, res = self.step(tok, h, base_pos + j, cache_k, cache_v, attn_bias, fused=fused,
-                               head=not return_normed, segments=seg, cats=cats, emb=emb, kv_sum=kv_sum)
+                               head=not return_normed, segments=seg, cats=cats, emb=emb, kv_sum=kv_sum,
+                               rows=rows, shape=(B, T))
+            if rows is not None:
+                res = kernels.scatter_rows(res, rows, B, T)
             outs.append(res)
             if j + 1 < steps and table is None:
                 if teacher_tokens:

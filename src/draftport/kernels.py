@@ -726,6 +726,55 @@ def ttt_attention(q, cache_k, cache_v, scale: float, segments: Segments | None =
     return o.transpose(1, 2).reshape(B, T, h * d)
 
 
+# ---- rows of a step by index (the unroll's live rows, the loss's counted rows) -----------------
+class _SelectRows(torch.autograd.Function):
+    """x [B, T, *rest] -> its flattened rows idx, as [1, n, *rest] (idx unique); the gradient goes
+    back to those rows, zeros elsewhere (index_copy: no atomics, exact)."""
+
+    @staticmethod
+    def forward(ctx, x, idx):
+        ctx.shape = x.shape
+        ctx.save_for_backward(idx)
+        B, T = x.shape[:2]
+        return x.reshape(B * T, *x.shape[2:]).index_select(0, idx).unsqueeze(0)
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        B, T = ctx.shape[:2]
+        out = g.new_zeros(B * T, *ctx.shape[2:])
+        out.index_copy_(0, idx, g.reshape(-1, *ctx.shape[2:]))
+        return out.view(ctx.shape), None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """x [1, n, *rest] -> [B, T, *rest] holding x's rows at the flattened rows idx (unique) and
+    zeros elsewhere; the gradient is the output gradient's rows idx."""
+
+    @staticmethod
+    def forward(ctx, x, idx, B: int, T: int):
+        ctx.save_for_backward(idx)
+        rest = x.shape[2:]
+        out = x.new_zeros(B * T, *rest)
+        out.index_copy_(0, idx, x.reshape(-1, *rest))
+        return out.view(B, T, *rest)
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        return g.reshape(-1, *g.shape[2:]).index_select(0, idx).unsqueeze(0), None, None, None
+
+
+def select_rows(x, idx):
+    """The rows idx of x [B, T, ...] flattened over (B, T), as [1, n, ...] (autograd: exact)."""
+    return _SelectRows.apply(x, idx)
+
+
+def scatter_rows(x, idx, B: int, T: int):
+    """select_rows' inverse: x [1, n, ...] placed at rows idx of a zero [B, T, ...]."""
+    return _ScatterRows.apply(x, idx, B, T)
+
+
 # ---- what drafter.py calls on its fused path ------------------------------------------------------
 def fused_linear(x, w, accum: bool):
     """x @ w^T through _Linear (with accum, w's gradient summed in place into w.grad)."""

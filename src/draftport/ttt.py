@@ -25,7 +25,7 @@ import torch
 
 from .data import Batch
 from .drafter import Eagle3Drafter, shift
-from .kernels import Segments, accumulate_grad, wgrad_side
+from .kernels import Segments, accumulate_grad, select_rows, wgrad_side
 
 
 def target_logits(final: torch.Tensor, target_head: torch.Tensor) -> torch.Tensor:
@@ -359,25 +359,6 @@ def _step_groups(steps: int, rows: int, vocab: int, itemsize: int) -> list[range
     return [range(s, min(steps, s + per)) for s in range(0, steps, per)]
 
 
-class _SelectRows(torch.autograd.Function):
-    """x [B, T, H] -> the rows idx of its flattened [B*T, H], as [1, n, H]; the gradient goes
-    back to those rows, zeros elsewhere (index_copy: no atomics, exact)."""
-
-    @staticmethod
-    def forward(ctx, x, idx):
-        ctx.shape = x.shape
-        ctx.save_for_backward(idx)
-        return x.reshape(-1, x.shape[-1]).index_select(0, idx).unsqueeze(0)
-
-    @staticmethod
-    def backward(ctx, g):
-        (idx,) = ctx.saved_tensors
-        B, T, H = ctx.shape
-        out = g.new_zeros(B * T, H)
-        out.index_copy_(0, idx, g.reshape(-1, H))
-        return out.view(B, T, H), None
-
-
 # the per-step lm_head GEMMs and soft-CE run on the rows the loss counts only (rows whose scored
 # position is a prompt token, padding, past the sample's end, or whose target argmax lies outside
 # the draft vocab add nothing to the loss or any gradient) when a step leaves at least this share
@@ -442,6 +423,69 @@ def _count_rows(oks: list[torch.Tensor]) -> _RowCounts | None:
     return _RowCounts(oks)
 
 
+# steps >= 1 run their GEMMs on the rows some later step still scores (drafter.unroll's `live`):
+# a row's state at step j >= 1 reaches only that row's own later steps, so rows no step >= j
+# scores (a sample's prompt, padding, a sample's last rows) need step 0 alone, for the causal keys
+# every row reads. On CUDA row counts are rounded up to LIVE_MULTIPLE (fewer shapes for the
+# compiled regions, GEMM-friendly sizes); a step keeps every row unless at least SKIP_MIN of them
+# can go.
+LIVE_MULTIPLE = 128
+_LIVE = {"on": True}
+
+
+def set_skip_dead_rows(on: bool) -> None:
+    """Steps >= 1 of the fused unroll on the rows a later step scores only (on, the default) or
+    on every row: the same terms and gradients. It needs the rows' counts on the host, read back
+    as set_skip_uncounted reads its own (one wait per batch, at step 1); a batch whose host-side
+    loss_share leaves fewer than SKIP_MIN of its rows out of the loss does not wait and keeps
+    every row. Not under CUDA-graph capture."""
+    _LIVE["on"] = bool(on)
+
+
+class _LiveRows:
+    """Which rows each TTT step still needs, for drafter.unroll(live=...): rows ordered by the
+    last step that scores them (latest first, a stable sort: no host sync), so step j's rows are
+    a prefix of step j-1's; the counts go to the host by an asynchronous copy, waited for at the
+    first rows() (after step 0's forward is queued)."""
+
+    def __init__(self, oks: list[torch.Tensor], multiple: int | None = None):
+        ok_all = torch.stack([ok.reshape(-1) for ok in oks])                      # [S, N]
+        S, self.n = ok_all.shape
+        step = torch.arange(S, device=ok_all.device)
+        last = torch.where(ok_all, step[:, None], -1).amax(0)                    # [N], -1: never
+        self.order = torch.argsort(-last, stable=True)
+        counts = (last[None, :] >= step[:, None]).sum(1)                         # [S]
+        self.multiple = multiple or (LIVE_MULTIPLE if ok_all.is_cuda else 1)
+        self.event, self._host = None, None
+        if counts.is_cuda:
+            self.counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.counts.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.counts = counts
+
+    def rows(self, j: int) -> torch.Tensor | None:
+        """Step j's rows (a prefix of self.order), or None to keep every row."""
+        if self._host is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self._host = self.counts.tolist()
+        m = self.multiple
+        n = min(self.n, max(m, -(-self._host[j] // m) * m))
+        return None if n > (1 - SKIP_MIN) * self.n else self.order[:n]
+
+
+def _live_rows(oks: list[torch.Tensor], share: float | None) -> _LiveRows | None:
+    """The rows each step needs (None: every row, when off, when the host-side share of loss
+    rows leaves too few out, under CUDA-graph capture or with fewer than 2 steps). A batch
+    without a host-side share (built on the device) is counted."""
+    if (len(oks) < 2 or not _LIVE["on"] or (share is not None and share > 1 - SKIP_MIN)
+            or (oks[0].is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+    return _LiveRows(oks)
+
+
 def _step_loss_counted(xn, w, t_prob, ok, idx, j: int, loss_chunk: int, accum: bool):
     """LinearSoftCE of step j on the rows idx of xn [B, T, H] only -> (loss, argmax [B, T]; rows
     not counted hold 0). t_prob [B, T + pad, V]: row p of sample b is scored against
@@ -450,7 +494,7 @@ def _step_loss_counted(xn, w, t_prob, ok, idx, j: int, loss_chunk: int, accum: b
     pad = t_prob.shape[1] - T
     t_idx = idx + (idx // T) * pad + (j + 1)
     rw = ok.reshape(1, -1).index_select(1, idx).float()
-    loss, a = LinearSoftCE.apply(_SelectRows.apply(xn, idx), w, t_prob.view(-1, t_prob.shape[-1]), rw,
+    loss, a = LinearSoftCE.apply(select_rows(xn, idx), w, t_prob.view(-1, t_prob.shape[-1]), rw,
                                  loss_chunk, accum, t_idx)
     arg = torch.zeros(B * T, dtype=a.dtype, device=a.device)
     arg.index_copy_(0, idx, a.reshape(-1))
@@ -469,8 +513,9 @@ def _ttt_terms_fused(drafter, batch: Batch, target_head: torch.Tensor, steps: in
     share = getattr(batch, "loss_share", None)
     few_out = share is not None and share > 1 - SKIP_MIN   # known on the host: nothing to wait for
     counted = None if (_STACKED["on"] or few_out) else _count_rows(oks)
+    live = _live_rows(oks, share)
     normed = drafter.unroll(batch.aux, batch.tokens, steps, teacher_tokens=True, valid=batch.valid,
-                            fused=True, return_normed=True, **packed_args(batch))
+                            fused=True, return_normed=True, live=live, **packed_args(batch))
     oks = oks[:len(normed)]
     idxs = [None] * steps if counted is None else counted.rows_to_run()
     w = base.lm_head.weight
