@@ -378,6 +378,29 @@ def set_skip_uncounted(on: bool) -> None:
     _SKIP["on"] = bool(on)
 
 
+class _HostCounts:
+    """A small device tensor's values on the host without stalling the GPU: on CUDA an
+    asynchronous copy into pinned memory behind an event, so tolist() waits for that copy alone,
+    not for the work queued after it (read once, then kept)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event, self._list = None, None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def tolist(self) -> list:
+        if self._list is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self._list = self.host.tolist()
+        return self._list
+
+
 class _RowCounts:
     """Which rows each TTT step counts, read back without stalling the GPU: the counts go to the
     host by an asynchronous copy and each step's rows are ordered counted-first (a stable sort:
@@ -388,22 +411,12 @@ class _RowCounts:
         ok_all = torch.stack([ok.reshape(-1) for ok in oks])                      # [S, B*T]
         self.rows = ok_all.shape[1]
         self.order = torch.argsort((~ok_all).to(torch.int8), dim=1, stable=True)  # counted rows first
-        counts = ok_all.sum(1)
-        self.event = None
-        if counts.is_cuda:
-            self.counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self.counts.copy_(counts, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.counts = counts
+        self.counts = _HostCounts(ok_all.sum(1))
 
     def rows_to_run(self) -> list[torch.Tensor | None]:
         """Per step: the counted rows' indices in the flattened [B*T] (ascending) when at least
         SKIP_MIN of its rows are not counted, else None (every row); a step with no counted row
         runs row 0, at weight 0."""
-        if self.event is not None:
-            self.event.synchronize()
         out = []
         for j, n in enumerate(self.counts.tolist()):
             if n > (1 - SKIP_MIN) * self.rows:
@@ -456,23 +469,12 @@ class _LiveRows:
         self.order = torch.argsort(-last, stable=True)
         counts = (last[None, :] >= step[:, None]).sum(1)                         # [S]
         self.multiple = multiple or (LIVE_MULTIPLE if ok_all.is_cuda else 1)
-        self.event, self._host = None, None
-        if counts.is_cuda:
-            self.counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self.counts.copy_(counts, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.counts = counts
+        self.counts = _HostCounts(counts)
 
     def rows(self, j: int) -> torch.Tensor | None:
         """Step j's rows (a prefix of self.order), or None to keep every row."""
-        if self._host is None:
-            if self.event is not None:
-                self.event.synchronize()
-            self._host = self.counts.tolist()
         m = self.multiple
-        n = min(self.n, max(m, -(-self._host[j] // m) * m))
+        n = min(self.n, max(m, -(-self.counts.tolist()[j] // m) * m))
         return None if n > (1 - SKIP_MIN) * self.n else self.order[:n]
 
 
