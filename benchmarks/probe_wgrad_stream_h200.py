@@ -11,7 +11,8 @@ autograd's adds; --lever stacked_head: the TTT steps' lm_head GEMMs and soft-CE 
 attention by the dense kernel (--attn-backend's) once per segment (kernels.set_packed_attention)
 against flash varlen over all segments (only the mix's packed rows differ); --lever dead_rows:
 TTT steps >= 1 on the rows a later step scores only (ttt.set_skip_dead_rows: a prompt's rows
-then run step 0 alone) against every row. --prompt-share F
+then run step 0 alone) against every row; --lever rope_apart: the rope's cos/sin once per step in
+a region of their own (drafter.set_rope_apart) against inside the q/k rope. --prompt-share F
 [F ...]: each fixed length also with its first F of the rows a prompt (no loss there), as chat
 data has.
 
@@ -49,6 +50,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 import bench_train_h200 as bench  # noqa: E402
+from draftport import drafter as drafter_mod  # noqa: E402
 from draftport import kernels, optim  # noqa: E402
 from draftport import ttt as ttt_mod  # noqa: E402
 from draftport.train import TrainConfig, train_step  # noqa: E402
@@ -57,12 +59,12 @@ from draftport.train import TrainConfig, train_step  # noqa: E402
 LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_grad_sum,
           "stacked_head": ttt_mod.set_stacked_head, "skip_uncounted": ttt_mod.set_skip_uncounted,
           "packed_segments": lambda on: kernels.set_packed_attention("segments" if on else "varlen"),
-          "dead_rows": ttt_mod.set_skip_dead_rows}
+          "dead_rows": ttt_mod.set_skip_dead_rows, "rope_apart": drafter_mod.set_rope_apart}
 LEVER = [kernels.set_wgrad_stream]
 DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"],
             "stacked_head": ttt_mod._STACKED["on"], "skip_uncounted": ttt_mod._SKIP["on"],
             "packed_segments": None,   # as imported; packed_segments: set after the dense backend
-            "dead_rows": ttt_mod._LIVE["on"]}
+            "dead_rows": ttt_mod._LIVE["on"], "rope_apart": drafter_mod._ROPE_APART["on"]}
 
 
 def set_lever(on: bool) -> None:
@@ -97,7 +99,8 @@ def main(argv=None):
                          "gradients summed across TTT steps (kv_sum), or the lm_head stacked over the "
                          "TTT steps (stacked_head), or the lm_head on counted rows only (skip_uncounted), "
                          "or packed rows' attention by the dense kernel once per segment (packed_segments; "
-                         "a mix case only), or steps >= 1 on the rows a later step scores (dead_rows)")
+                         "a mix case only), or steps >= 1 on the rows a later step scores (dead_rows), or "
+                         "the rope's cos/sin in a region of their own (rope_apart)")
     a = ap.parse_args(argv)
     LEVER[0] = LEVERS[a.lever]
     if not torch.cuda.is_available():

@@ -873,6 +873,38 @@ def test_live_rows_are_nested_prefixes_rounded_up_and_spare_dense_batches():
         ttt.set_skip_dead_rows(default)
 
 
+def test_compiled_regions_give_the_eager_regions_terms_and_gradients():
+    """compile_regions (what train() and the benchmark run on the GPU, the rope's cos/sin a
+    region of its own) on the CPU: the fused TTT loss and gradients of the eager regions (fp64
+    data; six samples packed, so token fills, the per-sample positions and the dead rows' reduced
+    steps all run compiled). Inductor's fp32 cos/sin may differ from eager's in the last bits."""
+    from draftport import drafter as drafter_mod
+
+    cfg = toy_cfg()
+    head, batch = _fp64_problem(cfg, True, seed=11)
+    out = []
+    try:
+        # (compile_regions also compiles the process's shared kernels: the eager runs go first)
+        for comp, apart in ((False, True), (False, False), (True, True)):
+            drafter_mod.set_rope_apart(apart)
+            d = toy_drafter(cfg, seed=7).double()
+            d.accumulate_wgrad = True
+            if comp:
+                d.compile_regions()
+            loss, stats = combine(ttt_terms(d, batch, head, 5, fused=True, chunk=5), 0.8)
+            loss.backward()
+            out.append((loss.item(), stats, {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}))
+    finally:
+        drafter_mod.set_rope_apart(True)
+    # eager, cos/sin inside the rope region (set_rope_apart(False)): the same ops, the same bits
+    assert out[1][0] == out[0][0] and all(torch.equal(out[0][2][k], out[1][2][k]) for k in out[0][2])
+    (l0, s0, g0), (l1, s1, g1) = out[0], out[2]
+    assert l0 == pytest.approx(l1, rel=1e-6) and s0 == pytest.approx(s1, rel=1e-6)
+    assert g0.keys() == g1.keys() and "midlayer.self_attn.q_proj.weight" in g0
+    for k in g0:   # against each gradient's largest entry (the fp32 cos/sin's rounding spreads)
+        assert float((g0[k] - g1[k]).abs().max()) <= 1e-5 * float(g0[k].abs().max()), k
+
+
 def test_a_reduced_step_must_be_followed_by_reduced_ones():
     """drafter.unroll refuses a `live` whose rows widen back to every row after a reduced step
     (the state no longer holds the other rows)."""

@@ -73,6 +73,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+# the rope's cos/sin in a region of their own, once per step (on, the default), or inside the
+# q/k rope region (off: per element of every head)
+_ROPE_APART = {"on": True}
+
+
+def set_rope_apart(on: bool) -> None:
+    """Compute the rope's cos/sin [B, T, hd] once per step in a compiled region of their own
+    (on, the default) or inside the q/k rope region (off): the same values."""
+    _ROPE_APART["on"] = bool(on)
+
+
 def apply_rope(x, cos, sin, heads_dim: int = 1):
     # x: [B, heads, T, hd] (heads_dim 1) or [B, T, heads, hd] (heads_dim 2); cos/sin: [B, T, hd]
     # (Llama's rotate_half convention)
@@ -250,10 +261,10 @@ class Eagle3Drafter(nn.Module):
         hn = L.hidden_norm(h)
         return hn, (hn if L.norm_before_residual else h)
 
-    def _r_rope_e(self, qh, kh, vh, qe, ke, ve, positions, keep=None, fq=None, fk=None, fv=None):
+    def _r_rope_e(self, qh, kh, vh, qe, ke, ve, cos, sin, keep=None, fq=None, fk=None, fv=None):
         """q/k/v from their two halves (embedding half qe.. + hidden half qh..), summed in at least
         fp32; with keep (packed rows), rows whose fed token lies past their sample take the fill
-        rows fq.. (token 0's projection, as shift feeds 0 there); then rope."""
+        rows fq.. (token 0's projection, as shift feeds 0 there); then rope (cos/sin: _r_cs)."""
         if keep is not None:
             m = keep[..., None]
             qe, ke, ve = torch.where(m, qe, fq), torch.where(m, ke, fk), torch.where(m, ve, fv)
@@ -261,11 +272,22 @@ class Eagle3Drafter(nn.Module):
         q = (qh.to(acc) + qe.to(acc)).to(qh.dtype)
         k = (kh.to(acc) + ke.to(acc)).to(kh.dtype)
         v = (vh.to(acc) + ve.to(acc)).to(vh.dtype)
-        return self._r_rope(q, k, v, positions)
+        return self._r_rope(q, k, v, cos, sin)
 
-    def _r_rope(self, q, k, v, positions):
-        """-> q, k, v token-major [B,T,h,d] (step() hands the attention their [B,h,T,d] views)."""
-        cos, sin = rope_cos_sin(positions, self.inv_freq, q.dtype)
+    def _r_cs(self, positions, like):
+        """The rope's cos and sin [B,T,hd] at these positions, in like's dtype: a region of their
+        own (set_rope_apart), so the q/k rope reads one row of each per token instead of
+        computing both for every element of every head (64 times over at Kimi size). Off:
+        (positions, None), and the rope region computes them itself."""
+        if not _ROPE_APART["on"]:
+            return positions, None
+        return rope_cos_sin(positions, self.inv_freq, like.dtype)
+
+    def _r_rope(self, q, k, v, cos, sin):
+        """-> q, k, v token-major [B,T,h,d] (step() hands the attention their [B,h,T,d] views).
+        cos, sin from _r_cs (sin None: cos holds the positions)."""
+        if sin is None:
+            cos, sin = rope_cos_sin(cos, self.inv_freq, q.dtype)
         return self.midlayer.self_attn.heads_rope_tok(q, k, v, cos, sin)
 
     def _r_mid(self, o, resid):
@@ -276,7 +298,7 @@ class Eagle3Drafter(nn.Module):
         out = resid + m
         return out, self.norm(out)
 
-    _REGIONS = ("_r_in", "_r_rope", "_r_mid", "_r_out", "_r_emb", "_r_hid", "_r_rope_e")
+    _REGIONS = ("_r_in", "_r_cs", "_r_rope", "_r_mid", "_r_out", "_r_emb", "_r_hid", "_r_rope_e")
 
     def compile_regions(self, **kw):
         """torch.compile the elementwise regions of a step (GPU training path).
@@ -326,7 +348,7 @@ class Eagle3Drafter(nn.Module):
                 if keep is not None:
                     # the fill rows are token 0's projection, the same in every batch row
                     keep, fills = keep.reshape(-1).index_select(0, rows)[None], tuple(f[:1] for f in fills)
-            q, k, v = R["_r_rope_e"](qh, kh, vh, qe, ke, ve, positions, keep, *fills)
+            q, k, v = R["_r_rope_e"](qh, kh, vh, qe, ke, ve, *R["_r_cs"](positions, qh), keep, *fills)
             if rows is not None:
                 q, k, v = (kernels.scatter_rows(t, rows, *shape) for t in (q, k, v))
             q, k, v = _heads((q, k, v))
@@ -335,12 +357,14 @@ class Eagle3Drafter(nn.Module):
             if cats is not None:   # fused projections: one GEMM for q, k, v
                 ws = (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight)
                 qkv = kernels.cat_linear(x, cats["qkv"], ws, acc)
-                q, k, v = _heads(R["_r_rope"](*qkv.split([w.shape[0] for w in ws], dim=-1), positions))
+                q, k, v = _heads(R["_r_rope"](*qkv.split([w.shape[0] for w in ws], dim=-1),
+                                              *R["_r_cs"](positions, qkv)))
             elif fused:   # q/k/v over the whole 2H-wide input (the embedding half at every step)
-                q, k, v = _heads(R["_r_rope"](*kernels.multi_linear(
-                    x, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), None, acc), positions))
+                qkv = kernels.multi_linear(x, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), None, acc)
+                q, k, v = _heads(R["_r_rope"](*qkv, *R["_r_cs"](positions, qkv[0])))
             else:
-                q, k, v = _heads(R["_r_rope"](lin(x, A.q_proj), lin(x, A.k_proj), lin(x, A.v_proj), positions))
+                qkv = (lin(x, A.q_proj), lin(x, A.k_proj), lin(x, A.v_proj))
+                q, k, v = _heads(R["_r_rope"](*qkv, *R["_r_cs"](positions, qkv[0])))
         cache_k.append(k)
         cache_v.append(v)
         if fused:
