@@ -873,11 +873,11 @@ def test_live_rows_are_nested_prefixes_rounded_up_and_spare_dense_batches():
         ttt.set_skip_dead_rows(default)
 
 
-def test_compiled_regions_give_the_eager_regions_terms_and_gradients():
+def test_compiled_regions_give_the_eager_regions_terms_and_gradients(step_rows):
     """compile_regions (what train() and the benchmark run on the GPU, the rope's cos/sin a
     region of its own) on the CPU: the fused TTT loss and gradients of the eager regions (fp64
-    data; six samples packed, so token fills, the per-sample positions and the dead rows' reduced
-    steps all run compiled). Inductor's fp32 cos/sin may differ from eager's in the last bits."""
+    data; six samples packed, TTT 3, so token fills, the per-sample positions and the dead rows'
+    reduced steps all run compiled). Inductor's fp32 cos/sin may differ from eager's in the last bits."""
     from draftport import drafter as drafter_mod
 
     cfg = toy_cfg()
@@ -891,11 +891,13 @@ def test_compiled_regions_give_the_eager_regions_terms_and_gradients():
             d.accumulate_wgrad = True
             if comp:
                 d.compile_regions()
-            loss, stats = combine(ttt_terms(d, batch, head, 5, fused=True, chunk=5), 0.8)
+            step_rows.clear()
+            loss, stats = combine(ttt_terms(d, batch, head, 3, fused=True, chunk=5), 0.8)
             loss.backward()
             out.append((loss.item(), stats, {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}))
     finally:
         drafter_mod.set_rope_apart(True)
+    assert any(n < shape[0] * shape[1] for n, shape in step_rows)   # the compiled run's reduced steps
     # eager, cos/sin inside the rope region (set_rope_apart(False)): the same ops, the same bits
     assert out[1][0] == out[0][0] and all(torch.equal(out[0][2][k], out[1][2][k]) for k in out[0][2])
     (l0, s0, g0), (l1, s1, g1) = out[0], out[2]
