@@ -899,6 +899,9 @@ def parse(argv=None):
     ap.add_argument("--levers-all", action="store_true", help="levers at every length (default: the first)")
     ap.add_argument("--no-levers", dest="levers", action="store_false", help="skip the levers timed at every "
                     "length (the embedding half at every step, torch's fused AdamW)")
+    ap.add_argument("--no-compile-tuning", dest="compile_tuning", action="store_false",
+                    help="compile ours with inductor's defaults, not draftport's coordinate-descent tuning "
+                         "(kernels.set_compile_options; the eighth pair and earlier ran without it)")
     ap.add_argument("--mix-computed", action="store_true", help="also the mix with the mask computed")
     ap.add_argument("--ladder", action="store_true", help="also time each lever on and off")
     ap.add_argument("--check", action="store_true", help="fused vs reference (and packed vs padded) first")
@@ -939,6 +942,8 @@ def parse(argv=None):
     a.mix_max = a.mix_max or (64 if toy else 2048)
     a.pack_len = a.pack_len or (128 if toy else 8192)
     a.budget_s = a.budget_s or (560.0 if cuda else 3600.0)
+    if not a.compile_tuning:
+        kernels.set_compile_options(None)
     if a.no_peers:
         a.no_speculators = a.no_specforge = True
     if a.peers_only and a.peers_from:
@@ -1095,7 +1100,7 @@ def main(argv=None) -> dict:
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "versions": versions()}
+           "versions": versions(), "compile_options": dict(kernels._COMPILE_OPTIONS)}
     log(f"device {out['device']}; {out['versions']}")
 
     def save():

@@ -12,7 +12,9 @@ attention by the dense kernel (--attn-backend's) once per segment (kernels.set_p
 against flash varlen over all segments (only the mix's packed rows differ); --lever dead_rows:
 TTT steps >= 1 on the rows a later step scores only (ttt.set_skip_dead_rows: a prompt's rows
 then run step 0 alone) against every row; --lever rope_apart: the rope's cos/sin once per step in
-a region of their own (drafter.set_rope_apart) against inside the q/k rope. --prompt-share F
+a region of their own (drafter.set_rope_apart) against inside the q/k rope; --lever tuning:
+every compiled region and kernel with inductor's coordinate-descent tuning (its block sizes
+searched per kernel, kernels.set_compile_options) against inductor's defaults. --prompt-share F
 [F ...]: each fixed length also with its first F of the rows a prompt (no loss there), as chat
 data has.
 
@@ -59,12 +61,38 @@ from draftport.train import TrainConfig, train_step  # noqa: E402
 LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_grad_sum,
           "stacked_head": ttt_mod.set_stacked_head, "skip_uncounted": ttt_mod.set_skip_uncounted,
           "packed_segments": lambda on: kernels.set_packed_attention("segments" if on else "varlen"),
-          "dead_rows": ttt_mod.set_skip_dead_rows, "rope_apart": drafter_mod.set_rope_apart}
+          "dead_rows": ttt_mod.set_skip_dead_rows, "rope_apart": drafter_mod.set_rope_apart,
+          "tuning": lambda on: _use_compiled(on)}
 LEVER = [kernels.set_wgrad_stream]
+# lever tuning: every compiled region and kernel twice, with inductor's defaults (off) and with
+# TUNING's options (on); the lever swaps which set the step calls
+TUNING = {"coordinate_descent_tuning": True}
+_COMPILED = {}
+
+
+def _use_compiled(on: bool) -> None:
+    if on not in _COMPILED:   # before the sets exist (the lever's default at start)
+        return
+    regions, kern, loss = _COMPILED[on]
+    _COMPILED["drafter"].__dict__["_compiled"] = dict(regions)
+    kernels._KERNELS.update(kern)
+    ttt_mod._LOSS_KERNELS.update(loss)
+
+
+def _compile_both(d) -> None:
+    """The two compiled sets of lever tuning (each compiles lazily at its first step)."""
+    _COMPILED["drafter"] = d
+    for on in (False, True):
+        kernels.set_compile_options(TUNING if on else None)
+        d.compile_regions()
+        ttt_mod.compile_loss_kernels()
+        _COMPILED[on] = (dict(d.__dict__["_compiled"]), dict(kernels._KERNELS), dict(ttt_mod._LOSS_KERNELS))
+    kernels.set_compile_options(None)
+    _use_compiled(False)
 DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"],
             "stacked_head": ttt_mod._STACKED["on"], "skip_uncounted": ttt_mod._SKIP["on"],
             "packed_segments": None,   # as imported; packed_segments: set after the dense backend
-            "dead_rows": ttt_mod._LIVE["on"], "rope_apart": drafter_mod._ROPE_APART["on"]}
+            "dead_rows": ttt_mod._LIVE["on"], "rope_apart": drafter_mod._ROPE_APART["on"], "tuning": False}
 
 
 def set_lever(on: bool) -> None:
@@ -100,7 +128,8 @@ def main(argv=None):
                          "TTT steps (stacked_head), or the lm_head on counted rows only (skip_uncounted), "
                          "or packed rows' attention by the dense kernel once per segment (packed_segments; "
                          "a mix case only), or steps >= 1 on the rows a later step scores (dead_rows), or "
-                         "the rope's cos/sin in a region of their own (rope_apart)")
+                         "the rope's cos/sin in a region of their own (rope_apart), or inductor's "
+                         "coordinate-descent tuning of every compiled kernel (tuning)")
     a = ap.parse_args(argv)
     LEVER[0] = LEVERS[a.lever]
     if not torch.cuda.is_available():
@@ -110,8 +139,11 @@ def main(argv=None):
     cfg, d, head = bench.build(a.size, dev, dtype)
     hot = d.hot_ids
     rows = head.index_select(0, hot).contiguous()
-    d.compile_regions()
-    ttt_mod.compile_loss_kernels()
+    if a.lever == "tuning":
+        _compile_both(d)
+    else:
+        d.compile_regions()
+        ttt_mod.compile_loss_kernels()
     d.accumulate_wgrad = True
     kernels.set_attention_backend(a.attn_backend)
     DEFAULTS["packed_segments"] = kernels.packed_attention() == "segments"

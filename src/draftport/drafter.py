@@ -305,7 +305,7 @@ class Eagle3Drafter(nn.Module):
 
         Regions, not the whole unrolled step: each compiles once and serves all TTT steps; the
         GEMMs, attention and loss run as their own (custom autograd) functions between them."""
-        self._compiled = {n: torch.compile(getattr(self, n), **kw) for n in self._REGIONS}
+        self._compiled = {n: kernels.compiled(getattr(self, n), **kw) for n in self._REGIONS}
         kernels.compile_kernels()
         return self
 

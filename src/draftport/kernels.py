@@ -300,6 +300,31 @@ def allow_recompiles(n: int = 64) -> None:
             setattr(cfg, name, max(getattr(cfg, name), n))
 
 
+# Inductor options for every region and kernel draftport compiles (drafter.compile_regions,
+# compile_kernels, ttt.compile_loss_kernels); set before they compile. The default: inductor's
+# coordinate-descent tuning (each Triton kernel's block sizes searched when it compiles). On an
+# H200, Kimi size, TTT 7, the whole training step against inductor's defaults, 3 alternated
+# rounds: x1.005 / x0.999 (lm_head frozen / trained) at T 4,096 and x1.006 / x1.006 on the
+# bench's packed mix, each side's blocks apart there; T 2,048 inside its 4% block spread
+# (benchmarks/results/2026-12-03-h200-probe-tuning*.json). Its cost: the first steps of each
+# shape take longer to compile (~+100 s at one length, ~+200 s over the mix's shapes there).
+_COMPILE_OPTIONS: dict = {"coordinate_descent_tuning": True}
+
+
+def set_compile_options(options: dict | None) -> None:
+    """Inductor options (torch.compile(options=...)) for what compiles after this call; None or
+    {}: inductor's defaults."""
+    _COMPILE_OPTIONS.clear()
+    _COMPILE_OPTIONS.update(options or {})
+
+
+def compiled(fn, **kw):
+    """torch.compile(fn, **kw) with the options set_compile_options gave (if any)."""
+    if _COMPILE_OPTIONS and "options" not in kw:
+        kw["options"] = dict(_COMPILE_OPTIONS)
+    return torch.compile(fn, **kw)
+
+
 def compile_kernels():
     """Compile the elementwise diagonal-key kernels (GPU path; call once)."""
     allow_recompiles()
@@ -308,7 +333,7 @@ def compile_kernels():
                      ("shift_sum", _shift_sum)):
         # the first shape compiles static; a second length makes T symbolic (one more compile), so
         # variable-length batches (padded to their longest, or packed) do not recompile per length
-        _KERNELS[name] = torch.compile(fn, dynamic=None)
+        _KERNELS[name] = compiled(fn, dynamic=None)
 
 
 # ---- weight gradients on a second stream (opt-in) ------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .data import Batch
 from .drafter import Eagle3Drafter, shift
 from .kernels import Segments, accumulate_grad, select_rows, wgrad_side
@@ -188,7 +189,7 @@ def compile_loss_kernels():
     """Compile the per-chunk soft-CE elementwise kernels and the loss scale (GPU path; call once)."""
     for name, fn in (("softce", _softce_rows), ("softce_into", _softce_rows_into), ("scale", _scale_both),
                      ("softce_at", _softce_rows_at)):
-        _LOSS_KERNELS[name] = torch.compile(fn, dynamic=None)   # see kernels.compile_kernels
+        _LOSS_KERNELS[name] = kernels.compiled(fn, dynamic=None)   # see kernels.compile_kernels
 
 
 class LinearSoftCE(torch.autograd.Function):
