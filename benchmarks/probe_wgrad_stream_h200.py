@@ -92,7 +92,8 @@ def _compile_both(d) -> None:
 DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"],
             "stacked_head": ttt_mod._STACKED["on"], "skip_uncounted": ttt_mod._SKIP["on"],
             "packed_segments": None,   # as imported; packed_segments: set after the dense backend
-            "dead_rows": ttt_mod._LIVE["on"], "rope_apart": drafter_mod._ROPE_APART["on"], "tuning": False}
+            "dead_rows": ttt_mod._LIVE["on"], "rope_apart": drafter_mod._ROPE_APART["on"],
+            "tuning": kernels._COMPILE_OPTIONS == TUNING}
 
 
 def set_lever(on: bool) -> None:
