@@ -35,7 +35,7 @@ from .storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive,  # n
                       bytes_per_token, check_storage, storage_need)
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-12-03-h200-train-8.json"
+DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-12-03-h200-train-9.json"
 RESULTS = ROOT / "benchmarks" / "results"
 PHASES = (("phase1_scratch", "phase1"), ("phase1", "phase1"), ("phase2", "phase2"))
 
