@@ -65,8 +65,8 @@ LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_gra
           "tuning": lambda on: _use_compiled(on)}
 LEVER = [kernels.set_wgrad_stream]
 # lever tuning: every compiled region and kernel twice, with inductor's defaults (off) and with
-# TUNING's options (on); the lever swaps which set the step calls
-TUNING = {"coordinate_descent_tuning": True}
+# the library's default options (on); the lever swaps which set the step calls
+TUNING = dict(kernels.DEFAULT_COMPILE_OPTIONS)
 _COMPILED = {}
 
 
@@ -82,12 +82,13 @@ def _use_compiled(on: bool) -> None:
 def _compile_both(d) -> None:
     """The two compiled sets of lever tuning (each compiles lazily at its first step)."""
     _COMPILED["drafter"] = d
+    before = dict(kernels._COMPILE_OPTIONS)
     for on in (False, True):
         kernels.set_compile_options(TUNING if on else None)
         d.compile_regions()
         ttt_mod.compile_loss_kernels()
         _COMPILED[on] = (dict(d.__dict__["_compiled"]), dict(kernels._KERNELS), dict(ttt_mod._LOSS_KERNELS))
-    kernels.set_compile_options(None)
+    kernels.set_compile_options(before)
     _use_compiled(False)
 DEFAULTS = {"wgrad_stream": kernels._WGRAD["on"], "kv_sum": kernels._KVSUM["on"],
             "stacked_head": ttt_mod._STACKED["on"], "skip_uncounted": ttt_mod._SKIP["on"],

@@ -308,7 +308,8 @@ def allow_recompiles(n: int = 64) -> None:
 # bench's packed mix, each side's blocks apart there; T 2,048 inside its 4% block spread
 # (benchmarks/results/2026-12-03-h200-probe-tuning*.json). Its cost: the first steps of each
 # shape take longer to compile (~+100 s at one length, ~+200 s over the mix's shapes there).
-_COMPILE_OPTIONS: dict = {"coordinate_descent_tuning": True}
+DEFAULT_COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
+_COMPILE_OPTIONS: dict = dict(DEFAULT_COMPILE_OPTIONS)
 
 
 def set_compile_options(options: dict | None) -> None:
