@@ -26,36 +26,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from draftport import kernels  # noqa: E402
+from probe_lmhead_gemm_h200 import timeit as cuda_timeit  # noqa: E402  (beside this file)
 
 SIZES = {"kimi": (7168, 18432), "toy": (64, 160)}
 
 
 def timeit(fn, reps):
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps
-    for _ in range(3):
+    """Median seconds of one call: CUDA events on the GPU (probe_lmhead_gemm_h200.timeit), a host
+    clock over the calls on the CPU (the code paths only)."""
+    if torch.cuda.is_available():
+        return cuda_timeit(fn, reps)
+    t = time.perf_counter()
+    for _ in range(reps):
         fn()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    torch.cuda.synchronize()
-    for i in range(reps):
-        ev[i].record()
-        fn()
-    ev[-1].record()
-    torch.cuda.synchronize()
-    return statistics.median(ev[i].elapsed_time(ev[i + 1]) / 1e3 for i in range(reps))
+    return (time.perf_counter() - t) / reps
 
 
 def autotune_options() -> dict:
@@ -72,11 +64,11 @@ def autotune_options() -> dict:
 
 
 def mlp_fwd(x, w_gu, w_d):
+    """One graph for max-autotune: the step's own SwiGLU (kernels._swiglu, uncompiled) between the GEMMs."""
     I = w_d.shape[1]
     y = x @ w_gu.t()
     g, u = y[:, :I], y[:, I:]
-    a = (F.silu(g.float()) * u.float()).to(x.dtype)
-    return g, u, a @ w_d.t()
+    return g, u, kernels._swiglu(g, u) @ w_d.t()
 
 
 def mlp_fwd_now(x, w_gu, w_d):
@@ -88,12 +80,8 @@ def mlp_fwd_now(x, w_gu, w_d):
 
 
 def down_bwd(dy, w_d, g, u):
-    da = dy @ w_d
-    gf, uf, daf = g.float(), u.float(), da.float()
-    sg = torch.sigmoid(gf)
-    silu = gf * sg
-    return ((daf * uf * sg * (1 + gf * (1 - sg))).to(g.dtype), (daf * silu).to(u.dtype),
-            (silu * uf).to(g.dtype))
+    """One graph: the GEMM and the step's own SwiGLU gradients (kernels._swiglu_grads_act, uncompiled)."""
+    return kernels._swiglu_grads_act(dy @ w_d, g, u)
 
 
 def down_bwd_now(dy, w_d, g, u):
