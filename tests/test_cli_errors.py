@@ -177,3 +177,24 @@ def test_human_tables_render(tmp_path):
         assert text in res.stdout
     res = run_cli("inspect", a, cwd=tmp_path)
     assert res.returncode == 0 and "midlayer.self_attn.q_proj.weight" in res.stdout
+
+
+def test_help_lists_each_command_with_its_summary_on_one_line(tmp_path):
+    """`draftport --help` shows each command's first docstring paragraph joined: typer's rich mode
+    would keep the docstring's line breaks there, ending lines mid-sentence. A wide terminal so
+    that nothing wraps: each summary must stand whole on the command's line."""
+    import inspect
+
+    from draftport.cli import app
+
+    env = dict(os.environ, COLUMNS="400", TERMINAL_WIDTH="400")
+    res = subprocess.run([sys.executable, "-m", "draftport.cli", "--help"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    for info in app.registered_commands:
+        name = info.name or info.callback.__name__.replace("_", "-")
+        summary = " ".join(inspect.cleandoc(info.callback.__doc__).split("\n\n")[0].split())
+        line = next((ln for ln in lines if ln.strip(" │").startswith(name + " ")), None)
+        assert line is not None, f"{name} missing from --help:\n{res.stdout}"
+        assert summary in line, f"{name}: {line!r}"

@@ -215,6 +215,21 @@ def publish(
         sys.stdout.write(f"uploaded to https://huggingface.co/{repo} {rep['push']['commit_url']}\n")
 
 
+def _one_line_summaries() -> None:
+    """`draftport --help` lists each command with its docstring's first paragraph, and typer's rich
+    mode keeps that paragraph's line breaks there (the line ends mid-sentence in the panel): hand
+    each command the paragraph as one line (its own --help still shows the docstring whole)."""
+    import inspect
+
+    for info in app.registered_commands:
+        doc = inspect.cleandoc(info.callback.__doc__ or "") if info.callback else ""
+        if doc and info.short_help is None:
+            info.short_help = " ".join(doc.split("\n\n")[0].split())
+
+
+_one_line_summaries()   # after every @app.command() above
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, prog_name="draftport")
