@@ -486,7 +486,7 @@ def test_dvc_exp_run_sweeps_one_training_value(repo):
     assert "lr-low" in table and "accept_length" in table
 
 
-def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments(repo):
+def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments(repo, tmp_path):
     """`dvc exp run --queue -S ...` + `dvc queue start`: each experiment runs in a temporary copy
     (the uncached feature folders copied in with -C, so nothing upstream reruns), logs its phases
     to the tracking store tagged with its name, and `dvc exp show` / `dvc plots diff` put the grid
@@ -495,13 +495,23 @@ def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments
     copies = [a for f in ("features_new", "features_eval", "features_monitor") for a in ("-C", f"artifacts/{f}")]
     for name, lr in grid.items():
         repo.dvc("exp", "run", "--queue", "-n", name, "-S", f"phase1.train.lr={lr}", *copies, "eval_phase1")
-    repo.dvc("queue", "start", "-j", "1")
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        status = repo.dvc("queue", "status").stdout
-        if not any(w in status for w in ("Running", "Queued")):
-            break
-        time.sleep(5)
+    # The worker `dvc queue start` leaves behind keeps the stdout/stderr it was handed: read through
+    # pipes, the call returns only when that worker exits (it stops itself a while after the queue
+    # is empty; once, in a CI run, it sat idle for 15 minutes and the call with it). Its output goes to a
+    # file instead, and `dvc queue stop` ends the worker once the grid is done.
+    with open(tmp_path / "queue-start.log", "w") as log:
+        started = subprocess.run([str(BIN / "dvc"), "queue", "start", "-j", "1"], cwd=repo.path, env=repo.env,
+                                 stdout=log, stderr=subprocess.STDOUT, timeout=300)
+    assert started.returncode == 0, (tmp_path / "queue-start.log").read_text()[-4000:]
+    try:
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            status = repo.dvc("queue", "status").stdout
+            if not any(w in status for w in ("Running", "Queued")):
+                break
+            time.sleep(5)
+    finally:
+        repo.dvc("queue", "stop", check=False)
     for name in grid:
         assert f"{name}" in status and "Failed" not in status, status
         log = repo.dvc("queue", "logs", name).stdout
