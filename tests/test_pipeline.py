@@ -41,10 +41,17 @@ class Repo:
     def __init__(self, path: Path, env: dict):
         self.path, self.env = path, env
 
-    def run(self, *cmd, check=True, timeout=1200, env=None) -> subprocess.CompletedProcess:
+    def run(self, *cmd, check=True, timeout=1200, env=None, log: Path | None = None) -> subprocess.CompletedProcess:
+        """cmd in the repo; its output captured, or with log written to that file (for a command that
+        leaves a process behind holding its stdout/stderr: through pipes, the call would wait for it)."""
         t = time.time()
-        r = subprocess.run(list(cmd), cwd=self.path, capture_output=True, text=True, timeout=timeout,
-                           env={**self.env, **(env or {})})
+        kw = dict(cwd=self.path, text=True, timeout=timeout, env={**self.env, **(env or {})})
+        if log is None:
+            r = subprocess.run(list(cmd), capture_output=True, **kw)
+        else:
+            with open(log, "w") as f:
+                r = subprocess.run(list(cmd), stdout=f, stderr=subprocess.STDOUT, **kw)
+            r.stdout, r.stderr = "", log.read_text()
         TIMES[" ".join(cmd[:4])] = time.time() - t
         if check and r.returncode:
             raise AssertionError(f"{' '.join(cmd)} -> {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}")
@@ -499,10 +506,7 @@ def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments
     # pipes, the call returns only when that worker exits (it stops itself a while after the queue
     # is empty; once, in a CI run, it sat idle for 15 minutes and the call with it). Its output goes to a
     # file instead, and `dvc queue stop` ends the worker once the grid is done.
-    with open(tmp_path / "queue-start.log", "w") as log:
-        started = subprocess.run([str(BIN / "dvc"), "queue", "start", "-j", "1"], cwd=repo.path, env=repo.env,
-                                 stdout=log, stderr=subprocess.STDOUT, timeout=300)
-    assert started.returncode == 0, (tmp_path / "queue-start.log").read_text()[-4000:]
+    repo.dvc("queue", "start", "-j", "1", timeout=300, log=tmp_path / "queue-start.log")
     try:
         deadline = time.time() + 900
         while time.time() < deadline:
