@@ -876,12 +876,14 @@ def parse(argv=None):
     ap.add_argument("--lm-head", choices=["frozen", "trainable", "both"], default="both")
     ap.add_argument("--impl", choices=["compiled", "fused", "reference"], default=None,
                     help="compiled (CUDA default): fused attention + fused loss + compiled regions")
-    ap.add_argument("--attn-backend", choices=["auto", "flash", "cudnn"], default="auto",
-                    help="the dense causal part's kernel; auto: the faster of the two at these lengths "
-                         "(timed first), flash if cuDNN fails its check")
+    ap.add_argument("--attn-backend", choices=["auto", "flash", "cudnn", "fa4"], default="auto",
+                    help="the dense causal part's kernel; auto: the faster of flash and cudnn at these "
+                         "lengths (timed first), flash if cuDNN fails its check; fa4: FlashAttention-4 "
+                         "(flash-attn-4 installed; packed rows through its varlen kernel)")
     ap.add_argument("--packed-attention", choices=["auto", "varlen", "segments"], default=None,
-                    help="packed rows' causal part on CUDA: flash varlen or the dense kernel "
-                         "(--attn-backend's) once per segment; auto (draftport's default): segments under cudnn")
+                    help="packed rows' causal part on CUDA: the varlen kernel (flash's, or fa4's under fa4) or "
+                         "the dense kernel (--attn-backend's) once per segment; auto (draftport's default): "
+                         "segments under cudnn")
     ap.add_argument("--mix", type=int, default=None, help="samples in the length mix (0: none; 20 on CUDA, 8 toy)")
     ap.add_argument("--mix-max", type=int, default=None, help="longest sample (2048; toy 64)")
     ap.add_argument("--mix-seed", type=int, default=1)

@@ -1054,13 +1054,13 @@ def test_profile_kinds_put_flash_varlen_under_attention():
 def test_attention_switches_refuse_unknown_names():
     """The dense and packed attention switches take their known names only, by call or by
     environment (the environment's checked at import, one line naming the variable); the packed
-    default, auto, runs segments under cudnn and varlen under flash."""
+    default, auto, runs segments under cudnn and varlen under flash and fa4."""
     from draftport import kernels
     before = dict(kernels._BACKEND)
     try:
         assert before["packed"] == "auto" or os.environ.get("DRAFTPORT_PACKED_ATTENTION")
         kernels.set_packed_attention("auto")
-        for dense, path in (("cudnn", "segments"), ("flash", "varlen")):
+        for dense, path in (("cudnn", "segments"), ("flash", "varlen"), ("fa4", "varlen")):
             kernels.set_attention_backend(dense)
             assert kernels.packed_attention() == path
         assert kernels.packed_attention("cudnn") == "segments"   # under a named backend
@@ -1069,7 +1069,7 @@ def test_attention_switches_refuse_unknown_names():
         kernels.set_packed_attention("varlen")
         with pytest.raises(ValueError, match="auto, varlen or segments"):
             kernels.set_packed_attention("ragged")
-        with pytest.raises(ValueError, match="flash or cudnn"):
+        with pytest.raises(ValueError, match="flash, cudnn or fa4"):
             kernels.set_attention_backend("math")
         assert kernels._BACKEND["packed"] == "varlen" and kernels.packed_attention("cudnn") == "varlen"
     finally:

@@ -156,8 +156,33 @@ def test_attention_key_sets_the_kernel_and_a_change_of_it_still_resumes(tmp_path
         assert kernels._BACKEND["dense"] == "cudnn"   # default: as the environment / caller set it
     finally:
         kernels._BACKEND.update(before)
-    with pytest.raises(DraftportError, match=r"train\.attention: must be one of default, flash, cudnn"):
+    with pytest.raises(DraftportError, match=r"train\.attention: must be one of default, flash, cudnn, fa4"):
         TrainConfig(**base, attention="math")
+
+
+def test_fa4_backend_is_a_switch_on_the_cpu_and_names_its_package_where_it_is_missing(tmp_path):
+    """train.attention fa4 selects FlashAttention-4 for CUDA (packed rows: its varlen kernel); the
+    CPU path trains as under any backend. Where flash-attn-4 is not importable, the first CUDA call
+    would fail with one line naming the package (the H200 benchmark runs the kernels)."""
+    import importlib.util
+
+    from draftport import kernels
+
+    fs, head = make_features(tmp_path)
+    before = dict(kernels._BACKEND)
+    try:
+        kernels.set_packed_attention("auto")
+        res = train(toy_drafter(seed=5), fs, head, tmp_path / "run",
+                    TrainConfig(steps=2, batch_size=4, lr=3e-3, warmup_steps=1, attention="fa4", packing=True),
+                    progress=False)
+        assert res["steps"] == 2
+        assert kernels._BACKEND["dense"] == "fa4" and kernels.packed_attention() == "varlen"
+    finally:
+        kernels._BACKEND.update(before)
+    if importlib.util.find_spec("flash_attn") is None:
+        kernels._FA4.clear()
+        with pytest.raises(RuntimeError, match=r"^attention backend fa4: .*pip install --pre flash-attn-4"):
+            kernels._fa4()
 
 
 # ---- held-out tau during training (train.eval_every, train.patience) ----------------------------

@@ -19,7 +19,9 @@ gradients run in that layout on both paths: q/k/v come token-major from the draf
 gradients, so no step copies to or from the [B, T, h*d] GEMM layout. The keys' gradients across
 TTT steps can be summed in one accumulator per unroll (KVGradSum, `set_kv_grad_sum`).
 `set_attention_backend("cudnn")` runs the dense causal part through cuDNN's fused attention
-instead of flash (same identity, its backward also takes the merged output and log-sum-exp).
+instead of flash (same identity, its backward also takes the merged output and log-sum-exp);
+`"fa4"` through FlashAttention-4 (package flash-attn-4: CuTe-DSL kernels for Hopper and
+Blackwell, compiled at first use), packed rows through its varlen kernel.
 
 The linears can sum their weight gradient in place across TTT steps (`accumulate_grad`: beta = 1
 inside the GEMM), single process only; weights reading one input run as one function
@@ -45,25 +47,30 @@ import torch.nn.functional as F
 # packed rows on CUDA: flash varlen, one call for all segments, or the dense kernel above once
 # per segment (segments). auto (default): segments when the dense kernel is cuDNN, whose dense
 # causal 2,048 ran ~2x flash varlen's rate on an H200 (results/*-profiles-4 vs -6) and the length
-# mix's whole step 1.0-1.2% faster (results/*-probe-packed-segments); varlen with flash
+# mix's whole step 1.0-1.2% faster (results/*-probe-packed-segments); varlen with flash and
+# with fa4 (FlashAttention-4's varlen kernel: 1.54x cuDNN once per segment on the mix's rows,
+# forward and backward; dense causal 1.03x forward, 1.17-1.19x backward at T 2,048 / 4,096:
+# results/2026-12-03-h200-probe-fa4-attn.json)
 _BACKEND = {"dense": os.environ.get("DRAFTPORT_ATTENTION", "flash"),
             "packed": os.environ.get("DRAFTPORT_PACKED_ATTENTION", "auto")}
-if _BACKEND["dense"] not in ("flash", "cudnn"):
-    raise ValueError(f"DRAFTPORT_ATTENTION={_BACKEND['dense']!r}: flash or cudnn")
+_DENSE = ("flash", "cudnn", "fa4")
+if _BACKEND["dense"] not in _DENSE:
+    raise ValueError(f"DRAFTPORT_ATTENTION={_BACKEND['dense']!r}: flash, cudnn or fa4")
 if _BACKEND["packed"] not in ("auto", "varlen", "segments"):
     raise ValueError(f"DRAFTPORT_PACKED_ATTENTION={_BACKEND['packed']!r}: auto, varlen or segments")
 
 
 def set_attention_backend(name: str) -> None:
-    """flash (default) or cudnn: which fused kernel runs the dense causal part on CUDA."""
-    if name not in ("flash", "cudnn"):
-        raise ValueError(f"attention backend {name!r}: flash or cudnn")
+    """flash (default), cudnn or fa4: which fused kernel runs the causal part on CUDA."""
+    if name not in _DENSE:
+        raise ValueError(f"attention backend {name!r}: flash, cudnn or fa4")
     _BACKEND["dense"] = name
 
 
 def set_packed_attention(name: str) -> None:
     """auto (default), varlen or segments: how packed rows' causal part runs on CUDA (the CPU
-    path always runs the dense kernel once per segment); auto is segments under cudnn."""
+    path always runs the dense kernel once per segment); auto is segments under cudnn. varlen
+    is the dense backend's varlen kernel (flash: torch's FlashAttention 2, fa4: its own)."""
     if name not in ("auto", "varlen", "segments"):
         raise ValueError(f"packed attention {name!r}: auto, varlen or segments")
     _BACKEND["packed"] = name
@@ -77,9 +84,28 @@ def packed_attention(dense: str | None = None) -> str:
     return _BACKEND["packed"]
 
 
+_FA4 = {}
+
+
+def _fa4():
+    """FlashAttention-4's forward and backward (flash_attn.cute), imported at first use."""
+    if not _FA4:
+        try:
+            from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+        except ImportError as e:
+            raise RuntimeError(f"attention backend fa4: FlashAttention-4 is not importable ({e}); "
+                               "pip install --pre flash-attn-4 (Hopper or Blackwell GPUs)") from None
+        _FA4.update(fwd=_flash_attn_fwd, bwd=_flash_attn_bwd)
+    return _FA4["fwd"], _FA4["bwd"]
+
+
 def _flash_fwd(q, k, v, scale):
     """Causal attention over the step-0 keys -> (out [B,h,T,d], lse [B,h,T] fp32, extras)."""
     if q.is_cuda:
+        if _BACKEND["dense"] == "fa4":   # it takes [B, T, h, d]: the token-major tensors q/k/v view
+            r = _fa4()[0](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                          causal=True, return_lse=True)
+            return r[0].transpose(1, 2), r[1], ("fa4",)
         if _BACKEND["dense"] == "cudnn":
             r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
                                                                     scale=scale)
@@ -94,6 +120,9 @@ def _flash_fwd(q, k, v, scale):
 
 def _flash_bwd(do, q, k, v, o, lse, scale, extras):
     if q.is_cuda:
+        if extras[0] == "fa4":
+            g = _fa4()[1](*(t.transpose(1, 2) for t in (q, k, v, o, do)), lse.contiguous(), scale, True)
+            return tuple(t.transpose(1, 2) for t in g[:3])
         if extras[0] == "cudnn":
             _, shape, seed, off, cq, ck, mq, mk = extras
             return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -173,6 +202,10 @@ def _seg_fwd(q, k, v, seg: Segments, scale):
     lse [N, h] fp32, extras)."""
     if q.is_cuda and packed_attention() == "varlen":
         cu = seg.cu_dev(q.device)
+        if _BACKEND["dense"] == "fa4":   # its lse is [h, N]
+            r = _fa4()[0](q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seg.max_len,
+                          max_seqlen_k=seg.max_len, softmax_scale=scale, causal=True, return_lse=True)
+            return r[0], r[1].t(), ("fa4",)
         r = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, seg.max_len, seg.max_len, 0.0, True,
                                                     False, scale=scale)
         lse = r[1]
@@ -191,6 +224,12 @@ def _seg_fwd(q, k, v, seg: Segments, scale):
 
 
 def _seg_bwd(do, q, k, v, o, lse, seg: Segments, scale, extras):
+    if isinstance(extras[0], str) and extras[0] == "fa4":
+        cu = seg.cu_dev(q.device)
+        do = do if do.stride(-1) == 1 else do.contiguous()
+        g = _fa4()[1](q, k, v, o, do, lse.t().contiguous(), scale, True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                      max_seqlen_q=seg.max_len, max_seqlen_k=seg.max_len)
+        return g[0], g[1], g[2]
     if not isinstance(extras[0], str):   # flash varlen (CUDA): (its lse, rng state, unused)
         like, rng, unused = extras
         cu = seg.cu_dev(q.device)
@@ -658,7 +697,7 @@ def kv_grad_sum():
 
 # ---- fused TTT attention, as one autograd function ---------------------------------------------
 class _TTTAttention(torch.autograd.Function):
-    """The step-0 causal part: seg None, dense causal over each row (flash or cudnn, [B, h, T, d]);
+    """The step-0 causal part: seg None, dense causal over each row (flash, cudnn or fa4, [B, h, T, d]);
     seg, causal inside each segment of packed rows, token-major ([B*T, h, d]). The diagonal keys
     are merged (and their gradients computed) token-major either way: with q/k/v laid out
     token-major (drafter.heads_rope_tok), which the dense kernels' outputs and gradients follow,

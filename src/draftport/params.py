@@ -153,10 +153,11 @@ class TrainConfig(Group):
     packing: bool = F(False, "lay a step's samples end to end in one row (draftport.packing: attention, RoPE "
                       "positions and the loss stay per sample, the same loss as padding them) instead of "
                       "right-padding each to the longest; no compute is spent on padding")
-    attention: Literal["default", "flash", "cudnn"] = F(
+    attention: Literal["default", "flash", "cudnn", "fa4"] = F(
         "default", "the CUDA kernel of the causal attention (impl fused or compiled; the CPU ignores it): "
-        "flash (FlashAttention 2 in torch) or cudnn (cuDNN's fused attention, once per sample on packed rows; "
-        "the H200 training benchmark's choice); default: DRAFTPORT_ATTENTION, else flash")
+        "flash (FlashAttention 2 in torch), cudnn (cuDNN's fused attention, once per sample on packed rows; "
+        "the H200 training benchmark's choice) or fa4 (FlashAttention-4, `pip install --pre flash-attn-4`, "
+        "Hopper/Blackwell; its varlen kernel on packed rows); default: DRAFTPORT_ATTENTION, else flash")
 
     def __init__(self, /, **data: Any) -> None:
         try:
