@@ -14,7 +14,10 @@ TTT steps >= 1 on the rows a later step scores only (ttt.set_skip_dead_rows: a p
 then run step 0 alone) against every row; --lever rope_apart: the rope's cos/sin once per step in
 a region of their own (drafter.set_rope_apart) against inside the q/k rope; --lever tuning:
 every compiled region and kernel with inductor's coordinate-descent tuning (its block sizes
-searched per kernel, kernels.set_compile_options) against inductor's defaults. --prompt-share F
+searched per kernel, kernels.set_compile_options) against inductor's defaults; --lever fa4: the
+causal attention through FlashAttention-4 (kernels.set_attention_backend("fa4"), packed rows
+through its varlen kernel; flash-attn-4 installed) against --attn-backend's kernel (cuDNN, packed
+rows once per segment). --prompt-share F
 [F ...]: each fixed length also with its first F of the rows a prompt (no loss there), as chat
 data has.
 
@@ -62,7 +65,12 @@ LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_gra
           "stacked_head": ttt_mod.set_stacked_head, "skip_uncounted": ttt_mod.set_skip_uncounted,
           "packed_segments": lambda on: kernels.set_packed_attention("segments" if on else "varlen"),
           "dead_rows": ttt_mod.set_skip_dead_rows, "rope_apart": drafter_mod.set_rope_apart,
-          "tuning": lambda on: _use_compiled(on)}
+          "tuning": lambda on: _use_compiled(on), "fa4": lambda on: _use_fa4(on)}
+_ATTN = ["cudnn"]   # --attn-backend's kernel: what --lever fa4 switches back to
+
+
+def _use_fa4(on: bool) -> None:
+    kernels.set_attention_backend("fa4" if on else _ATTN[0])
 LEVER = [kernels.set_wgrad_stream]
 # lever tuning: every compiled region and kernel twice, with inductor's defaults (off) and with
 # the library's default options (on); the lever swaps which set the step calls
@@ -131,7 +139,8 @@ def main(argv=None):
                          "or packed rows' attention by the dense kernel once per segment (packed_segments; "
                          "a mix case only), or steps >= 1 on the rows a later step scores (dead_rows), or "
                          "the rope's cos/sin in a region of their own (rope_apart), or inductor's "
-                         "coordinate-descent tuning of every compiled kernel (tuning)")
+                         "coordinate-descent tuning of every compiled kernel (tuning), or "
+                         "FlashAttention-4 against --attn-backend's kernel (fa4)")
     a = ap.parse_args(argv)
     LEVER[0] = LEVERS[a.lever]
     if not torch.cuda.is_available():
@@ -148,6 +157,8 @@ def main(argv=None):
         ttt_mod.compile_loss_kernels()
     d.accumulate_wgrad = True
     kernels.set_attention_backend(a.attn_backend)
+    _ATTN[0] = a.attn_backend
+    DEFAULTS["fa4"] = a.attn_backend == "fa4"
     DEFAULTS["packed_segments"] = kernels.packed_attention() == "segments"
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seqs": a.seqs,
            "rounds": a.rounds, "iters": a.iters, "attention": a.attn_backend, "results": {}}
