@@ -9,15 +9,15 @@
     snakemake --cores 8 publish    the chosen drafter as a hub-ready folder (publish.enabled: true)
     snakemake --configfile=configs/micro.yaml ...   another profile layered on params.yaml
 
-The steps are the rows of src/draftport/steps/registry.py (rules/steps.smk makes one rule per
-row); dvc.yaml is generated from the same table (python -m draftport.steps.bridge dvc-yaml).
+The steps are the rows of src/draftport/plan/registry.py (rules/steps.smk makes one rule per
+row); dvc.yaml is generated from the same table (python -m draftport.pipeline.bridge dvc-yaml).
 params.yaml is the only parameter file; it is validated before any job.
 """
 
 import os
 
-from draftport.steps import bridge
-from draftport.steps import registry as R
+from draftport.pipeline import bridge
+from draftport.plan import registry as R
 
 # Jobs inherit this: OpenMP threads that wait sleep instead of spinning. On shared cores the
 # spinning made a 2-thread step 8x slower than 1 thread; sleeping, 2 threads beat 1 (measured).

@@ -1,4 +1,4 @@
-"""A/B on the GPU: the fused loss's row chunk (draftport.ttt.LOSS_CHUNK) in the whole training step.
+"""A/B on the GPU: the fused loss's row chunk (draftport.training.ttt.LOSS_CHUNK) in the whole training step.
 
 benchmarks/probe_loss_attn_h200.py times the loss alone; this times train_step (the main variant of
 bench_train_h200.py: lm_head frozen, greedy choice stored, cuDNN attention) at the Kimi size with

@@ -19,7 +19,7 @@ Per shape, at B x T = 16 x 2048 (no padding), then on a realistic length mix (lo
 tok/s counts the stored (real) tokens. Roofline = peak (790 TFLOP/s, the bf16 matmul rate measured
 on this workplace's H200s) / FLOPs per token, FLOPs per token = 2 x non-embedding params (the
 lm_head included) + causal attention 2 x layers x heads x (qk + v head dim) x T/2 (for a mix:
-the token-weighted mean of n/2), as draftport.estimate counts a capture.
+the token-weighted mean of n/2), as draftport.outputs.estimate counts a capture.
 
 Also recorded: host ceilings (sha256, pageable vs pinned device-to-host copies, disk write +
 fsync), where capture_write's time goes (main thread: featurize / pack+copy / waiting on the
@@ -80,11 +80,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from draftport import data  # noqa: E402
-from draftport.data import FeatureSet, Sequence, write_features  # noqa: E402
-from draftport.features import featurizer, greedy_choice, greedy_head  # noqa: E402
-from draftport.target import capture_dtype, capture_features  # noqa: E402
-from draftport.target import compile_layers, padded_length, uncompile_layers  # noqa: E402 (the library's)
+from draftport.data import shards as data  # noqa: E402
+from draftport.data.shards import FeatureSet, Sequence, write_features  # noqa: E402
+from draftport.data.features import featurizer, greedy_choice, greedy_head  # noqa: E402
+from draftport.data.capture import capture_dtype, capture_features  # noqa: E402
+from draftport.data.capture import compile_layers, padded_length, uncompile_layers  # noqa: E402 (the library's)
 
 SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,

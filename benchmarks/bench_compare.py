@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftport.fixtures import frequency_maps, kimi_k2_config, swap_hot_ids, write_header_only_drafter
+from draftport.model.fixtures import frequency_maps, kimi_k2_config, swap_hot_ids, write_header_only_drafter
 
 LOAD = """
 import json, resource, sys, time

@@ -7,7 +7,7 @@ device, with a frozen bf16 target lm_head [vocab, H] for the target distribution
 full-vocab argmax mask ("computed"), or the greedy choice stored with the features as the data
 step stores it ("stored": only the draft rows of the target head remain). Per sequence length
 (--seqs, one sample of T tokens per step, as the peers' anchors run) and on a length mix (--mix:
-log-normal lengths, mean ~1.5K, max 2048): ours packed (draftport.packing: steps of at most
+log-normal lengths, mean ~1.5K, max 2048): ours packed (draftport.data.packing: steps of at most
 --pack-len tokens, grouped as speculators groups its rows by default, each step one row of its
 samples rounded up to 64 tokens as train() packs it, where speculators pads each row to
 --pack-len), ours padded (groups of --pad-batch samples right-padded
@@ -79,16 +79,16 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from draftport import kernels  # noqa: E402
-from draftport import optim  # noqa: E402
-from draftport import ttt as ttt_mod  # noqa: E402
-from draftport.config import DrafterConfig  # noqa: E402
-from draftport.data import Batch, collate  # noqa: E402
-from draftport.drafter import Attention, Eagle3Drafter  # noqa: E402
-from draftport.kernels import ttt_attention  # noqa: E402
-from draftport.packing import ROW_MULTIPLE, pack, plan_rows  # noqa: E402
-from draftport.train import TrainConfig, train_step  # noqa: E402
-from draftport.ttt import combine, stats_to_float, ttt_terms  # noqa: E402
+from draftport.model.fast import kernels  # noqa: E402
+from draftport.training import optim  # noqa: E402
+from draftport.training import ttt as ttt_mod  # noqa: E402
+from draftport.model.config import DrafterConfig  # noqa: E402
+from draftport.data.shards import Batch, collate  # noqa: E402
+from draftport.model.drafter import Attention, Eagle3Drafter  # noqa: E402
+from draftport.model.fast.kernels import ttt_attention  # noqa: E402
+from draftport.data.packing import ROW_MULTIPLE, pack, plan_rows  # noqa: E402
+from draftport.training.loop import TrainConfig, train_step  # noqa: E402
+from draftport.training.ttt import combine, stats_to_float, ttt_terms  # noqa: E402
 
 SIZES = {
     # H, I, heads, kv heads, head_dim, draft vocab, vocab
@@ -1312,7 +1312,7 @@ def main(argv=None) -> dict:
         "config": {"size": a.size, **SIZES[a.size], "fc_in": cfg.fc_in, "batch": a.batch, "seqs": a.seqs,
                    "seq": a.seqs[0], "ttt_steps": a.ttt, "gamma": a.gamma, "dtype": str(dtype).replace("torch.", ""),
                    "params_dtype": str(dtype).replace("torch.", ""), "impl": a.impl, "chunk": a.chunk,
-                   "attention": attn, "optimizer": "AdamW: draftport.optim (CUDA; torch's fused AdamW as a lever), betas (0.9, 0.95)", "grad_clip": 1.0,
+                   "attention": attn, "optimizer": "AdamW: draftport.training.optim (CUDA; torch's fused AdamW as a lever), betas (0.9, 0.95)", "grad_clip": 1.0,
                    "target": "frozen target lm_head [V, H]: full-vocab argmax mask (computed) or the stored "
                              "greedy choice + draft rows (stored); draft-vocab softmax",
                    "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,

@@ -5,7 +5,7 @@ Two pipeline runs of one profile that differ only in that setting (the same worl
 samples): every trained phase's drafter of each run is measured on the SAME held-out features
 (run A's `features_eval`: what a serving engine hands the drafter is the target's own states),
 and the paired difference B - A gets a percentile bootstrap CI over prompts
-(draftport.decision.paired_diff_ci). Each run is named by its features_new's storage and dtype;
+(draftport.evaluation.decision.paired_diff_ci). Each run is named by its features_new's storage and dtype;
 the two must differ in one of them and hold the same answers. Prints one JSON object.
 
     python benchmarks/features_tau.py RUN_A RUN_B [--k 3] [--n-boot 2000]
@@ -17,9 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
-from draftport.data import open_set
-from draftport.decision import paired_diff_ci, tau_ci
-from draftport.evaluate import evaluate_drafter
+from draftport.data.shards import open_set
+from draftport.evaluation.decision import paired_diff_ci, tau_ci
+from draftport.evaluation.accept import evaluate_drafter
 
 PHASES = ("phase1_scratch", "phase1", "phase2")
 

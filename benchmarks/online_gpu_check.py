@@ -24,12 +24,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from safetensors.torch import load_file  # noqa: E402
 
-from draftport.bind import new_drafter_config  # noqa: E402
-from draftport.config import target_text_config  # noqa: E402
-from draftport.draftmap import build_vocab  # noqa: E402
-from draftport.features import build_features  # noqa: E402
-from draftport.params import TrainConfig, load  # noqa: E402
-from draftport.phases import train_phase  # noqa: E402
+from draftport.model.bind import new_drafter_config  # noqa: E402
+from draftport.model.config import target_text_config  # noqa: E402
+from draftport.model.draftmap import build_vocab  # noqa: E402
+from draftport.data.features import build_features  # noqa: E402
+from draftport.plan.params import TrainConfig, load  # noqa: E402
+from draftport.training.phases import train_phase  # noqa: E402
 from draftport.world import build_world_base  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""draftport's AdamW (draftport.optim: one compiled pointwise kernel per parameter) against torch's
+"""draftport's AdamW (draftport.training.optim: one compiled pointwise kernel per parameter) against torch's
 fused AdamW, as train_step calls them: bf16 parameters of the Kimi-size drafter (lm_head frozen:
 961.6M; trained: 1,190.9M), a gradient scale set (the clipping), betas (0.9, 0.95).
 
@@ -12,7 +12,7 @@ updates' own).
 Prints figures and writes --json; asserts nothing.
 
 Also: the pointwise kernel compiled once with sizes dynamic ("draftport_dynamic"), which
-draftport.optim does not do (slower).
+draftport.training.optim does not do (slower).
 
     python benchmarks/probe_adamw_h200.py [--iters 20] [--check-steps 10] [--json OUT]
 """
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from draftport import optim  # noqa: E402
+from draftport.training import optim  # noqa: E402
 
 H, I, Q, VD = 7168, 18432, 8192, 32000
 # the drafter's trainable tensors: fc, q/k/v (2H wide), o, gate/up/down, 4 norms (+ lm_head trained)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftport import kernels  # noqa: E402
+from draftport.model.fast import kernels  # noqa: E402
 from probe_lmhead_gemm_h200 import timeit as cuda_timeit  # noqa: E402  (beside this file)
 
 SIZES = {"kimi": (7168, 18432), "toy": (64, 160)}

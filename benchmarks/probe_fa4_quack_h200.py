@@ -4,7 +4,7 @@
   forward and backward, JIT-compiled; package flash-attn-4; the committed figures,
   results/2026-12-03-h200-probe-fa4-attn.json, ran its source tree at commit 0251105 of
   2026-08-15, the whole-step lever probe the 4.0.0b40 wheel) against
-  cuDNN's fused attention as draftport.kernels calls it (`set_attention_backend("cudnn")`): the
+  cuDNN's fused attention as draftport.model.fast.kernels calls it (`set_attention_backend("cudnn")`): the
   dense causal part at T 2,048 and 4,096 (one row, 64 heads of 128), forward with its
   log-sum-exp and backward from given (out, dout, lse), as the TTT attention runs them; and the
   length mix's packed rows (steps of <= 8,192 tokens, first-fit decreasing as the bench packs):
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from draftport import kernels  # noqa: E402
+from draftport.model.fast import kernels  # noqa: E402
 
 H, I, NH, HD, VD = 7168, 18432, 64, 128, 32000   # the Kimi-K2-size drafter (bench_train_h200.py)
 MIX = Path(__file__).resolve().parent / "results" / "2026-12-03-mix-lengths.json"

@@ -1,6 +1,6 @@
 """Three questions about the training step's remaining time, on the GPU, before building a lever:
 
-1. The fused loss (draftport.ttt.LinearSoftCE) runs the drafter's lm_head GEMMs and the soft-CE
+1. The fused loss (draftport.training.ttt.LinearSoftCE) runs the drafter's lm_head GEMMs and the soft-CE
    over row chunks (train_step's default: 1024 rows). What do larger chunks give, lm_head frozen
    (logits and d(loss)/dx in the forward) and trainable (logits in the forward, dx and the weight
    gradient in the backward)?
@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from draftport import kernels, ttt  # noqa: E402
+from draftport.model.fast import kernels
+from draftport.training import ttt  # noqa: E402
 from probe_gemm_adam_h200 import timed  # noqa: E402
 
 

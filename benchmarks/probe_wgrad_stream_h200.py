@@ -55,10 +55,11 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 import bench_train_h200 as bench  # noqa: E402
-from draftport import drafter as drafter_mod  # noqa: E402
-from draftport import kernels, optim  # noqa: E402
-from draftport import ttt as ttt_mod  # noqa: E402
-from draftport.train import TrainConfig, train_step  # noqa: E402
+from draftport.model import drafter as drafter_mod  # noqa: E402
+from draftport.model.fast import kernels
+from draftport.training import optim  # noqa: E402
+from draftport.training import ttt as ttt_mod  # noqa: E402
+from draftport.training.loop import TrainConfig, train_step  # noqa: E402
 
 
 LEVERS = {"wgrad_stream": kernels.set_wgrad_stream, "kv_sum": kernels.set_kv_grad_sum,

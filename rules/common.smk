@@ -1,7 +1,7 @@
 # Helpers of the rules (rules/steps.smk) and the Snakefile's hooks.
 import sys
 
-from draftport import cluster
+from draftport.plan import cluster
 
 # Software of each step (snakemake --lint wants one per step), as `make setup` installs it in .venv.
 ENV = "../envs/draftport.yaml"
@@ -33,7 +33,7 @@ def on_start():
     if any(R.BY_NAME[r].run for r in runs if r in R.BY_NAME):
         # Create the experiment once, before jobs write to one sqlite file in parallel; an
         # unreachable tracking server stops here, before any compute.
-        shell(f"python -m draftport.tracking init {CFG['profile']}")
+        shell(f"python -m draftport.pipeline.tracking init {CFG['profile']}")
 
 
 def on_success():

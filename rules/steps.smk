@@ -1,7 +1,7 @@
-# One rule per row of the step registry (src/draftport/steps/registry.py): its inputs are its
+# One rule per row of the step registry (src/draftport/plan/registry.py): its inputs are its
 # upstream steps' metrics.json and its code (script + the library modules it runs), its command
 # the registry's (the DVC stage runs the same; a param, so it changes with the step), its params
-# the keys it reads (Snakemake's params trigger), its resources from params `resources` (draftport.cluster).
+# the keys it reads (Snakemake's params trigger), its resources from params `resources` (draftport.plan.cluster).
 for _row in R.active(CFG):
     _res = cluster.rule_resources(CFG, _row.name)
 

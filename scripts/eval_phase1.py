@@ -1,6 +1,6 @@
-"""Step eval_phase1: phase1: its drafter's offline accept length on the new target's held-out set (its registry row: src/draftport/steps/registry.py)."""
+"""Step eval_phase1: phase1: its drafter's offline accept length on the new target's held-out set (its registry row: src/draftport/plan/registry.py)."""
 
-from draftport.steps.runner import main
+from draftport.pipeline.runner import main
 
 if __name__ == "__main__":
     raise SystemExit(main("eval_phase1"))

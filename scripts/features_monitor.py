@@ -1,6 +1,6 @@
-"""Step features_monitor: the held-out set of tau during training: the last training prompts, answered by the new target (its registry row: src/draftport/steps/registry.py)."""
+"""Step features_monitor: the held-out set of tau during training: the last training prompts, answered by the new target (its registry row: src/draftport/plan/registry.py)."""
 
-from draftport.steps.runner import main
+from draftport.pipeline.runner import main
 
 if __name__ == "__main__":
     raise SystemExit(main("features_monitor"))

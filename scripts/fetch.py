@@ -1,6 +1,6 @@
-"""Step fetch: the source drafter at its pinned revision (and targets given as hub ids, the reference) (its registry row: src/draftport/steps/registry.py)."""
+"""Step fetch: the source drafter at its pinned revision (and targets given as hub ids, the reference) (its registry row: src/draftport/plan/registry.py)."""
 
-from draftport.steps.runner import main
+from draftport.pipeline.runner import main
 
 if __name__ == "__main__":
     raise SystemExit(main("fetch"))

@@ -11,3 +11,10 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # pragma: no cover
     pass
+
+import sys
+from pathlib import Path
+
+# Shared builders and the processes tests launch (workers, the MLflow server and UI) live in
+# tests/helpers; importable by name from every test area.
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))

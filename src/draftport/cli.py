@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from .errors import DraftportError
+from draftport.errors import DraftportError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Port an EAGLE-3 drafter to a new version of its target model.")
@@ -38,13 +38,13 @@ def compare(
 ):
     """Config, weights and vocab maps of two drafters side by side, from headers only (with
     --target, also the bytes of embed_tokens where a drafter carries one)."""
-    from .compare import compare_drafters
+    from draftport.outputs.compare import compare_drafters
 
     rep = compare_drafters(src, dst, target=target)
     if as_json:
         _print_json(rep)
     else:
-        from .render import compare_renderables, show
+        from draftport.outputs.render import compare_renderables, show
 
         show(compare_renderables(rep))
 
@@ -61,7 +61,7 @@ def costmodel(
     as_json: JsonFlag = False,
 ):
     """Accept length and acceptance a drafter needs to pay off, and to reach target throughputs."""
-    from .costmodel import CostModel, best_k
+    from draftport.evaluation.costmodel import CostModel, best_k
 
     cm = CostModel(baseline_tok_s, verify_ms, draft_ms, k)
     rep = cm.table(tuple(target_tok_s) if target_tok_s else (100.0, 150.0, 200.0))
@@ -74,7 +74,7 @@ def costmodel(
     if as_json:
         _print_json(rep)
     else:
-        from .render import costmodel_renderables, show
+        from draftport.outputs.render import costmodel_renderables, show
 
         show(costmodel_renderables(rep))
 
@@ -85,13 +85,13 @@ def inspect(
     as_json: JsonFlag = False,
 ):
     """Tensor names, shapes, dtypes and the normalized config, from headers only."""
-    from .checkpoint import inspect_report
+    from draftport.model.formats import inspect_report
 
     rep = inspect_report(folder)
     if as_json:
         _print_json(rep)
     else:
-        from .render import inspect_renderables, show
+        from draftport.outputs.render import inspect_renderables, show
 
         show(inspect_renderables(rep))
 
@@ -120,8 +120,8 @@ def estimate(
 ):
     """Wall time and disk of a profile's phases: regenerating the answers, capturing the hidden
     states and training, per storage mode (disk bf16 / fp8, online), every input printed."""
-    from . import estimate as E
-    from .params import load
+    from draftport.outputs import estimate as E
+    from draftport.plan.params import load
 
     rep = E.estimate(load(*profile, base=params), tokens_per_sample=tokens_per_sample, gpus=gpus,
                      efficiency=efficiency, bench=bench or E.DEFAULT_BENCH, capture_bench_path=capture_bench,
@@ -131,7 +131,7 @@ def estimate(
     if as_json:
         _print_json(rep)
     else:
-        from .render import estimate_renderables, show
+        from draftport.outputs.render import estimate_renderables, show
 
         show(estimate_renderables(rep))
 
@@ -143,7 +143,7 @@ def decide(
     as_json: JsonFlag = False,
 ):
     """The decision: which init, how much data, whether Phase 2 pays (CIs and rules: docs/decision.md)."""
-    from .decision import load_decision, render_text
+    from draftport.evaluation.decision import load_decision, render_text
 
     rep = load_decision(path)
     if as_json:
@@ -166,7 +166,7 @@ def ui(
 ):
     """The MLflow UI on the tracking store: starts `mlflow server` and prints the addresses of the
     phase runs' compare view, their tau by training step and the runs table (Ctrl-C stops it)."""
-    from .ui import main as ui_main
+    from draftport.ui import main as ui_main
 
     raise typer.Exit(ui_main(configfile or [], params, host, port, print_urls, as_json, log))
 
@@ -189,12 +189,12 @@ def publish(
     """The chosen drafter as a hub-ready folder (flat config.json, model.safetensors with the new
     target's embed_tokens, a README.md model card) from the pipeline's artifacts, checked; with
     --push, uploaded (docs/publish.md)."""
-    from . import publish as PUB
+    from draftport.outputs import publish as PUB
 
     if push:  # no token: one line, before anything is read or built
         PUB.hub_token()
-    from .params import load
-    from .steps import registry as R
+    from draftport.plan.params import load
+    from draftport.plan import registry as R
 
     cfg = load(*(configfile or []), base=params)
     pp = cfg["publish"]

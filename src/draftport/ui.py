@@ -24,7 +24,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .errors import DraftportError
+from draftport.errors import DraftportError
 
 METRIC = "accept_length"  # the phases' headline; by step in each training run (tau during training)
 CURVES = "curves"         # the learning curves' parent run (one nested run per point)
@@ -35,7 +35,7 @@ TOGGLE = ('if the UI opens on a GenAI overview ("Traces 0"), pick "Model trainin
 
 def phases() -> list[str]:
     """The phase runs, in the plan's order (the registry's evaluation steps), curves left out."""
-    from .steps import registry as R
+    from draftport.plan import registry as R
 
     out = []
     for row in R.STEPS:
@@ -46,13 +46,13 @@ def phases() -> list[str]:
 
 def trained_phases() -> set[str]:
     """Phases with a training step: their runs hold accept_length by step."""
-    from .steps import registry as R
+    from draftport.plan import registry as R
 
     return {row.run for row in R.STEPS if row.trains and row.run}
 
 
 def profile_of(configfiles: list[Path], base: Path) -> str:
-    from . import params as P
+    from draftport.plan import params as P
 
     cfg = P.read_yaml(base)
     for f in configfiles:
@@ -76,7 +76,7 @@ def _check_store(uri: str) -> None:
     if db is not None:  # read-only look: MLflow would turn any sqlite file into a store
         import sqlite3
 
-        from .tracking import retry
+        from draftport.pipeline.tracking import retry
 
         def tables_of():
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
@@ -92,7 +92,7 @@ def _check_store(uri: str) -> None:
         if not {"experiments", "runs"} <= tables:
             raise DraftportError(uri, f"not an MLflow tracking store ({db} has no experiments and runs tables); {HINT}")
     if uri.startswith(("http://", "https://")):
-        from .tracking import check_reachable
+        from draftport.pipeline.tracking import check_reachable
 
         check_reachable(uri)
 
@@ -111,8 +111,8 @@ def find_runs(uri: str, profile: str, runs_dir: Path | str | None = None, check:
     {run_id, accept_length, by}}, missing, curves: {run_id, children} or None}. A phase's run is
     the one the workspace's record names when this store holds it (by "record": the same run
     whichever URI reached it), else the phase's latest top-level run (by "latest")."""
-    from .steps.runner import RUNS_DIR
-    from .tracking import client, experiment_name, retry
+    from draftport.pipeline.runner import RUNS_DIR
+    from draftport.pipeline.tracking import client, experiment_name, retry
 
     runs_dir = Path(runs_dir if runs_dir is not None else RUNS_DIR)
     if check:
@@ -270,7 +270,7 @@ def _fmt(v) -> str:
 def main(configfiles: list[Path], base: Path, host: str, port: int, print_only: bool, as_json: bool,
          log: Path) -> int:
     """The `draftport ui` command (cli.py parses, this runs)."""
-    from .tracking import tracking_uri
+    from draftport.pipeline.tracking import tracking_uri
 
     uri = tracking_uri()
     _check_store(uri)  # before the profile: run in the wrong folder, this says more

@@ -4,7 +4,7 @@ peers convert a published drafter with (`engines.speculators`)."""
 
 from pathlib import Path
 
-from ..errors import DraftportError
+from draftport.errors import DraftportError
 
 
 def require_interpreter(p: Path, env: str, venv_dir: str, what: str) -> Path:

@@ -3,7 +3,7 @@
 For a target too large for this process, the answers come from the target served elsewhere.
 The prompts go as token ids (already rendered through the chat template here, so the server
 sees exactly the tokens the features will hold) and the answers come back as token ids, greedy
-(temperature 0), stopping at the target's EOS (kept, as draftport.target.regenerate keeps it).
+(temperature 0), stopping at the target's EOS (kept, as draftport.data.capture.regenerate keeps it).
 
 vLLM (checked in 0.32): /v1/completions takes `prompt` as a list of token ids and returns each
 choice's `token_ids` when `return_token_ids` is true. SGLang's OpenAI-compatible server also
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential, wait_random
 
-from ..errors import DraftportError
+from draftport.errors import DraftportError
 
 WAIT_FIRST_S = 0.5   # the first backoff; doubling (plus up to WAIT_JITTER_S) up to WAIT_MAX_S
 WAIT_MAX_S = 30.0

@@ -12,7 +12,7 @@ The modules: `language` (the made-up language and the two corpora), `tokenizer` 
 BPE and the chat template), `targets` (training and measuring the two targets), `source` (the
 source drafter trained for target_old, published in a local hub cache). Here: `build_world_base`
 (corpus, tokenizer and both targets) from the params' `world` group, whose defaults
-(draftport.params.WorldParams) are the embedded world.
+(draftport.plan.params.WorldParams) are the embedded world.
 
 Everything is deterministic from (seed, language_seed): per-sample RNGs are seeded by strings
 (`random.Random(str)` hashes with sha512, not with the salted `hash()`), training uses a seeded
@@ -26,10 +26,10 @@ import json
 import time
 from pathlib import Path
 
-from .language import generate_corpus, topic_distribution, write_jsonl
-from .source import build_source_drafter
-from .targets import measure_targets, train_target
-from .tokenizer import load_world_tokenizer, train_tokenizer
+from draftport.world.language import generate_corpus, topic_distribution, write_jsonl
+from draftport.world.source import build_source_drafter
+from draftport.world.targets import measure_targets, train_target
+from draftport.world.tokenizer import load_world_tokenizer, train_tokenizer
 
 __all__ = ["PIPELINE_KEYS", "base_params", "build_source_drafter", "build_world_base"]
 
@@ -45,7 +45,7 @@ def base_params(world: dict | None = None) -> dict:
     """The keys of a params `world` group that build_world_base takes (all but the pipeline's
     `build` and `source_drafter`), copied; None: the embedded world (WorldParams' defaults)."""
     if world is None:
-        from ..params import WorldParams
+        from draftport.plan.params import WorldParams
 
         world = WorldParams().model_dump()
     return {k: copy.deepcopy(v) for k, v in world.items() if k not in PIPELINE_KEYS}

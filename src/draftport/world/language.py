@@ -301,11 +301,11 @@ def generate_corpus(kind: str, n: int, seed: int, *, start: int = 0,
 
     Sample i depends only on (kind, seed, i): the stream is prefix-stable, so a held-out split is
     just `start=n_train` of the same stream. "topic" is bookkeeping (for tests and reports).
-    language_seed: default the embedded world's (draftport.params.WorldParams).
+    language_seed: default the embedded world's (draftport.plan.params.WorldParams).
     """
     topic_weights(kind)  # validates kind
     if language_seed is None:
-        from ..params import WorldParams
+        from draftport.plan.params import WorldParams
 
         language_seed = WorldParams().language_seed
     lang = make_language(language_seed)

@@ -25,13 +25,13 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
     Intermediate features are deleted: the world stays small."""
     import tempfile
 
-    from ..bind import new_drafter_config
-    from ..draftmap import build_vocab
-    from ..errors import DraftportError
-    from ..evaluate import evaluate_drafter
-    from ..features import build_features, read_samples
-    from ..fetch import publish_to_cache
-    from ..phases import train_phase
+    from draftport.model.bind import new_drafter_config
+    from draftport.model.draftmap import build_vocab
+    from draftport.errors import DraftportError
+    from draftport.evaluation.accept import evaluate_drafter
+    from draftport.data.features import build_features, read_samples
+    from draftport.data.fetch import publish_to_cache
+    from draftport.training.phases import train_phase
 
     world = Path(world_dir)
     target = world / "target_old"

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from .tokenizer import BOS, END, PAD, TOKENIZER_FILES, encode_world_chat, load_world_tokenizer
+from draftport.world.tokenizer import BOS, END, PAD, TOKENIZER_FILES, encode_world_chat, load_world_tokenizer
 
 
 def _file_hash(paths: Iterable[Path]) -> str:
@@ -75,15 +75,15 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
     padding, cheapest on CPU), user turns are the same language so they are free signal for the
     small budget, and the prompt still conditions the answer either way. `init_from` continues a
     saved target (K2.5 = K2 + more training on the new data); `config` is then ignored (left
-    out: the embedded world's model, draftport.params.WorldModel). steps .. warmup: a params
+    out: the embedded world's model, draftport.plan.params.WorldModel). steps .. warmup: a params
     world.target_old / target_new group.
     Returns the summary also written to draftport_target.json.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..params import WorldModel
-    from ..progress import progress as progress_bar  # the `progress` flag shadows the name
+    from draftport.plan.params import WorldModel
+    from draftport.progress import progress as progress_bar  # the `progress` flag shadows the name
 
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     t0 = time.time()

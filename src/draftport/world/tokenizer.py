@@ -1,5 +1,5 @@
 """The world's tokenizer: byte-level BPE trained on both corpora, its special tokens and chat
-template, and the encoders the world's own code uses (draftport.features renders prompts for
+template, and the encoders the world's own code uses (draftport.data.features renders prompts for
 any target through its chat template instead; a test checks the two agree here).
 """
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ...errors import DraftportError
+from draftport.errors import DraftportError
 
 VENV_DIR = ".venv-speculators"
 RUNNERS = Path(__file__).resolve().parent / "runners"
@@ -37,7 +37,7 @@ def default_speculators_python() -> Path:
 
 
 def speculators_python(path: str | os.PathLike | None = None) -> Path:
-    from .. import require_interpreter
+    from draftport.engines import require_interpreter
 
     return require_interpreter(Path(path) if path else default_speculators_python(),
                                "DRAFTPORT_SPECULATORS_PYTHON", VENV_DIR, "speculators")
@@ -66,14 +66,14 @@ def convert_command(drafter: str, verifier: str, output: str, cfg) -> str:
 
 def _run(cmd: list[str], log_path, result: Path, *, where, what: str, timeout: float | None) -> float:
     # the vLLM venv's runner is generic: any venv's interpreter, its log, one-line errors
-    from ..vllm.venv import run_in_vllm_venv
+    from draftport.engines.vllm.venv import run_in_vllm_venv
 
     return run_in_vllm_venv(cmd, log_path, result, where=where, what=what, timeout=timeout)
 
 
 def convert(drafter_dir, verifier, out_dir, *, python=None, log_path=None, timeout: float | None = 1800) -> Path:
     """`speculators convert` on a flat drafter folder -> out_dir (speculators' format)."""
-    from ...config import read_config
+    from draftport.model.config import read_config
 
     cfg, raw = read_config(drafter_dir)
     if cfg.format != "flat":
@@ -93,7 +93,7 @@ def convert(drafter_dir, verifier, out_dir, *, python=None, log_path=None, timeo
 # ---- forwards ---------------------------------------------------------------------------------
 def sequences_from_features(features_dir, n: int) -> list[tuple]:
     """The first n samples of a feature folder as (aux [T, 3H] float32, tokens [T] int64)."""
-    from ...data import FeatureSet
+    from draftport.data.shards import FeatureSet
 
     fs = FeatureSet(features_dir)
     return [(s["aux"].float(), s["tokens"].long()) for s in (fs.sample(i) for i in range(min(n, len(fs))))]
@@ -103,8 +103,8 @@ def draftport_forward(drafter_dir, target_dir, sequences, steps: int) -> list:
     """draftport's teacher-forced logits of each TTT step, rows of all sequences one after another."""
     import torch
 
-    from ...bind import drafter_for_target
-    from ...checkpoint import load_drafter_state
+    from draftport.model.bind import drafter_for_target
+    from draftport.model.formats import load_drafter_state
 
     cfg, state = load_drafter_state(drafter_dir)
     d = drafter_for_target(cfg, target_dir, state).eval()
@@ -170,7 +170,7 @@ def compare_logits(ours: list, theirs: list, lengths: list[int]) -> dict:
 def tensors_renamed_equal(flat_dir, spec_dir) -> dict:
     """Every tensor of the flat folder under its speculators name in the other, bit for bit
     (sha256 of the stored bytes, dtype and shape); names present on one side only."""
-    from ...checkpoint import read_header, tensor_sha256, to_flat_name
+    from draftport.model.formats import read_header, tensor_sha256, to_flat_name
 
     def table(folder):
         out = {}
@@ -192,7 +192,7 @@ def roundtrip(published_dir, target_dir, features_dir, work_dir, *, n_samples: i
     verifier: what `--verifier` names (default target_dir: AutoConfig must be able to read it)."""
     import torch
 
-    from ...checkpoint import find_target_embedding, read_tensor_np
+    from draftport.model.formats import find_target_embedding, read_tensor_np
 
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +216,7 @@ def roundtrip(published_dir, target_dir, features_dir, work_dir, *, n_samples: i
 
 
 def _cfg(folder):
-    from ...config import read_config
+    from draftport.model.config import read_config
 
     return read_config(folder)[0]
 

@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...errors import DraftportError
-from .venv import run_in_vllm_venv, runner, vllm_python
+from draftport.errors import DraftportError
+from draftport.engines.vllm.venv import run_in_vllm_venv, runner, vllm_python
 
 
 def log(msg: str) -> None:
@@ -45,14 +45,14 @@ def log(msg: str) -> None:
 def encode_prompts(target_dir, prompts_path, n_prompts: int | None, *, offset: int = 0) -> list[list[int]]:
     """Held-out chat prompts rendered through the target's chat template (generation prompt on):
     the same token ids go to vLLM and to the offline evaluator."""
-    from ...features import encode_prompt, load_tokenizer, read_samples
+    from draftport.data.features import encode_prompt, load_tokenizer, read_samples
 
     tok = load_tokenizer(target_dir)
     return [encode_prompt(tok, s["user"]) for s in read_samples(prompts_path, n_prompts, offset)]
 
 
 def _target_context(target_dir) -> int:
-    from ...config import target_text_config
+    from draftport.model.config import target_text_config
 
     return int(target_text_config(target_dir).get("max_position_embeddings", 2048))
 
@@ -111,8 +111,8 @@ def summarize_online(raw: dict) -> dict:
         out[f"online_accept_rate_pos_{i}"] = rate
         out[f"online_cond_acc_{i}"] = rate / prev if prev > 0 else 0.0
         prev = rate
-    # SpecForge's and vLLM's log's definitions on vLLM's own counters (draftport.evaluate)
-    from ...evaluate import acceptance_rate, simulated_acc_len
+    # SpecForge's and vLLM's log's definitions on vLLM's own counters (draftport.evaluation.accept)
+    from draftport.evaluation.accept import acceptance_rate, simulated_acc_len
 
     out["online_simulated_acc_len"] = simulated_acc_len(out[f"online_cond_acc_{i}"]
                                                         for i in range(len(raw["accepted_per_pos"])))
@@ -126,13 +126,13 @@ def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_n
             tensor_parallel_size: int = 1):
     """Online accept length of an exported drafter served by vLLM next to target_dir.
 
-    Validates the export first (see draftport.export). Returns the `online_*` metrics (with
+    Validates the export first (see draftport.outputs.export). Returns the `online_*` metrics (with
     `online_seconds`, the whole vLLM run); vLLM's raw result (prompt and output tokens,
     per-request cycles) is written to raw_out when given (for `offline_same_prompts`), and
     returned as a second value with return_raw.
     """
     if validate:
-        from ...export import validate_export
+        from draftport.outputs.export import validate_export
 
         validate_export(drafter_dir, target_dir)
     prompts = encode_prompts(target_dir, prompts_path, n_prompts, offset=offset)
@@ -147,7 +147,7 @@ def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_n
                    log_path=log_path, tensor_parallel_size=tensor_parallel_size)
     raw["prompt_token_ids"] = prompts
     if raw_out is not None:
-        from ...checkpoint import atomic_write_text
+        from draftport.model.formats import atomic_write_text
 
         atomic_write_text(raw_out, json.dumps(raw) + "\n")
     res = summarize_online(raw)
@@ -196,13 +196,13 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
     """
     import torch
 
-    from ...checkpoint import load_drafter_state
-    from ...data import Sequence
-    from ...evaluate import accepted_counts, summarize, walk
-    from ...bind import drafter_for_target, target_head
-    from ...features import load_tokenizer
-    from ...target import capture_features, load_target, regenerate
-    from ...data import Batch
+    from draftport.model.formats import load_drafter_state
+    from draftport.data.shards import Sequence
+    from draftport.evaluation.accept import accepted_counts, summarize, walk
+    from draftport.model.bind import drafter_for_target, target_head
+    from draftport.data.features import load_tokenizer
+    from draftport.data.capture import capture_features, load_target, regenerate
+    from draftport.data.shards import Batch
 
     if online_raw is not None:
         if not isinstance(online_raw, dict):
@@ -347,10 +347,10 @@ def for_vllm(drafter_dir, out_dir, convention: str | None, embed_tokens: str = "
     import os
     import shutil
 
-    from ...checkpoint import (atomic_dir, copy_tensors_safetensors, find_target_embedding, read_header,
-                               tensor_sha256, to_flat_name)
-    from ...config import load_json
-    from ...export import EMBED_CHOICES
+    from draftport.model.formats import (atomic_dir, copy_tensors_safetensors, find_target_embedding, read_header,
+        tensor_sha256, to_flat_name)
+    from draftport.model.config import load_json
+    from draftport.outputs.export import EMBED_CHOICES
 
     if embed_tokens not in EMBED_CHOICES:
         raise DraftportError("online.embed_tokens", f"must be one of {', '.join(EMBED_CHOICES)}, got {embed_tokens!r}")
@@ -454,8 +454,8 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
     embed_tokens: what for_vllm made the export carry (online.embed_tokens: "drop" / "target"),
     checked by validate_export; None accepts either.
     """
-    from ...checkpoint import atomic_write_text
-    from ...export import validate_export
+    from draftport.model.formats import atomic_write_text
+    from draftport.outputs.export import validate_export
 
     out_dir = Path(out_dir)
     # out_dir is created by the first file written into it (vLLM's log): bad input leaves nothing

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ...errors import DraftportError
+from draftport.errors import DraftportError
 
 VENV_DIR = ".venv-vllm"
 RUNNERS = Path(__file__).resolve().parent / "runners"
@@ -29,7 +29,7 @@ def default_vllm_python() -> Path:
 
 def vllm_python(path: str | os.PathLike | None = None) -> Path:
     """The vLLM venv's interpreter: argument, else $DRAFTPORT_VLLM_PYTHON, else .venv-vllm."""
-    from .. import require_interpreter
+    from draftport.engines import require_interpreter
 
     return require_interpreter(Path(path) if path else default_vllm_python(), "DRAFTPORT_VLLM_PYTHON", VENV_DIR, "vLLM")
 

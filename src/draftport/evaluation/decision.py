@@ -1,0 +1,537 @@
+"""The decision: which init, how much data, whether Phase 2 pays, from bootstrap CIs on accept length and the cost model's break-even (decision.json, rules R1-R6).
+
+Accept length over a set of prompts is a ratio of sums, tau = 1 + sum(accepted) / sum(cycles),
+pooled over every seed (replicate) and prompt. Its uncertainty is the prompts': a percentile
+bootstrap draws P prompt indices with replacement and keeps each drawn prompt's counts from every
+seed together. A paired difference (two drafters on the same prompts) uses one draw for both.
+
+No torch here (numpy, imported inside the functions). docs/decision.md documents decision.json
+and states the rules word for word; RULES below is that text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from draftport.errors import DraftportError
+
+SCHEMA = "draftport.evaluation.decision/1"
+INITS = ("source", "scratch")
+PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
+DEFAULT_PATH = Path("artifacts/decision/decision.json")
+_BOOT_CHUNK = 256  # bootstrap replicates drawn at a time (memory: chunk * P indices)
+
+# The rules, word for word as docs/decision.md states them (a test keeps the two equal).
+RULES = {
+    "R1": "init: N = the largest n measured with both inits. If the gain (source - scratch) at N is "
+          "significant, init = its winner. Else, if the gain is significant at some smaller n and every "
+          "significant n has the same winner, init = that winner (the text says the advantage is not "
+          "significant at N). Else init = \"either\".",
+    "R2": "data: n_samples = smallest_n_beating_break_even of the recommended init; for \"either\" the "
+          "smaller of the two (null if neither). When it is null, the text says that none of the measured "
+          "n reaches break-even with significance and that more data than the largest n is needed (or a "
+          "cheaper verify).",
+    "R3": "phase2: phase2_gain significant and > 0 -> \"helps\"; significant and < 0 -> \"hurts\"; not "
+          "significant -> \"no significant gain\"; missing -> \"not measured\".",
+    "R4": "deploy_source_now: phases.phase0.beats_break_even == \"yes\" (false when phase0 is missing).",
+    "R5": "confidence: \"high\" when R1's init comes from a significant gain at N and R2 found an n; "
+          "\"medium\" when exactly one of those holds; else \"low\".",
+    "R6": "enough data: for the recommended init (for \"either\": source), n_enough = the smallest measured n "
+          "whose accept length is not below the largest n's by more than min_gain with significance (the "
+          "paired difference, largest n - n, over the same prompts: its CI's lower end <= min_gain); when "
+          "every smaller n is, n_enough = the largest n and the text says the curve is still rising there "
+          "(more data may still help).",
+}
+
+
+# ---------------------------------------------------------------- statistics
+
+def _fmt_ci(ci) -> str:
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def _counts(accepted, cycles, where: str):
+    """[S, P] float arrays of accepted / cycles, checked (1-D input is one seed row)."""
+    import numpy as np
+
+    try:
+        a = np.asarray(accepted, dtype=float)
+        c = np.asarray(cycles, dtype=float)
+    except (TypeError, ValueError):
+        raise DraftportError(where, "accepted and cycles must be numbers (arrays of shape [seeds, prompts])") from None
+    if a.ndim == 1:
+        a = a[None, :]
+    if c.ndim == 1:
+        c = c[None, :]
+    if a.ndim != 2 or c.ndim != 2:
+        raise DraftportError(where, f"accepted and cycles must be [prompts] or [seeds, prompts], got shapes "
+                                    f"{list(a.shape)} and {list(c.shape)}")
+    if a.shape != c.shape:
+        raise DraftportError(where, f"accepted and cycles differ in shape: {list(a.shape)} vs {list(c.shape)}")
+    if a.size == 0:
+        raise DraftportError(where, f"no counts (shape {list(a.shape)}): need at least one seed and one prompt")
+    if not (np.isfinite(a).all() and np.isfinite(c).all()):
+        raise DraftportError(where, "accepted and cycles must be finite")
+    if (a < 0).any() or (c < 0).any():
+        raise DraftportError(where, "accepted and cycles must be >= 0 (they are counts)")
+    if c.sum() == 0:
+        raise DraftportError(where, "sum of cycles is 0: no verify cycle was measured, accept length undefined")
+    return a, c
+
+
+def _check_boot(n_boot: int, level: float):
+    if not isinstance(n_boot, int) or n_boot < 1:
+        raise DraftportError("n_boot", f"must be an integer >= 1, got {n_boot!r}")
+    if not 0.0 < float(level) < 1.0:
+        raise DraftportError("level", f"must be in (0, 1), got {level!r}")
+
+
+def _boot_taus(rng, per_prompt_pairs, P: int, n_boot: int):
+    """For each replicate, one draw of P prompt indices; per (A, C) pair (per-prompt sums over that
+    drafter's seeds) the pooled tau of the drawn prompts. Returns one array [n_boot] per pair (nan
+    where the drawn prompts have no cycle at all)."""
+    import numpy as np
+
+    outs = [np.empty(n_boot) for _ in per_prompt_pairs]
+    done = 0
+    while done < n_boot:
+        m = min(_BOOT_CHUNK, n_boot - done)
+        idx = rng.integers(0, P, size=(m, P))
+        for out, (A, C) in zip(outs, per_prompt_pairs):
+            num = A[idx].sum(axis=1)
+            den = C[idx].sum(axis=1)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[done:done + m] = np.where(den > 0, 1.0 + num / np.where(den > 0, den, 1.0), np.nan)
+        done += m
+    return outs
+
+
+def _percentile_ci(samples, level: float) -> list[float]:
+    import numpy as np
+
+    ok = samples[np.isfinite(samples)]
+    if ok.size == 0:
+        raise DraftportError("bootstrap", "every bootstrap replicate drew prompts without a single cycle")
+    lo, hi = np.percentile(ok, [100.0 * (1.0 - level) / 2.0, 100.0 * (1.0 + level) / 2.0])
+    return [float(lo), float(hi)]
+
+
+def tau_ci(accepted, cycles, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
+           where: str = "tau_ci") -> dict:
+    """Pooled accept length of [S, P] counts (S seeds, P prompts; 1-D = one seed) and its percentile
+    bootstrap CI over prompts (the same drawn prompts for every seed row).
+
+    Returns {"accept_length", "ci": [lo, hi], "seeds": per-row tau, "seed_std" (population std of
+    the rows' tau, 0.0 for one row), "n_prompts"}. Deterministic given `seed`."""
+    import numpy as np
+
+    _check_boot(n_boot, level)
+    a, c = _counts(accepted, cycles, where)
+    row_cyc = c.sum(axis=1)
+    if (row_cyc == 0).any():
+        bad = [int(i) for i in np.flatnonzero(row_cyc == 0)]
+        raise DraftportError(where, f"seed row(s) {bad} have no cycle: their accept length is undefined")
+    rows = 1.0 + a.sum(axis=1) / row_cyc
+    tau = 1.0 + a.sum() / c.sum()
+    P = a.shape[1]
+    (boot,) = _boot_taus(np.random.default_rng(seed), [(a.sum(axis=0), c.sum(axis=0))], P, n_boot)
+    return {"accept_length": float(tau), "ci": _percentile_ci(boot, level),
+            "seeds": [float(t) for t in rows],
+            "seed_std": float(np.std(rows)) if len(rows) > 1 else 0.0, "n_prompts": int(P)}
+
+
+def paired_diff_ci(a_acc, a_cyc, b_acc, b_cyc, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
+                   where: str = "paired_diff_ci") -> dict:
+    """tau_a - tau_b (each pooled over its own seeds) on the SAME P prompts, with a percentile
+    bootstrap CI from one shared prompt draw per replicate.
+
+    Returns {"diff", "ci": [lo, hi], "significant" (the CI excludes 0), "better": "a" | "b" | None}."""
+    import numpy as np
+
+    _check_boot(n_boot, level)
+    a, ac = _counts(a_acc, a_cyc, f"{where} (a)")
+    b, bc = _counts(b_acc, b_cyc, f"{where} (b)")
+    if a.shape[1] != b.shape[1]:
+        raise DraftportError(where, f"a and b must be measured on the same prompts: a has {a.shape[1]} "
+                                    f"prompts, b has {b.shape[1]}")
+    diff = (1.0 + a.sum() / ac.sum()) - (1.0 + b.sum() / bc.sum())
+    ta, tb = _boot_taus(np.random.default_rng(seed),
+                        [(a.sum(axis=0), ac.sum(axis=0)), (b.sum(axis=0), bc.sum(axis=0))], a.shape[1], n_boot)
+    ci = _percentile_ci(ta - tb, level)
+    significant = ci[0] > 0.0 or ci[1] < 0.0
+    better = ("a" if ci[0] > 0.0 else "b") if significant else None
+    return {"diff": float(diff), "ci": ci, "significant": bool(significant), "better": better}
+
+
+# ---------------------------------------------------------------- inputs
+
+def _verdict(ci, break_even: float) -> str:
+    if ci[0] > break_even:
+        return "yes"
+    if ci[1] < break_even:
+        return "no"
+    return "unclear"
+
+
+def _cost(costmodel, k):
+    from draftport.evaluation.costmodel import CostModel
+
+    if not isinstance(costmodel, dict):
+        raise DraftportError("costmodel", f"expected a mapping with baseline_tok_s, verify_ms, draft_ms, got "
+                                          f"{type(costmodel).__name__}")
+    missing = [key for key in ("baseline_tok_s", "verify_ms", "draft_ms") if key not in costmodel]
+    if missing:
+        raise DraftportError("costmodel", f"missing key(s) {missing}")
+    try:
+        vals = {key: float(costmodel[key]) for key in ("baseline_tok_s", "verify_ms", "draft_ms")}
+    except (TypeError, ValueError):
+        raise DraftportError("costmodel", "baseline_tok_s, verify_ms and draft_ms must be numbers") from None
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise DraftportError("k", f"must be an integer >= 1, got {k!r}")
+    try:
+        return CostModel(vals["baseline_tok_s"], vals["verify_ms"], vals["draft_ms"], k=k)
+    except DraftportError as e:
+        raise DraftportError("costmodel", e.problem) from None
+
+
+def _per_sample(ev, where: str):
+    ps = ev.get("per_sample") if isinstance(ev, dict) else None
+    if ps is None:
+        return None
+    if not isinstance(ps, dict) or "accepted" not in ps or "cycles" not in ps:
+        raise DraftportError(where, "per_sample must be a mapping with lists 'accepted' and 'cycles'")
+    acc, cyc = list(ps["accepted"]), list(ps["cycles"])
+    if len(acc) != len(cyc):
+        raise DraftportError(where, f"per_sample has {len(acc)} 'accepted' but {len(cyc)} 'cycles'")
+    return acc, cyc
+
+
+def _curve_groups(curves) -> dict:
+    """{(init, n): [(seed, accepted, cycles), ...] sorted by seed}, every row on the same P prompts."""
+    if curves is None:
+        return {}
+    if not isinstance(curves, dict) or not isinstance(curves.get("points", []), list):
+        raise DraftportError("curves", "expected a mapping with a list 'points'")
+    groups: dict = {}
+    P = None
+    for i, pt in enumerate(curves.get("points", [])):
+        if not isinstance(pt, dict):
+            raise DraftportError("curves", f"points[{i}] is not a mapping")
+        init, n, sd = pt.get("init"), pt.get("n_samples"), pt.get("seed", i)
+        if init not in INITS:
+            raise DraftportError("curves", f"points[{i}]: init must be 'source' or 'scratch', got {init!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise DraftportError("curves", f"points[{i}]: n_samples must be an integer >= 0, got {n!r}")
+        ps = _per_sample(pt, f"curves: points[{i}] (init={init}, n={n})")
+        if ps is None:
+            raise DraftportError("curves", f"points[{i}] (init={init}, n={n}, seed={sd}) has no per_sample counts")
+        if P is None:
+            P, first = len(ps[0]), (init, n, sd)
+        elif len(ps[0]) != P:
+            raise DraftportError("curves", f"points[{i}] (init={init}, n={n}, seed={sd}) has {len(ps[0])} prompts, "
+                                           f"but init={first[0]}, n={first[1]}, seed={first[2]} has {P}: every "
+                                           "point must be evaluated on the same prompts")
+        rows = groups.setdefault((init, n), [])
+        if any(r[0] == sd for r in rows):
+            raise DraftportError("curves", f"two points for init={init}, n={n}, seed={sd}")
+        rows.append((sd, *ps))
+    for rows in groups.values():
+        rows.sort(key=lambda r: (str(type(r[0])), r[0]))
+    return groups
+
+
+# ---------------------------------------------------------------- rules
+
+def rule_r1_init(gain: list[dict]) -> tuple[str, bool, str, str]:
+    """(init, from_significant_gain_at_N, fired, sentence)."""
+    if not gain:
+        msg = "no n was measured with both inits, so there is no source-vs-scratch gain to compare"
+        return "either", False, msg, f"Init: either ({msg})."
+    at_n = gain[-1]
+    N = at_n["n_samples"]
+    g = f"{at_n['diff']:+.3f}, CI {_fmt_ci(at_n['ci'])}"
+    if at_n["significant"]:
+        w, other = at_n["better"], ("scratch" if at_n["better"] == "source" else "source")
+        return (w, True, f"gain source - scratch at N={N} is {g}, significant: {w} wins",
+                f"Init from {w}: at the largest n measured with both inits (n={N}) {w} beats {other} "
+                f"by {abs(at_n['diff']):.3f} in accept length (source - scratch {g}).")
+    sig = [x for x in gain[:-1] if x["significant"]]
+    winners = {x["better"] for x in sig}
+    if sig and len(winners) == 1:
+        w = winners.pop()
+        ns = ", ".join(f"n={x['n_samples']} ({x['diff']:+.3f}, CI {_fmt_ci(x['ci'])})" for x in sig)
+        return (w, False, f"gain at N={N} is {g}, not significant; significant at {ns}, all won by {w}",
+                f"Init from {w}, with less certainty: its advantage is significant at {ns}, but not "
+                f"significant at the largest n={N} (source - scratch {g}).")
+    if sig:
+        ns = ", ".join(f"n={x['n_samples']} ({x['better']}, {x['diff']:+.3f})" for x in sig)
+        why = f"significant gains disagree on the winner: {ns}"
+    else:
+        why = "no measured n shows a significant gain"
+    return ("either", False, f"gain at N={N} is {g}, not significant; {why}",
+            f"Init: either; source - scratch at n={N} is {g}, not significant, and {why}.")
+
+
+def rule_r2_data(init: str, smallest: dict, curves_out: dict, break_even: float) -> tuple[int | None, str, str]:
+    """(n_samples, fired, sentence)."""
+    if init == "either":
+        cands = [(n, i) for i, n in smallest.items() if n is not None]
+        n, which = min(cands) if cands else (None, None)
+    else:
+        n, which = smallest.get(init), init
+    if n is not None:
+        row = next(r for r in curves_out[which] if r["n_samples"] == n)
+        return (n, f"smallest n with CI lo > break-even {break_even:.3f} for {which}: n={n} "
+                   f"(tau {row['accept_length']:.3f}, CI {_fmt_ci(row['ci'])})",
+                f"Train on n={n} samples: the smallest measured n at which {which}'s accept length "
+                f"{row['accept_length']:.3f} (CI {_fmt_ci(row['ci'])}) is above the break-even {break_even:.3f}.")
+    ns = sorted({r["n_samples"] for i in (INITS if init == "either" else (init,)) for r in curves_out[i]})
+    if not ns:
+        msg = f"no learning-curve point was measured{'' if init == 'either' else ' for ' + init}"
+        return None, msg, (f"Data: {msg}, so no n is known to reach the break-even accept length "
+                           f"{break_even:.3f} with significance.")
+    best = max((r for i in (INITS if init == "either" else (init,)) for r in curves_out[i]),
+               key=lambda r: r["ci"][0])
+    return (None, f"no n up to {ns[-1]} has CI lo > break-even {break_even:.3f} (best CI lo "
+                  f"{best['ci'][0]:.3f} at n={best['n_samples']})",
+            f"None of the measured n (up to n={ns[-1]}) reaches the break-even accept length "
+            f"{break_even:.3f} with significance (best: tau {best['accept_length']:.3f}, CI "
+            f"{_fmt_ci(best['ci'])} at n={best['n_samples']}): more data than n={ns[-1]} is needed, "
+            "or a cheaper verify.")
+
+
+def rule_r3_phase2(phase2_gain: dict | None) -> tuple[str, str, str]:
+    """(verdict, fired, sentence)."""
+    if phase2_gain is None:
+        return ("not measured", "phase1 or phase2 has no per-sample evaluation",
+                "Phase 2: not measured (phase1 or phase2 has no per-sample evaluation).")
+    g = f"{phase2_gain['diff']:+.3f} (CI {_fmt_ci(phase2_gain['ci'])})"
+    if not phase2_gain["significant"]:
+        return ("no significant gain", f"phase2 - phase1 = {g}, CI contains 0",
+                f"Phase 2: no significant gain over Phase 1 (phase2 - phase1 {g}).")
+    v = "helps" if phase2_gain["diff"] > 0 else "hurts"
+    return (v, f"phase2 - phase1 = {g}, significant",
+            f"Phase 2 {v}: phase2 - phase1 accept length {g}.")
+
+
+def rule_r4_deploy(phases_out: dict, break_even: float) -> tuple[bool, str, str]:
+    """(deploy_source_now, fired, sentence)."""
+    p0 = phases_out.get("phase0")
+    if p0 is None:
+        return False, "phase0 has no per-sample evaluation", "Deploy the source drafter now: unknown (Phase 0 not measured)."
+    yes = p0["beats_break_even"] == "yes"
+    t = f"{p0['accept_length']:.3f} (CI {_fmt_ci(p0['ci'])})"
+    fired = f"phase0 tau {t} vs break-even {break_even:.3f}: {p0['beats_break_even']}"
+    if yes:
+        return True, fired, f"Deploy the source drafter now: as fetched, its accept length {t} is above the break-even {break_even:.3f}."
+    where = "below" if p0["beats_break_even"] == "no" else "not clearly above"
+    return False, fired, (f"Do not deploy the source drafter as fetched: its accept length {t} is {where} "
+                          f"the break-even {break_even:.3f}.")
+
+
+def rule_r6_enough(init: str, groups: dict, opts: dict, min_gain: float = 0.0) -> tuple[int | None, list[dict], str, str]:
+    """(n_enough, the paired differences largest n - each smaller n, fired, sentence)."""
+    which = "source" if init == "either" else init
+    ns = sorted(n for (i, n) in groups if i == which)
+    if not ns:
+        return None, [], f"no learning-curve point for {which}", f"Enough data: unknown (no {which} curve)."
+    N = ns[-1]
+    top = groups[(which, N)]
+    steps = []
+    for n in ns[:-1]:
+        low = groups[(which, n)]
+        d = paired_diff_ci([r[1] for r in top], [r[2] for r in top], [r[1] for r in low], [r[2] for r in low],
+                           where=f"curves: {which} n={N} - n={n}", **opts)
+        steps.append({"n_samples": n, "diff_to_largest": d["diff"], "ci": d["ci"],
+                      "significantly_below": bool(d["ci"][0] > min_gain)})
+    enough = next((x["n_samples"] for x in steps if not x["significantly_below"]), N)
+    if enough == N:
+        below = (f"every smaller n is below n={N} by more than {min_gain:g} with significance" if steps
+                 else f"only n={N} was measured")
+        return (N, steps, f"{which}: {below}",
+                f"Enough data: the {which} curve is still rising at the largest n={N} ({below}): more data "
+                "may still help.")
+    x = next(x for x in steps if x["n_samples"] == enough)
+    return (enough, steps, f"{which}: n={N} - n={enough} is {x['diff_to_largest']:+.3f} (CI {_fmt_ci(x['ci'])}), "
+                           f"not above min_gain {min_gain:g} with significance",
+            f"Enough data: beyond n={enough} the {which} drafter gains no accept length above {min_gain:g} with "
+            f"significance (n={N} is {x['diff_to_largest']:+.3f}, CI {_fmt_ci(x['ci'])}, above it).")
+
+
+def rule_r5_confidence(init_from_sig_at_n: bool, n_found: bool) -> tuple[str, str]:
+    held = int(init_from_sig_at_n) + int(n_found)
+    conf = {2: "high", 1: "medium", 0: "low"}[held]
+    return conf, (f"init from a significant gain at N: {'yes' if init_from_sig_at_n else 'no'}; "
+                  f"R2 found an n: {'yes' if n_found else 'no'} -> {conf}")
+
+
+# ---------------------------------------------------------------- the decision
+
+def _point(tau: dict, cm, break_even: float) -> dict:
+    tok_s = cm.tok_s(tau["accept_length"])
+    return {"accept_length": tau["accept_length"], "ci": tau["ci"], "projected_tok_s": float(tok_s),
+            "speedup_vs_baseline": float(tok_s / cm.baseline_tok_s),
+            "beats_break_even": _verdict(tau["ci"], break_even)}
+
+
+def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000, level: float = 0.95,
+           seed: int = 0, min_gain: float = 0.0) -> dict:
+    """decision.json: CIs per (init, n) and per phase, the paired gains, and the recommendation of
+    rules R1-R6 (RULES; docs/decision.md)."""
+    _check_boot(n_boot, level)
+    cm = _cost(costmodel, k)
+    be = float(cm.break_even_accept_length)
+    opts = {"n_boot": n_boot, "level": level, "seed": seed}
+
+    groups = _curve_groups(curves)
+    curves_out: dict = {i: [] for i in INITS}
+    for (init, n) in sorted(groups, key=lambda key: (key[0], key[1])):
+        rows = groups[(init, n)]
+        t = tau_ci([r[1] for r in rows], [r[2] for r in rows], where=f"curves: init={init}, n={n}", **opts)
+        curves_out[init].append({"n_samples": n, **_point(t, cm, be), "seeds": t["seeds"],
+                                 "seed_std": t["seed_std"], "n_seeds": len(rows)})
+    for init in INITS:
+        curves_out[init].sort(key=lambda r: r["n_samples"])
+        # Same key order for every row (n_samples first, then the CI, then the seeds, then the verdicts).
+        curves_out[init] = [{key: r[key] for key in ("n_samples", "accept_length", "ci", "seeds", "seed_std",
+                                                     "n_seeds", "projected_tok_s", "speedup_vs_baseline",
+                                                     "beats_break_even")} for r in curves_out[init]]
+
+    gain = []
+    for n in sorted({n for (i, n) in groups if i == "source"} & {n for (i, n) in groups if i == "scratch"}):
+        s, c = groups[("source", n)], groups[("scratch", n)]
+        d = paired_diff_ci([r[1] for r in s], [r[2] for r in s], [r[1] for r in c], [r[2] for r in c],
+                           where=f"curves: gain at n={n}", **opts)
+        gain.append({"n_samples": n, "diff": d["diff"], "ci": d["ci"], "significant": d["significant"],
+                     "better": {"a": "source", "b": "scratch", None: None}[d["better"]]})
+
+    smallest = {i: next((r["n_samples"] for r in curves_out[i] if r["beats_break_even"] == "yes"), None)
+                for i in INITS}
+
+    if phases is None:
+        phases = {}
+    if not isinstance(phases, dict):
+        raise DraftportError("phases", f"expected a mapping phase name -> evaluation, got {type(phases).__name__}")
+    counts, P_ph = {}, None
+    for name in [*[p for p in PHASES if p in phases], *sorted(p for p in phases if p not in PHASES)]:
+        ps = _per_sample(phases[name], f"phases: {name}")
+        if ps is None:
+            continue
+        if P_ph is None:
+            P_ph, first = len(ps[0]), name
+        elif len(ps[0]) != P_ph:
+            raise DraftportError("phases", f"{name} has {len(ps[0])} prompts but {first} has {P_ph}: the phases "
+                                           "must be evaluated on the same prompts")
+        counts[name] = ps
+    phases_out = {name: _point(tau_ci(*ps, where=f"phases: {name}", **opts), cm, be) for name, ps in counts.items()}
+
+    def pair(x, y):
+        if x not in counts or y not in counts:
+            return None
+        return paired_diff_ci(*counts[x], *counts[y], where=f"phases: {x} - {y}", **opts)
+
+    p1 = pair("phase1", "phase1_scratch")
+    if p1 is not None:
+        p1["better"] = {"a": "phase1", "b": "phase1_scratch", None: None}[p1["better"]]
+    p2 = pair("phase2", "phase1")
+    p2 = None if p2 is None else {"diff": p2["diff"], "ci": p2["ci"], "significant": p2["significant"]}
+
+    init, init_sig, f1, s1 = rule_r1_init(gain)
+    n_rec, f2, s2 = rule_r2_data(init, smallest, curves_out, be)
+    ph2, f3, s3 = rule_r3_phase2(p2)
+    deploy, f4, s4 = rule_r4_deploy(phases_out, be)
+    conf, f5 = rule_r5_confidence(init_sig, n_rec is not None)
+    n_enough, plateau, f6, s6 = rule_r6_enough(init, groups, opts, min_gain)
+    text = [s1, s2, s6, s3, s4]
+    if p1 is not None:
+        text.append(f"Phase 1 (fine-tuned source) - Phase 1 scratch control: {p1['diff']:+.3f} (CI "
+                    f"{_fmt_ci(p1['ci'])}), {'significant' if p1['significant'] else 'not significant'}.")
+    gap = drift.get("tau_gap") if isinstance(drift, dict) else None
+    if isinstance(gap, (int, float)) and not isinstance(gap, bool) and math.isfinite(gap):
+        text.append(f"Drift probe: the source drafter's accept length on the old target's states minus on the "
+                    f"new target's states of the same tokens is {gap:+.3f} (tau_gap).")
+    text.append(f"Confidence: {conf}.")
+
+    return {
+        "schema": SCHEMA, "level": float(level), "n_boot": n_boot, "k": k, "min_gain": float(min_gain),
+        "costmodel": {"baseline_tok_s": cm.baseline_tok_s, "verify_ms": cm.verify_ms, "draft_ms": cm.draft_ms,
+                      "break_even_accept_length": be},
+        "curves": curves_out,
+        "gain": gain,
+        "smallest_n_beating_break_even": smallest,
+        "phases": phases_out,
+        "phase1_gain_vs_scratch": p1,
+        "phase2_gain": p2,
+        "plateau": plateau,
+        "drift": drift,
+        "recommendation": {
+            "init": init, "n_samples": n_rec, "n_enough": n_enough, "phase2": ph2, "deploy_source_now": deploy,
+            "confidence": conf,
+            "rules": [{"id": "R1", "fired": f1}, {"id": "R2", "fired": f2}, {"id": "R3", "fired": f3},
+                      {"id": "R4", "fired": f4}, {"id": "R5", "fired": f5}, {"id": "R6", "fired": f6}],
+            "text": text,
+        },
+    }
+
+
+# ---------------------------------------------------------------- reading and rendering
+
+def load_decision(path: str | Path = DEFAULT_PATH) -> dict:
+    """A decision.json, checked to be one (its schema)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "decision.json"
+    if not path.is_file():
+        raise DraftportError(path, "no decision file here; run `snakemake --cores 8 decision` (or `make decision`) "
+                                   "first")
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DraftportError(path, f"cannot read it as JSON ({type(e).__name__})") from None
+    schema = obj.get("schema") if isinstance(obj, dict) else None
+    if schema != SCHEMA:
+        raise DraftportError(path, f"not a draftport decision file (schema {schema!r}, expected {SCHEMA!r})")
+    return obj
+
+
+def render_text(decision: dict) -> str:
+    """A few lines for a terminal: the recommendation first, then the numbers behind it."""
+    r = decision["recommendation"]
+    cmd = decision["costmodel"]
+    be = cmd["break_even_accept_length"]
+    pct = f"{100 * decision['level']:g}%"
+    n = "none" if r["n_samples"] is None else str(r["n_samples"])
+    ne = r.get("n_enough")
+    out = [f"Recommendation: init {r['init']}, n_samples {n}{'' if ne is None else f' (enough: {ne})'}, "
+           f"phase2 {r['phase2']}, deploy source now "
+           f"{'yes' if r['deploy_source_now'] else 'no'} (confidence {r['confidence']})"]
+    out += [f"  {s}" for s in r["text"]]
+    out.append(f"Break-even accept length {be:.3f} (baseline {cmd['baseline_tok_s']:g} tok/s, verify "
+               f"{cmd['verify_ms']:g} ms, draft {cmd['draft_ms']:g} ms, k={decision['k']}); {pct} CIs, "
+               f"{decision['n_boot']} bootstrap draws over prompts")
+    rows = [(init, p) for init in INITS for p in decision["curves"].get(init, [])]
+    if rows:
+        out.append(f"Learning curves:  {'init':<8}{'n':>8}  {'tau':>6}  {'CI':<17}{'seeds':>5}  {'tok/s':>8}  "
+                   "beats break-even")
+        for init, p in rows:
+            out.append(f"                  {init:<8}{p['n_samples']:>8}  {p['accept_length']:>6.3f}  "
+                       f"{_fmt_ci(p['ci']):<17}{p['n_seeds']:>5}  {p['projected_tok_s']:>8.1f}  "
+                       f"{p['beats_break_even']}")
+    if decision["gain"]:
+        out.append("Gain source - scratch:")
+        for g in decision["gain"]:
+            verdict = f"significant ({g['better']})" if g["significant"] else "not significant"
+            out.append(f"  n={g['n_samples']:<8} {g['diff']:+.3f} {_fmt_ci(g['ci'])}  {verdict}")
+    if decision["phases"]:
+        out.append("Phases:")
+        for name, p in decision["phases"].items():
+            out.append(f"  {name:<15} tau {p['accept_length']:.3f} {_fmt_ci(p['ci'])}  {p['projected_tok_s']:.1f} "
+                       f"tok/s (x{p['speedup_vs_baseline']:.2f})  beats break-even: {p['beats_break_even']}")
+    for key, label in (("phase1_gain_vs_scratch", "Phase 1 - Phase 1 scratch"), ("phase2_gain", "Phase 2 - Phase 1")):
+        g = decision.get(key)
+        if g is not None:
+            out.append(f"{label}: {g['diff']:+.3f} {_fmt_ci(g['ci'])}  "
+                       f"{'significant' if g['significant'] else 'not significant'}")
+    return "\n".join(out) + "\n"

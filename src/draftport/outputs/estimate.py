@@ -1,0 +1,414 @@
+"""Wall time and disk of a profile's phases: the data (the target's answers, its hidden states) and
+the trainings, per storage mode, from measured throughputs and stated assumptions.
+
+Training (per rule, from a measured one-GPU throughput; bench_throughput says which figure):
+    tokens  = steps x global batch x tokens per sample
+    seconds = tokens / (one-GPU tok/s x GPUs x scaling efficiency)
+The one-GPU figure is read from a benchmark result (benchmarks/results/*.json of
+benchmarks/bench_train_h200.py): its rate with lm_head trained when the phase trains it
+(draftport's default; Phase 1's vocab remap needs it), else frozen; on packed rows when the
+phase's train.packing is true, else padded (bench_throughput).
+
+Data (per feature step; docs/estimate.md has the formulas and the kimi table):
+    regenerate: samples x answer tokens / the serving deployment's output tok/s (stated)
+    capture:    samples x tokens per sample x FLOPs/token / (peak x GPUs x fraction of roofline)
+    FLOPs/token = 2 x active params without the input embedding (lm_head included: the capture
+                  runs it for the greedy choice; MoE: the experts a token is routed to + shared)
+                + attention 2 x layers x heads x (qk head dim + v head dim) x tokens per sample / 2
+The fraction of roofline is measured (a capture benchmark, benchmarks/results/*-h200-capture.json)
+or stated (--capture-efficiency, else CAPTURE_STATED); every figure says which.
+
+Storage modes: `disk` (every state on disk at features.dtype; bf16 and fp8_e4m3 are both shown),
+`online` (the target recomputes the states for every pass of every training; only a bounded spool
+is on disk), `hybrid` (online, the first epoch cached when the disk holds it). `storage_need` and
+`check_storage` are the check a capture or an online training runs before any weights load.
+Every input is printed next to the result so the arithmetic can be redone by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftport.errors import DraftportError
+from draftport.data.storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive, bytes_per_token,
+    check_storage, storage_need)
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-12-03-h200-train-9.json"
+RESULTS = ROOT / "benchmarks" / "results"
+PHASES = (("phase1_scratch", "phase1"), ("phase1", "phase1"), ("phase2", "phase2"))
+
+PEAK_TFLOPS = 790.0  # H200 dense bf16, the roofline of the training and capture benchmarks
+# Stated, until a capture benchmark file lands: one H200, 2026-12-01, bf16 random-weight targets,
+# B x T = 16 x 2048, the 32B shape (the one nearest Kimi's 32B active): plain forward 65% of the
+# prefill roofline, capture + write 42%. No capture-only (no write) figure was quoted, so the
+# online mode is billed at the capture + write fraction too (conservative).
+CAPTURE_STATED = {"capture_write": 0.42, "capture": 0.42}
+CAPTURE_STATED_SOURCE = ("H200 2026-12-01, 32B dense bf16 random weights, B x T 16 x 2048: capture+write "
+                         "42% of roofline (forward alone 65%), quoted, no result file")
+# Stated: output tok/s of one 8 x H200 node serving the target for the answers. DeepSeek-R1 FP8
+# (the DeepSeek-V3 shape Kimi-K2 shares: MLA, 8 routed + 1 shared expert, 37B active), SGLang TP8
+# on H200, 1K in / 1K out, 64 concurrent: 223.6 output tok/s per GPU x 8 (SemiAnalysisAI/InferenceX
+# issue #870, 2026-03-05). Decode is memory-bound (every step reads the routed experts' weights);
+# a batch job at more concurrency gets more, so this is on the low side.
+SERVE_TOK_S = 1800.0
+SERVE_SOURCE = ("DeepSeek-R1 FP8 on 8 x H200, SGLang TP8, 1K/1K, 64 concurrent: 223.6 output tok/s/GPU x 8 "
+                "(SemiAnalysisAI/InferenceX#870)")
+
+# The text decoder of the targets the real profile names, as published in their config.json
+# (Kimi-K2.5: the `text_config` of its multimodal wrapper; the DeepseekV3 shape of Kimi-K2).
+# A folder at targets.new, or --target-config, takes precedence.
+KIMI_K2_TEXT = {"model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+                "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+                "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1,
+                "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": 1536,
+                "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                "tie_word_embeddings": False}
+KNOWN_TARGETS = {"moonshotai/Kimi-K2.5": KIMI_K2_TEXT, "moonshotai/Kimi-K2-Instruct": KIMI_K2_TEXT}
+
+
+def train_seconds(*, steps: int, batch_size: int, tokens_per_sample: int, tok_s_per_gpu: float, gpus: int,
+                  efficiency: float) -> float:
+    if min(steps, batch_size, tokens_per_sample, gpus) < 1 or tok_s_per_gpu <= 0 or not 0 < efficiency <= 1:
+        raise DraftportError("estimate", "steps, batch, tokens per sample, GPUs must be >= 1; "
+                             "throughput > 0; efficiency in (0, 1]")
+    return steps * batch_size * tokens_per_sample / (tok_s_per_gpu * gpus * efficiency)
+
+
+def _read_json(path: Path, missing: str):
+    """A JSON file's content; one-line errors for a missing file or invalid JSON."""
+    if not path.is_file():
+        raise DraftportError(path, missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftportError(path, f"not JSON ({e.msg}, line {e.lineno})") from None
+
+
+def bench_throughput(path=DEFAULT_BENCH) -> dict:
+    """The one-GPU training rates of a bench_train_h200 result. A result with a length mix gives
+    its real-token rates for the two row layouts train.packing picks from: packed
+    (`packed_real_tokens_per_s`, lm_head trained; `..._lm_head_frozen`) and padded
+    (`padded_real_tokens_per_s`; frozen: `mix_results.padded_frozen_stored`), the greedy choice
+    stored as the pipeline stores it. An older one gives its full-row rates for both
+    (`tokens_per_s_lm_head_trainable`, `tokens_per_s_mask_precomputed`)."""
+    path = Path(path)
+    d = _read_json(path, "no such benchmark result")
+    try:
+        out = {"device": d["device"], "date": d["date"], "seq": d["config"]["seq"],
+               "ttt_steps": d["config"]["ttt_steps"], "hidden_size": d["config"]["hidden_size"]}
+        if d.get("packed_real_tokens_per_s"):
+            mix = d.get("mix") or {}
+            out.update(lm_head_trainable=float(d["packed_real_tokens_per_s"]),
+                       lm_head_frozen=float(d["packed_real_tokens_per_s_lm_head_frozen"]),
+                       padded_lm_head_trainable=float(d["padded_real_tokens_per_s"]),
+                       padded_lm_head_frozen=float(d["mix_results"]["padded_frozen_stored"]["tokens_per_s"]),
+                       rate=f"real tokens of a length mix ({mix.get('n', '?')} samples, mean "
+                            f"{mix.get('mean', '?')}, max {mix.get('max', '?')} tokens), packed rows or "
+                            f"padded groups of {mix.get('pad_batch', '?')} as train.packing says")
+        else:
+            out.update(lm_head_trainable=float(d["tokens_per_s_lm_head_trainable"]),
+                       lm_head_frozen=float(d["tokens_per_s_mask_precomputed"]), rate="full rows")
+            out.update(padded_lm_head_trainable=out["lm_head_trainable"],
+                       padded_lm_head_frozen=out["lm_head_frozen"])
+        return out
+    except (KeyError, TypeError) as e:
+        raise DraftportError(path, f"benchmark result lacks {e}") from None
+
+
+# ---- the target's shape: active parameters and capture FLOPs ------------------------------------
+def _read_text_config(path: Path) -> dict:
+    from draftport.model.config import target_text_config
+
+    path = Path(path)
+    if path.is_dir():
+        return target_text_config(path)
+    cfg = _read_json(path, "no such target config (a model folder or its config.json)")
+    if not isinstance(cfg, dict):
+        raise DraftportError(path, "config is not a JSON object")
+    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
+        return cfg["text_config"]
+    return cfg
+
+
+def target_config(cfg: dict, path=None) -> tuple[dict, str]:
+    """(the new target's text decoder config, where it came from): --target-config, the folder at
+    targets.new, or the published shape of a known hub id."""
+    if path is not None:
+        return _read_text_config(path), str(path)
+    new = cfg["targets"]["new"]
+    local = Path(new) if Path(new).is_absolute() else ROOT / new
+    if (local / "config.json").is_file():
+        return _read_text_config(local), f"{new}/config.json"
+    if new in KNOWN_TARGETS:
+        return dict(KNOWN_TARGETS[new]), "built in: its published config.json"
+    w = cfg.get("world") or {}
+    if w.get("build") and str(new).startswith("artifacts/world/"):
+        return {**w["model"], "vocab_size": w["vocab_size"]}, "world.model (the embedded target, not built here)"
+    raise DraftportError("targets.new", f"{new}: no config.json here and no built-in shape; "
+                         "pass --target-config (its config.json)")
+
+
+def target_shape(tc: dict, where: str = "target config") -> dict:
+    """Parameter counts of a text decoder config (Llama-like dense; DeepseekV3/Kimi MLA + MoE;
+    Mixtral-like MoE), per token (active) and in all. Matmul weights only (norms do no matmul)."""
+    try:
+        h, n_layers, heads = int(tc["hidden_size"]), int(tc["num_hidden_layers"]), int(tc["num_attention_heads"])
+        vocab, inter = int(tc["vocab_size"]), int(tc["intermediate_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DraftportError(where, f"config lacks {e}") from None
+    if tc.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V3, Kimi-K2)
+        nope, rope, v = int(tc["qk_nope_head_dim"]), int(tc["qk_rope_head_dim"]), int(tc["v_head_dim"])
+        qr, kvr = tc.get("q_lora_rank"), int(tc["kv_lora_rank"])
+        q = h * int(qr) + int(qr) * heads * (nope + rope) if qr else h * heads * (nope + rope)
+        attn = q + h * (kvr + rope) + kvr * heads * (nope + v) + heads * v * h
+        qk_dim, v_dim = nope + rope, v
+    else:
+        hd = int(tc.get("head_dim") or h // heads)
+        kv = int(tc.get("num_key_value_heads") or heads)
+        attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+        qk_dim = v_dim = hd
+    experts = tc.get("n_routed_experts") or tc.get("num_local_experts") or tc.get("num_experts") or 0
+    if experts:
+        odd = [k for k in ("shared_expert_intermediate_size", "mlp_only_layers") if tc.get(k)] + [
+            k for k in ("moe_layer_freq", "decoder_sparse_step") if int(tc.get(k, 1)) != 1]
+        if odd:  # counted wrong rather than refused would be worse
+            raise DraftportError(where, f"MoE layout not supported by the estimate ({', '.join(odd)})")
+        top_k, shared = int(tc["num_experts_per_tok"]), int(tc.get("n_shared_experts") or 0)
+        expert = 3 * h * int(tc.get("moe_intermediate_size") or inter)
+        dense_layers = int(tc.get("first_k_dense_replace", 0))
+        router = h * int(experts)
+        moe_layers = n_layers - dense_layers
+        mlp_active = dense_layers * 3 * h * inter + moe_layers * ((top_k + shared) * expert + router)
+        mlp_total = dense_layers * 3 * h * inter + moe_layers * ((int(experts) + shared) * expert + router)
+        moe = {"experts": int(experts), "top_k": top_k, "shared": shared, "dense_layers": dense_layers}
+    else:
+        mlp_active = mlp_total = n_layers * 3 * h * inter
+        moe = None
+    embed = lm_head = vocab * h
+    active_no_embed = n_layers * attn + mlp_active + lm_head
+    return {"layers": n_layers, "hidden_size": h, "heads": heads, "qk_head_dim": qk_dim, "v_head_dim": v_dim,
+            "vocab_size": vocab, "moe": moe, "attention_per_layer": attn,
+            "active_params": active_no_embed + embed, "active_params_no_embed": active_no_embed,
+            "total_params": n_layers * attn + mlp_total + lm_head + embed}
+
+
+def capture_flops_per_token(shape: dict, tokens_per_sample: int) -> dict:
+    """2 x active params without the input embedding + causal attention over tokens_per_sample
+    (2 x layers x heads x (qk + v head dim) x T / 2; = 4 x layers x hidden x T / 2 for attention
+    whose heads x head_dim is the hidden size)."""
+    matmul = 2 * shape["active_params_no_embed"]
+    attention = 2 * shape["layers"] * shape["heads"] * (shape["qk_head_dim"] + shape["v_head_dim"]) * (
+        tokens_per_sample / 2)
+    return {"matmul": matmul, "attention": attention, "total": matmul + attention}
+
+
+# ---- the capture's fraction of roofline: measured or stated ---------------------------------------
+def newest_capture_bench(results=RESULTS) -> Path | None:
+    files = sorted(Path(results).glob("*-h200-capture.json"))
+    return files[-1] if files else None
+
+
+def _first(d: dict, names: tuple[str, ...]):
+    return next((d[n] for n in names if isinstance(d, dict) and d.get(n) is not None), None)
+
+
+def _fraction(m, roofline_tok_s) -> float | None:
+    if isinstance(m, (int, float)):
+        return float(m)
+    if not isinstance(m, dict):
+        return None
+    f = _first(m, ("fraction_of_roofline", "roofline_fraction", "fraction"))
+    if f is None and roofline_tok_s:
+        t = _first(m, ("tok_s", "tokens_per_s"))
+        f = t / roofline_tok_s if t else None
+    return None if f is None else float(f)
+
+
+def capture_bench(path) -> dict:
+    """A capture benchmark result: per shape, tok/s and fraction of roofline for forward / capture /
+    capture+write. Read: the shape with the most FLOPs per token (the nearest to a 1T MoE's 32B
+    active), its capture+write fraction (disk modes) and capture fraction (online; capture+write
+    when absent). Accepted layout: {"date", "device", "shapes": {name: {"roofline_tok_s",
+    "forward" | "capture" | "capture_write": {"tok_s", "fraction_of_roofline"}}}} (shapes may be a
+    list of such dicts with a "name")."""
+    path = Path(path)
+    d = _read_json(path, "no such capture benchmark result")
+    shapes = d.get("shapes") if isinstance(d, dict) else None
+    if isinstance(shapes, list):
+        shapes = {str(s.get("name", i)): s for i, s in enumerate(shapes) if isinstance(s, dict)}
+    if not isinstance(shapes, dict) or not shapes:
+        raise DraftportError(path, "capture benchmark result lacks 'shapes'")
+
+    def size(item):
+        s = item[1]
+        roof = _first(s, ("roofline_tok_s", "roofline_tokens_per_s"))
+        return -roof if roof else float(_first(s, ("params", "flops_per_token")) or 0)
+
+    name, s = max(shapes.items(), key=size)
+    roof = _first(s, ("roofline_tok_s", "roofline_tokens_per_s"))
+    write = _fraction(_first(s, ("capture_write", "capture+write", "capture_and_write")), roof)
+    cap = _fraction(_first(s, ("capture",)), roof)
+    if write is None:
+        raise DraftportError(path, f"shape {name}: no capture+write fraction of roofline")
+    for f in (write, cap):
+        if f is not None and not 0 < f <= 1:
+            raise DraftportError(path, f"shape {name}: fraction of roofline {f} is not in (0, 1]")
+    shown = path.relative_to(ROOT) if path.is_absolute() and path.is_relative_to(ROOT) else path
+    return {"source": "measured", "file": str(shown), "date": d.get("date"), "device": d.get("device"),
+            "shape": name, "capture_write": write, "capture": cap if cap is not None else write,
+            "capture_measured": cap is not None}
+
+
+def capture_efficiency(bench=None, stated: float | None = None) -> dict:
+    """stated (given) > the benchmark file given > the newest *-h200-capture.json > CAPTURE_STATED."""
+    if stated is not None:
+        _positive("--capture-efficiency", stated, at_most=1)
+        return {"source": "stated", "note": "--capture-efficiency", "capture_write": stated, "capture": stated}
+    path = bench if bench is not None else newest_capture_bench()
+    if path is not None:
+        return capture_bench(path)
+    return {"source": "stated", "note": CAPTURE_STATED_SOURCE, **CAPTURE_STATED}
+
+
+# ---- the estimate -------------------------------------------------------------------------------
+def _gpus(cfg: dict, step: str, override: int | None) -> int:
+    res = cfg["resources"]
+    return override or max(1, int({**res["default"], **(res.get(step) or {})}["gpu"]))
+
+
+def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | None = None,
+             efficiency: float = 0.9, bench=DEFAULT_BENCH, capture_bench_path=None,
+             capture_eff: float | None = None, serve_tok_s: float = SERVE_TOK_S,
+             answer_tokens: int | None = None, target_config_path=None, spool_gb: float | None = None,
+             peak_tflops: float = PEAK_TFLOPS) -> dict:
+    """Per training rule: tokens, throughput used, hours. Per feature step: the answers'
+    regeneration and the capture. Per phase and storage mode: hours (data + training) and disk."""
+    b = bench_throughput(bench)
+    tps = tokens_per_sample if tokens_per_sample is not None else b["seq"]
+    _positive("--tokens-per-sample", tps)
+    _positive("--serve-tok-s", serve_tok_s)
+    _positive("--peak-tflops", peak_tflops)
+    _positive("--efficiency", efficiency, at_most=1)
+    if gpus is not None:
+        _positive("--gpus", gpus)
+    f = cfg["features"]
+    answer = answer_tokens if answer_tokens is not None else min(int(f["max_new_tokens"]), tps)
+    _positive("--answer-tokens", answer)
+    if answer > tps:
+        raise DraftportError("--answer-tokens", f"{answer} exceeds the {tps} tokens per sample")
+    # features.storage / features.spool_gb: read when the profile has them (params may not yet)
+    spool_from = "--spool-gb" if spool_gb is not None else "features.spool_gb" if "spool_gb" in f else "default"
+    spool = spool_gb if spool_gb is not None else f.get("spool_gb", SPOOL_GB)
+    _positive("--spool-gb" if spool_gb is not None else "features.spool_gb", spool)
+    storage = f.get("storage", "disk")
+    if storage not in MODES:
+        raise DraftportError("features.storage", f"{storage!r}: expected one of {', '.join(MODES)}")
+
+    rows = []
+    for rule, group in PHASES:
+        tr = cfg[group]["train"]
+        n_gpu = _gpus(cfg, f"train_{rule}", gpus)  # the training step's resources (draftport.plan.registry)
+        trainable = tr.get("train_lm_head", True)
+        packed = bool(tr.get("packing", False))
+        rate = b[("" if packed else "padded_") + ("lm_head_trainable" if trainable else "lm_head_frozen")]
+        steps, batch = int(tr["steps"]), int(tr["batch_size"])
+        sec = train_seconds(steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate,
+                            gpus=n_gpu, efficiency=efficiency)
+        n = cfg[group]["n_samples"]
+        rows.append({"rule": rule, "phase": group, "steps": steps, "batch_size": batch, "samples": n,
+                     "epochs": round(steps * batch / n, 2), "tokens": steps * batch * tps,
+                     "lm_head": "trainable" if trainable else "frozen", "rows": "packed" if packed else "padded",
+                     "tok_s_per_gpu": round(rate),
+                     "gpus": n_gpu, "seconds": sec, "hours": sec / 3600})
+
+    tc, shape_from = target_config(cfg, target_config_path)
+    shape = target_shape(tc, shape_from)
+    hidden = shape["hidden_size"]
+    n_aux = len(f["aux_layer_ids"])
+    flops = capture_flops_per_token(shape, tps)
+    eff = capture_efficiency(capture_bench_path, capture_eff)
+    peak = peak_tflops * 1e12
+
+    def capture_s(tokens: int, n_gpu: int, kind: str) -> float:
+        return tokens * flops["total"] / (peak * n_gpu * eff[kind])
+
+    # the feature steps: Phase 1's training data, the held-out sets, Phase 2's new samples
+    n1, n2 = int(cfg["phase1"]["n_samples"]), int(cfg["phase2"]["n_samples"])
+    t = cfg["targets"]
+    n_eval = int(f["eval_samples"]) * (2 if t.get("old") and t.get("prompts_eval_old") else 1)
+    n_mon = int(cfg["monitor"]["n_samples"]) if any(cfg[g]["train"].get("eval_every", 0) > 0
+                                                    for g in ("phase1", "phase2")) else 0
+    data_steps = (("features_new", "phase1", n1), ("features_eval+monitor", "phase1", n_eval + n_mon),
+                  ("features_phase2", "phase2", n2 - n1))
+    data = []
+    for step, phase, n in data_steps:
+        n_gpu = _gpus(cfg, "features_eval" if step.startswith("features_eval") else step, gpus)
+        cap = capture_s(n * tps, n_gpu, "capture_write")
+        data.append({"step": step, "phase": phase, "samples": n, "answer_tokens": n * answer,
+                     "regenerate_hours": n * answer / serve_tok_s / 3600, "capture_tokens": n * tps, "gpus": n_gpu,
+                     "capture_hours": cap / 3600})
+    held = data[1]["samples"]
+
+    # per phase and mode: hours = regenerate + capture (+ online's recompute) + train; disk at the
+    # phase's end (Phase 2 trains on Phase 1's samples too: both folders stay)
+    dtypes = list(dict.fromkeys(["bfloat16", "fp8_e4m3", f["dtype"]]))
+    per_tok = {d: bytes_per_token(hidden, d, n_aux) for d in dtypes}
+    online_gpus = _gpus(cfg, "features_new", gpus)
+    phases = []
+    for phase, samples_on_disk in (("phase1", n1 + held), ("phase2", n2 + held)):
+        dr = [r for r in data if r["phase"] == phase]
+        tr = [r for r in rows if r["phase"] == phase]
+        regen = sum(r["regenerate_hours"] for r in dr)
+        cap = sum(r["capture_hours"] for r in dr)
+        train_h = sum(r["hours"] for r in tr)
+        for d in dtypes:
+            need = storage_need("disk", tokens=samples_on_disk * tps, hidden_size=hidden, dtype=d, n_aux=n_aux)
+            phases.append({"phase": phase, "mode": "disk", "dtype": d, "regenerate_hours": regen,
+                           "capture_hours": cap, "train_hours": train_h, "total_hours": regen + cap + train_h,
+                           "disk_bytes": need["need_bytes"], "profile": storage == "disk" and d == f["dtype"]})
+        # online: the held-out sets are captured once and stored (every evaluation reads them); the
+        # training samples are recomputed for every pass of every training (= its training tokens)
+        held_cap = sum(r["capture_hours"] for r in dr if r["step"].startswith("features_eval"))
+        recompute_tokens = sum(r["tokens"] for r in tr)
+        recompute = capture_s(recompute_tokens, online_gpus, "capture") / 3600
+        train_samples = n1 if phase == "phase1" else n2
+        need = storage_need("online", tokens=train_samples * tps, hidden_size=hidden, dtype=f["dtype"], n_aux=n_aux,
+                            spool_gb=spool)
+        held_bytes = storage_need("disk", tokens=held * tps, hidden_size=hidden, dtype=f["dtype"], n_aux=n_aux)
+        phases.append({"phase": phase, "mode": "online", "dtype": f["dtype"], "regenerate_hours": regen,
+                       "capture_hours": held_cap + recompute, "recompute_tokens": recompute_tokens,
+                       "train_hours": train_h, "total_hours": regen + held_cap + recompute + train_h,
+                       "spool_bytes": need["spool_bytes"], "ids_bytes": need["ids_bytes"],
+                       "held_out_bytes": held_bytes["need_bytes"],
+                       "disk_bytes": need["need_bytes"] + held_bytes["need_bytes"],
+                       "profile": storage in ("online", "hybrid")})
+
+    return {"bench": {k: b[k] for k in ("device", "date", "seq", "ttt_steps", "rate")}, "tokens_per_sample": tps,
+            "efficiency": efficiency, "rows": rows,
+            "phase1_hours": sum(r["hours"] for r in rows if r["rule"] in ("phase1_scratch", "phase1")),
+            "phase2_hours": sum(r["hours"] for r in rows if r["rule"] == "phase2"),
+            "bytes_per_token": per_tok[f["dtype"]][0], "hidden_size": hidden,
+            "target": {"id": t["new"], "config": shape_from, **shape}, "flops_per_token": flops,
+            "peak_tflops": peak_tflops, "capture_efficiency": eff,
+            "capture_tok_s": {k: peak * online_gpus * eff[k] / flops["total"] for k in ("capture_write", "capture")},
+            "serve_tok_s": serve_tok_s, "serve_source": SERVE_SOURCE if serve_tok_s == SERVE_TOK_S else "--serve-tok-s",
+            "answer_tokens": answer, "samples": {"phase1": n1, "phase2": n2},
+            "held_out": {"eval": n_eval, "monitor": n_mon},
+            "storage_mode": storage, "spool_gb": spool, "spool_from": spool_from, "n_aux": n_aux,
+            "per_token_bytes": {d: {"bytes": v[0], "how": v[1]} for d, v in per_tok.items()},
+            "data": data, "phases": phases}
+
+
+def render(rep: dict) -> str:
+    """The tables `draftport estimate` prints (render.estimate_renderables), as plain text."""
+    import io
+
+    from rich.console import Console, Group
+
+    from draftport.outputs.render import estimate_renderables
+
+    buf = io.StringIO()
+    Console(file=buf, width=150, color_system=None, highlight=False).print(Group(*estimate_renderables(rep)))
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())

@@ -1,0 +1,58 @@
+"""The online steps: a phase's drafter served by vLLM's EAGLE-3 speculative decoding next to the
+offline evaluator on the same sequences (draftport.engines.vllm). Snakemake-only: DVC has no
+stage for them, so `dvc repro` never needs the vLLM venv."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftport.pipeline.runner import Step, read_json, run_file
+
+
+def _online(s: Step, phase: str) -> dict:
+    """The figures go to metrics.json, next to the phase's own offline accept_length, and into the
+    phase's MLflow run. Fails (after writing online.json and logging both figures) when the two
+    tau differ by more than online.tolerance."""
+    from draftport.engines.vllm import serve
+    from draftport.pipeline.tracking import PhaseRun
+
+    o, k = s.p["online"], s.p["eval"]["k"]
+    ran = read_json(s.input("phase"))
+    rec = run_file(f"eval_{phase}")
+    if not rec.is_file():
+        from draftport.errors import DraftportError
+
+        raise DraftportError(rec, f"missing: the MLflow run of {phase} (rerun eval_{phase}: "
+                                  f"snakemake --forcerun eval_{phase} online)")
+    run = PhaseRun.attach(json.loads(rec.read_text())["run_id"], where=rec)  # before compute
+    drafter, how = serve.for_vllm(s.input("drafter"), s.path("export"), s.p["features"]["aux_convention"],
+                                  embed_tokens=o["embed_tokens"], target_dir=s.input("target"))
+    print(f"{s.name}: {drafter}: {how}")
+    m = serve.run_step(s.input("target"), drafter, s.p["targets"]["prompts_eval_new"], s.dir,
+                       n_prompts=o["n_prompts"], k=k, max_new_tokens=o["max_new_tokens"], tol=o["tolerance"],
+                       vllm_python_path=o["vllm_python"], max_num_seqs=o["max_num_seqs"], dtype=o["dtype"],
+                       tensor_parallel_size=o["tensor_parallel_size"], embed_tokens=o["embed_tokens"], check=False,
+                       # beside the step's log: it outlives a failed step, whose folder is dropped
+                       log_path=Path("logs", f"{s.name}.vllm.log"))
+    out = {"accept_length": ran["accept_length"], **{key: v for key, v in m.items() if not isinstance(v, str)}}
+    agree = abs(m["online_offline_difference"]) <= o["tolerance"]
+    run.log_metrics({key: v for key, v in out.items() if key != "accept_length"}, step=int(ran.get("train_steps", 0)))
+    run.set_tags({"draftport.online": "agrees" if agree else "DISAGREES", "draftport.vllm": m.get("vllm_version")})
+    print(f"{s.name}: vLLM tau {m['online_accept_length']:.4f} ({m['online_seconds']:.0f} s) vs offline on the "
+          f"same sequences {m['offline_same_prompts_accept_length']:.4f} "
+          f"({m['offline_same_prompts_seconds']:.0f} s); the phase's offline tau {ran['accept_length']:.4f}; "
+          f"logged to MLflow run {run.run_id}")
+    if not agree:
+        serve.agreement_check(m, {"accept_length": m["offline_same_prompts_accept_length"], "k": k,
+                                  **{f"accept_rate_pos_{i}": m[f"offline_same_prompts_accept_rate_pos_{i}"]
+                                     for i in range(k)}}, o["tolerance"])
+    return out
+
+
+def online_phase0(s: Step) -> dict:
+    return _online(s, "phase0")
+
+
+def online_phase1(s: Step) -> dict:
+    return _online(s, "phase1")

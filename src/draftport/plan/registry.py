@@ -1,0 +1,331 @@
+"""The step table: the one place a step of the game plan is described.
+
+Per step: its named inputs (paths inside upstream steps' folders, handed to the script as
+arguments), the dotted param keys it reads, the library modules it runs, its flags. The
+Snakefile's rules (rules/steps.smk loops over this table) and dvc.yaml's stages
+(draftport.pipeline.bridge) both come from it. Adding a step is one row here, one script
+(scripts/<name>.py) and one function (the row's `fn`).
+
+No torch, no snakemake here: the Snakefile imports this at every start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ARTIFACTS = "artifacts"
+
+
+@dataclass(frozen=True)
+class Input:
+    """A path inside an upstream step's folder (`step/rel`), or a target (`@new`, `@old`: the
+    fetch step's copy when targets.<which> is a hub id, else the folder the param names).
+    when: dotted keys that must all be set (truthy) for the input to exist."""
+    path: str
+    when: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    doc: str
+    fn: str                                   # "module:function" under draftport.pipeline.steps
+    params: tuple[str, ...]                   # dotted keys of params.yaml the step reads
+    modules: tuple[str, ...]                  # library modules it runs (its code dependencies)
+    inputs: dict[str, Input] = field(default_factory=dict)
+    after: tuple[str, ...] = ()               # upstream steps read through params paths only
+    run: str | None = None                    # MLflow run (the phase's name) it creates or extends
+    run_from: str | None = None               # the step whose run it extends (else it starts one)
+    trains: bool = False                      # makes a drafter: torchrun-able, checkpoints
+    dvc: bool = True                          # has a DVC stage (online steps need the vLLM venv)
+    cache: bool = True                        # DVC caches its outs (features: too big, not cached)
+    enabled: str | None = None                # a dotted bool key: the step exists only when it is true
+
+
+# Library modules every step runs (the runner and what it imports): a change reruns every step.
+RUNNER_MODULES = ("errors", "plan.params", "progress", "plan.registry", "pipeline.runner", "model.formats", "model.config")
+# Run by the runner but no dependency of any step: the tools' records (under DVC), never an output.
+RECORD_MODULES = ("pipeline.bridge",)
+
+FEATURE_KEYS = ("targets.new", "targets.trust_remote_code", "features.aux_layer_ids", "features.aux_convention",
+                "features.max_new_tokens", "features.batch_size", "features.dtype", "features.device",
+                "features.engine", "features.tensor_parallel_size", "features.regenerate", "features.base_url",
+                "features.served_model", "features.compile")
+FEATURE_MODULES = ("data.features", "data.shards", "data.capture", "engines.vllm.hidden_states", "engines.vllm.venv",
+                   "engines.vllm.runners.features_vllm", "engines.openai", "data.storage", "pipeline.steps.data_steps")
+EVAL_KEYS = ("eval", "costmodel")
+EVAL_MODULES = ("evaluation.accept", "model.bind", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "evaluation.costmodel", "model.vocab",
+                "pipeline.tracking", "pipeline.steps.eval_steps")
+TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "evaluation.accept", "model.bind", "data.shards", "model.draftmap", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab",
+                 "pipeline.tracking", "pipeline.steps.train_steps", "data.packing", "training.spool", "data.features", "data.storage", "engines.vllm.hidden_states",
+                 "engines.vllm.venv", "engines.vllm.runners.features_vllm")  # spool on: the capture runs in training
+SOURCE = Input("fetch/source")
+TARGET = Input("@new")
+EVAL_SET = Input("features_eval/eval_new")
+VOCAB = Input("vocab_new/vocab.safetensors")
+MONITOR_KEYS = ("monitor.k", "monitor.batch_size")
+# where and how large the spool of a training step is when its data is stored online / hybrid (the
+# capture itself is what its sequences folder records); read in disk mode too (unused there)
+SPOOL_KEYS = ("targets.trust_remote_code", "features.spool_gb", "features.spool_dir")
+
+
+def monitor_input(group: str) -> Input:
+    """The held-out set of tau during training: an input only when the group's train.eval_every > 0."""
+    return Input("features_monitor/held_out", (f"{group}.train.eval_every",))
+
+
+def _eval(phase: str, train_step: str, **more: Input) -> Step:
+    return Step(f"eval_{phase}", f"{phase}: its drafter's offline accept length on the new target's held-out set",
+                "eval_steps:eval_trained", ("targets.new", *EVAL_KEYS), EVAL_MODULES,
+                {"drafter": Input(f"{train_step}/drafter"), "target": TARGET, "features": EVAL_SET,
+                 "trained": Input(f"{train_step}/metrics.json"), **more}, run=phase, run_from=train_step)
+
+
+STEPS: tuple[Step, ...] = (
+    Step("world", "the embedded K2 -> K2.5 analog: corpus, tokenizer, two targets, the source drafter in a hub cache",
+         "data_steps:world", ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
+         ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "data.features", "model.draftmap",
+          "training.phases", "training.loop", "training.optim", "pipeline.tracking", "model.bind", "evaluation.accept", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab", "data.fetch",
+          "data.storage", "pipeline.steps.data_steps"),
+         enabled="world.build"),
+    Step("fetch", "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
+         "data_steps:fetch", ("source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"),
+         ("data.fetch", "pipeline.steps.data_steps"), after=("world",)),
+    Step("features_new", "the new target's answers to Phase 1's prompts and its hidden states",
+         "data_steps:features_new", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples"),
+         FEATURE_MODULES,
+         {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
+    Step("features_eval", "held-out sets answered by each target (the new one; the old one, the source's home)",
+         "data_steps:features_eval", (*FEATURE_KEYS, "targets.old", "targets.prompts_eval_new", "targets.prompts_eval_old",
+                                "features.eval_samples"), FEATURE_MODULES,
+         {"source": SOURCE, "target": TARGET, "target_old": Input("@old", ("targets.old", "targets.prompts_eval_old"))},
+         after=("world",), cache=False),
+    Step("features_monitor", "the held-out set of tau during training: the last training prompts, answered by the new target",
+         "data_steps:features_monitor", (*FEATURE_KEYS, "targets.prompts_train", "monitor.n_samples"), FEATURE_MODULES,
+         {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
+    Step("vocab_new", "the new target's draft map (top-N ids of its own answers) and its overlap with the source's",
+         "data_steps:vocab_new", ("targets.new", "vocab_new"), ("model.draftmap", "data.shards", "model.vocab", "pipeline.steps.data_steps"),
+         {"features": Input("features_new/train"), "source": SOURCE, "target": TARGET}),
+    Step("features_phase2", "Phase 2's scaled data: the next prompts after Phase 1's, answered by the new target",
+         "data_steps:features_phase2", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples",
+                                  "phase2.n_samples"),
+         FEATURE_MODULES, {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
+    Step("compare", "the source drafter against the layout the new target needs: config, weights, vocab, verdict",
+         "compare_step:compare", ("targets.new",), ("outputs.compare", "model.draftmap", "model.vocab", "model.fixtures", "outputs.tables", "pipeline.steps.compare_step"),
+         {"source": SOURCE, "vocab": VOCAB, "target": TARGET}),
+    Step("eval_phase0", "phase0: the source drafter as fetched on the new target (and on the old one; the reference)",
+         "eval_steps:eval_phase0", ("profile", "targets.new", "targets.old", "targets.prompts_eval_old", "reference",
+                                  *EVAL_KEYS), EVAL_MODULES,
+         {"drafter": SOURCE, "target": TARGET, "features": EVAL_SET,
+          "target_old": Input("@old", ("targets.old", "targets.prompts_eval_old")),
+          "features_old": Input("features_eval/eval_old", ("targets.old", "targets.prompts_eval_old")),
+          "reference": Input("fetch/reference", ("reference",))}, run="phase0"),
+    Step("drift", "beside Phase 0: the old and the new target on the same tokens, how far the states moved",
+         "eval_steps:drift", ("targets.new", "targets.old", "targets.trust_remote_code", "eval.k", "eval.batch_size",
+                            "eval.max_samples", "features.batch_size", "features.dtype", "features.device",
+                            "features.engine", "features.tensor_parallel_size", "drift"),
+         ("evaluation.drift", "data.features", "evaluation.accept", "model.bind", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab", "pipeline.tracking",
+          "pipeline.steps.eval_steps", "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm"),
+         {"drafter": SOURCE, "target": TARGET, "target_old": Input("@old"), "features": EVAL_SET,
+          "phase0": Input("eval_phase0/metrics.json")},
+         run="phase0", run_from="eval_phase0", cache=False, enabled="drift.enabled"),
+    Step("train_phase1_scratch", "the control: Phase 1's architecture, data and budget from a random init on the new map",
+         "train_steps:train_phase1_scratch", ("profile", "targets.new", "phase1.train", *MONITOR_KEYS, *SPOOL_KEYS), TRAIN_MODULES,
+         {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
+          "monitor": monitor_input("phase1")},
+         run="phase1_scratch", trains=True),
+    _eval("phase1_scratch", "train_phase1_scratch"),
+    Step("train_phase1", "fine-tune the source drafter on the new target's data (lm_head moved onto the new map)",
+         "train_steps:train_phase1", ("profile", "targets.new", "phase1.train", "phase1.vocab_policy", *MONITOR_KEYS, *SPOOL_KEYS),
+         TRAIN_MODULES,
+         {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
+          "compare": Input("compare/compare.json"), "monitor": monitor_input("phase1")}, run="phase1", trains=True),
+    _eval("phase1", "train_phase1", phase0=Input("eval_phase0/metrics.json"),
+          phase1_scratch=Input("eval_phase1_scratch/metrics.json")),
+    Step("train_phase2", "continue Phase 1's drafter (its map kept) on the scaled data",
+         "train_steps:train_phase2", ("profile", "targets.new", "phase2.train", *MONITOR_KEYS, *SPOOL_KEYS), TRAIN_MODULES,
+         {"features": Input("features_phase2/train"), "vocab": VOCAB, "init": Input("train_phase1/drafter"),
+          "source": SOURCE, "target": TARGET, "monitor": monitor_input("phase2")}, run="phase2", trains=True),
+    _eval("phase2", "train_phase2", phase1=Input("eval_phase1/metrics.json")),
+    Step("train_curves", "learning curves: fine-tune and scratch at each curves.n_samples x seed, one budget rule",
+         "curve_steps:train_curves", ("profile", "targets.new", "curves.n_samples", "curves.seeds", "curves.inits",
+                                 "curves.epochs", "curves.min_steps", "curves.train", *MONITOR_KEYS, *SPOOL_KEYS),
+         (*TRAIN_MODULES, "pipeline.steps.curve_steps"),
+         {"features": Input("features_new/train"), "features_phase2": Input("features_phase2/train"),
+          "vocab": VOCAB, "source": SOURCE, "target": TARGET, "monitor": monitor_input("curves")},
+         run="curves", trains=True, enabled="curves.enabled"),
+    Step("eval_curves", "every learning-curve point's drafter on the new target's held-out set (per-prompt counts)",
+         "curve_steps:eval_curves", ("targets.new", "eval", "curves.n_samples", "curves.seeds", "curves.inits"),
+         (*(m for m in EVAL_MODULES if m not in ("evaluation.costmodel", "pipeline.steps.eval_steps")), "evaluation.decision", "pipeline.steps.curve_steps"),
+         {"points": Input("train_curves/points.json"), "target": TARGET, "features": EVAL_SET},
+         run="curves", run_from="train_curves", enabled="curves.enabled"),
+    Step("decision", "the recommendation with evidence: init, data, Phase 2, drift; bootstrap CIs and rules R1-R6",
+         "decision_step:decision", ("costmodel", "eval.k", "decision"), ("evaluation.decision", "evaluation.costmodel", "pipeline.steps.decision_step"),
+         {"curves": Input("eval_curves/curves.json", ("curves.enabled",)),
+          **{ph: Input(f"eval_{ph}/eval.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
+          "drift": Input("drift/metrics.json", ("drift.enabled",))}),
+    Step("report", "plots and tables: tau per phase vs projected tok/s, per-position acceptance, loss, comparison",
+         "report_step:report", ("profile", "costmodel", "eval.k", "online.enabled"), ("outputs.report", "outputs.tables", "pipeline.steps.report_step"),
+         {"compare": Input("compare/compare.json"), "world": Input("world/metrics.json", ("world.build",)),
+          "source_drafter": Input("world/source_drafter.json", ("world.build",)),
+          "decision": Input("decision/decision.json"), "curves": Input("eval_curves/curves.json", ("curves.enabled",)),
+          **{ph: Input(f"eval_{ph}/metrics.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
+          "drift": Input("drift/metrics.json", ("drift.enabled",)),
+          **{f"history_{ph}": Input(f"train_{ph}/history.csv") for ph in ("phase1_scratch", "phase1", "phase2")},
+          **{f"online_{ph}": Input(f"online_{ph}/metrics.json", ("online.enabled",)) for ph in ("phase0", "phase1")}}),
+    *(Step(f"online_{ph}", f"{ph}'s drafter served by vLLM next to the offline evaluator on the same sequences",
+           f"online_steps:online_{ph}", ("targets.new", "targets.prompts_eval_new", "features.aux_convention", "eval.k",
+                                   "online.n_prompts", "online.max_new_tokens", "online.max_num_seqs",
+                                   "online.tolerance", "online.dtype", "online.vllm_python",
+                                   "online.tensor_parallel_size", "online.embed_tokens"),
+           ("engines.vllm.serve", "engines.vllm.venv", "engines.vllm.runners.online_vllm", "outputs.export", "evaluation.accept", "model.bind",
+            "data.features", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab", "pipeline.tracking", "pipeline.steps.online_steps"),
+           {"drafter": SOURCE if ph == "phase0" else Input("train_phase1/drafter"), "target": TARGET,
+            "phase": Input(f"eval_{ph}/metrics.json")}, dvc=False)
+      for ph in ("phase0", "phase1")),
+    Step("publish", "the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens, a model card; checked",
+         "publish_step:publish", ("targets.new", "eval", "costmodel", "decision", "publish"),
+         ("outputs.publish", "outputs.export", "engines.vllm.serve", "engines.vllm.venv", "engines.speculators.roundtrip", "evaluation.decision",
+          "evaluation.accept", "model.bind", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab", "evaluation.costmodel", "pipeline.steps.publish_step"),
+         {"decision": Input("decision/decision.json"), "target": TARGET, "features": EVAL_SET,
+          "source": Input("fetch/source/fetch.lock.json"),
+          "data_phase1": Input("features_new/train/index.json"), "data_phase2": Input("features_phase2/train/index.json"),
+          **{f"drafter_{ph}": Input(f"train_{ph}/drafter") for ph in ("phase1_scratch", "phase1", "phase2")},
+          **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
+          **{f"eval_{ph}": Input(f"eval_{ph}/eval.json") for ph in ("phase1_scratch", "phase1", "phase2")},
+          "online_phase1": Input("online_phase1/metrics.json", ("online.enabled",))},
+         enabled="publish.enabled"),
+)
+BY_NAME: dict[str, Step] = {s.name: s for s in STEPS}
+STEP_NAMES: tuple[str, ...] = tuple(BY_NAME)
+TRAINING_STEPS: tuple[str, ...] = tuple(s.name for s in STEPS if s.trains)
+
+# Named targets (Snakemake rules without a command): the steps each one asks for.
+TARGETS: dict[str, tuple[str, ...]] = {
+    "phase0": ("eval_phase0", "drift"),
+    "phase1": ("eval_phase1",),
+    "phase2": ("eval_phase2",),
+    "curves": ("eval_curves",),
+    "online": ("online_phase0", "online_phase1"),
+}
+
+
+def target_steps(target: str, cfg: dict) -> list[str]:
+    """A named target's steps that exist under these params."""
+    return [s for s in TARGETS[target] if enabled(BY_NAME[s], cfg)]
+
+
+# ---- what a row means under a profile ---------------------------------------------------------
+def art(step: str, *parts: str) -> str:
+    """A path in the step's folder, artifacts/<step>/..."""
+    return "/".join((ARTIFACTS, step, *parts))
+
+
+def done(step: str) -> str:
+    """The file Snakemake sees for a step: written last, so it exists only for a finished step."""
+    return art(step, "metrics.json")
+
+
+def get(cfg: dict, dotted: str):
+    """cfg's value at a dotted key (a KeyError names a key the params do not have)."""
+    cur = cfg
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            raise KeyError(dotted)
+        cur = cur[part]
+    return cur
+
+
+def enabled(step: Step, cfg: dict) -> bool:
+    return step.enabled is None or bool(get(cfg, step.enabled))
+
+
+def active(cfg: dict) -> list[Step]:
+    """The rows that exist under these params (world only when world.build)."""
+    return [s for s in STEPS if enabled(s, cfg)]
+
+
+def is_hub_id(value: str) -> bool:
+    """org/name that is not a local folder (artifacts/... paths are the pipeline's own)."""
+    from pathlib import Path
+
+    return (not Path(value).exists() and value.count("/") == 1 and not value.startswith((".", "/"))
+            and not value.startswith(ARTIFACTS + "/"))
+
+
+def target_path(cfg: dict, which: str) -> str:
+    """A target folder: the fetch step's copy when targets.<which> is a hub id, else the folder."""
+    value = cfg["targets"][which]
+    return f"{ARTIFACTS}/fetch/target_{which}" if is_hub_id(value) else value
+
+
+def inputs(step: Step, cfg: dict) -> dict[str, str]:
+    """The step's named inputs under these params, as paths (what its script receives)."""
+    out = {}
+    for name, inp in step.inputs.items():
+        if not all(get(cfg, k) for k in inp.when):
+            continue
+        out[name] = target_path(cfg, inp.path[1:]) if inp.path.startswith("@") else f"{ARTIFACTS}/{inp.path}"
+    return out
+
+
+def step_of(path: str) -> str | None:
+    """The step whose folder holds path (artifacts/<step>/...), None for a path outside them."""
+    parts = path.split("/")
+    return parts[1] if len(parts) >= 2 and parts[0] == ARTIFACTS and parts[1] in BY_NAME else None
+
+
+def upstream(step: Step, cfg: dict) -> list[str]:
+    """Steps that must have run first: those holding its inputs, and its `after` steps, when they exist."""
+    names = [step_of(p) for p in inputs(step, cfg).values()] + list(step.after)
+    return [n for n in dict.fromkeys(names) if n is not None and enabled(BY_NAME[n], cfg)]
+
+
+def module_files(step: Step) -> list[str]:
+    """Its code dependencies: the step's script and the library modules it runs, as repo paths."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [f"scripts/{step.name}.py"]
+    for m in dict.fromkeys((*RUNNER_MODULES, *step.modules)):
+        rel = Path(*m.split("."))
+        f = rel.with_suffix(".py") if (root / rel.with_suffix(".py")).is_file() else rel / "__init__.py"
+        files.append(f"src/draftport/{f}")
+    return files
+
+
+def step_params(cfg: dict, name: str) -> dict:
+    """The nested sub-dict of cfg holding exactly the step's keys."""
+    import copy
+
+    out: dict = {}
+    for dotted in BY_NAME[name].params:
+        *parents, last = dotted.split(".")
+        cur = out
+        for p in parents:
+            cur = cur.setdefault(p, {})
+        cur[last] = copy.deepcopy(get(cfg, dotted))
+    return out
+
+
+def command(step: Step, cfg: dict) -> str:
+    """The step's command (Snakemake's shell and DVC's cmd, verbatim), without a --params file."""
+    ins = "".join(f" --input {k}={v}" for k, v in inputs(step, cfg).items())
+    return f"python scripts/{step.name}.py{ins} --logfile logs/{step.name}.log"
+
+
+def table_markdown() -> str:
+    """The registry as a Markdown table (docs/architecture.md holds it; a test keeps them equal)."""
+    rows = ["| step | does | inputs (from) | params | flags |", "|---|---|---|---|---|"]
+    for s in STEPS:
+        ins = ", ".join(f"{k} ({v.path.split('/')[0] if not v.path.startswith('@') else 'target'})"
+                        for k, v in s.inputs.items()) or "-"
+        flags = ", ".join(f for f, on in (("trains", s.trains), (f"MLflow run {s.run}", bool(s.run)),
+                                          ("no DVC stage", not s.dvc), ("not cached", not s.cache),
+                                          (f"only when {s.enabled}", bool(s.enabled))) if on) or "-"
+        rows.append(f"| `{s.name}` | {s.doc} | {ins} | {', '.join(f'`{p}`' for p in s.params)} | {flags} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(table_markdown(), end="")

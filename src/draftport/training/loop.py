@@ -1,0 +1,549 @@
+"""One training loop for every drafter: the source drafter, the Phase 1 fine-tune, the
+from-scratch control and Phase 2.
+
+AdamW, linear warmup + cosine decay, gradient clipping, the TTT loss. Periodic checkpoints hold
+everything a resume needs (model, optimizer moments, step, RNG, history) in safetensors + JSON:
+no pickle, even for our own files. The data order is a pure function of (seed, step), so a resume
+continues with exactly the batch an uninterrupted run would have drawn: bit-exact on CPU.
+
+Runs as one process or under torchrun (gloo on CPU, nccl on GPU), data-parallel either way:
+every rank takes a slice of the same global batch and the loss is normalized by the global row
+count, so N processes compute the same update as one. `parallel: ddp` replicates the drafter;
+`parallel: fsdp` shards its trainable weights, their gradients and the AdamW moments over the
+ranks (FSDP2 `fully_shard`, one group: the drafter is a single layer unrolled K times, so every
+weight is needed in every TTT step and finer groups would only gather the same weights again).
+The frozen embed_tokens stays replicated: every step looks up arbitrary rows of it, so sharding
+would gather all of it each step and save no peak memory. Checkpoints are the same flat files
+either way (gathered to rank 0), so a run resumes under either mode or in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from draftport.model.formats import atomic_dir
+from draftport.data.shards import FeatureSet, collate
+from draftport.model.fast import kernels
+from draftport.model.drafter import Eagle3Drafter
+from draftport.errors import DraftportError
+from draftport.training.optim import AdamW
+from draftport.pipeline.tracking import Logger
+from draftport.plan.params import TrainConfig  # the train groups of params.yaml: a pydantic model
+from draftport.training.ttt import combine, compile_loss_kernels, stats_to_float, ttt_terms
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    t = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def batch_ids(step: int, n: int, batch: int, seed: int) -> list[int]:
+    """Sample ids of global batch `step`: epochs of seeded permutations, concatenated."""
+    out = []
+    pos = step * batch
+    while len(out) < batch:
+        epoch, off = divmod(pos, n)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        perm = torch.randperm(n, generator=g).tolist()
+        take = perm[off: off + batch - len(out)]
+        out.extend(take)
+        pos += len(take)
+    return out
+
+
+class PrintLogger(Logger):
+    def log_metrics(self, metrics, step):
+        keys = ("loss", "acc_0", "lr")
+        print(f"step {step}: " + " ".join(f"{k} {metrics[k]:.4g}" for k in keys if k in metrics), flush=True)
+
+
+# ---- distributed helpers ---------------------------------------------------------------------
+def dist_info():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed():
+    """Join the torchrun group when launched by torchrun (WORLD_SIZE > 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return dist_info()
+
+
+# ---- checkpoints (safetensors + json, atomic) ------------------------------------------------
+def trainable(drafter: Eagle3Drafter) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: TrainConfig,
+                    sharded=None, inputs: dict | None = None, data_position: int | None = None) -> Path | None:
+    """sharded: the FSDP module of train() under parallel: fsdp. Then every rank must call: the
+    full state is gathered to rank 0, which alone writes (the same files as one process).
+    inputs: what the run was trained on (train()'s `inputs`), kept so a resume can check it.
+    data_position: the positions of the run's consumption order read so far (online features:
+    where their capture restarts; step x batch size).
+    A full disk is a DraftportError; the previous checkpoints stay as they were."""
+    from draftport.model.formats import disk_full_error, save_safetensors
+
+    if sharded is not None:
+        model, moments, steps = _gather_full_state(sharded, opt)
+        if dist.get_rank() != 0:
+            return None
+    else:
+        model = {k: v.detach().cpu().contiguous() for k, v in drafter.export_state().items()}
+        params = trainable(drafter)
+        name_of = {id(p): n for n, p in params.items()}
+        moments, steps = {}, {}
+        for p, st in opt.state.items():
+            n = name_of[id(p)]
+            moments[f"{n}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
+            moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
+            steps[n] = float(st["step"])
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step_{step:07d}"
+    try:
+        with atomic_dir(final) as tmp:
+            save_safetensors(model, tmp / "model.safetensors")
+            moments["rng.torch"] = torch.get_rng_state()
+            save_safetensors(moments, tmp / "optimizer.safetensors")
+            state = {"step": step, "adam_steps": steps, "history": history, "config": cfg.model_dump(),
+                     "inputs": inputs, "data_position": data_position if data_position is not None
+                     else step * cfg.batch_size}
+            (tmp / "state.json").write_text(json.dumps(state) + "\n")
+    except Exception as e:
+        err = disk_full_error(e, final)
+        if err is None:
+            raise
+        prev = latest_checkpoint(ckpt_root)
+        raise DraftportError(final, f"{err}; checkpoint not written, the last good one is kept: "
+                             f"{prev if prev is not None else 'none yet'}") from None
+    olds = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    for old in olds[: -cfg.keep_checkpoints]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    done = sorted(p for p in ckpt_root.glob("step_*") if (p / "state.json").is_file())
+    return done[-1] if done else None
+
+
+def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None) -> bool:
+    """A checkpoint continues this run only if everything but the logging cadence matches, the
+    inputs (train()'s `inputs`: data, vocab, init) included."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if state.get("inputs") != inputs:
+        return False
+    saved = {"eval_every": 0, "patience": 0, "packing": False, **state.get("config", {})}  # older checkpoints predate them
+    # parallel: ddp and fsdp make the same updates, and so do the attention kernels (up to their
+    # rounding); older checkpoints predate both keys
+    cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel", "attention"}
+    now = cfg.model_dump()
+    return {k: v for k, v in saved.items() if k not in cadence} == {k: v for k, v in now.items() if k not in cadence}
+
+
+def load_checkpoint(path: Path, drafter, opt) -> tuple[int, list]:
+    load_model_state(path, drafter)
+    return load_optimizer_state(path, drafter, opt)
+
+
+def load_model_state(path: Path, drafter) -> None:
+    """The weights of a checkpoint into an unsharded drafter (train() loads them before
+    sharding, so FSDP shards what was saved)."""
+    from safetensors.torch import load_file
+
+    drafter.load_flat_state(load_file(str(path / "model.safetensors")))
+
+
+def load_optimizer_state(path: Path, drafter, opt) -> tuple[int, list]:
+    """AdamW moments and the RNG; under FSDP each rank keeps its shard of the saved moments.
+    -> (step, history)."""
+    from safetensors.torch import load_file
+
+    moments = load_file(str(path / "optimizer.safetensors"))
+    state = json.loads((path / "state.json").read_text())
+    params = trainable(drafter)
+    # fused (and capturable) AdamW keep the step count on the parameter's device
+    step_on_device = bool(getattr(opt, "step_on_device", False) or opt.defaults.get("fused")
+                          or opt.defaults.get("capturable"))
+    for n, p in params.items():
+        if f"{n}.exp_avg" in moments:
+            opt.state[p] = {"step": torch.tensor(float(state["adam_steps"][n]), dtype=torch.float32,
+                                                 device=p.device if step_on_device else "cpu"),
+                            "exp_avg": _like(moments[f"{n}.exp_avg"], p),
+                            "exp_avg_sq": _like(moments[f"{n}.exp_avg_sq"], p)}
+    torch.set_rng_state(moments["rng.torch"])
+    return state["step"], state["history"]
+
+
+# ---- DDP / FSDP -------------------------------------------------------------------------------
+def wrap_parallel(drafter: Eagle3Drafter, parallel: str, device):
+    """What train_step runs: the drafter itself ("none"), its DDP view ("ddp"), or the FSDP module
+    holding it ("fsdp": the drafter's parameters become this rank's shards, so build the optimizer
+    after this). The last two need an initialized process group (of any size, 1 included)."""
+    if parallel == "none":
+        return drafter
+    if parallel == "ddp":
+        # DDP's gradient hooks must see the call, so under torchrun the unroll goes through it.
+        return _DDPView(torch.nn.parallel.DistributedDataParallel(drafter))
+    if parallel == "fsdp":
+        return shard_fsdp(drafter, device)
+    raise DraftportError("train.parallel", f"{parallel!r} is not one of ddp, fsdp")
+
+
+class _FSDPTerms(torch.nn.Module):
+    """The FSDP2 root: holds the drafter so that the whole TTT loss, the drafter's lm_head that
+    the fused loss applies itself included, runs inside one forward. FSDP gathers the weights in
+    its pre-forward hook and reduce-scatters (averages) the gradients once backward has finished
+    (no forward input needs a gradient, so its final callback does it; the fused path's in-place
+    gradient sums are complete by then)."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch, target_head, steps: int, fused: bool):
+        return ttt_terms(self.drafter, batch, target_head, steps, fused=fused)
+
+
+def shard_fsdp(drafter: Eagle3Drafter, device) -> _FSDPTerms:
+    """Shard the drafter's parameters over the process group in place (embed_tokens excepted:
+    see the module docstring); -> the module that train_step runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _, world = dist_info()
+    net = _FSDPTerms(drafter)
+    # one group, the root: it keeps the weights gathered from forward through backward anyway
+    fully_shard(net, mesh=init_device_mesh(torch.device(device).type, (world,)),
+                reshard_after_forward=False, ignored_params={drafter.embed_tokens.weight})
+    return net
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _like(full: torch.Tensor, p) -> torch.Tensor:
+    """A saved full tensor placed like parameter p (this rank's shard under FSDP)."""
+    if _is_dtensor(p):
+        from torch.distributed.tensor import distribute_tensor
+        return distribute_tensor(full.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements)
+    return full.to(p.device)
+
+
+def _gather_full_state(sharded: _FSDPTerms, opt):
+    """Collective: the flat model state (export_state's keys) and AdamW moments as full CPU
+    tensors on rank 0 (empty elsewhere). -> (model, moments, adam steps)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(sharded, options=o)
+    osd = get_optimizer_state_dict(sharded, opt, options=o)
+    pre = "drafter."
+    model = {k[len(pre):]: v.detach().contiguous() for k, v in msd.items()
+             if not k[len(pre):].startswith("embed_tokens")}
+    moments, steps = {}, {}
+    for fqn, st in osd.get("state", {}).items():
+        n = fqn[len(pre):]
+        moments[f"{n}.exp_avg"] = st["exp_avg"].detach().contiguous()
+        moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().contiguous()
+        steps[n] = float(st["step"])
+    return model, moments, steps
+
+
+def unshard_fsdp(drafter: Eagle3Drafter) -> None:
+    """Collective: replace the sharded parameters by full ones on every rank, so that train()
+    hands back the drafter as DDP or one process would (export, evaluation, another train())."""
+    for mod in drafter.modules():
+        for name, p in list(mod._parameters.items()):
+            if _is_dtensor(p):
+                full = p.full_tensor().detach().clone()
+                mod._parameters[name] = torch.nn.Parameter(full, requires_grad=p.requires_grad)
+
+
+def _sharded_grad_norm(local_grads: list[torch.Tensor], device) -> torch.Tensor:
+    """The global 2-norm of gradients sharded without overlap over the ranks."""
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in local_grads:
+        sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tensor, out_dir,
+          cfg: TrainConfig, logger: Logger | None = None, progress: bool = True,
+          stop_after: int | None = None, ckpt_dir=None, inputs: dict | None = None,
+          monitor: Callable[[Eagle3Drafter], float] | None = None) -> dict:
+    """Train in place; checkpoints under ckpt_dir (default out_dir/checkpoints), resumed
+    automatically when they were made with the same config and the same `inputs` (a JSON-able
+    fingerprint of the data, vocab and init: a rerun on other data must not continue them).
+
+    monitor: the held-out accept length of the drafter as it is (offline tau on a fixed set),
+    called every cfg.eval_every steps and at the last one; its value joins that step's history
+    record and the logger as `accept_length`. cfg.patience > 0: training stops once that many
+    evaluations in a row brought no better tau than the best so far (the record of the stop says
+    `early_stop`; a resume of a stopped run trains no further). The weights at the stop are kept.
+
+    Returns {"history": [...per logged step...], "final": {...last step metrics...},
+    "steps", "seconds", "resumed_from" (the checkpoint's step, 0 for a fresh start),
+    "curve" ([{step, accept_length}] of the monitor), "stopped_early"}.
+    stop_after: return after this many steps of this call (tests interrupt a run with it).
+    """
+    logger = logger or Logger()
+    rank, world = dist_info()
+    if cfg.batch_size % world:
+        raise DraftportError("train.batch_size", f"{cfg.batch_size} is not divisible by {world} processes")
+    device = target_head.device
+    use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    impl = cfg.impl if cfg.impl != "auto" else ("compiled" if device.type == "cuda" else "reference")
+    if impl not in ("reference", "fused", "compiled"):
+        raise DraftportError("train.impl", f"{cfg.impl!r} is not one of auto, reference, fused, compiled")
+    if cfg.parallel not in ("ddp", "fsdp"):
+        raise DraftportError("train.parallel", f"{cfg.parallel!r} is not one of ddp, fsdp")
+    fsdp = cfg.parallel == "fsdp" and world > 1
+    if cfg.patience and not cfg.eval_every:
+        raise DraftportError("train.patience", f"{cfg.patience} needs train.eval_every > 0 (the held-out tau it watches)")
+    if cfg.eval_every and monitor is None:
+        raise DraftportError("train.eval_every", f"{cfg.eval_every} but this run has no held-out monitor set")
+    if cfg.eval_every and fsdp:
+        raise DraftportError("train.eval_every", "held-out tau during training runs on a whole drafter: "
+                             "use parallel ddp (or eval_every 0) under fsdp")
+    if cfg.attention != "default":   # the process's kernel from here on (a training owns its process)
+        kernels.set_attention_backend(cfg.attention)
+    if impl == "compiled":
+        drafter.compile_regions()
+        compile_loss_kernels()
+    # sum weight gradients in place across TTT steps; DDP needs them to pass through autograd,
+    # FSDP reads .grad once backward has finished (see _FSDPTerms)
+    drafter.accumulate_wgrad = impl != "reference" and (world == 1 or fsdp)
+    drafter.lm_head.weight.requires_grad_(cfg.train_lm_head)
+
+    out_dir = Path(out_dir)
+    ckpt_root = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
+    step, history = 0, []
+    last = latest_checkpoint(ckpt_root)
+    if last is not None and not resumable(last, cfg, inputs):
+        # A checkpoint of another configuration (edited params.yaml) or of other inputs (new
+        # features, another init) must not be continued: that would mix two runs. Its folder is
+        # set aside, never deleted.
+        aside = ckpt_root.with_name(f"{ckpt_root.name}.stale-{int(time.time())}")
+        if rank == 0:
+            os.replace(ckpt_root, aside)
+            print(f"checkpoints in {ckpt_root} belong to another training configuration or other inputs; "
+                  f"moved to {aside}", flush=True)
+        if world > 1:
+            dist.barrier()
+        last = None
+    if last is not None:
+        load_model_state(last, drafter)   # before sharding: FSDP shards the saved weights
+
+    net = wrap_parallel(drafter, cfg.parallel if world > 1 else "none", device)
+    params = trainable(drafter)           # under FSDP: this rank's shards
+    decay = [p for p in params.values() if p.ndim >= 2]
+    no_decay = [p for p in params.values() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if device.type == "cuda" and not fsdp:
+        # torch's AdamW arithmetic as one compiled kernel per parameter (draftport.training.optim): the
+        # fused AdamW's pass over ~1B parameters moves 16 bytes each, this one 14
+        opt = AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    else:   # CPU (the embedded runs), and FSDP's sharded parameters: torch's own
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    if last is not None:
+        step, history = load_optimizer_state(last, drafter, opt)
+        if rank == 0:
+            print(f"resuming from {last} (step {step})", flush=True)
+            for rec in history:  # a new tracking run: give it the curve up to the checkpoint
+                logger.log_metrics({k: v for k, v in rec.items() if k != "step" and not k.startswith("n_")},
+                                   rec["step"])
+    resumed_from = step
+    begin = getattr(features, "begin", None)
+    if begin is not None:  # online features (draftport.training.spool): their capture starts at this data position
+        pos = json.loads((last / "state.json").read_text()).get("data_position") if resumed_from else None
+        begin(step, cfg, pos)
+    torch.manual_seed(cfg.seed + step)
+    stopped = bool(history and history[-1].get("early_stop"))  # a stopped run stays stopped
+    scores = [r["accept_length"] for r in history if "accept_length" in r]
+
+    bar = None
+    if progress and rank == 0:
+        from draftport.progress import progress as progress_bar
+
+        bar = progress_bar(cfg.steps, "train", "step", initial=step)
+    if cfg.packing:
+        from draftport.data.packing import ROW_MULTIPLE, pack   # only then: a step that never packs does not run the module
+    n = len(features)
+    done_this_call = 0
+    t0 = time.time()
+    # The host reads the device only at log / checkpoint steps, so the CPU can queue the next
+    # step while the GPU runs this one; a non-finite loss is remembered and raised there,
+    # before any checkpoint could save it.
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    while step < cfg.steps and not stopped:
+        ids = batch_ids(step, n, cfg.batch_size, cfg.seed)
+        mine = ids[rank::world]
+        samples = [features.sample(i) for i in mine]
+        # packing: the same samples end to end in one row (rounded up to ROW_MULTIPLE
+        # tokens: fewer shapes for the compiled regions), the same loss as the padded batch
+        batch, _ = pack(samples, multiple=ROW_MULTIPLE) if cfg.packing else collate(samples)
+        batch = batch.to(device)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss, terms, counts, stats_t, gnorm = train_step(net, batch, target_head, opt, list(params.values()),
+                                                         cfg, impl=impl, use_bf16=use_bf16, world=world)
+        bad |= ~torch.isfinite(loss.detach())
+        step += 1
+        done_this_call += 1
+        last = stop_after is not None and done_this_call >= stop_after
+        eval_now = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
+        log_now = step % cfg.log_every == 0 or step == cfg.steps or eval_now
+        ckpt_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
+        if log_now or ckpt_now or last:
+            if bool(bad):
+                raise DraftportError(f"train step {step}", f"loss is not finite (at or before this step); "
+                                     f"last good checkpoint kept in {ckpt_root}")
+            stats = _reduce_stats(terms, counts) if world > 1 else stats_to_float(stats_t)
+            stats.update(loss=sum(cfg.gamma ** j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
+                         lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm))
+            if eval_now:  # every rank: the same drafter, the same set, the same stop
+                tau = float(monitor(drafter))
+                stats["accept_length"] = tau
+                scores.append(tau)
+                p = cfg.patience
+                if p and len(scores) > p and max(scores[-p:]) <= max(scores[:-p]):
+                    stopped = True
+            if log_now:
+                rec = {"step": step, **{k: round(v, 6) for k, v in stats.items()}}
+                if stopped:
+                    rec["early_stop"] = 1
+                    ckpt_now = True
+                history.append(rec)
+                if rank == 0:
+                    logger.log_metrics({k: v for k, v in stats.items() if not k.startswith("n_")}, step)
+                    if stopped:
+                        print(f"early stop at step {step}: held-out tau {tau:.3f}, best "
+                              f"{max(scores):.3f}, none better in the last {cfg.patience} evaluations", flush=True)
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", acc0=f"{stats['acc_0']:.3f}")
+        if bar is not None:
+            bar.update(1)
+        if ckpt_now and (rank == 0 or fsdp):   # under FSDP every rank joins the gather
+            save_checkpoint(ckpt_root, step, drafter, opt, history, cfg, sharded=net if fsdp else None,
+                            inputs=inputs, data_position=getattr(features, "position", None))
+        if world > 1:
+            dist.barrier()
+        if last:
+            break
+    if bar is not None:
+        bar.close()
+    if fsdp:
+        unshard_fsdp(drafter)
+    curve = [{"step": r["step"], "accept_length": r["accept_length"]} for r in history if "accept_length" in r]
+    return {"history": history, "final": history[-1] if history else {}, "steps": step,
+            "seconds": time.time() - t0, "resumed_from": resumed_from, "curve": curve, "stopped_early": stopped}
+
+
+def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: TrainConfig, *,
+               impl: str = "reference", use_bf16: bool = False, world: int = 1,
+               clip_in_optimizer: bool | None = None):
+    """One optimizer step (TTT loss, backward, clipping, AdamW) with no host sync, so the CPU
+    can queue the next step while this one runs (under DDP/FSDP the row counts are all-reduced).
+
+    net: the drafter, its DDP view, or the FSDP module of shard_fsdp (params then hold this
+    rank's shards). clip_in_optimizer (default: when the optimizer is fused AdamW or
+    draftport's, and the parameters are not sharded) applies the gradient clipping inside the
+    optimizer's kernel.
+    Returns (loss, terms, global counts or None, stats as 0-dim tensors, grad norm before
+    clipping)."""
+    device = target_head.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        if isinstance(net, _FSDPTerms):
+            terms = net(batch, target_head, cfg.ttt_steps, impl != "reference")
+        else:
+            terms = ttt_terms(net, batch, target_head, cfg.ttt_steps, fused=impl != "reference")
+    counts = None
+    if world > 1:
+        counts = torch.stack([t[1] for t in terms]).float()
+        dist.all_reduce(counts)
+        counts = list(counts)
+    loss, stats = combine(terms, cfg.gamma, counts, scale=float(world), sync=False)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    sharded = bool(params) and _is_dtensor(params[0])
+    if clip_in_optimizer is None:
+        takes_scale = bool(opt.defaults.get("fused")) or getattr(opt, "takes_grad_scale", False)
+        clip_in_optimizer = takes_scale and not sharded
+    if sharded:
+        # FSDP: the norm over this rank's gradient shards, summed over the ranks; the same
+        # coefficient as clip_grad_norm_, applied to the local shards
+        with torch.no_grad():
+            grads = [p.grad.to_local() for p in params if p.grad is not None]
+            gnorm = _sharded_grad_norm(grads, device)
+            if clip_in_optimizer:
+                opt.grad_scale = ((gnorm + 1e-6) / cfg.grad_clip).clamp_min(1.0)
+            elif grads:
+                torch._foreach_mul_(grads, (cfg.grad_clip / (gnorm + 1e-6)).clamp_max(1.0))
+    elif clip_in_optimizer:
+        # fused AdamW (and draftport's) divides every gradient by `grad_scale` as it reads it:
+        # clipping there saves clip_grad_norm_'s in-place pass over all gradients
+        grads = [p.grad for p in params if p.grad is not None]
+        if hasattr(opt, "grad_norm"):   # draftport's AdamW: one compiled reduction per gradient
+            gnorm = opt.grad_norm(grads)
+        else:
+            gnorm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        opt.grad_scale = ((gnorm + 1e-6) / cfg.grad_clip).clamp_min(1.0)
+    else:
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    return loss, terms, counts, stats, gnorm
+
+
+class _DDPView:
+    """Lets ttt_terms call unroll() through DistributedDataParallel.forward."""
+
+    def __init__(self, ddp):
+        self.ddp = ddp
+        self.module = ddp.module      # the fused loss applies lm_head itself
+        self.hot_ids = ddp.module.hot_ids
+        self.t2d = ddp.module.t2d
+
+    def unroll(self, *args, **kw):
+        return self.ddp(*args, **kw)
+
+
+def _reduce_stats(terms, counts):
+    sums = torch.stack([torch.stack([t[0].detach().float(), t[2].float()]) for t in terms])
+    dist.all_reduce(sums)
+    stats = {}
+    for j, c in enumerate(counts):
+        c = c.clamp_min(1)
+        stats[f"loss_{j}"] = float(sums[j, 0] / c)
+        stats[f"acc_{j}"] = float(sums[j, 1] / c)
+        stats[f"n_{j}"] = float(c)
+    return stats

@@ -1,0 +1,153 @@
+"""A training phase's drafter: its initial weights (the source on the new map, a random init, or
+an earlier phase's drafter), trained by draftport.training.loop on a feature set, saved flat."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from draftport.model.bind import check_features_fit, drafter_for_target, target_head
+from draftport.model.formats import atomic_write_text, load_drafter_state, save_drafter
+from draftport.model.config import DrafterConfig, read_config
+from draftport.data.shards import FeatureChain, FeatureSet, check_disjoint, open_set
+from draftport.model.draftmap import cfg_d2t, read_vocab
+from draftport.errors import DraftportError
+from draftport.model.vocab import check_maps, compare_maps, remap_lm_head
+
+
+def feature_dirs(features_dir) -> list:
+    """One feature folder or several that continue one another, as a list."""
+    return [features_dir] if isinstance(features_dir, (str, Path)) else list(features_dir)
+
+
+def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, vocab_policy: str = "remap",
+                       arch=None, n_samples: int | None = None, monitor: dict | None = None) -> dict:
+    """What a training run learns from, as digests: its checkpoints resume only a run on the same
+    inputs (train's `inputs`). Features by their index (it holds every shard's sha256)."""
+    from draftport.model.formats import sha256
+
+    def folder(f) -> str:
+        f = Path(f)
+        lock = f / "fetch.lock.json"
+        if lock.is_file():  # a fetch recorded every file's sha256
+            return hashlib.sha256(json.dumps(json.loads(lock.read_text())["files"], sort_keys=True).encode()).hexdigest()
+        files = sorted(p for p in f.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+        return hashlib.sha256("".join(f"{p.name}:{sha256(p)};" for p in files).encode()).hexdigest()
+
+    feats = [sha256(Path(f) / "index.json") for f in feature_dirs(features_dir)]
+    out = {"features": feats[0] if len(feats) == 1 and n_samples is None else {"chain": feats, "n": n_samples},
+           "vocab": sha256(Path(vocab_path)), "init": init, "vocab_policy": vocab_policy}
+    if monitor is not None:
+        out["monitor"] = {"features": sha256(Path(monitor["features"]) / "index.json"), "k": monitor["k"]}
+    if init in ("source", "scratch") and source_dir is not None:
+        out["source"] = folder(source_dir)
+    elif init not in ("source", "scratch"):
+        out["init_drafter"] = folder(init)
+    if arch is not None:
+        out["arch"] = json.loads(json.dumps(arch, default=str))
+    return out
+
+
+def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, train_cfg,
+                source_dir=None, vocab_policy: str = "remap", arch: dict | None = None,
+                logger=None, progress=True, ckpt_dir=None, n_samples: int | None = None,
+                monitor: dict | None = None, verifier: str | None = None, spool: dict | None = None,
+                trust_remote_code: bool = False) -> dict:
+    """Train a drafter for the new target and save it (flat format) to out_dir/drafter.
+
+    init 'source': start from the source drafter; its lm_head is moved onto the new map by
+    target id (vocab_policy 'remap', new rows from the target's lm_head) or the source map is
+    kept ('keep'). The map is never rebuilt silently: it comes from vocab_path.
+    init 'scratch': same architecture, random init, the new map.
+    init '<folder>': continue a drafter saved by an earlier phase (its map is kept).
+    ckpt_dir: where the periodic checkpoints live (default out_dir/checkpoints); a run on the
+    same config and inputs (inputs_fingerprint) resumes from them.
+    features_dir: a feature folder, or several that continue one another (draftport.data.shards.
+    FeatureChain: Phase 1's capture, then Phase 2's); n_samples: train on their first n only.
+    monitor: {"features": a held-out feature folder (its prompts disjoint from the training
+    ones), "k", "batch_size"}: the held-out tau train_cfg.eval_every steps (train's `monitor`).
+    verifier: the target the drafter is trained against, as its config.json names it (`verifier`;
+    speculators' verifier.name_or_path): the params' targets.new (a hub id or a folder), default
+    target_dir. Always this training's target, never the name an initial drafter carried (the
+    source's names the old target).
+    Folders of sequences without states (features.storage online / hybrid, data.write_sequences):
+    the states are captured during training (draftport.training.spool.online_features) into the bounded
+    spool spool["dir"] of spool["gb"] GB (default: beside the checkpoints), hybrid's first-epoch
+    cache in spool["cache_dir"] (default: beside the spool); the target's code runs only when
+    trust_remote_code.
+    """
+    from draftport.evaluation.accept import held_out_monitor
+    from draftport.training.loop import train
+
+    out_dir = Path(out_dir)
+    dirs = feature_dirs(features_dir)
+    sets = [open_set(d) for d in dirs]
+    fs = sets[0] if len(sets) == 1 and n_samples is None else FeatureChain(sets, n_samples)
+    head = target_head(target_dir)
+    d2t_new, t2d_new = read_vocab(vocab_path, vocab_size=head.shape[0])
+    report: dict = {"init": init}
+    if init == "scratch":
+        if source_dir is None and arch is None:
+            raise DraftportError("phase", "a scratch drafter needs the source's architecture or `arch`")
+        if source_dir is not None:
+            src_cfg, _ = read_config(source_dir)
+            cfg = DrafterConfig(**{**src_cfg.__dict__, "draft_vocab_size": int(d2t_new.shape[0])})
+        else:
+            cfg = arch
+        check_features_fit(cfg, fs, features_dir)
+        torch.manual_seed(train_cfg.seed)
+        d = drafter_for_target(cfg, target_dir)
+        d.set_vocab_maps(d2t_new, t2d_new)
+    else:
+        src = Path(source_dir if init == "source" else init)
+        cfg, state = load_drafter_state(src)
+        check_features_fit(cfg, fs, src)
+        if init == "source":
+            lm, d2t, stats = remap_lm_head(state["lm_head.weight"].float(), state["d2t"].numpy(), d2t_new,
+                                           init_rows=head if cfg.hidden_size == head.shape[1] else None,
+                                           policy=vocab_policy)
+            state["lm_head.weight"] = lm
+            t2d = t2d_new if vocab_policy == "remap" else state["t2d"].numpy()
+            check_maps(d2t, t2d, cfg.vocab_size, d2t.shape[0], vocab_path)
+            state["d2t"], state["t2d"] = torch.as_tensor(d2t), torch.as_tensor(t2d)
+            cfg = DrafterConfig(**{**cfg.__dict__, "draft_vocab_size": int(d2t.shape[0])})
+            report["vocab"] = {**stats, **compare_maps(cfg_d2t(source_dir), d2t_new)}
+        d = drafter_for_target(cfg, target_dir, state)
+    cfg = DrafterConfig(**{**cfg.__dict__, "extra": {**cfg.extra, "verifier": str(verifier or target_dir)}})
+    watch = None
+    if monitor is not None:
+        held = FeatureSet(monitor["features"])
+        check_features_fit(cfg, held, monitor["features"])
+        check_disjoint(fs, held, str(monitor["features"]))
+        watch = held_out_monitor(held, head, k=monitor["k"], batch_size=monitor.get("batch_size", 32))
+    inputs = inputs_fingerprint(features_dir=features_dir, vocab_path=vocab_path, init=init,
+                                source_dir=source_dir, vocab_policy=vocab_policy, arch=arch,
+                                n_samples=n_samples, monitor=monitor)
+    if fs.index.get("storage") in ("online", "hybrid"):
+        from draftport.data.storage import SPOOL_GB
+        from draftport.training.spool import online_features
+
+        sp = spool or {}
+        ck = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
+        sdir = Path(sp.get("dir") or ck.with_name(f"{ck.name}.spool"))
+        fs = online_features(fs, target_dir=target_dir, spool_dir=sdir, spool_gb=sp.get("gb") or SPOOL_GB,
+                             cache_dir=sp.get("cache_dir") or sdir.with_name(f"{sdir.name}-cache"),
+                             trust_remote_code=trust_remote_code, log=print if progress else (lambda _m: None))
+    try:
+        res = train(d, fs, head, out_dir, train_cfg, logger=logger, progress=progress, ckpt_dir=ckpt_dir,
+                    inputs=inputs, monitor=watch)
+    finally:
+        if hasattr(fs, "close"):
+            fs.close()
+    if hasattr(fs, "discard_cache"):  # trained to the end: hybrid's first-epoch cache has served
+        fs.discard_cache()
+    save_drafter(out_dir / "drafter", cfg, d.export_state(),
+                 metadata={"draftport_phase_init": init})
+    report.update(train_steps=res["steps"], train_seconds=res["seconds"], final=res["final"],
+                  resumed_from_step=res["resumed_from"], curve=res["curve"], stopped_early=res["stopped_early"],
+                  train_samples=len(fs))
+    atomic_write_text(out_dir / "train_history.json", json.dumps(res["history"]) + "\n")
+    return report

@@ -1,0 +1,314 @@
+"""The README's and docs/estimate.md's wall-time and disk figures come from draftport.outputs.estimate:
+arithmetic redone here from the printed inputs, and bad inputs refused in one line."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftport.outputs import estimate as E
+from draftport.plan import params as P
+from draftport.data import storage
+from draftport.errors import DraftportError
+
+ROOT = Path(__file__).resolve().parents[2]
+KIMI = ROOT / "configs/kimi-k2.5.yaml"
+
+
+@pytest.fixture(scope="module")
+def kimi_cfg():
+    return P.load(KIMI, base=ROOT / "params.yaml")
+
+
+@pytest.fixture(scope="module")
+def kimi(kimi_cfg):
+    # the stated capture fraction, whatever benchmark file lands in benchmarks/results later
+    return E.estimate(kimi_cfg, efficiency=0.9, capture_eff=0.42)
+
+
+def test_train_seconds_is_tokens_over_aggregate_throughput():
+    # 1200 steps x 64 samples x 2048 tokens = 157,286,400 tokens; 12,000 tok/s x 8 GPUs x 0.9
+    assert E.train_seconds(steps=1200, batch_size=64, tokens_per_sample=2048, tok_s_per_gpu=12000.0,
+                           gpus=8, efficiency=0.9) == pytest.approx(157_286_400 / 86_400)
+    with pytest.raises(DraftportError):
+        E.train_seconds(steps=1, batch_size=1, tokens_per_sample=1, tok_s_per_gpu=1.0, gpus=1, efficiency=1.5)
+
+
+def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
+    rep = kimi
+    bench = json.loads(E.DEFAULT_BENCH.read_text())
+    rate = bench["packed_real_tokens_per_s"]  # draftport's default: lm_head trained, packed rows
+    rows = {r["rule"]: r for r in rep["rows"]}
+    assert rows["phase1"]["gpus"] == 8 and rows["phase1"]["tokens"] == 1200 * 64 * 2048
+    assert rows["phase1"]["seconds"] == pytest.approx(1200 * 64 * 2048 / (rate * 8 * 0.9))
+    assert rows["phase2"]["seconds"] == pytest.approx(6000 * 64 * 2048 / (rate * 8 * 0.9))
+    assert rep["phase1_hours"] == pytest.approx(2 * rows["phase1"]["hours"])  # control + fine-tune
+    # 57 KB/token at H 7168, as DESIGN.md states
+    assert rep["bytes_per_token"] == 4 * 7168 * 2 + 5
+    assert {r["rows"] for r in rep["rows"]} == {"packed"}   # the profile packs (train.packing)
+    frozen = P.merge(kimi_cfg, {"phase2": {"train": {"train_lm_head": False}}})
+    assert {r["rule"]: r for r in E.estimate(frozen, capture_eff=0.42)["rows"]}["phase2"]["tok_s_per_gpu"] == round(
+        bench["packed_real_tokens_per_s_lm_head_frozen"])
+    # a rule that pads its rows reads the padded figures of the same mix
+    padded = P.merge(kimi_cfg, {"phase1": {"train": {"packing": False}},
+                                "phase2": {"train": {"packing": False, "train_lm_head": False}}})
+    rows = {r["rule"]: r for r in E.estimate(padded, capture_eff=0.42)["rows"]}
+    assert (rows["phase1"]["rows"], rows["phase1"]["tok_s_per_gpu"]) == ("padded", round(bench["padded_real_tokens_per_s"]))
+    assert (rows["phase2"]["rows"], rows["phase2"]["tok_s_per_gpu"]) == (
+        "padded", round(bench["mix_results"]["padded_frozen_stored"]["tokens_per_s"]))
+    assert rows["phase1_scratch"]["rows"] == "padded"   # the control trains as phase1.train says
+    assert bench["padded_real_tokens_per_s"] < bench["packed_real_tokens_per_s"]
+    # a result without a length mix: its full-row figures, for either layout
+    old = ROOT / "benchmarks/results/2026-11-29-h200.json"
+    full = json.loads(old.read_text())
+    b = E.bench_throughput(old)
+    assert (b["lm_head_trainable"], b["lm_head_frozen"], b["rate"]) == (
+        full["tokens_per_s_lm_head_trainable"], full["tokens_per_s_mask_precomputed"], "full rows")
+    assert (b["padded_lm_head_trainable"], b["padded_lm_head_frozen"]) == (b["lm_head_trainable"], b["lm_head_frozen"])
+
+
+def test_kimi_shape_is_1t_params_32b_active(kimi):
+    t = kimi["target"]
+    h, v, layers = 7168, 163840, 61
+    # MLA: q_a + q_b (64 heads x (128 nope + 64 rope)) + kv_a (512 latent + 64 rope) + kv_b (64 x (128 + 128)) + o
+    attn = h * 1536 + 1536 * 64 * 192 + h * (512 + 64) + 512 * 64 * 256 + 64 * 128 * h
+    expert = 3 * h * 2048
+    dense = 3 * h * 18432                                  # layer 0 (first_k_dense_replace 1)
+    moe_active = 60 * ((8 + 1) * expert + h * 384)         # 8 routed + 1 shared, and the router
+    assert t["attention_per_layer"] == attn
+    assert t["active_params_no_embed"] == layers * attn + dense + moe_active + v * h  # lm_head counted
+    assert t["active_params"] == t["active_params_no_embed"] + v * h
+    assert 32.0e9 < t["active_params"] < 33.5e9            # "1T parameters, 32B active"
+    assert 1.0e12 < t["total_params"] < 1.05e12
+    f = kimi["flops_per_token"]
+    assert f["matmul"] == 2 * t["active_params_no_embed"]
+    assert f["attention"] == 2 * 61 * 64 * (192 + 128) * 2048 / 2
+
+
+def test_flops_formula_is_the_capture_benchmarks_roofline():
+    # Llama-3-8B (dense, untied): the 2026-12-01 capture run quotes a prefill roofline of 50.8K
+    # tok/s at 790 TFLOP/s for T 2048; 4 x layers x hidden x T/2 is the attention term there
+    llama8b = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "vocab_size": 128256}
+    shape = E.target_shape(llama8b)
+    assert 8.0e9 < shape["total_params"] < 8.06e9
+    f = E.capture_flops_per_token(shape, 2048)
+    assert f["attention"] == 4 * 32 * 4096 * 2048 / 2
+    assert 790e12 / f["total"] == pytest.approx(50_800, rel=0.005)
+
+
+def test_data_and_mode_rows_recomputed_from_the_printed_inputs(kimi):
+    rep = kimi
+    tps, answer, serve = rep["tokens_per_sample"], rep["answer_tokens"], rep["serve_tok_s"]
+    assert (tps, answer, serve) == (2048, 2048, E.SERVE_TOK_S)  # features.max_new_tokens 2048
+    flops = rep["flops_per_token"]["total"]
+    rate = 790e12 * 8 * 0.42 / flops
+    assert rep["capture_tok_s"]["capture_write"] == pytest.approx(rate)
+    assert rep["capture_efficiency"]["source"] == "stated"
+    data = {r["step"]: r for r in rep["data"]}
+    assert [r["samples"] for r in rep["data"]] == [37000, 1000 + 512, 200000 - 37000]
+    for r in rep["data"]:
+        assert r["regenerate_hours"] == pytest.approx(r["samples"] * answer / serve / 3600)
+        assert r["capture_hours"] == pytest.approx(r["samples"] * tps / rate / 3600)
+    rows = {r["rule"]: r for r in rep["rows"]}
+    modes = {(r["phase"], r["mode"], r["dtype"]): r for r in rep["phases"]}
+    held = 1512
+    p1 = modes["phase1", "disk", "bfloat16"]
+    assert p1["regenerate_hours"] == pytest.approx((37000 + held) * answer / serve / 3600)
+    assert p1["total_hours"] == pytest.approx(
+        (37000 + held) * (answer / serve + tps / rate) / 3600 + rows["phase1_scratch"]["hours"] + rows["phase1"]["hours"])
+    assert p1["disk_bytes"] == (37000 + held) * tps * (4 * 7168 * 2 + 5) and p1["profile"]
+    fp8 = 4 * 7168 + 4 * 4 + 5  # (3 aux + final) x 1 B + an fp32 scale per tensor per token + id and mask
+    assert modes["phase1", "disk", "fp8_e4m3"]["disk_bytes"] == (37000 + held) * tps * fp8
+    assert modes["phase2", "disk", "fp8_e4m3"]["disk_bytes"] == (200000 + held) * tps * fp8  # Phase 1's kept
+    assert modes["phase2", "disk", "bfloat16"]["capture_hours"] == pytest.approx(data["features_phase2"]["capture_hours"])
+    # online: every training token recomputed (both Phase 1 trainings; Phase 2 over all 200K samples)
+    on1, on2 = modes["phase1", "online", "bfloat16"], modes["phase2", "online", "bfloat16"]
+    assert on1["recompute_tokens"] == 2 * 1200 * 64 * 2048 and on2["recompute_tokens"] == 6000 * 64 * 2048
+    assert on1["capture_hours"] == pytest.approx((held * tps + on1["recompute_tokens"]) / rate / 3600)
+    assert on2["capture_hours"] == pytest.approx(on2["recompute_tokens"] / rate / 3600)
+    assert on1["disk_bytes"] == 64 * 10**9 + 37000 * tps * 5 + held * tps * (4 * 7168 * 2 + 5)
+    assert on2["disk_bytes"] == 64 * 10**9 + 200000 * tps * 5 + held * tps * (4 * 7168 * 2 + 5)
+
+
+def write_capture_bench(path, shapes, **top):
+    path.write_text(json.dumps({"date": "2026-12-02", "device": "NVIDIA H200", "shapes": shapes, **top}))
+    return path
+
+
+def test_capture_benchmark_file_is_read_and_labelled_measured(kimi_cfg, tmp_path):
+    f = write_capture_bench(tmp_path / "2026-12-02-h200-capture.json", {
+        "8b": {"roofline_tok_s": 50800, "forward": {"tok_s": 33300, "fraction_of_roofline": 0.656},
+               "capture": {"tok_s": 30000}, "capture_write": {"tok_s": 25000, "fraction_of_roofline": 0.49}},
+        "32b": {"roofline_tok_s": 11900, "forward": {"tok_s": 7900, "fraction_of_roofline": 0.664},
+                "capture": {"tok_s": 7140}, "capture_write": {"tok_s": 6900, "fraction_of_roofline": 0.58}}})
+    eff = E.capture_efficiency(f)
+    # the larger shape (lower roofline tok/s); capture's fraction from tok/s over the roofline
+    assert eff["source"] == "measured" and eff["shape"] == "32b"
+    assert eff["capture_write"] == 0.58 and eff["capture"] == pytest.approx(7140 / 11900)
+    rep = E.estimate(kimi_cfg, capture_bench_path=f)
+    flops = rep["flops_per_token"]["total"]
+    on = {(r["phase"], r["mode"]): r for r in rep["phases"]}["phase2", "online"]
+    assert on["capture_hours"] == pytest.approx(6000 * 64 * 2048 * flops / (790e12 * 8 * 7140 / 11900) / 3600)
+    assert f"measured {f}" in E.render(rep)
+    # a stated fraction overrides any file, and says so
+    rep = E.estimate(kimi_cfg, capture_bench_path=f, capture_eff=0.3)
+    assert rep["capture_efficiency"] == {"source": "stated", "note": "--capture-efficiency", "capture_write": 0.3,
+                                         "capture": 0.3}
+    assert "fraction stated: --capture-efficiency" in E.render(rep)
+
+
+def test_newest_capture_benchmark_is_the_default(tmp_path):
+    assert E.newest_capture_bench(tmp_path) is None
+    write_capture_bench(tmp_path / "2026-12-01-h200-capture.json", {"a": {"capture_write": 0.4}})
+    newest = write_capture_bench(tmp_path / "2026-12-09-h200-capture.json", {"a": {"capture_write": 0.5}})
+    (tmp_path / "2026-12-10-h200.json").write_text("{}")  # a training result, not a capture one
+    assert E.newest_capture_bench(tmp_path) == newest
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"capture_eff": 1.5}, "--capture-efficiency: must be in (0, 1], got 1.5"),
+    ({"capture_eff": 0.0}, "--capture-efficiency: must be in (0, 1], got 0.0"),
+    ({"serve_tok_s": 0.0}, "--serve-tok-s: must be > 0, got 0.0"),
+    ({"serve_tok_s": -5.0}, "--serve-tok-s: must be > 0, got -5.0"),
+    ({"answer_tokens": 4096}, "--answer-tokens: 4096 exceeds the 2048 tokens per sample"),
+    ({"answer_tokens": 0}, "--answer-tokens: must be > 0, got 0"),
+    ({"tokens_per_sample": 0}, "--tokens-per-sample: must be > 0, got 0"),
+    ({"spool_gb": -1.0}, "--spool-gb: must be > 0, got -1.0"),
+    ({"efficiency": 1.2}, "--efficiency: must be in (0, 1], got 1.2"),
+    ({"peak_tflops": 0.0}, "--peak-tflops: must be > 0, got 0.0"),
+    ({"target_config_path": "/nonexistent/config.json"}, "no such target config"),
+])
+def test_bad_values_are_one_line_errors(kimi_cfg, kw, message):
+    with pytest.raises(DraftportError) as e:
+        E.estimate(kimi_cfg, **({"capture_eff": 0.42} | kw))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (None, "lacks 'shapes'"),
+    ({"32b": {"forward": {"fraction_of_roofline": 0.65}}}, "shape 32b: no capture+write fraction of roofline"),
+    ({"32b": {"capture_write": {"fraction_of_roofline": 42}}}, "fraction of roofline 42.0 is not in (0, 1]"),
+])
+def test_bad_capture_benchmark_is_refused(tmp_path, shapes, message):
+    f = write_capture_bench(tmp_path / "x-h200-capture.json", shapes)
+    with pytest.raises(DraftportError, match=re.escape(message)):
+        E.capture_efficiency(f)
+    with pytest.raises(DraftportError, match="no such capture benchmark"):
+        E.capture_efficiency(tmp_path / "missing.json")
+
+
+def test_unknown_target_and_profile_storage_keys(kimi_cfg, tmp_path):
+    cfg = P.merge(kimi_cfg, {"targets": {"new": "someorg/unknown-model"}})
+    with pytest.raises(DraftportError, match="targets.new: someorg/unknown-model: no config.json here"):
+        E.estimate(cfg, capture_eff=0.42)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": E.KIMI_K2_TEXT, "model_type": "kimi_k25"}))
+    rep = E.estimate(cfg, capture_eff=0.42, target_config_path=tmp_path)  # a wrapper's text_config
+    assert rep["target"]["active_params"] > 32e9 and rep["target"]["config"] == str(tmp_path)
+    # features.storage / features.spool_gb (another change adds them to params): read when present
+    cfg = dict(kimi_cfg, features={**kimi_cfg["features"], "storage": "online", "spool_gb": 100.0})
+    rep = E.estimate(cfg, capture_eff=0.42)
+    on = [r for r in rep["phases"] if r["mode"] == "online"]
+    assert all(r["profile"] for r in on) and not any(r["profile"] for r in rep["phases"] if r["mode"] == "disk")
+    assert rep["spool_from"] == "features.spool_gb" and on[0]["spool_bytes"] == 100 * 10**9
+    with pytest.raises(DraftportError, match="features.storage: 'tape'"):
+        E.estimate(dict(kimi_cfg, features={**kimi_cfg["features"], "storage": "tape"}), capture_eff=0.42)
+
+
+def test_storage_need_per_mode():
+    bf16 = E.storage_need("disk", tokens=1000, hidden_size=7168)
+    assert bf16["need_bytes"] == 1000 * (4 * 7168 * 2 + 5)
+    fp8 = E.storage_need("disk", tokens=1000, hidden_size=7168, dtype="fp8_e4m3")
+    assert fp8["need_bytes"] == 1000 * (4 * 7168 + 16 + 5)
+    on = E.storage_need("online", tokens=10**9, hidden_size=7168, spool_gb=64)
+    assert on["need_bytes"] == 64 * 10**9 + 10**9 * 5  # the spool bound + the answers as ids
+    small = E.storage_need("online", tokens=100, hidden_size=7168, spool_gb=64)
+    assert small["spool_bytes"] == 100 * (4 * 7168 * 2 + 5)  # never more than all the states
+    hy = E.storage_need("hybrid", tokens=10**9, hidden_size=7168, spool_gb=64)
+    assert hy["need_bytes"] == on["need_bytes"] and hy["cache_bytes"] == 10**9 * (4 * 7168 * 2 + 5)
+    with pytest.raises(DraftportError, match="features.storage: 'cloud': expected one of disk, online, hybrid"):
+        E.storage_need("cloud", tokens=1, hidden_size=8)
+    with pytest.raises(DraftportError, match="features.spool_gb: must be > 0"):
+        E.storage_need("online", tokens=1, hidden_size=8, spool_gb=0)
+    with pytest.raises(DraftportError, match="features.dtype: 'int3'"):
+        E.storage_need("disk", tokens=1, hidden_size=8, dtype="int3")
+
+
+def test_check_storage_refuses_in_every_mode(tmp_path, monkeypatch):
+    class Usage:
+        free = 100 * 10**9
+
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda _: Usage)
+    lines = []
+    disk = E.storage_need("disk", tokens=10**6, hidden_size=7168)  # 57.3 GB
+    assert E.check_storage(tmp_path, disk, lines.append)["free_bytes"] == 100 * 10**9
+    assert lines[-1].startswith("storage (disk): need ~57.3 GB (1,000,000 tokens x 57,349 B/token")
+    big = E.storage_need("disk", tokens=10**7, hidden_size=7168)  # 573 GB
+    with pytest.raises(DraftportError) as e:
+        E.check_storage(tmp_path, big, lines.append)
+    assert str(e.value) == (f"{tmp_path}: not enough disk for the features: need ~573.5 GB, 100.0 GB free "
+                            "(features.storage disk)")
+    # online: the spool bound, not the states, must fit
+    assert E.check_storage(tmp_path, E.storage_need("online", tokens=10**7, hidden_size=7168, spool_gb=64),
+                           lines.append)
+    with pytest.raises(DraftportError, match="not enough disk for the online spool: need ~150.1 GB"):
+        E.check_storage(tmp_path, E.storage_need("online", tokens=10**7, hidden_size=7168, spool_gb=150), lines.append)
+    # hybrid: runs as online when the first epoch's cache does not fit
+    hy = E.check_storage(tmp_path, E.storage_need("hybrid", tokens=10**7, hidden_size=7168, spool_gb=64), lines.append)
+    assert hy["cache"] is False and "not cached" in lines[-1]
+    hy = E.check_storage(tmp_path, E.storage_need("hybrid", tokens=10**5, hidden_size=7168, spool_gb=1), lines.append)
+    assert hy["cache"] is True and lines[-1].endswith("first epoch cached")
+    with pytest.raises(DraftportError, match="not enough disk for the hybrid spool"):
+        E.check_storage(tmp_path, E.storage_need("hybrid", tokens=10**7, hidden_size=7168, spool_gb=99), lines.append)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "draftport.cli", "estimate", "--profile", str(KIMI), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_estimate_command_prints_the_readme_figures():
+    r = run_cli()
+    assert r.returncode == 0, r.stderr
+    line = re.search(r"Phase 1 \(control \+ fine-tune\): [0-9.]+ h;  Phase 2: [0-9.]+ h \(training only\)", r.stdout)
+    assert line, r.stdout
+    for doc in ("README.md", "docs/estimate.md"):  # both quote this command's output
+        assert line.group(0) in (ROOT / doc).read_text(), doc
+    for label in ("measured: ", "target: ", "capture FLOPs/token: ", "capture rate: ", "regenerate: ", "assumed: "):
+        assert label in r.stdout
+
+
+def test_estimate_command_json_and_bad_input():
+    r = run_cli("--json", "--capture-efficiency", "0.42", "--serve-tok-s", "3600")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["serve_tok_s"] == 3600 and rep["serve_source"] == "--serve-tok-s"
+    assert rep["data"][0]["regenerate_hours"] == pytest.approx(37000 * 2048 / 3600 / 3600)
+    r = run_cli("--serve-tok-s", "0")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == "draftport: error: --serve-tok-s: must be > 0, got 0.0"
+
+
+def table_rows(text: str, first: str) -> list[str]:
+    """The rows of the table whose header starts with `first`, whitespace-normalized."""
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    i = next(i for i, line in enumerate(lines) if line.startswith(first))
+    rows = []
+    for line in lines[i + 2:]:
+        if not line:
+            break
+        rows.append(line)
+    return rows
+
+
+def test_docs_quote_the_kimi_tables_as_printed():
+    """docs/estimate.md's tables are this command's (at the capture fraction measured by the committed benchmark)."""
+    r = run_cli()
+    assert r.returncode == 0, r.stderr
+    docs = (ROOT / "docs/estimate.md").read_text()
+    for header in ("data step", "phase storage", "rule steps"):
+        rows = table_rows(r.stdout, header)
+        assert rows and rows == table_rows(docs, header), header

@@ -1,0 +1,237 @@
+"""Nothing lost: a training phase killed with SIGKILL resumes from its last checkpoint when the same
+command runs again, under Snakemake and under DVC, and ends with the weights and accept length of
+an uninterrupted run (micro profile, real processes, in copies of the repository).
+
+Plus the pieces, fast: a checkpoint of other inputs is set aside, Snakemake's lock of a dead
+process is cleared and a live one's is not.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from draftport.pipeline import bridge
+from draftport.pipeline import runner
+from draftport.training.loop import TrainConfig, train
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_pipeline import micro_copy  # noqa: E402
+from test_train import make_features  # noqa: E402
+from test_drafter import toy_drafter  # noqa: E402
+
+BIN = Path(sys.executable).parent
+STEP = "train_phase1_scratch"  # the control's training step
+STEPS, EVERY = 120, 20  # ~5 s of training on 2 shared cores: a kill lands between checkpoints
+
+
+class Copy:
+    def __init__(self, path: Path):
+        self.path = path
+        self.env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(path / "src"),
+                    "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}
+        self.env.pop("OMP_NUM_THREADS", None)
+
+    def run(self, *cmd, check=True, timeout=600):
+        r = subprocess.run([str(c) for c in cmd], cwd=self.path, env=self.env, capture_output=True, text=True,
+                           timeout=timeout)
+        if check and r.returncode:
+            raise AssertionError(f"{cmd} -> {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+        return r
+
+    def start(self, *cmd) -> subprocess.Popen:
+        """In its own session: a kill of the group takes the tool and the step it runs."""
+        return subprocess.Popen([str(c) for c in cmd], cwd=self.path, env=self.env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def clone(self, dst: Path) -> "Copy":
+        shutil.copytree(self.path, dst, symlinks=True)
+        return Copy(dst)
+
+    def ckpts(self) -> list[Path]:
+        return sorted(p for p in (self.path / runner.CHECKPOINTS / STEP).glob("step_*") if (p / "state.json").is_file())
+
+    def metrics(self) -> dict:
+        return json.loads((self.path / runner.done(STEP)).read_text())
+
+    def weights(self) -> dict:
+        return load_file(str(self.path / "artifacts" / STEP / "drafter" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The micro profile with a longer control phase; everything upstream of it built once."""
+    root = tmp_path_factory.mktemp("resume")
+    path = root / "base"
+    micro_copy(path, lambda cfg: cfg["phase1"]["train"].update(steps=STEPS, checkpoint_every=EVERY,
+                                                               log_every=EVERY // 2))
+    c = Copy(path)
+    c.run("git", "init", "-q")
+    if not (path / ".dvc").is_dir():
+        c.run(BIN / "dvc", "init", "-q")
+    c.run("git", "add", "-A")
+    c.run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "test copy")
+    c.run(BIN / "snakemake", "--cores", "2", "features_new", "features_eval", "features_monitor", "vocab_new")
+    return c
+
+
+@pytest.fixture(scope="module")
+def copies(base, tmp_path_factory):
+    """Two copies to kill in, then the uninterrupted reference run in the base."""
+    root = tmp_path_factory.mktemp("killed")
+    smk, dvc = base.clone(root / "smk"), base.clone(root / "dvc")
+    base.run(sys.executable, f"scripts/{STEP}.py", "--logfile", f"logs/{STEP}.log")  # the rule's command
+    assert base.metrics()["resumed_from_step"] == 0
+    assert not (base.path / runner.CHECKPOINTS / STEP).exists()  # a finished step drops its resume state
+    return {"ref": base, "smk": smk, "dvc": dvc}
+
+
+def kill_after_first_checkpoint(c: Copy, cmd) -> int:
+    p = c.start(*cmd)
+    deadline = time.time() + 300
+    while not c.ckpts():
+        assert p.poll() is None, f"{cmd} ended before its first checkpoint"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not (c.path / runner.done(STEP)).exists(), "the run finished before the kill: make it longer"
+    last = int(c.ckpts()[-1].name.split("_")[1])
+    assert 0 < last < STEPS
+    return last
+
+
+def assert_same_result(c: Copy, ref: Copy, killed_at: int):
+    log = (c.path / "logs" / f"{STEP}.log").read_text()
+    m = c.metrics()
+    assert m["resumed_from_step"] >= killed_at and m["resumed_from_step"] % EVERY == 0
+    assert f"resuming from {runner.CHECKPOINTS}/{STEP}/step_{m['resumed_from_step']:07d}" in log
+    assert m["train_steps"] == STEPS
+    a, b = c.weights(), ref.weights()
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert m["final_loss"] == ref.metrics()["final_loss"]  # (its accept length: the same weights, bit for bit)
+    assert not (c.path / runner.CHECKPOINTS / STEP).exists()
+
+
+@pytest.mark.slow
+def test_snakemake_killed_mid_training_resumes_with_the_same_command(copies):
+    c = copies["smk"]
+    cmd = (BIN / "snakemake", "--cores", "1", STEP)
+    killed_at = kill_after_first_checkpoint(c, cmd)
+    assert list((c.path / ".snakemake" / "locks").glob("*.lock"))  # what a kill -9 leaves behind
+    r = c.run(*cmd)
+    assert "left by killed run" in r.stderr
+    assert_same_result(c, copies["ref"], killed_at)
+    assert json.loads(c.run(BIN / "dvc", "status", "--json", STEP).stdout) == {}
+
+
+@pytest.mark.slow
+def test_dvc_repro_killed_mid_training_resumes_with_the_same_command(copies):
+    c = copies["dvc"]
+    cmd = (BIN / "dvc", "repro", STEP)
+    killed_at = kill_after_first_checkpoint(c, cmd)
+    c.run(*cmd)
+    assert_same_result(c, copies["ref"], killed_at)
+    assert json.loads(c.run(BIN / "dvc", "status", "--json", STEP).stdout) == {}
+    assert "Nothing to be done" in c.run(BIN / "snakemake", "-n", STEP).stdout
+
+
+# ---- the pieces -----------------------------------------------------------------------------------
+def test_checkpoint_of_other_inputs_is_set_aside_not_resumed(tmp_path):
+    fs, head = make_features(tmp_path)
+    cfg = TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2)
+    ck = tmp_path / "ck"
+    train(toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, progress=False, stop_after=2, ckpt_dir=ck,
+          inputs={"features": "a"})
+    assert [p.name for p in ck.iterdir()] == ["step_0000002"]
+    again = train(toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, progress=False, ckpt_dir=ck,
+                  inputs={"features": "a"})
+    assert again["resumed_from"] == 2
+    other = train(toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, progress=False, ckpt_dir=ck,
+                  inputs={"features": "b"})
+    assert other["resumed_from"] == 0 and other["steps"] == 4
+    assert list(tmp_path.glob("ck.stale-*"))
+
+
+def test_lock_of_a_dead_snakemake_is_cleared_a_live_ones_is_not(tmp_path):
+    class Persistence:
+        def __init__(self, *files):
+            self._lockfile = {f"k{i}": str(f) for i, f in enumerate(files)}
+
+    locks, owners = tmp_path / "locks", tmp_path / "owners"
+    locks.mkdir()
+    mine, dead = locks / "0.input.lock", locks / "1.input.lock"
+    for f in (mine, dead):
+        f.write_text("artifacts/phase1/metrics.json\n")
+    bridge.note_lock_owner(Persistence(mine), root=str(owners))  # this live process
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rec = json.loads((owners / f"{os.getpid()}.json").read_text())
+    rec.update(pid=gone.pid, locks={str(dead): bridge._lock_id(dead)})
+    (owners / f"{gone.pid}.json").write_text(json.dumps(rec))
+    later = locks / "2.output.lock"  # a later run's lock that a dead record must not touch
+    later.write_text("x\n")
+    rec2 = dict(rec, pid=gone.pid + 100000, locks={str(later): "0:0"})
+    (owners / "other.json").write_text(json.dumps(rec2))
+    msgs = []
+    assert bridge.clear_stale_locks(root=str(owners), log=msgs.append) == 1
+    assert mine.exists() and later.exists() and not dead.exists()
+    assert "left by killed run" in msgs[0]
+
+
+def test_non_finite_loss_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    from draftport.errors import DraftportError
+    from draftport.pipeline.tracking import Logger
+    from draftport.training.loop import latest_checkpoint, resumable
+
+    fs, head = make_features(tmp_path)
+    cfg = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2)
+
+    class Poison(Logger):  # the target's head goes bad after step 2 (logged before its checkpoint)
+        def log_metrics(self, metrics, step):
+            if step == 2:
+                head.fill_(float("nan"))
+
+    ck = tmp_path / "ck"
+    with pytest.raises(DraftportError) as e:
+        train(toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, logger=Poison(), progress=False, ckpt_dir=ck)
+    assert str(e.value) == (f"train step 4: loss is not finite (at or before this step); "
+                            f"last good checkpoint kept in {ck}")
+    assert [p.name for p in ck.iterdir()] == ["step_0000002"]
+    assert resumable(latest_checkpoint(ck), cfg)
+
+
+@pytest.mark.slow
+def test_torchrun_training_rule_two_ranks_match_one_process(copies, tmp_path):
+    """resources.<rule>.torchrun: Snakemake launches the step under torchrun (gloo on the CPU);
+    both ranks train, rank 0 alone writes, and the result is the one-process run's up to the
+    order of float sums (DDP averages the two half-batch gradients)."""
+    ref = copies["ref"]
+    c = ref.clone(tmp_path / "torchrun")
+    shutil.rmtree(c.path / "artifacts" / STEP)
+    cfg = yaml.safe_load((c.path / "params.yaml").read_text())
+    cfg.setdefault("resources", {})[STEP] = {"gpu": 2, "torchrun": True}
+    (c.path / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    plan = c.run(BIN / "snakemake", "-n", "-p", STEP).stdout
+    assert f"torchrun --standalone --nproc_per_node 2 scripts/{STEP}.py --input features=" in plan
+    c.run(BIN / "snakemake", STEP, "--cores", "2", "--resources", "gpu=2")  # target first: --resources takes several
+    m, r = c.metrics(), ref.metrics()
+    assert m["train_processes"] == 2 and r["train_processes"] == 1
+    assert m["train_steps"] == r["train_steps"] == STEPS
+    assert m["final_loss"] == pytest.approx(r["final_loss"], rel=1e-3)
+    a, b = c.weights(), ref.weights()
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-3, atol=1e-4), k
+    assert not list((c.path / "artifacts").glob(f".{STEP}*"))  # no rank left a folder behind
