@@ -28,7 +28,8 @@ the GPU pipeline writes byte for byte what the CPU writes (a featurizer whose st
 both), the head's float32-output bf16 product against true float32 and against bf16 logits,
 and the capture without an attention mask against the masked one on a padded batch.
 
---compile (a lever, off by default): after the eager rows and checks of a shape, the same
+--compile (the library's `features.compile`, on in the pipeline; off here unless asked, since its
+first compiles cost minutes of a device call): after the eager rows and checks of a shape, the same
 capture, capture_write and mix capture_write rows again with each decoder layer's forward
 compiled by torch.compile (--compile-mode, default "default"; dynamic=False), recorded under
 the shape's "compiled" beside the eager rows, with the compile (warm-up) seconds. Each layer's
@@ -48,7 +49,7 @@ from a sorted log-normal mix), all done in an untimed warm-up on batches of the 
 skipped when its estimate no longer fits the time left, and the JSON is written after every row,
 so a run killed at a device call's 600 s limit keeps what it measured.
 
-    python benchmarks/bench_capture_h200.py --out benchmarks/results/2026-12-01-h200-capture.json
+    python benchmarks/bench_capture_h200.py --out benchmarks/results/DATE-h200-capture.json   # estimate reads the newest
     python benchmarks/bench_capture_h200.py --shapes 8b --compile --out /tmp/capture-8b.json
     python benchmarks/bench_capture_h200.py --toy --out /tmp/capture.json      # CPU, seconds
 

@@ -13,6 +13,8 @@ TrainerCore, BF16Optimizer with fp32 masters, clip 0.5), built once per trainabl
                           padding); one pass over all samples warms up (compiles every length), the
                           next is timed; the lm_head-trained set only (its default)
 Timing: torch.cuda.synchronize around each step. Prints one JSON line per configuration.
+bench_train_h200.py calls it once per shape: a later shape in the same process read slower
+(benchmarks/results/HISTORY.md, the sixth pair).
 """
 import argparse
 import importlib.util

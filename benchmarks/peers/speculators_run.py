@@ -18,6 +18,8 @@ decay 0.8), built once; then each configuration runs its warmup and timed steps:
                  set runs every shape; records carry "set".
 Prints one JSON line per configuration ({"config": ...}) and flushes it, so a caller that stops
 this process early keeps what finished.
+bench_train_h200.py calls it once per shape: a later shape in the same process read slower
+(benchmarks/results/HISTORY.md, the sixth pair).
 """
 import argparse
 import importlib.util
