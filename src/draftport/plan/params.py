@@ -116,6 +116,24 @@ class Group(BaseModel):
 
 
 # ---- the training config (every `train` group) -------------------------------------------------
+class FastParams(Group):
+    """How impl fused / compiled computes a step (draftport.model.fast.path.FastPath's params;
+    the CPU runs torch's CPU kernels whatever the attention). Every choice gives the same
+    updates up to the kernels' rounding: a change of them still resumes a run."""
+
+    keys_optional: ClassVar[bool] = True
+
+    attention: Literal["flash", "cudnn", "fa4"] = F(
+        "flash", "the CUDA kernel of the causal attention: flash (FlashAttention 2 in torch), cudnn (cuDNN's "
+        "fused attention; the H200 training benchmark's choice) or fa4 (FlashAttention-4, `pip install --pre "
+        "flash-attn-4`, Hopper/Blackwell)")
+    packed_attention: Literal["auto", "varlen", "segments"] = F(
+        "auto", "packed rows' causal attention on CUDA: varlen (the kernel's variable-length form, one call for "
+        "all samples), segments (the dense kernel once per sample); auto: segments under cudnn, else varlen")
+    compile_tuning: bool = F(True, "impl compiled: inductor's coordinate-descent tuning (each kernel's block "
+                             "sizes searched as it compiles; the first steps of each shape compile longer)")
+
+
 class TrainConfig(Group):
     """The training loop's knobs (draftport.training.loop.train): AdamW, linear warmup + cosine decay,
     gradient clipping, the TTT loss. `TrainConfig(**d)` and `TrainConfig.from_dict(d, where)`
@@ -153,11 +171,8 @@ class TrainConfig(Group):
     packing: bool = F(False, "lay a step's samples end to end in one row (draftport.data.packing: attention, RoPE "
                       "positions and the loss stay per sample, the same loss as padding them) instead of "
                       "right-padding each to the longest; no compute is spent on padding")
-    attention: Literal["default", "flash", "cudnn", "fa4"] = F(
-        "default", "the CUDA kernel of the causal attention (impl fused or compiled; the CPU ignores it): "
-        "flash (FlashAttention 2 in torch), cudnn (cuDNN's fused attention, once per sample on packed rows; "
-        "the H200 training benchmark's choice) or fa4 (FlashAttention-4, `pip install --pre flash-attn-4`, "
-        "Hopper/Blackwell; its varlen kernel on packed rows); default: DRAFTPORT_ATTENTION, else flash")
+    fast: FastParams = F(default_factory=FastParams, doc="impl fused / compiled: how a step is computed "
+                         "(the attention kernels, compile tuning)")
 
     def __init__(self, /, **data: Any) -> None:
         try:

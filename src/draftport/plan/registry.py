@@ -54,9 +54,11 @@ FEATURE_KEYS = ("targets.new", "targets.trust_remote_code", "features.aux_layer_
 FEATURE_MODULES = ("data.features", "data.shards", "data.capture", "engines.vllm.hidden_states", "engines.vllm.venv",
                    "engines.vllm.runners.features_vllm", "engines.openai", "data.storage", "pipeline.steps.data_steps")
 EVAL_KEYS = ("eval", "costmodel")
-EVAL_MODULES = ("evaluation.accept", "model.bind", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "evaluation.costmodel", "model.vocab",
+# the drafter's fast path (training.ttt dispatches to it, so every step that imports ttt runs it)
+FAST_MODULES = ("model.fast.path", "model.fast.attention", "model.fast.linear", "model.fast.unroll", "model.fast.loss")
+EVAL_MODULES = ("evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "evaluation.costmodel", "model.vocab",
                 "pipeline.tracking", "pipeline.steps.eval_steps")
-TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "evaluation.accept", "model.bind", "data.shards", "model.draftmap", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab",
+TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "evaluation.accept", "model.bind", "data.shards", "model.draftmap", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab",
                  "pipeline.tracking", "pipeline.steps.train_steps", "data.packing", "training.spool", "data.features", "data.storage", "engines.vllm.hidden_states",
                  "engines.vllm.venv", "engines.vllm.runners.features_vllm")  # spool on: the capture runs in training
 SOURCE = Input("fetch/source")
@@ -85,7 +87,7 @@ STEPS: tuple[Step, ...] = (
     Step("world", "the embedded K2 -> K2.5 analog: corpus, tokenizer, two targets, the source drafter in a hub cache",
          "data_steps:world", ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
          ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "data.features", "model.draftmap",
-          "training.phases", "training.loop", "training.optim", "pipeline.tracking", "model.bind", "evaluation.accept", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab", "data.fetch",
+          "training.phases", "training.loop", "training.optim", "pipeline.tracking", "model.bind", "evaluation.accept", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab", "data.fetch",
           "data.storage", "pipeline.steps.data_steps"),
          enabled="world.build"),
     Step("fetch", "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
@@ -124,7 +126,7 @@ STEPS: tuple[Step, ...] = (
          "eval_steps:drift", ("targets.new", "targets.old", "targets.trust_remote_code", "eval.k", "eval.batch_size",
                             "eval.max_samples", "features.batch_size", "features.dtype", "features.device",
                             "features.engine", "features.tensor_parallel_size", "drift"),
-         ("evaluation.drift", "data.features", "evaluation.accept", "model.bind", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab", "pipeline.tracking",
+         ("evaluation.drift", "data.features", "evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab", "pipeline.tracking",
           "pipeline.steps.eval_steps", "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm"),
          {"drafter": SOURCE, "target": TARGET, "target_old": Input("@old"), "features": EVAL_SET,
           "phase0": Input("eval_phase0/metrics.json")},
@@ -179,14 +181,14 @@ STEPS: tuple[Step, ...] = (
                                    "online.tolerance", "online.dtype", "online.vllm_python",
                                    "online.tensor_parallel_size", "online.embed_tokens"),
            ("engines.vllm.serve", "engines.vllm.venv", "engines.vllm.runners.online_vllm", "outputs.export", "evaluation.accept", "model.bind",
-            "data.features", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab", "pipeline.tracking", "pipeline.steps.online_steps"),
+            "data.features", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab", "pipeline.tracking", "pipeline.steps.online_steps"),
            {"drafter": SOURCE if ph == "phase0" else Input("train_phase1/drafter"), "target": TARGET,
             "phase": Input(f"eval_{ph}/metrics.json")}, dvc=False)
       for ph in ("phase0", "phase1")),
     Step("publish", "the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens, a model card; checked",
          "publish_step:publish", ("targets.new", "eval", "costmodel", "decision", "publish"),
          ("outputs.publish", "outputs.export", "engines.vllm.serve", "engines.vllm.venv", "engines.speculators.roundtrip", "evaluation.decision",
-          "evaluation.accept", "model.bind", "data.shards", "model.drafter", "model.fast.kernels", "training.ttt", "data.capture", "model.vocab", "evaluation.costmodel", "pipeline.steps.publish_step"),
+          "evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab", "evaluation.costmodel", "pipeline.steps.publish_step"),
          {"decision": Input("decision/decision.json"), "target": TARGET, "features": EVAL_SET,
           "source": Input("fetch/source/fetch.lock.json"),
           "data_phase1": Input("features_new/train/index.json"), "data_phase2": Input("features_phase2/train/index.json"),

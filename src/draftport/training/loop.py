@@ -32,13 +32,13 @@ import torch.distributed as dist
 
 from draftport.model.formats import atomic_dir
 from draftport.data.shards import FeatureSet, collate
-from draftport.model.fast import kernels
 from draftport.model.drafter import Eagle3Drafter
+from draftport.model.fast.path import FastPath
 from draftport.errors import DraftportError
 from draftport.training.optim import AdamW
 from draftport.pipeline.tracking import Logger
 from draftport.plan.params import TrainConfig  # the train groups of params.yaml: a pydantic model
-from draftport.training.ttt import combine, compile_loss_kernels, stats_to_float, ttt_terms
+from draftport.training.ttt import combine, stats_to_float, ttt_terms
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -155,9 +155,10 @@ def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None) -> bool:
     if state.get("inputs") != inputs:
         return False
     saved = {"eval_every": 0, "patience": 0, "packing": False, **state.get("config", {})}  # older checkpoints predate them
-    # parallel: ddp and fsdp make the same updates, and so do the attention kernels (up to their
-    # rounding); older checkpoints predate both keys
-    cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel", "attention"}
+    # parallel: ddp and fsdp make the same updates, and so does the fast path under any of its
+    # params (up to the kernels' rounding); older checkpoints predate those keys (or name
+    # the attention kernel `attention`)
+    cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel", "fast", "attention"}
     now = cfg.model_dump()
     return {k: v for k, v in saved.items() if k not in cadence} == {k: v for k, v in now.items() if k not in cadence}
 
@@ -222,8 +223,8 @@ class _FSDPTerms(torch.nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch, target_head, steps: int, fused: bool):
-        return ttt_terms(self.drafter, batch, target_head, steps, fused=fused)
+    def forward(self, batch, target_head, steps: int, fast: FastPath | None):
+        return ttt_terms(self.drafter, batch, target_head, steps, fast)
 
 
 def shard_fsdp(drafter: Eagle3Drafter, device) -> _FSDPTerms:
@@ -335,14 +336,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     if cfg.eval_every and fsdp:
         raise DraftportError("train.eval_every", "held-out tau during training runs on a whole drafter: "
                              "use parallel ddp (or eval_every 0) under fsdp")
-    if cfg.attention != "default":   # the process's kernel from here on (a training owns its process)
-        kernels.set_attention_backend(cfg.attention)
-    if impl == "compiled":
-        drafter.compile_regions()
-        compile_loss_kernels()
-    # sum weight gradients in place across TTT steps; DDP needs them to pass through autograd,
-    # FSDP reads .grad once backward has finished (see _FSDPTerms)
-    drafter.accumulate_wgrad = impl != "reference" and (world == 1 or fsdp)
+    fast = fast_path(cfg, impl, accumulate_wgrad=world == 1 or fsdp)
     drafter.lm_head.weight.requires_grad_(cfg.train_lm_head)
 
     out_dir = Path(out_dir)
@@ -416,7 +410,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         loss, terms, counts, stats_t, gnorm = train_step(net, batch, target_head, opt, list(params.values()),
-                                                         cfg, impl=impl, use_bf16=use_bf16, world=world)
+                                                         cfg, fast=fast, use_bf16=use_bf16, world=world)
         bad |= ~torch.isfinite(loss.detach())
         step += 1
         done_this_call += 1
@@ -469,14 +463,26 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
             "seconds": time.time() - t0, "resumed_from": resumed_from, "curve": curve, "stopped_early": stopped}
 
 
+def fast_path(cfg: TrainConfig, impl: str, accumulate_wgrad: bool) -> FastPath | None:
+    """How a training's steps are computed: None for impl reference, else the fast path its
+    params describe (compiled for impl compiled). accumulate_wgrad: weight gradients summed in
+    place across TTT steps (one process or FSDP, which reads .grad once backward has finished;
+    DDP needs them to pass through autograd)."""
+    if impl == "reference":
+        return None
+    return FastPath(attention=cfg.fast.attention, packed_attention=cfg.fast.packed_attention,
+                    compile=impl == "compiled", compile_tuning=cfg.fast.compile_tuning,
+                    accumulate_wgrad=accumulate_wgrad)
+
+
 def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: TrainConfig, *,
-               impl: str = "reference", use_bf16: bool = False, world: int = 1,
+               fast: FastPath | None = None, use_bf16: bool = False, world: int = 1,
                clip_in_optimizer: bool | None = None):
     """One optimizer step (TTT loss, backward, clipping, AdamW) with no host sync, so the CPU
     can queue the next step while this one runs (under DDP/FSDP the row counts are all-reduced).
 
     net: the drafter, its DDP view, or the FSDP module of shard_fsdp (params then hold this
-    rank's shards). clip_in_optimizer (default: when the optimizer is fused AdamW or
+    rank's shards). fast: the fast path (None: the reference loss). clip_in_optimizer (default: when the optimizer is fused AdamW or
     draftport's, and the parameters are not sharded) applies the gradient clipping inside the
     optimizer's kernel.
     Returns (loss, terms, global counts or None, stats as 0-dim tensors, grad norm before
@@ -484,9 +490,9 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
     device = target_head.device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
         if isinstance(net, _FSDPTerms):
-            terms = net(batch, target_head, cfg.ttt_steps, impl != "reference")
+            terms = net(batch, target_head, cfg.ttt_steps, fast)
         else:
-            terms = ttt_terms(net, batch, target_head, cfg.ttt_steps, fused=impl != "reference")
+            terms = ttt_terms(net, batch, target_head, cfg.ttt_steps, fast)
     counts = None
     if world > 1:
         counts = torch.stack([t[1] for t in terms]).float()
@@ -525,16 +531,19 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
 
 
 class _DDPView:
-    """Lets ttt_terms call unroll() through DistributedDataParallel.forward."""
+    """Lets ttt_terms run the drafter's unroll (the reference one, or the fast path's through the
+    drafter's forward) through DistributedDataParallel.forward."""
 
     def __init__(self, ddp):
         self.ddp = ddp
-        self.module = ddp.module      # the fused loss applies lm_head itself
+        self.module = ddp.module      # the fast loss applies lm_head itself
         self.hot_ids = ddp.module.hot_ids
         self.t2d = ddp.module.t2d
 
-    def unroll(self, *args, **kw):
+    def __call__(self, *args, **kw):
         return self.ddp(*args, **kw)
+
+    unroll = __call__
 
 
 def _reduce_stats(terms, counts):

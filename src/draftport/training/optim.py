@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from draftport.model.fast.kernels import allow_recompiles
+from draftport.model.fast.path import allow_recompiles
 
 
 def adamw_scalars(step, lr, beta1: float, beta2: float, weight_decay: float):
