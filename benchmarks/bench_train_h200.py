@@ -16,7 +16,7 @@ mix counts real (non-padding) tokens, over the median of --mix-passes timed pass
 peer's alike; the fixed lengths take the median step). Each mix sample opens with a 16-token
 prompt in ours (none in the peers'); --mix-prompt-share F makes the first F of each sample's
 tokens a prompt, masked in ours and in the peers' losses alike (chat-shaped data, where ours
-runs TTT steps >= 1 on fewer rows: ttt.set_skip_dead_rows). Each peer also runs the other trainable set (speculators:
+runs TTT steps >= 1 on fewer rows: FastPath.skip_dead_rows). Each peer also runs the other trainable set (speculators:
 lm_head frozen by default, also trained; SpecForge: trained by default, also frozen at the fixed
 lengths), so every ratio to "the faster peer" compares equal work at one set. Prints tokens/s,
 analytic FLOPs/token, MFU against --peak-tflops (model FLOPs) and the hardware rate of the FLOPs
@@ -79,16 +79,17 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from draftport.model.fast import kernels  # noqa: E402
 from draftport.training import optim  # noqa: E402
-from draftport.training import ttt as ttt_mod  # noqa: E402
+from draftport.model.fast import loss as fast_loss  # noqa: E402
 from draftport.model.config import DrafterConfig  # noqa: E402
 from draftport.data.shards import Batch, collate  # noqa: E402
 from draftport.model.drafter import Attention, Eagle3Drafter  # noqa: E402
-from draftport.model.fast.kernels import ttt_attention  # noqa: E402
+from draftport.model.fast.attention import Segments, ttt_attention  # noqa: E402
+from draftport.model.fast.path import COMPILE_TUNING, FastPath  # noqa: E402
+from draftport.model.fast.unroll import unroll as fast_unroll  # noqa: E402
 from draftport.data.packing import ROW_MULTIPLE, pack, plan_rows  # noqa: E402
 from draftport.training.loop import TrainConfig, train_step  # noqa: E402
-from draftport.training.ttt import combine, stats_to_float, ttt_terms  # noqa: E402
+from draftport.training.ttt import combine, counted_rows, stats_to_float, ttt_terms  # noqa: E402
 
 SIZES = {
     # H, I, heads, kv heads, head_dim, draft vocab, vocab
@@ -126,7 +127,7 @@ def flops_per_token(cfg: DrafterConfig, T: int, steps: int, lm_head_trainable: b
     head = 1x. Flash recomputation, norms, rope, softmax and the optimizer are not counted.
     The full-vocab argmax mask adds 2 * H * (V - Vd) forward FLOPs (`mask_extra`), counted apart.
     This is the model's count, whatever the implementation skips: `executed` is what our step runs
-    with the embedding half of q/k/v once per unroll (Eagle3Drafter.embed_once: its fwd, input
+    with the embedding half of q/k/v once per unroll (FastPath.embed_once: its fwd, input
     grad and weight grad over a table of T-1+steps rows instead of every step's T rows), for a
     hardware FLOP rate beside the MFU.
     """
@@ -154,7 +155,7 @@ def flops_per_token(cfg: DrafterConfig, T: int, steps: int, lm_head_trainable: b
 # then lies in the draft vocab at (nearly) every row, as on real data, where the draft vocab holds
 # the target's most frequent tokens; a head of equal rows puts it there at Vd / V of the rows only
 # (1 in 5 at Kimi size), leaving 4 rows in 5 to no loss at all, which a step that skips uncounted
-# rows (ttt.set_skip_uncounted) would not compute
+# rows (FastPath.skip_uncounted) would not compute
 OFF_DRAFT_SCALE = 0.5
 
 
@@ -191,7 +192,7 @@ def argmax_in_draft_share(head, hot, batches, chunk: int = 2048) -> float:
     hit = tot = 0
     for b in batches:
         with torch.no_grad():
-            arg = ttt_mod.target_stats(b.final, head, hot, chunk)[1]
+            arg = fast_loss.target_stats(b.final, head, hot, chunk)[1]
         v = b.valid.bool()
         hit += int((t2d[arg] & v).sum())
         tot += int(v.sum())
@@ -214,24 +215,35 @@ def sample_flops(cfg, lengths, steps, lm_head_trainable, key="train"):
     return sum(L * flops_per_token(cfg, L, steps, lm_head_trainable)[key] for L in lengths)
 
 
+def fast_of(a, **kw) -> FastPath:
+    """The fast path as this call's arguments set it (--packed-attention, --no-compile-tuning),
+    with the fields in kw."""
+    return FastPath(packed_attention=a.packed_attention or "auto", compile_tuning=a.compile_tuning, **kw)
+
+
 class Variant:
     """One way of running our step: which levers are on."""
 
     def __init__(self, name, attn_fused=True, loss_fused=True, compiled=True, accumulate=True,
                  adam="draftport", clip_in_adam=True, sync_each_step=False, lm_head="frozen", mask="computed",
-                 graph=False, attn="flash", layout="seq", fuse=False, embed_once=True):
+                 graph=False, attn="flash", layout="seq", embed_once=True):
         self.name, self.attn_fused, self.loss_fused, self.compiled = name, attn_fused, loss_fused, compiled
         self.accumulate, self.adam, self.clip_in_adam = accumulate, adam, clip_in_adam
         self.sync_each_step, self.lm_head, self.mask = sync_each_step, lm_head, mask
-        self.graph, self.attn, self.layout, self.fuse = graph, attn, layout, fuse
-        self.embed_once = embed_once and not fuse   # fused projections run the 2H-wide GEMMs
+        self.graph, self.attn, self.layout, self.embed_once = graph, attn, layout, embed_once
+
+    def fast(self, a) -> FastPath:
+        """How this variant computes the fast parts of its step (the fused unroll, and with
+        loss_fused the fused loss)."""
+        return fast_of(a, attention=self.attn, compile=self.compiled, embed_once=self.embed_once,
+                       accumulate_wgrad=self.accumulate and self.loss_fused)
 
     def as_dict(self):
         return dict(name=self.name, attn_fused=self.attn_fused, loss_fused=self.loss_fused,
                     compiled=self.compiled, accumulate_wgrad=self.accumulate, adam=self.adam,
                     clip_in_adam=self.clip_in_adam, host_sync_each_step=self.sync_each_step,
                     lm_head=self.lm_head, mask=self.mask, cuda_graph=self.graph, attention=self.attn,
-                    layout=self.layout, fused_projections=self.fuse, embed_once=self.embed_once)
+                    layout=self.layout, embed_once=self.embed_once)
 
 
 def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None, profile_name=None):
@@ -243,18 +255,10 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     sample."""
     cuda = dev.type == "cuda"
     d.lm_head.weight.requires_grad_(v.lm_head == "trainable")
-    if v.compiled and "_compiled" not in d.__dict__:
-        d.compile_regions()
-        ttt_mod.compile_loss_kernels()
-    if not v.compiled:
-        d.__dict__.pop("_compiled", None)
-    d.accumulate_wgrad = v.accumulate and v.loss_fused
-    d.fuse_projections = v.fuse
-    d.embed_once = v.embed_once
-    kernels.set_attention_backend(v.attn)
-    # the attention lever without the rest: force the fused attention under the reference loss
+    fast = v.fast(a)
+    # the attention lever without the rest: the fast unroll under the reference loss
     if v.attn_fused and not v.loss_fused:
-        d.unroll = functools.partial(Eagle3Drafter.unroll, d, fused=True)
+        d.unroll = functools.partial(fast_unroll, d, path=fast)
     else:
         d.__dict__.pop("unroll", None)
     params = [p for p in d.parameters() if p.requires_grad]
@@ -272,13 +276,13 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     # both fused AdamWs divide the gradients by grad_scale as they read them: clipping goes there
     clip_inside = v.clip_in_adam and (isinstance(opt, optim.AdamW) or bool(opt.defaults.get("fused")))
     tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=v.lm_head == "trainable")
-    impl = "fused" if v.loss_fused else "reference"
+    fast = fast if v.loss_fused else None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step(batch):
         # train.py's step: autocast (a no-op on bf16 weights, but what the loop runs), TTT terms,
         # combine, backward, clip, AdamW; no host sync (the loop reads stats at log steps only)
-        loss, terms, counts, stats, gnorm = train_step(d, batch, head, opt, params, tcfg, impl=impl,
+        loss, terms, counts, stats, gnorm = train_step(d, batch, head, opt, params, tcfg, fast=fast,
                                                        use_bf16=cuda, clip_in_optimizer=clip_inside)
         if v.sync_each_step:  # what the loop did before: stats, finite check, grad norm each step
             stats = stats_to_float(stats)
@@ -381,8 +385,7 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
             log(f"[profile] failed: {e!r}")
     del opt, graph
     d.zero_grad(set_to_none=True)
-    d.fuse_projections = False
-    kernels.set_attention_backend("flash")
+    d.__dict__.pop("unroll", None)
     if cuda:
         torch.cuda.empty_cache()
     return res
@@ -396,8 +399,7 @@ def safe_variant(*args, **kw):
         args[6](f"[ours] {args[0].name}: FAILED {e!r}\n{traceback.format_exc()[-2500:]}")
         d = args[1]
         d.zero_grad(set_to_none=True)
-        d.fuse_projections = False
-        kernels.set_attention_backend("flash")
+        d.__dict__.pop("unroll", None)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return dict(args[0].as_dict(), failed=repr(e))
@@ -518,10 +520,10 @@ def check_equivalence(a, dev, log):
 
     def run(fused, dtype):
         d.to(dtype)
-        d.accumulate_wgrad = fused
         b = Batch(batch.aux.to(dtype), batch.final.to(dtype), batch.tokens, batch.loss_mask, batch.valid)
         d.zero_grad(set_to_none=True)
-        terms = ttt_terms(d, b, head.to(dtype), a.ttt, fused=fused, chunk=96)
+        fast = fast_of(a, accumulate_wgrad=True, target_chunk=96, loss_chunk=96) if fused else None
+        terms = ttt_terms(d, b, head.to(dtype), a.ttt, fast)
         loss, _ = combine(terms, a.gamma)
         loss.backward()
         return float(loss.detach()), {n: p.grad.float().clone() for n, p in d.named_parameters() if p.grad is not None}
@@ -553,7 +555,7 @@ def check_equivalence(a, dev, log):
             if name == "fp32":
                 o = d.midlayer.self_attn.attend_core(ts[0], ts[1:5], ts[5:9], bias)
             else:
-                o = ttt_attention(ts[0], ts[1:5], ts[5:9], 1 / math.sqrt(hd))
+                o = ttt_attention(ts[0], ts[1:5], ts[5:9], 1 / math.sqrt(hd), path=fast_of(a))
             go = torch.ones_like(o) * torch.linspace(-1, 1, o.shape[-1], device=dev, dtype=o.dtype)
             grads = torch.autograd.grad((o * go).sum(), ts)
             outs.append((o.detach().float(), [x.float() for x in grads]))
@@ -582,11 +584,11 @@ def time_target_side(cfg, head, batch, hot, a, dev, log):
     out = {}
     for name, h in (("full_vocab_head", head), ("draft_rows_only", sub)):
         for _ in range(2):
-            ttt_mod.target_stats(batch.final, h, torch.arange(hot.numel(), device=dev) if h is sub else hot, a.chunk)
+            fast_loss.target_stats(batch.final, h, torch.arange(hot.numel(), device=dev) if h is sub else hot, a.chunk)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(5):
-            ttt_mod.target_stats(batch.final, h, torch.arange(hot.numel(), device=dev) if h is sub else hot, a.chunk)
+            fast_loss.target_stats(batch.final, h, torch.arange(hot.numel(), device=dev) if h is sub else hot, a.chunk)
         torch.cuda.synchronize()
         out[name + "_ms"] = (time.perf_counter() - t0) / 5 * 1e3
     log(f"[target] full-vocab head {out['full_vocab_head_ms']:.2f} ms/step, draft rows only "
@@ -619,10 +621,10 @@ def check_packed(a, dev, log):
 
     def run(batch, fused, dtype):
         d.to(dtype)
-        d.accumulate_wgrad = fused
         b = batch.to(dev, dtype)
         d.zero_grad(set_to_none=True)
-        loss, _ = combine(ttt_terms(d, b, head.to(dtype), a.ttt, fused=fused, chunk=96), a.gamma)
+        fast = fast_of(a, accumulate_wgrad=True, target_chunk=96, loss_chunk=96) if fused else None
+        loss, _ = combine(ttt_terms(d, b, head.to(dtype), a.ttt, fast), a.gamma)
         loss.backward()
         return float(loss.detach()), {n: p.grad.float().clone() for n, p in d.named_parameters() if p.grad is not None}
 
@@ -656,8 +658,8 @@ def check_packed(a, dev, log):
         if name == "fp32":
             o = d.midlayer.self_attn.attend_core(x[0], x[1:4], x[4:7], bias)
         else:
-            o = ttt_attention(x[0], x[1:4], x[4:7], 1 / math.sqrt(hd), kernels.Segments(cu, max(
-                e - s for s, e in zip(cu[:-1], cu[1:]))))
+            o = ttt_attention(x[0], x[1:4], x[4:7], 1 / math.sqrt(hd), Segments(cu, max(
+                e - s for s, e in zip(cu[:-1], cu[1:]))), path=fast_of(a))
         go = torch.linspace(-1, 1, o.shape[-1], device=dev, dtype=o.dtype).expand_as(o)
         grads = torch.autograd.grad((o * go).sum(), x)
         outs.append((o.detach().float(), [t.float() for t in grads]))
@@ -684,7 +686,7 @@ def attention_probe(seqs, dev, log, h=64, hd=128, n_diag=3, reps=5):
         return out
     g = torch.Generator(device=dev).manual_seed(5)
     for backend in ("flash", "cudnn"):
-        kernels.set_attention_backend(backend)
+        path = FastPath(attention=backend)
         r = {}
         try:
             T = 512
@@ -698,7 +700,7 @@ def attention_probe(seqs, dev, log, h=64, hd=128, n_diag=3, reps=5):
                 if fp:
                     o = Attention.attend_core(_HeadDim(hd), x[0], ks, vs, bias)
                 else:
-                    o = ttt_attention(x[0], ks, vs, 1 / math.sqrt(hd))
+                    o = ttt_attention(x[0], ks, vs, 1 / math.sqrt(hd), path=path)
                 go = torch.linspace(-1, 1, o.shape[-1], device=dev).to(o.dtype).expand_as(o)
                 grads = torch.autograd.grad((o * go).sum(), x)
                 res.append((o.detach().float(), [t.float() for t in grads]))
@@ -712,7 +714,7 @@ def attention_probe(seqs, dev, log, h=64, hd=128, n_diag=3, reps=5):
                 go = torch.randn(1, T, h * hd, device=dev, dtype=torch.bfloat16, generator=g)
 
                 def fb():
-                    o = ttt_attention(xs[0], ks, vs, 1 / math.sqrt(hd))
+                    o = ttt_attention(xs[0], ks, vs, 1 / math.sqrt(hd), path=path)
                     torch.autograd.grad(o, xs, go)
                 for _ in range(2):
                     fb()
@@ -726,7 +728,6 @@ def attention_probe(seqs, dev, log, h=64, hd=128, n_diag=3, reps=5):
         except Exception as e:
             r["failed"] = repr(e)[:500]
         out[backend] = r
-    kernels.set_attention_backend("flash")
     ok = "failed" not in out.get("cudnn", {"failed": 1}) and (
         out["cudnn"]["grad_rel_err_max"] <= 1.5 * out["flash"]["grad_rel_err_max"] + 1e-3)
     faster = ok and all(out["cudnn"][f"fwd_bwd_ms_{T}"] < 0.97 * out["flash"][f"fwd_bwd_ms_{T}"] for T in seqs)
@@ -793,7 +794,7 @@ def with_stored_mask(batches, head, hot, chunk):
     """The batches with the target's greedy choice attached (as the data step stores it)."""
     for b in batches:
         with torch.no_grad():
-            b.target_arg = ttt_mod.target_stats(b.final, head, hot, chunk)[1]
+            b.target_arg = fast_loss.target_stats(b.final, head, hot, chunk)[1]
     return batches
 
 
@@ -803,7 +804,7 @@ def counted_share(batches, t2d, steps: int) -> float:
     for b in batches:
         in_draft = t2d.to(b.target_arg.device)[b.target_arg]
         for j in range(steps):
-            hit += int(ttt_mod._ok_rows(b, in_draft, j + 1).sum())
+            hit += int(counted_rows(b, in_draft, j + 1).sum())
             tot += b.tokens.numel()
     return hit / max(tot, 1)
 
@@ -896,14 +897,13 @@ def parse(argv=None):
                     "default total_seq_len; toy 128)")
     ap.add_argument("--pad-batch", type=int, default=4, help="samples per padded step on the mix")
     ap.add_argument("--graphs", action="store_true", help="also time the CUDA-graph lever")
-    ap.add_argument("--no-fuse-lever", dest="fuse_lever", action="store_false",
-                    help="skip the fused-projections lever")
     ap.add_argument("--levers-all", action="store_true", help="levers at every length (default: the first)")
     ap.add_argument("--no-levers", dest="levers", action="store_false", help="skip the levers timed at every "
                     "length (the embedding half at every step, torch's fused AdamW)")
     ap.add_argument("--no-compile-tuning", dest="compile_tuning", action="store_false",
                     help="compile ours with inductor's defaults, not draftport's coordinate-descent tuning "
-                         "(kernels.set_compile_options; the eighth pair and earlier ran without it)")
+                         "(FastPath.compile_tuning, train.fast.compile_tuning; the eighth pair and earlier ran "
+                         "without it)")
     ap.add_argument("--mix-computed", action="store_true", help="also the mix with the mask computed")
     ap.add_argument("--ladder", action="store_true", help="also time each lever on and off")
     ap.add_argument("--check", action="store_true", help="fused vs reference (and packed vs padded) first")
@@ -933,8 +933,6 @@ def parse(argv=None):
                     "from its records, in place (no run); with --peers-from, against that file's peers")
     ap.add_argument("--log", default=None, help="also write the printed lines here")
     a = ap.parse_args(argv)
-    if a.packed_attention:
-        kernels.set_packed_attention(a.packed_attention)
     cuda = torch.cuda.is_available()
     a.size = a.size or ("kimi" if cuda else "toy")
     toy = a.size == "toy"
@@ -944,8 +942,6 @@ def parse(argv=None):
     a.mix_max = a.mix_max or (64 if toy else 2048)
     a.pack_len = a.pack_len or (128 if toy else 8192)
     a.budget_s = a.budget_s or (560.0 if cuda else 3600.0)
-    if not a.compile_tuning:
-        kernels.set_compile_options(None)
     if a.no_peers:
         a.no_speculators = a.no_specforge = True
     if a.peers_only and a.peers_from:
@@ -1102,7 +1098,7 @@ def main(argv=None) -> dict:
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "versions": versions(), "compile_options": dict(kernels._COMPILE_OPTIONS)}
+           "versions": versions(), "compile_options": dict(COMPILE_TUNING) if a.compile_tuning else {}}
     log(f"device {out['device']}; {out['versions']}")
 
     def save():
@@ -1127,9 +1123,10 @@ def main(argv=None) -> dict:
     cfg, d, head = build(a.size, dev, dtype)
     hot = d.hot_ids
     out["target_argmax_in_draft"] = argmax_in_draft_share(head, hot, [make_batch(cfg, 1, 2048, dev, dtype, seed=3)])
-    out["skip_uncounted"] = {"on": ttt_mod._SKIP["on"], "min_share": ttt_mod.SKIP_MIN}
+    out["skip_uncounted"] = {"on": fast_of(a).skip_uncounted, "min_share": fast_loss.SKIP_MIN}
     log(f"target: greedy choice in the draft vocab at {out['target_argmax_in_draft']:.4f} of rows; the lm_head "
-        f"skips uncounted rows: {'on' if ttt_mod._SKIP['on'] else 'off'} (when >= {ttt_mod.SKIP_MIN:.4f} of a step's)")
+        f"skips uncounted rows: {'on' if out['skip_uncounted']['on'] else 'off'} (when >= {fast_loss.SKIP_MIN:.4f} "
+        "of a step's)")
     comp = a.impl == "compiled"
     fused = a.impl in ("compiled", "fused")
     heads = ["frozen", "trainable"] if a.lm_head == "both" else [a.lm_head]
@@ -1152,6 +1149,8 @@ def main(argv=None) -> dict:
 
     def V(name, **kw):
         return Variant(name, attn_fused=fused, loss_fused=fused, compiled=comp, attn=attn, **kw)
+
+    main_fast = V("main").fast(a)   # how the main variant computes its step (the config records it)
 
     # ---- the ladder: each lever on and off (first length) ----
     if a.ladder:
@@ -1177,8 +1176,8 @@ def main(argv=None) -> dict:
         del batch
 
     # ---- fixed lengths: lm_head frozen / trainable x mask computed / stored, and the levers
-    # (the other attention kernel, the embedding half at every step, fused projections, CUDA
-    # graphs) at the same shape ----
+    # (the other attention kernel, the embedding half at every step, CUDA graphs) at the same
+    # shape ----
     by_len, levers = {}, {}
     head_cpu = None
     other = "cudnn" if attn == "flash" else "flash"
@@ -1196,9 +1195,6 @@ def main(argv=None) -> dict:
             v = Variant(f"T{T} lm_head frozen, mask computed, attention {other}", attn_fused=fused,
                         loss_fused=fused, compiled=comp, attn=other)
             lv[f"attention_{other}_computed"] = run(v, [batch], head)
-        if lever_here and a.fuse_lever:
-            lv["fused_projections_computed"] = run(V(f"T{T} lm_head frozen, mask computed, fused projections",
-                                                     fuse=True), [batch], head)
         if lever_here and a.graphs:
             lv["cuda_graph_computed"] = run(V(f"T{T} lm_head frozen, mask computed, CUDA graph", graph=True),
                                             [batch], head)
@@ -1221,22 +1217,15 @@ def main(argv=None) -> dict:
                 lv["torch_fused_adamw_trainable_stored"] = run(
                     V(f"T{T} lm_head trainable, mask stored, torch's fused AdamW", lm_head="trainable",
                       mask="stored", adam="fused"), [batch], rows)
-            if lever_here and a.fuse_lever:
-                lv["fused_projections_stored"] = run(V(f"T{T} lm_head frozen, mask stored, fused projections",
-                                                       mask="stored", fuse=True), [batch], rows)
             if lever_here and a.graphs:
                 lv["cuda_graph_stored"] = run(V(f"T{T} lm_head frozen, mask stored, CUDA graph", mask="stored",
                                                 graph=True), [batch], rows)
             if a.profile_dir and cuda:
-                try:
-                    kernels.set_attention_backend(attn)
-                    for lh, once in (("frozen", True), ("frozen", False), ("trainable", True)):
-                        tag = f"{lh}_stored" + ("" if once else "_embed_every_step")
-                        bd = profile_fixed(d, rows, batch, a, cfg, Path(a.profile_dir) / f"profile_T{T}_{tag}.txt",
-                                           log, embed_once=once, lm_head=lh)
-                        out.setdefault("profiles", {})[f"T{T}_{tag}"] = bd
-                finally:
-                    kernels.set_attention_backend("flash")
+                for lh, once in (("frozen", True), ("frozen", False), ("trainable", True)):
+                    tag = f"{lh}_stored" + ("" if once else "_embed_every_step")
+                    bd = profile_fixed(d, rows, batch, a, cfg, Path(a.profile_dir) / f"profile_T{T}_{tag}.txt",
+                                       log, V("profile", embed_once=once).fast(a), lm_head=lh)
+                    out.setdefault("profiles", {})[f"T{T}_{tag}"] = bd
             del rows
             head = head_cpu.to(dev)
             head_cpu = None
@@ -1316,12 +1305,12 @@ def main(argv=None) -> dict:
                    "target": "frozen target lm_head [V, H]: full-vocab argmax mask (computed) or the stored "
                              "greedy choice + draft rows (stored); draft-vocab softmax",
                    "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
-                   "switches": {"kv_grad_sum": kernels._KVSUM["on"], "wgrad_stream": kernels._WGRAD["on"],
-                                "stacked_lm_head": ttt_mod._STACKED["on"], "skip_uncounted_rows": ttt_mod._SKIP["on"],
-                                "packed_attention": kernels.packed_attention(attn)},
+                   "fast_path": {"kv_grad_sum": main_fast.kv_grad_sum, "skip_uncounted_rows": main_fast.skip_uncounted,
+                                 "skip_dead_rows": main_fast.skip_dead_rows, "rope_apart": main_fast.rope_apart,
+                                 "packed_attention": main_fast.packed},
                    "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS, "pipeline_trains_with": "mask stored (features.build_features "
                    "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing "
-                   "(the kimi profile: true), the attention kernel per train.attention (the kimi profile: cudnn)"},
+                   "(the kimi profile: true), the attention kernel per train.fast.attention (the kimi profile: cudnn)"},
         "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],
                                      "train_lm_head_trainable": flops_per_token(cfg, T, a.ttt, True)["train"],
                                      "mask_extra": flops_per_token(cfg, T, a.ttt, False)["mask_extra"],
@@ -1340,7 +1329,7 @@ def main(argv=None) -> dict:
         "packed_real_tokens_per_s": _tps(mix_res.get("packed_trainable_stored")),
         "packed_real_tokens_per_s_lm_head_frozen": _tps(mix_res.get("packed_frozen_stored")),
         "padded_real_tokens_per_s": _tps(mix_res.get("padded_trainable_stored")),
-        "fp32_target_logits_via_mm_out_dtype": ttt_mod._MM_OUT_DTYPE[0] if cuda else None,
+        "fp32_target_logits_via_mm_out_dtype": fast_loss.mm_keeps_fp32(dev, dtype) if cuda else None,
         "wall_s": time.perf_counter() - t_start,
     })
     if src is not None:
@@ -1668,18 +1657,16 @@ def score(out: dict) -> list[dict]:
     return goals
 
 
-def profile_fixed(d, head, batch, a, cfg, path, log, embed_once=True, lm_head="frozen"):
-    """A profile of two steps of the main variant on this batch (embed_once False: the
-    embedding half of q/k/v at every step). -> the kernel breakdown."""
+def profile_fixed(d, head, batch, a, cfg, path, log, fast: FastPath, lm_head="frozen"):
+    """A profile of two steps of the main variant on this batch, computed as `fast` says (e.g.
+    embed_once False: the embedding half of q/k/v at every step). -> the kernel breakdown."""
     d.lm_head.weight.requires_grad_(lm_head == "trainable")
     params = [p for p in d.parameters() if p.requires_grad]
     opt = optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)   # as run_variant's main
     tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=lm_head == "trainable")
-    d.accumulate_wgrad = True
-    d.embed_once = embed_once
 
     def step():
-        return train_step(d, batch, head, opt, params, tcfg, impl="fused", use_bf16=True)
+        return train_step(d, batch, head, opt, params, tcfg, fast=fast, use_bf16=True)
     try:
         for _ in range(2):
             step()
@@ -1687,7 +1674,6 @@ def profile_fixed(d, head, batch, a, cfg, path, log, embed_once=True, lm_head="f
     finally:
         del opt
         d.zero_grad(set_to_none=True)
-        d.embed_once = True
         d.lm_head.weight.requires_grad_(False)
 
 

@@ -48,8 +48,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 from bench_train_h200 import SIZES, build, flops_per_token, make_batch  # noqa: E402
-from draftport.training import ttt as ttt_mod  # noqa: E402
-from draftport.training.loop import TrainConfig, train_step, trainable, wrap_parallel  # noqa: E402
+from draftport.training.loop import TrainConfig, fast_path, train_step, trainable, wrap_parallel  # noqa: E402
 from draftport.data.shards import Batch  # noqa: E402
 
 
@@ -68,18 +67,17 @@ def make_opt(params, cuda: bool, lr: float):
 
 
 def setup(a, dev, dtype, parallel: str):
-    """A fresh model (seed 0: the same initial weights in every process), wrapped, + optimizer."""
+    """A fresh model (seed 0: the same initial weights in every process), wrapped, + optimizer,
+    + the training config and how its steps are computed (as train(): in-place weight-gradient
+    sums except under DDP, whose hooks need autograd)."""
     cfg, d, head = build(a.size, dev, dtype, seed=0)
     d.lm_head.weight.requires_grad_(False)          # the single-GPU run's main figure: frozen
-    if a.impl == "compiled" and "_compiled" not in d.__dict__:
-        d.compile_regions()
-        ttt_mod.compile_loss_kernels()
-    # as train(): in-place weight-gradient sums except under DDP (its hooks need autograd)
-    d.accumulate_wgrad = a.impl != "reference" and parallel != "ddp"
     net = wrap_parallel(d, parallel, dev)
     params = list(trainable(d).values())
     opt = make_opt(params, dev.type == "cuda", a.lr)
-    return cfg, d, head, net, params, opt
+    tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=False)
+    fast = fast_path(tcfg, a.impl, accumulate_wgrad=parallel != "ddp")
+    return cfg, d, head, net, params, opt, tcfg, fast
 
 
 def sync(dev):
@@ -99,15 +97,14 @@ def loss_run(a, dev, dtype, parallel, rank, world, log) -> list[float]:
     """K steps from the seed-0 weights on one fixed global batch of a.nproc * a.batch rows: the
     drafter fits it, so the loss falls steeply and the comparison is sharp (fresh random rows
     each step would leave the loss almost flat)."""
-    cfg, d, head, net, params, opt = setup(a, dev, dtype, parallel)
-    tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=False)
+    cfg, d, head, net, params, opt, tcfg, fast = setup(a, dev, dtype, parallel)
     G = a.nproc * a.batch
     per = G // world
     mine = list(range(rank * per, (rank + 1) * per))
     batch = rows(cfg, 0, mine, a.seq, dev, dtype)
     losses = []
     for _ in range(a.loss_steps):
-        loss, *_ = train_step(net, batch, head, opt, params, tcfg, impl=a.impl, use_bf16=dev.type == "cuda",
+        loss, *_ = train_step(net, batch, head, opt, params, tcfg, fast=fast, use_bf16=dev.type == "cuda",
                               world=world)
         losses.append(global_loss(loss, world))
     log(f"[{parallel}] loss steps (global batch {G}, {per} rows/process): "
@@ -118,13 +115,12 @@ def loss_run(a, dev, dtype, parallel, rank, world, log) -> list[float]:
 def time_run(a, dev, dtype, parallel, rank, world, log) -> dict:
     """Warm up, then time a.iters steps at per-GPU batch a.batch (a fixed batch, as the single-GPU
     benchmark). -> per-GPU figures, slowest rank."""
-    cfg, d, head, net, params, opt = setup(a, dev, dtype, parallel)
-    tcfg = TrainConfig(ttt_steps=a.ttt, gamma=a.gamma, grad_clip=1.0, train_lm_head=False)
+    cfg, d, head, net, params, opt, tcfg, fast = setup(a, dev, dtype, parallel)
     batch = rows(cfg, 10_000, list(range(rank * a.batch, (rank + 1) * a.batch)), a.seq, dev, dtype)
     cuda = dev.type == "cuda"
 
     def step():
-        return train_step(net, batch, head, opt, params, tcfg, impl=a.impl, use_bf16=cuda, world=world)
+        return train_step(net, batch, head, opt, params, tcfg, fast=fast, use_bf16=cuda, world=world)
 
     t_c = time.perf_counter()
     for _ in range(a.warmup):

@@ -87,7 +87,7 @@ def softce_rows(lg, t, w):
 
     The loss is written sum(t) * lse - sum(t * lg), the same function as -sum(t * log_softmax(lg)):
     no reduction then waits for the log-softmax to exist, and the compiled kernel reads the
-    logits and targets fewer times (results/2026-12-02-h200-probe-softce.json)."""
+    logits and targets fewer times (benchmarks/results/2026-12-02-h200-probe-softce.json)."""
     lg32, t32 = lg.float(), t.float()
     m = lg32.amax(-1, keepdim=True)
     lse = m + torch.log(torch.exp(lg32 - m).sum(-1, keepdim=True))
