@@ -19,10 +19,7 @@ from draftport.model.drafter import Attention
 from draftport.model.fast.kernels import ttt_attention
 from draftport.training.loop import TrainConfig, train
 from draftport.training.ttt import combine, ttt_terms
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_drafter import toy_batch, toy_cfg, toy_drafter  # noqa: E402
-from test_train import make_features  # noqa: E402
+from toys import make_features, make_samples, toy_batch, toy_cfg, toy_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_train_h200.py"
@@ -402,7 +399,6 @@ def _train_steps(d, batch, head, n=3):
 def _fp64_problem(cfg, packed: bool, seed: int):
     """A target head and a batch in fp64: two padded rows, or six samples packed into rows of 14."""
     from draftport.data.packing import pack
-    from test_packing import make_samples
 
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(seed),
                        dtype=torch.float64)

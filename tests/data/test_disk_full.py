@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
+ROOT = Path(__file__).resolve().parents[2]
+HELPERS = ROOT / "tests" / "helpers"  # what the worker (this file, in its own process) imports
 
 
 def dir_bytes(folder: Path) -> int:
@@ -66,7 +66,7 @@ def worker(what: str, mode: str, folder: str, limit: int, extra: str) -> None:
         if what == "features":
             features(Path(folder))
         else:
-            from test_drafter import toy_drafter
+            from toys import toy_drafter
 
             from draftport.data.shards import FeatureSet
             from draftport.training.loop import train
@@ -104,7 +104,7 @@ def ckpt_cfg():
 
 
 def run_worker(what, mode, folder, limit=0, extra=""):
-    env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}:{HERE}"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{HELPERS}"}
     r = subprocess.run([sys.executable, __file__, what, mode, str(folder), str(limit), str(extra)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -128,7 +128,7 @@ def test_features_on_a_full_disk(tmp_path, small_place):
 
 
 def test_checkpoint_on_a_full_disk_keeps_the_last_good_one(tmp_path, small_place):
-    from test_train import make_features
+    from toys import make_features
 
     from draftport.training.loop import latest_checkpoint, resumable
 

@@ -6,7 +6,6 @@ capture stops at the final norm and takes its greedy choice from float32 logits 
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,8 @@ from draftport.model.formats import save_safetensors
 from draftport.data.shards import (FeatureSet, Sequence, bytes_per_token, dequantize_fp8, quantize_fp8,
     write_features)
 from draftport.errors import DraftportError
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_drafter import toy_cfg, toy_drafter  # noqa: E402
+from targets import LLAMA_AUX, seed_folder, tiny_llama
+from toys import toy_cfg, toy_drafter
 
 E4M3_REL = 2.0 ** -4   # half an ulp of 3 mantissa bits, relative to the value
 E4M3_SUB = 2.0 ** -10  # half the subnormal spacing (2^-9), relative to the group's scale
@@ -297,15 +295,13 @@ def test_a_drafter_trains_on_fp8_features_as_on_bf16(tmp_path):
 
 # ---- a real target: capture in fp8 --------------------------------------------------------------
 def test_capture_of_a_real_target_in_fp8(tmp_path):
-    from test_drift import AUX, make_target, seed_folder
-
     from draftport.evaluation.drift import capture_same_tokens
 
-    make_target(tmp_path / "target")
+    tiny_llama(tmp_path / "target")
     seed_folder(tmp_path / "seqs", n=9)
     ref = capture_same_tokens(tmp_path / "target", tmp_path / "seqs", tmp_path / "f32", batch_size=4, dtype="float32")
     got = capture_same_tokens(tmp_path / "target", tmp_path / "seqs", tmp_path / "f8", batch_size=4, dtype="fp8_e4m3")
-    assert got["dtype"] == "fp8_e4m3" and got["aux_layer_ids"] == AUX and got["tokens"] == ref["tokens"]
+    assert got["dtype"] == "fp8_e4m3" and got["aux_layer_ids"] == LLAMA_AUX and got["tokens"] == ref["tokens"]
     fa, fb = FeatureSet(tmp_path / "f32"), FeatureSet(tmp_path / "f8")
     for i in range(len(fa)):
         a, b = fa.sample(i), fb.sample(i)
@@ -327,12 +323,10 @@ def test_capture_dtype_is_bf16_on_a_gpu_float32_on_the_cpu():
 
 
 def test_capture_stops_at_the_final_norm_and_chunks_the_greedy_choice(tmp_path):
-    from test_drift import make_target
-
     from draftport.data.features import greedy_choice, greedy_head
     from draftport.data.capture import capture_features, load_target
 
-    make_target(tmp_path / "t")
+    tiny_llama(tmp_path / "t")
     model = load_target(tmp_path / "t")
     calls = []
     model.lm_head.register_forward_hook(lambda *a: calls.append(1))

@@ -16,32 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
+from draftport.data.packing import pack, plan_rows
+from draftport.data.shards import Batch, collate
+from draftport.model.drafter import Attention
+from draftport.model.fast.kernels import Segments, ttt_attention
+from draftport.training.loop import TrainConfig, init_distributed, train
+from draftport.training.ttt import combine, ttt_terms
+from toys import make_features, make_samples, toy_cfg, toy_drafter
 
-from draftport.data.shards import Batch, collate  # noqa: E402
-from draftport.model.drafter import Attention  # noqa: E402
-from draftport.model.fast.kernels import Segments, ttt_attention  # noqa: E402
-from draftport.data.packing import pack, plan_rows  # noqa: E402
-from draftport.training.loop import TrainConfig, init_distributed, train  # noqa: E402
-from draftport.training.ttt import combine, ttt_terms  # noqa: E402
-from test_drafter import toy_cfg, toy_drafter  # noqa: E402
-
-
-def make_samples(cfg, lengths, seed=0, dtype=torch.float64, target_arg=None):
-    g = torch.Generator().manual_seed(seed)
-    H, out = cfg.hidden_size, []
-    for n in lengths:
-        rs = min(2, n - 1)
-        lm = torch.zeros(n, dtype=torch.bool)
-        lm[rs:] = True
-        s = {"tokens": torch.randint(0, cfg.vocab_size, (n,), generator=g), "loss_mask": lm,
-             "aux": torch.randn(n, 3 * H, generator=g, dtype=dtype),
-             "final": torch.randn(n, H, generator=g, dtype=dtype), "response_start": rs}
-        if target_arg is not None:
-            s["target_arg"] = (s["final"] @ target_arg.t()).argmax(-1)
-        out.append(s)
-    return out
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # what the torchrun worker (this file) imports
 
 
 def loss_and_grads(d, batch, head, steps, fused, chunk=5):
@@ -190,13 +173,8 @@ def test_segment_attention_matches_a_dense_document_mask(n_diag):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
-def _features(tmp_path):
-    from test_train import make_features
-    return make_features(tmp_path)
-
-
 def test_train_with_packing_follows_the_padded_run(tmp_path):
-    fs, head = _features(tmp_path)
+    fs, head = make_features(tmp_path)
     hist = {}
     for packing in (False, True):
         cfg = TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
@@ -211,8 +189,8 @@ def test_train_with_packing_follows_the_padded_run(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_packing_under_two_gloo_processes_equals_one_padded_process(tmp_path, parallel):
-    _features(tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
+    make_features(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(HELPERS), OMP_NUM_THREADS="1")
     res = {}
     for name, nproc, impl, packing in (("one", 1, "reference", "0"), ("two", 2, "fused", "1")):
         out = tmp_path / name

@@ -5,7 +5,6 @@ pickle that carries code), and a repo's own code runs only when targets.trust_re
 import json
 import os
 import pickle
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,7 @@ from draftport.model.formats import load_drafter_state, save_drafter
 from draftport.errors import DraftportError
 from draftport.plan import registry as R
 from draftport.data.capture import trusted
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_drafter import toy_drafter  # noqa: E402
+from toys import toy_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 

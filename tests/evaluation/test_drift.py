@@ -9,57 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from draftport.data.shards import FeatureSet, Sequence, write_features
+from draftport.data.shards import FeatureSet
 from draftport.evaluation.drift import capture_same_tokens, drift_probe, drift_stats, linear_cka
 from draftport.errors import DraftportError
-
-H, V, AUX = 64, 128, [0, 1, 2]  # vllm convention: 0 = embedding output, 2 = leaving the last layer
-
-
-def make_target(path, *, seed=0, hidden=H, vocab=V, base=None, noise=0.0):
-    """A 2-layer random Llama (or `base`'s weights plus relative Gaussian noise)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2,
-                      max_position_embeddings=128, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    m = LlamaForCausalLM(cfg).eval()
-    if base is not None:
-        m.load_state_dict(base.state_dict())
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=g))
-    m.save_pretrained(path)
-    return m
-
-
-def seed_folder(path, n=10, seed=0):
-    """Token sequences (prompt + answer) in a feature folder; its states are placeholders."""
-    g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for _ in range(n):
-        T = int(torch.randint(12, 30, (1,), generator=g))
-        start = int(torch.randint(3, 8, (1,), generator=g))
-        seqs.append(Sequence(torch.randint(0, V, (T,), generator=g).tolist(), start))
-
-    def featurize(batch):
-        T = max(len(s.tokens) for s in batch)
-        return torch.zeros(len(batch), T, 3 * H), torch.zeros(len(batch), T, H)
-
-    write_features(path, seqs, featurize, meta={"aux_layer_ids": AUX, "aux_convention": "vllm"},
-                   shard_samples=4, dtype="float32")
-    return path
+from targets import H, LLAMA_AUX, LLAMA_VOCAB, seed_folder, tiny_llama
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("drift")
-    new = make_target(root / "target_new", seed=0)
-    make_target(root / "target_old", seed=0, base=new, noise=0.3)
-    make_target(root / "target_narrow", seed=3, hidden=32)
-    make_target(root / "target_vocab", seed=4, vocab=96)
+    new = tiny_llama(root / "target_new", seed=0)
+    tiny_llama(root / "target_old", seed=0, base=new, noise=0.3)
+    tiny_llama(root / "target_narrow", seed=3, hidden=32)
+    tiny_llama(root / "target_vocab", seed=4, vocab=96)
     # the new target's features on "its answers" (here: fixed token sequences)
     capture_same_tokens(root / "target_new", seed_folder(root / "seqs"), root / "features_new",
                         batch_size=4, dtype="float32")
@@ -121,8 +83,8 @@ def test_capture_keeps_the_tokens_masks_and_layout_of_its_input(world):
     idx = capture_same_tokens(world / "target_old", world / "features_new", out, batch_size=4, dtype="bfloat16")
     got = FeatureSet(out)
     assert len(got) == len(src) and idx["tokens"] == src.index["tokens"]
-    assert idx["aux_layer_ids"] == AUX and idx["aux_convention"] == "vllm" and idx["regenerated"] is False
-    assert idx["hidden_size"] == H and idx["vocab_size"] == V
+    assert idx["aux_layer_ids"] == LLAMA_AUX and idx["aux_convention"] == "vllm" and idx["regenerated"] is False
+    assert idx["hidden_size"] == H and idx["vocab_size"] == LLAMA_VOCAB
     for i in range(len(src)):
         a, b = src.sample(i), got.sample(i)
         assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
@@ -156,11 +118,11 @@ def test_drift_probe_reports_tau_on_both_sides(world, tmp_path):
     from draftport.model.vocab import build_maps
 
     cfg = DrafterConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, vocab_size=V, draft_vocab_size=40, aux_layer_ids=AUX,
+                        head_dim=16, vocab_size=LLAMA_VOCAB, draft_vocab_size=40, aux_layer_ids=LLAMA_AUX,
                         max_position_embeddings=128, aux_convention="vllm")
     torch.manual_seed(0)
-    d = Eagle3Drafter(cfg, embed_weight=torch.randn(V, H))
-    d.set_vocab_maps(*build_maps(np.random.default_rng(0).integers(0, 1000, V), 40))
+    d = Eagle3Drafter(cfg, embed_weight=torch.randn(LLAMA_VOCAB, H))
+    d.set_vocab_maps(*build_maps(np.random.default_rng(0).integers(0, 1000, LLAMA_VOCAB), 40))
     save_drafter(tmp_path / "source", cfg, d.export_state())
     res = drift_probe(tmp_path / "source", world / "target_old", world / "target_new", world / "features_new",
                       tmp_path / "probe", k=2, batch_size=4, feature_batch_size=4, dtype="float32",

@@ -1,4 +1,4 @@
-"""Launched by torchrun from test_train.py: 6 steps on a fixed global batch, loss per step."""
+"""Launched by torchrun from tests/training/test_train.py: 6 steps on a fixed global batch, loss per step."""
 
 import json
 import sys
@@ -9,7 +9,7 @@ import torch
 from draftport.data.shards import FeatureSet
 from draftport.pipeline.tracking import Logger
 from draftport.training.loop import TrainConfig, init_distributed, train
-from test_drafter import toy_drafter
+from toys import toy_drafter
 
 
 class Keep(Logger):

@@ -1,4 +1,4 @@
-"""Launched by torchrun from test_fsdp.py: train the toy drafter on a fixed global batch under
+"""Launched by torchrun from tests/training/test_fsdp.py: train the toy drafter on a fixed global batch under
 `parallel` (ddp or fsdp; one process runs plain), then write per-step losses and the final
 weights (rank 0).
 
@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from draftport.data.shards import FeatureSet
 from draftport.pipeline.tracking import Logger
 from draftport.training.loop import TrainConfig, init_distributed, train
-from test_drafter import toy_drafter
+from toys import toy_drafter
 
 
 class Keep(Logger):

@@ -5,7 +5,7 @@ run, the metric page's chart (legend, traces, axis) and its table, the runs tabl
 curves' parent row expanded.
 
 Without chromium or playwright the tests skip, or fail under DRAFTPORT_REQUIRE_BROWSER=1 (CI).
-`python tests/mlflow_ui.py OUT_DIR [draftport ui options]`, in a folder whose store holds the
+`python tests/helpers/mlflow_ui.py OUT_DIR [draftport ui options]`, in a folder whose store holds the
 runs (after `make phase1` and `snakemake curves`), writes the README's screenshots."""
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,28 +11,13 @@ from safetensors.torch import save_file
 
 from draftport.model.formats import (check_keys, check_shapes, inspect_drafter, inspect_report,
     load_drafter_state, read_header, read_tensor_np, save_drafter)
-from draftport.model.config import DrafterConfig, parse_config, read_config
+from draftport.model.config import parse_config, read_config
 from draftport.model.drafter import Eagle3Drafter
 from draftport.errors import DraftportError
 from draftport.model.fixtures import frequency_maps, kimi_k2_config, small_config, write_header_only_drafter
-from draftport.model.vocab import build_maps
+from toys import toy_cfg, toy_state
 
-
-def toy_cfg(**kw):
-    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=100, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
-                max_position_embeddings=256)
-    base.update(kw)
-    return DrafterConfig(**base)
-
-
-def toy_state(cfg=None, seed=0):
-    torch.manual_seed(seed)
-    cfg = cfg or toy_cfg()
-    d = Eagle3Drafter(cfg)
-    counts = np.random.default_rng(seed).integers(0, 1000, cfg.vocab_size)
-    d.set_vocab_maps(*build_maps(counts, cfg.draft_vocab_size))
-    return cfg, d.export_state()
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # for the process that writes
 
 
 def raw_safetensors(path, header: dict, data: bytes) -> None:
@@ -245,7 +231,7 @@ import sys, torch
 from draftport.model.formats import save_drafter, save_safetensors
 from draftport.model.drafter import Eagle3Drafter
 sys.path.insert(0, sys.argv[2])
-from test_checkpoint import toy_state
+from toys import toy_state
 g = torch.Generator().manual_seed(0)
 tensors = {"w": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g).bfloat16(),
            "ids": torch.arange(7), "mask": torch.arange(6) % 2 == 0}
@@ -260,7 +246,6 @@ def test_identical_writes_in_two_processes_give_identical_bytes(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     from safetensors import safe_open
 
@@ -268,7 +253,7 @@ def test_identical_writes_in_two_processes_give_identical_bytes(tmp_path):
     for seed in ("1", "2"):
         out = tmp_path / f"seed{seed}"
         out.mkdir()
-        subprocess.run([sys.executable, "-c", WRITE_IN_A_PROCESS, str(out), str(Path(__file__).parent)],
+        subprocess.run([sys.executable, "-c", WRITE_IN_A_PROCESS, str(out), str(HELPERS)],
                        check=True, env={**os.environ, "PYTHONHASHSEED": seed}, timeout=300)
         outs.append(out)
     for rel in ("raw.safetensors", "drafter/model.safetensors", "drafter/config.json"):

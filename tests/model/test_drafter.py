@@ -1,43 +1,12 @@
 """The EAGLE-3 module, the TTT loss and the offline evaluator on a 64-wide toy."""
 
-import numpy as np
 import pytest
 import torch
 
-from draftport.model.config import DrafterConfig
 from draftport.model.drafter import Eagle3Drafter
 from draftport.evaluation.accept import offline_accept_length, walk
-from draftport.data.shards import Batch
 from draftport.training.ttt import ttt_loss
-from draftport.model.vocab import build_maps
-
-
-def toy_cfg(**kw):
-    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=100, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
-                max_position_embeddings=256)
-    base.update(kw)
-    return DrafterConfig(**base)
-
-
-def toy_drafter(cfg=None, seed=0):
-    torch.manual_seed(seed)
-    cfg = cfg or toy_cfg()
-    d = Eagle3Drafter(cfg, embed_weight=torch.randn(cfg.vocab_size, cfg.hidden_size))
-    counts = np.random.default_rng(seed).integers(0, 1000, cfg.vocab_size)
-    d.set_vocab_maps(*build_maps(counts, cfg.draft_vocab_size))
-    return d
-
-
-def toy_batch(cfg, B=2, T=12, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    H = cfg.hidden_size
-    valid = torch.ones(B, T, dtype=torch.bool)
-    if B > 1:
-        valid[1, -3:] = False
-    return Batch(aux=torch.randn(B, T, 3 * H, generator=g), final=torch.randn(B, T, H, generator=g),
-                 tokens=torch.randint(0, cfg.vocab_size, (B, T), generator=g),
-                 loss_mask=valid.clone(), valid=valid)
+from toys import toy_batch, toy_cfg, toy_drafter
 
 
 def test_shapes_match_flat_layout():

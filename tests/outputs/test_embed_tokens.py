@@ -31,9 +31,9 @@ from draftport.errors import DraftportError
 from draftport.outputs.export import export_problems, validate_export
 from draftport.model.vocab import build_maps
 
+from targets import H, STUB_CTX, STUB_VOCAB, stub_target
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).parent))
-from test_export import CTX, H, VOCAB, make_target  # noqa: E402  (a tiny target folder)
 
 WARNING = "vLLM would serve the drafter's own embedding, SGLang the target's"
 
@@ -49,13 +49,13 @@ def sha(t: torch.Tensor) -> str:
 def make_drafter(folder, embed_from=None, **cfg_kw):
     """A flat drafter; with embed_from (a target folder) it carries that target's embed_tokens."""
     kw = dict(hidden_size=H, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-              head_dim=32, vocab_size=VOCAB, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
-              max_position_embeddings=CTX, aux_convention="vllm")
+              head_dim=32, vocab_size=STUB_VOCAB, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
+              max_position_embeddings=STUB_CTX, aux_convention="vllm")
     kw.update(cfg_kw)
     cfg = DrafterConfig(**kw)
     torch.manual_seed(0)
     d = Eagle3Drafter(cfg, embed_weight=target_embed(embed_from) if embed_from is not None else None)
-    d.set_vocab_maps(*build_maps(np.random.default_rng(0).integers(0, 1000, VOCAB), cfg.draft_vocab_size))
+    d.set_vocab_maps(*build_maps(np.random.default_rng(0).integers(0, 1000, STUB_VOCAB), cfg.draft_vocab_size))
     return save_drafter(folder, cfg, d.export_state(include_embed=embed_from is not None))
 
 
@@ -69,8 +69,8 @@ def tensors(folder) -> dict:
 
 @pytest.fixture
 def w(tmp_path):
-    old = make_target(tmp_path / "target_old", seed=1)   # "K2"
-    new = make_target(tmp_path / "target_new", seed=2)   # "K2.5": another embedding
+    old = stub_target(tmp_path / "target_old", seed=1)   # "K2"
+    new = stub_target(tmp_path / "target_new", seed=2)   # "K2.5": another embedding
     assert not torch.equal(target_embed(old), target_embed(new))
     return {"old": old, "new": new, "tmp": tmp_path,
             "src_old_embed": make_drafter(tmp_path / "src_old_embed", embed_from=old),
@@ -86,7 +86,7 @@ def test_compare_flags_a_drafter_carrying_the_old_targets_embedding(w):
     assert e["drafter_sha256"] == sha(target_embed(w["old"]))  # the old target's bytes, hashed by range
     assert e["target_sha256"] == sha(target_embed(w["new"]))
     assert e["drafter_sha256"] != e["target_sha256"]
-    assert e["target_tensor"] == "model.embed_tokens.weight" and e["target_shape"] == [VOCAB, H]
+    assert e["target_tensor"] == "model.embed_tokens.weight" and e["target_shape"] == [STUB_VOCAB, H]
     assert (e["vllm"], e["sglang"]) == ("drafter", "target")
     assert WARNING in e["note"]
     warn = [x for x in rep["verdict"]["warnings"] if WARNING in x]
@@ -111,7 +111,7 @@ def test_compare_without_target_has_no_embedding_section(w):
 
 def test_the_same_values_in_another_dtype(w):
     """A bf16 target and the drafter's f32 copy of it: not bit-equal, but the same values."""
-    t16 = make_target(w["tmp"] / "t16", seed=2, dtype=torch.bfloat16)
+    t16 = stub_target(w["tmp"] / "t16", seed=2, dtype=torch.bfloat16)
     e = embedding_check(w["src_old_embed"], t16)
     assert e["equal"] is False and e["equal_values"] is False and e["engines_agree"] is False
     d = w["tmp"] / "d_f32_of_bf16"
@@ -125,7 +125,7 @@ def test_the_same_values_in_another_dtype(w):
 
 
 def test_the_target_embedding_is_found_under_a_wrappers_name(w):
-    kimi = make_target(w["tmp"] / "kimi_like", seed=2, embed_name="language_model.model.embed_tokens.weight")
+    kimi = stub_target(w["tmp"] / "kimi_like", seed=2, embed_name="language_model.model.embed_tokens.weight")
     info = find_target_embedding(kimi)
     assert info.name == "language_model.model.embed_tokens.weight"
     assert tensor_sha256(info) == sha(target_embed(w["new"]))

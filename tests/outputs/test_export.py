@@ -13,41 +13,26 @@ from draftport.model.drafter import Eagle3Drafter
 from draftport.errors import DraftportError
 from draftport.outputs.export import export_problems, validate_export
 from draftport.model.vocab import build_maps
-
-VOCAB, H, LAYERS, CTX = 100, 64, 4, 512
-
-
-def make_target(folder, seed=0, embed_name="model.embed_tokens.weight", dtype=torch.float32):
-    """A target folder as far as the validator reads it: config.json + its embedding (random under
-    `seed`, stored as `embed_name` in `dtype`) and lm_head."""
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-        "hidden_size": H, "num_hidden_layers": LAYERS, "max_position_embeddings": CTX,
-        "rope_theta": 10000.0}))
-    g = torch.Generator().manual_seed(seed)
-    save_file({embed_name: torch.randn(VOCAB, H, generator=g).to(dtype),
-               "lm_head.weight": torch.randn(VOCAB, H, generator=g)}, str(folder / "model.safetensors"))
-    return folder
+from targets import H, STUB_CTX, STUB_LAYERS, STUB_VOCAB, stub_target
 
 
 def make_export(folder, target, *, include_embed=False, **cfg_kw):
     kw = dict(hidden_size=H, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-              head_dim=32, vocab_size=VOCAB, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
-              max_position_embeddings=CTX, aux_convention="vllm")
+              head_dim=32, vocab_size=STUB_VOCAB, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
+              max_position_embeddings=STUB_CTX, aux_convention="vllm")
     kw.update(cfg_kw)
     cfg = DrafterConfig(**kw)
     torch.manual_seed(0)
     embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
     d = Eagle3Drafter(cfg, embed_weight=embed)
-    counts = np.random.default_rng(0).integers(0, 1000, VOCAB)
+    counts = np.random.default_rng(0).integers(0, 1000, STUB_VOCAB)
     d.set_vocab_maps(*build_maps(counts, cfg.draft_vocab_size))
     return save_drafter(folder, cfg, d.export_state(include_embed=include_embed))
 
 
 @pytest.fixture
 def world(tmp_path):
-    target = make_target(tmp_path / "target")
+    target = stub_target(tmp_path / "target")
     return target, make_export(tmp_path / "drafter", target)
 
 
@@ -83,7 +68,7 @@ def test_a_good_export_passes(world):
 
 
 def test_embed_tokens_equal_to_the_target_passes(tmp_path):
-    target = make_target(tmp_path / "target")
+    target = stub_target(tmp_path / "target")
     drafter = make_export(tmp_path / "drafter", target, include_embed=True)
     assert export_problems(drafter, target) == []
 
@@ -106,7 +91,7 @@ def test_d2t_out_of_range(world):
 
     def shift_last(sd):
         sd["d2t"] = sd["d2t"].clone()
-        sd["d2t"][-1] += VOCAB
+        sd["d2t"][-1] += STUB_VOCAB
         return sd
     rewrite_tensors(drafter, shift_last)
     only_problem(drafter, target, "outside the vocab")
@@ -129,19 +114,19 @@ def test_aux_ids_vllm_cannot_serve(world, ids, needle):
 
 def test_aux_id_L_is_the_last_layers_output_and_allowed(world):
     target, drafter = world
-    rewrite_config(drafter, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, LAYERS]))
+    rewrite_config(drafter, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, STUB_LAYERS]))
     assert export_problems(drafter, target) == []
 
 
 def test_max_position_embeddings_below_target_context(world):
     target, drafter = world
-    rewrite_config(drafter, lambda c: c.update(max_position_embeddings=CTX // 2))
-    only_problem(drafter, target, f"max_position_embeddings {CTX // 2} < the target's context {CTX}")
+    rewrite_config(drafter, lambda c: c.update(max_position_embeddings=STUB_CTX // 2))
+    only_problem(drafter, target, f"max_position_embeddings {STUB_CTX // 2} < the target's context {STUB_CTX}")
 
 
 def test_random_embed_tokens(world):
     target, drafter = world
-    rewrite_tensors(drafter, lambda sd: {**sd, "embed_tokens.weight": torch.randn(VOCAB, H)})
+    rewrite_tensors(drafter, lambda sd: {**sd, "embed_tokens.weight": torch.randn(STUB_VOCAB, H)})
     only_problem(drafter, target, "embed_tokens differs from the target's")
 
 
@@ -168,7 +153,7 @@ def test_sglang_numbered_drafter_is_served_to_vllm_with_ids_plus_one(tmp_path):
     """SGLang's aux id k (leaving layer k) is vLLM's k + 1 (entering layer k + 1)."""
     from draftport.engines.vllm.serve import for_vllm
 
-    target = make_target(tmp_path / "target")
+    target = stub_target(tmp_path / "target")
     src = make_export(tmp_path / "sglang", target, aux_layer_ids=[0, 1, 2], aux_convention="sglang")
     before = {f.name: f.read_bytes() for f in src.iterdir()}
     out, how = for_vllm(src, tmp_path / "served", None)

@@ -10,19 +10,15 @@ Skipped without the venv, unless DRAFTPORT_REQUIRE_SPECULATORS=1 (CI), which mak
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from draftport.engines.speculators import roundtrip as RT
 from draftport.errors import DraftportError
+from publish_pipeline import AUX, K, build_pipeline
+from repo import ROOT
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_publish import AUX, K, build_pipeline  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
 REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_SPECULATORS"))
 SPEC_PY = RT.default_speculators_python() if os.environ.get("DRAFTPORT_SPECULATORS_PYTHON") \
     else ROOT / RT.VENV_DIR / "bin" / "python"

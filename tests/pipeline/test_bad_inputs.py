@@ -31,10 +31,8 @@ import numpy as np
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline import micro_copy  # noqa: E402
-BIN = Path(sys.executable).parent
+from repo import BIN, ROOT, micro_copy
+
 PY = sys.executable
 # Run once for the fixture; Phase 0 and Phase 1 are left out (no case needs their outputs).
 FIXTURE_STEPS = ("world", "fetch", "features_new", "features_eval", "features_monitor", "vocab_new", "compare",

@@ -4,11 +4,11 @@ command (Snakemake dry run, nothing runs); the embedded profile's commands stay 
 import re
 
 import pytest
-from test_pipeline_dvc import ROOT, smk
 
 from draftport.plan import cluster
 from draftport.plan import params as P
 from draftport.plan import registry as R
+from repo import ROOT, smk
 
 KIMI = "configs/kimi-k2.5.yaml"
 JOBS = {"fetch", "features_new", "features_eval", "vocab_new", "features_phase2", "features_monitor", "compare", "eval_phase0",

@@ -25,9 +25,9 @@ from draftport.data.features import build_features
 from draftport.plan.params import TrainConfig, load
 from draftport.training.phases import train_phase
 from draftport.world import build_world_base
+from repo import ROOT, micro_copy
+from resume_copy import EVERY, STEP, STEPS, Copy, assert_same_result, kill_after_first_checkpoint
 
-sys.path.insert(0, str(Path(__file__).parent))
-ROOT = Path(__file__).resolve().parents[2]
 KW = dict(n_samples=24, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=16, dtype="float32",
           batch_size=4, shard_samples=8)
 SPOOL = {"gb": 0.0005}  # 500 KB: about two shards of 8 samples, the producer waits on the trainer
@@ -169,9 +169,6 @@ def test_a_spool_below_one_shard_is_refused_before_training(micro):
 def online_copy(tmp_path_factory):
     """The micro profile with storage online and a longer control phase (a kill lands between
     its checkpoints), everything upstream of the control built once."""
-    from test_resume import EVERY, STEPS, Copy
-    from test_pipeline import micro_copy
-
     path = tmp_path_factory.mktemp("online-pipeline") / "base"
 
     def edit(c):
@@ -189,8 +186,6 @@ def online_copy(tmp_path_factory):
 
 @pytest.mark.slow
 def test_online_pipeline_phase1_and_phase2_and_a_killed_training_step(online_copy, tmp_path):
-    from test_resume import STEP, assert_same_result, kill_after_first_checkpoint
-
     c = online_copy
     killed = c.clone(tmp_path / "killed")
     killed.env["DRAFTPORT_STRICT_MODULES"] = "1"

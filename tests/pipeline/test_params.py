@@ -412,7 +412,7 @@ def test_train_config_is_the_train_group():
         cfg.steps = "5"
 
 
-# ---- tests/test_bad_inputs.py's params cases (that suite runs the pipeline; the same messages here)
+# ---- tests/pipeline/test_bad_inputs.py's params cases (that suite runs the pipeline; the same messages here)
 def set_key(cfg, dotted, value):
     return bad(cfg, dotted, value)
 

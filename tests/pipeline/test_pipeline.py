@@ -22,14 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftport.plan import params as P
-
-sys.path.insert(0, str(Path(__file__).parent))
-from mlflow_server import MlflowServer, rest  # noqa: E402
+from mlflow_server import MlflowServer, rest
+from repo import BIN, ROOT, micro_copy
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 # The online step (vLLM) runs when the vLLM venv exists; CI sets DRAFTPORT_REQUIRE_VLLM.
 VLLM_PY = Path(os.environ.get("DRAFTPORT_VLLM_PYTHON") or ROOT / ".venv-vllm/bin/python")
 HAVE_VLLM = VLLM_PY.exists()
@@ -65,27 +61,6 @@ class Repo:
 
     def metrics(self, step) -> dict:
         return json.loads((self.path / "artifacts" / step / "metrics.json").read_text())
-
-
-def copy_repo(dst: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
-    for f in filter(None, files):
-        src = ROOT / f
-        if src.is_file() and not f.startswith(("artifacts/", "logs/")):
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / f)
-
-
-def micro_copy(dst: Path, edit=None) -> dict:
-    """A copy of the repository whose params.yaml is the micro profile merged in (DVC tracks
-    params.yaml, so both tools see it), changed by edit(cfg) first; returns those params."""
-    copy_repo(dst)
-    cfg = P.merge(P.read_yaml(dst / "params.yaml"), P.read_yaml(dst / "configs/micro.yaml"))
-    if edit is not None:
-        edit(cfg)
-    (dst / "params.yaml").write_text("# the micro profile, merged (test copy)\n" + yaml.safe_dump(cfg, sort_keys=False))
-    return cfg
 
 
 def _online_and_reference(micro: dict) -> None:
@@ -369,7 +344,7 @@ def test_registry_modules_are_the_ones_each_step_ran(repo):
               "engines.vllm.runners.online_vllm",   # run as a file inside the vLLM venv
               "packing",  # imported only by a training with train.packing: true
               # a training step captures (features, its storage check, the spool) only with features.storage
-              # online / hybrid: tests/test_online_storage.py runs those under DRAFTPORT_STRICT_MODULES
+              # online / hybrid: tests/pipeline/test_online_storage.py runs those under DRAFTPORT_STRICT_MODULES
               "spool", "storage", "features"}
     checked = 0
     for row in R.STEPS:

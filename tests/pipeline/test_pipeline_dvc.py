@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,17 +10,7 @@ import yaml
 from draftport.plan import params as P
 from draftport.pipeline import bridge
 from draftport.plan import registry as R
-
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-
-
-def smk(*args, cwd=ROOT, check=True):
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
-    r = subprocess.run([str(BIN / "snakemake"), *args], cwd=cwd, capture_output=True, text=True, env=env)
-    if check and r.returncode:
-        raise AssertionError(r.stdout[-3000:] + r.stderr[-3000:])
-    return r
+from repo import ROOT, smk
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +209,7 @@ def test_report_builds_from_metrics(tmp_path):
     assert "data:image/png;base64," in (out / "summary.html").read_text()
 
 
-# The kimi profile's plan (jobs, resources, torchrun commands): tests/test_kimi_plan.py
+# The kimi profile's plan (jobs, resources, torchrun commands): tests/pipeline/test_kimi_plan.py
 
 # The world takes its values from the params' world group (no copy of them in draftport.world):
-# tests/test_world.py::test_the_world_is_built_from_the_params_world_group
+# tests/data/test_world.py::test_the_world_is_built_from_the_params_world_group

@@ -4,19 +4,13 @@ warning, and the run is closed at the end. A real `mlflow server`, killed and re
 same port and backend store."""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_drafter import toy_drafter  # noqa: E402
-from test_train import make_features  # noqa: E402
-from mlflow_server import MlflowServer  # noqa: E402
-
-from draftport.pipeline.tracking import PhaseRun, transient  # noqa: E402
-from draftport.pipeline.tracking import Logger
-from draftport.training.loop import TrainConfig, train  # noqa: E402
+from draftport.pipeline.tracking import Logger, PhaseRun, transient
+from draftport.training.loop import TrainConfig, train
+from mlflow_server import MlflowServer
+from toys import make_features, toy_drafter
 
 
 

@@ -2,7 +2,7 @@
 runs it finds (the workspace's records, else each phase's latest top-level run; the curves'
 nested runs under their parent), the UI addresses it prints, its one-line errors (no store, no
 experiment, no phase run, a taken port), and a real `mlflow server` it starts and stops on
-Ctrl-C. The pages behind the addresses, in a browser: tests/test_pipeline.py on the micro store."""
+Ctrl-C. The pages behind the addresses, in a browser: tests/pipeline/test_pipeline.py on the micro store."""
 
 import json
 import os
@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from mlflow_server import free_port  # noqa: E402
+from mlflow_server import free_port
 
 BIN = Path(sys.executable).parent
 PROFILE = "tiny"

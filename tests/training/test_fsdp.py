@@ -14,16 +14,13 @@ from safetensors.torch import load_file
 
 from draftport.errors import DraftportError
 from draftport.training.loop import TrainConfig, train
+from toys import make_features, toy_drafter
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_drafter import toy_drafter  # noqa: E402
-from test_train import make_features  # noqa: E402
-
-HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
-WORKER = HERE / "fsdp_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+HELPERS = ROOT / "tests" / "helpers"  # the torchrun worker and what it imports
+WORKER = HELPERS / "fsdp_worker.py"
 BENCH = ROOT / "benchmarks" / "bench_train_multigpu.py"
-ENV = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
+ENV = dict(os.environ, PYTHONPATH=str(HELPERS), OMP_NUM_THREADS="1")
 
 
 def run(feats: Path, out: Path, nproc: int, *args: str) -> dict:

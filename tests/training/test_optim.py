@@ -2,7 +2,7 @@
 GPU training path). Here on the CPU: the same updates as torch's fused AdamW (which also divides
 gradients by a grad_scale), eagerly and compiled (inductor's C++ kernel on this machine, Triton's
 on a GPU), the same checkpoint files, and the clipping norm (train_step's clipping through it:
-tests/test_bench_train.py)."""
+tests/bench/test_bench_train.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from draftport.training.optim import AdamW
 from draftport.plan.params import TrainConfig
+from toys import toy_batch, toy_cfg, toy_drafter
 
 
 def _params(dtype, seed=0):
@@ -91,7 +92,6 @@ def test_bad_hyperparameters_refused():
 def test_checkpoint_round_trip_and_resume_under_either_optimizer(tmp_path):
     """save_checkpoint writes draftport's AdamW state as torch's (the same files); a resume into
     either optimizer takes the same next step as the run that was not interrupted."""
-    from test_drafter import toy_batch, toy_cfg, toy_drafter
     from draftport.training.loop import (load_model_state, load_optimizer_state, save_checkpoint, trainable,
         train_step)
 

@@ -2,9 +2,6 @@
 capture of the same samples, the spool never holds more than its bound, a resume yields the
 uninterrupted run's samples, and bad input or a failing capture gives one error."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,21 +10,18 @@ from draftport.errors import DraftportError
 from draftport.data.features import featurizer
 from draftport.training.spool import MARKER, SpoolFeatures, _files_bytes, consumption_order
 from draftport.training.loop import TrainConfig, batch_ids, train
+from targets import H, LLAMA_AUX, LLAMA_VOCAB, tiny_llama
+from toys import toy_cfg, toy_drafter, weights
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_drafter import toy_cfg, toy_drafter  # noqa: E402
-from test_drift import AUX, H, V, make_target  # noqa: E402
-from test_train import weights  # noqa: E402
-
-META = {"aux_layer_ids": AUX, "aux_convention": "vllm"}
+META = {"aux_layer_ids": LLAMA_AUX, "aux_convention": "vllm"}
 BIG = 10 ** 9
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A 2-layer random Llama in float32 on the CPU and its featurizer."""
-    m = make_target(tmp_path_factory.mktemp("spool") / "target", seed=0)
-    return m, featurizer(m, AUX, "vllm", "cpu", pad=0)
+    m = tiny_llama(tmp_path_factory.mktemp("spool") / "target", seed=0)
+    return m, featurizer(m, LLAMA_AUX, "vllm", "cpu", pad=0)
 
 
 def sequences(n=12, seed=0, lengths=(10, 20)):
@@ -35,7 +29,7 @@ def sequences(n=12, seed=0, lengths=(10, 20)):
     out = []
     for _ in range(n):
         T = int(torch.randint(lengths[0], lengths[1], (1,), generator=g)) if lengths[1] > lengths[0] else lengths[0]
-        out.append(Sequence(torch.randint(0, V, (T,), generator=g).tolist(), 3))
+        out.append(Sequence(torch.randint(0, LLAMA_VOCAB, (T,), generator=g).tolist(), 3))
     return out
 
 
@@ -58,12 +52,12 @@ def test_a_drafter_trained_online_equals_one_trained_on_disk(tmp_path, target):
     seqs = sequences(12)
     cfg = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=6, log_every=2)
     write_features(tmp_path / "disk", seqs, featurize, meta=META, shard_samples=4, batch_size=1, dtype="float32")
-    disk = toy_drafter(toy_cfg(vocab_size=V), seed=5)
+    disk = toy_drafter(toy_cfg(vocab_size=LLAMA_VOCAB), seed=5)
     init = weights(disk)
     train(disk, FeatureSet(tmp_path / "disk"), head, tmp_path / "run_disk", cfg, progress=False)
 
     order = consumption_order(len(seqs), cfg.steps, cfg.batch_size, cfg.seed)
-    online = toy_drafter(toy_cfg(vocab_size=V), seed=5)
+    online = toy_drafter(toy_cfg(vocab_size=LLAMA_VOCAB), seed=5)
     with spool(tmp_path, seqs, featurize, order) as sp:
         assert len(sp) == len(seqs)
         train(online, sp, head, tmp_path / "run_online", cfg, progress=False)
@@ -95,7 +89,7 @@ def test_the_spool_never_holds_more_than_its_bound(tmp_path, target):
         with sp._cond:  # two shards fit, a third does not: the producer waits for the trainer
             assert sp._cond.wait_for(lambda: len(sp._ready) == 2 or sp._error is not None, timeout=60)
             assert sp._error is None and sum(calls) == 8
-        train(toy_drafter(toy_cfg(vocab_size=V), seed=1), sp, head, tmp_path / "run", cfg, progress=False)
+        train(toy_drafter(toy_cfg(vocab_size=LLAMA_VOCAB), seed=1), sp, head, tmp_path / "run", cfg, progress=False)
         assert sum(calls) == len(order)
         assert 2 * one >= sp.max_bytes_seen > one and sp.max_bytes_seen <= bound
         assert max(seen) <= bound

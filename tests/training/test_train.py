@@ -12,37 +12,9 @@ import torch
 from draftport.data.shards import FeatureSet, Sequence, write_features
 from draftport.errors import DraftportError
 from draftport.training.loop import TrainConfig, batch_ids, lr_at, train
+from toys import make_features, toy_cfg, toy_drafter, weights
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_drafter import toy_cfg, toy_drafter  # noqa: E402
-
-HERE = Path(__file__).parent
-
-
-def make_features(tmp: Path, n=24, seed=0):
-    """A learnable synthetic world: the final state is a fixed function of the aux states."""
-    cfg = toy_cfg()
-    g = torch.Generator().manual_seed(seed)
-    H = cfg.hidden_size
-    mix = torch.randn(3 * H, H, generator=g) / (3 * H) ** 0.5
-    seqs = []
-    for i in range(n):
-        T = int(torch.randint(10, 20, (1,), generator=g))
-        seqs.append(Sequence(torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist(), 3))
-
-    def featurize(batch):
-        T = max(len(s.tokens) for s in batch)
-        aux = torch.randn(len(batch), T, 3 * H, generator=g)
-        return aux, torch.tanh(aux @ mix) * 3
-
-    write_features(tmp / "feats", seqs, featurize, meta={"aux_layer_ids": [1, 2, 3]},
-                   shard_samples=10, dtype="float32")
-    head = torch.randn(cfg.vocab_size, H, generator=g)
-    return FeatureSet(tmp / "feats"), head
-
-
-def weights(d):
-    return {k: v.clone() for k, v in d.export_state().items()}
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # the torchrun worker and what it imports
 
 
 def test_batch_ids_cover_epochs_deterministically():
@@ -89,8 +61,8 @@ def test_resume_after_interrupt_is_bit_exact(tmp_path):
 
 def test_ddp_two_gloo_ranks_equal_one_process(tmp_path):
     fs, head = make_features(tmp_path)
-    script = HERE / "ddp_worker.py"
-    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
+    script = HELPERS / "ddp_worker.py"
+    env = dict(os.environ, PYTHONPATH=str(HELPERS), OMP_NUM_THREADS="1")
     for nproc in (1, 2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(script), str(tmp_path / "feats"), str(tmp_path / f"ddp{nproc}")]
@@ -107,8 +79,8 @@ def test_ddp_two_gloo_ranks_equal_one_process(tmp_path):
 def test_ddp_fused_path_two_gloo_ranks_equal_reference_one_process(tmp_path):
     """The fused loss applies lm_head outside DDP's forward: its gradient must still be reduced."""
     fs, head = make_features(tmp_path)
-    script = HERE / "ddp_worker.py"
-    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
+    script = HELPERS / "ddp_worker.py"
+    env = dict(os.environ, PYTHONPATH=str(HELPERS), OMP_NUM_THREADS="1")
     runs = {}
     for impl, nproc in (("reference", 1), ("fused", 2)):
         out = tmp_path / f"{impl}{nproc}"
