@@ -204,7 +204,8 @@ OLD_TRAIN_DEFAULTS = {"steps": 200, "batch_size": 8, "lr": 1e-3, "min_lr_ratio":
                       "weight_decay": 0.0, "grad_clip": 1.0, "ttt_steps": 3, "gamma": 0.8, "seed": 0,
                       "checkpoint_every": 50, "keep_checkpoints": 2, "log_every": 10, "dtype": "auto",
                       "train_lm_head": True, "impl": "auto", "parallel": "ddp", "eval_every": 0, "patience": 0,
-                      "packing": False, "attention": "default"}
+                      "packing": False,
+                      "fast": {"attention": "flash", "packed_attention": "auto", "compile_tuning": True}}
 OLD_EXPLICIT = {  # the keys each train group sets apart from the defaults
     "world.source_drafter.train": {"steps": 1200, "batch_size": 16, "lr": 0.003, "warmup_steps": 20, "ttt_steps": 3,
                                    "log_every": 50, "checkpoint_every": 1200, "eval_every": 100},
