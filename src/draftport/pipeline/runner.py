@@ -4,7 +4,7 @@ registry.
 
 Every step is `python scripts/<step>.py [--params FILE] --input name=path ... --logfile LOG`, run
 by Snakemake and, verbatim, by DVC. The script names its step; the registry row (its inputs,
-keys, modules, flags) says the rest. The step's function gets a `Step`: its params (only the
+keys, modules, flags) says the rest. The step's function gets a `StepContext`: its params (only the
 row's keys), its named inputs, its folder, its MLflow run.
 
 Outputs are byte-identical for identical runs on one machine: times and MLflow run ids stay out
@@ -67,7 +67,7 @@ class Tee:
         return self.stream.fileno()
 
 
-class Step:
+class StepContext:
     """What a step's function gets: its params (only its keys), its named inputs, its folder,
     its MLflow run (tracked steps)."""
 
@@ -137,7 +137,7 @@ def _parse(step: str, argv):
     return a, ins
 
 
-def function_of(row: R.Step) -> Callable[[Step], dict]:
+def function_of(row: R.Step) -> Callable[[StepContext], dict]:
     mod, fn = row.fn.split(":")
     return getattr(importlib.import_module(f"draftport.pipeline.steps.{mod}"), fn)
 
@@ -177,7 +177,7 @@ def main(step: str, argv: list[str] | None = None) -> int:
             if n:
                 print(f"{step}: run by DVC; dropped {n} Snakemake record(s) of {art(step)}/")
         final = Path(art(step))
-        s = Step(row, p, ins, final)
+        s = StepContext(row, p, ins, final)
         if row.run:
             s.run = _open_run(s)  # before any compute: an unreachable server fails here
         folder = s.dir = building = _prepare_folder(final, p)
@@ -229,7 +229,7 @@ def _run_worker(row: R.Step, fn, params_file: str | None, ins: dict) -> int:
     its log, MLflow and metrics.json to rank 0."""
     _set_threads()
     try:
-        fn(Step(row, load_step_params(row.name, params_file), ins or default_inputs(row), Path(art(row.name))))
+        fn(StepContext(row, load_step_params(row.name, params_file), ins or default_inputs(row), Path(art(row.name))))
         return 0
     except DraftportError as e:
         print(f"error: [rank {torchrun_rank()}] {e}", file=sys.stderr)
@@ -254,7 +254,7 @@ def run_file(step: str) -> Path:
     return Path(RUNS_DIR, f"{step}.json")
 
 
-def _open_run(s: Step):
+def _open_run(s: StepContext):
     """The phase's MLflow run: a training step (and Phase 0) starts one; a step with `run_from`
     (an evaluation: its training step) reopens that step's run (recorded in .draftport/runs/), so
     the phase's loss by step and its accept length share one run, or starts one when that record

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from draftport.pipeline.runner import Step, art, write_json
+from draftport.pipeline.runner import StepContext, art, write_json
 
 
-def compare(s: Step) -> dict:
+def compare(s: StepContext) -> dict:
     """Config, weights, vocab, verdict. The layout is headers + maps only (weights are file holes),
     so this costs nothing at Kimi scale either."""
     from draftport.model.formats import inspect_drafter

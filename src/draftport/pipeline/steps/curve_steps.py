@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from draftport.pipeline.runner import RUNS_DIR, Step, checkpoints, read_json, write_json
+from draftport.pipeline.runner import RUNS_DIR, StepContext, checkpoints, read_json, write_json
 
 POINT_RUNS = Path(RUNS_DIR, "train_curves.points.json")  # nested runs' ids (outside artifacts/)
 
@@ -27,7 +27,7 @@ def points(c: dict) -> list[dict]:
             for n in c["n_samples"] for init in c["inits"] for seed in c["seeds"]]
 
 
-def _child_run(s: Step, pt: dict):
+def _child_run(s: StepContext, pt: dict):
     """A nested MLflow run of the step's run for one point."""
     from draftport.pipeline.tracking import PhaseRun
 
@@ -38,7 +38,7 @@ def _child_run(s: Step, pt: dict):
     return run
 
 
-def train_curves(s: Step) -> dict:
+def train_curves(s: StepContext) -> dict:
     """Train every point (init x n x seed) on the first n samples of Phase 1's + Phase 2's
     capture; a killed step resumes: finished points continue from their last checkpoint (0 steps
     left), the interrupted one from its own."""
@@ -93,7 +93,7 @@ def train_curves(s: Step) -> dict:
             "stopped_early": sum(bool(p["stopped_early"]) for p in out)}
 
 
-def _point_run(s: Step, pt: dict, recorded: dict):
+def _point_run(s: StepContext, pt: dict, recorded: dict):
     from draftport.pipeline.tracking import PhaseRun, tracking_uri
 
     if recorded.get("uri") == tracking_uri() and pt["name"] in recorded.get("runs", {}):
@@ -104,7 +104,7 @@ def _point_run(s: Step, pt: dict, recorded: dict):
     return _child_run(s, pt)
 
 
-def eval_curves(s: Step) -> dict:
+def eval_curves(s: StepContext) -> dict:
     """Every point's drafter on the new target's held-out set, drafted as an engine drafts;
     curves.json holds each point's tau and its per-prompt counts (the decision's bootstrap)."""
     from draftport.evaluation.decision import tau_ci

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from draftport.pipeline.runner import Step, read_json, write_json
+from draftport.pipeline.runner import StepContext, read_json, write_json
 
 PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
 
 
-def decision(s: Step) -> dict:
+def decision(s: StepContext) -> dict:
     from draftport.evaluation.decision import decide, render_text
 
     d = s.p["decision"]

@@ -5,7 +5,7 @@ steps only."""
 
 from __future__ import annotations
 
-from draftport.pipeline.runner import Step, read_json, write_json
+from draftport.pipeline.runner import StepContext, read_json, write_json
 
 # tau (bonus token counted, as vLLM and SGLang), SpecForge's simulated_acc_len, vLLM's acceptance rate
 EVAL_KEYS = ("accept_length", "simulated_acc_len", "acceptance_rate", "accept_length_all_positions", "num_cycles",
@@ -32,7 +32,7 @@ def phase_metrics(res: dict, p: dict) -> dict:
     return out
 
 
-def evaluate_on(s: Step, drafter, target, features, name: str = "eval.json") -> dict:
+def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.json") -> dict:
     """Offline accept length of a drafter on a feature set; the full result in <name>."""
     from draftport.evaluation.accept import evaluate_drafter
 
@@ -44,7 +44,7 @@ def evaluate_on(s: Step, drafter, target, features, name: str = "eval.json") -> 
     return res
 
 
-def write_plot_tables(s: Step, out: dict) -> dict:
+def write_plot_tables(s: StepContext, out: dict) -> dict:
     """tau.csv (the phase's tau beside break-even) and positions.csv (acceptance by draft
     position): what `dvc plots show/diff` draws per phase and between experiments."""
     phase, k = s.row.run, s.p["eval"]["k"]
@@ -55,7 +55,7 @@ def write_plot_tables(s: Step, out: dict) -> dict:
     return out
 
 
-def eval_phase0(s: Step) -> dict:
+def eval_phase0(s: StepContext) -> dict:
     """Phase 0 (probe): the source drafter as fetched, its own map, on the new target's held-out
     set; and on the old target's, the number it was built for; and the profile's reference
     drafter (one trained for the new target itself), the upper bound, on the same set."""
@@ -72,7 +72,7 @@ def eval_phase0(s: Step) -> dict:
     return write_plot_tables(s, out)
 
 
-def eval_trained(s: Step) -> dict:
+def eval_trained(s: StepContext) -> dict:
     """A trained phase (phase1_scratch, phase1, phase2): its drafter on the new target's held-out
     set, with its training figures beside and its gain over the phases it must beat."""
     res = evaluate_on(s, s.input("drafter"), s.input("target"), s.input("features"))
@@ -86,7 +86,7 @@ def eval_trained(s: Step) -> dict:
     return write_plot_tables(s, out)
 
 
-def drift(s: Step) -> dict:
+def drift(s: StepContext) -> dict:
     """The drift probe (draftport.evaluation.drift): the old target run over the new target's held-out
     answers; how far the hidden states moved per aux layer and at the final state, the targets'
     greedy agreement, and the source drafter's tau on each target's states of the same tokens."""

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftport.pipeline.runner import Step, read_json, run_file
+from draftport.pipeline.runner import StepContext, read_json, run_file
 
 
-def _online(s: Step, phase: str) -> dict:
+def _online(s: StepContext, phase: str) -> dict:
     """The figures go to metrics.json, next to the phase's own offline accept_length, and into the
     phase's MLflow run. Fails (after writing online.json and logging both figures) when the two
     tau differ by more than online.tolerance."""
@@ -50,9 +50,9 @@ def _online(s: Step, phase: str) -> dict:
     return out
 
 
-def online_phase0(s: Step) -> dict:
+def online_phase0(s: StepContext) -> dict:
     return _online(s, "phase0")
 
 
-def online_phase1(s: Step) -> dict:
+def online_phase1(s: StepContext) -> dict:
     return _online(s, "phase1")

@@ -5,10 +5,10 @@ checked (draftport.outputs.publish); publish.json says what was published and wh
 
 from __future__ import annotations
 
-from draftport.pipeline.runner import Step, write_json
+from draftport.pipeline.runner import StepContext, write_json
 
 
-def publish(s: Step) -> dict:
+def publish(s: StepContext) -> dict:
     from draftport.outputs.publish import from_pipeline
 
     rep = from_pipeline(s.p, s.inputs, s.path(s.p["publish"]["folder"]))

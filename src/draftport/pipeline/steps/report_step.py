@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from draftport.pipeline.runner import Step
+from draftport.pipeline.runner import StepContext
 
 
-def report(s: Step) -> dict:
+def report(s: StepContext) -> dict:
     """tau per phase next to the cost model's projected tok/s and break-even line, per-position
     acceptance, loss curves, the comparison tables."""
     from draftport.outputs.report import build_report

@@ -9,10 +9,10 @@ import json
 import tempfile
 
 from draftport.errors import DraftportError
-from draftport.pipeline.runner import Step, checkpoints, read_json
+from draftport.pipeline.runner import StepContext, checkpoints, read_json
 
 
-def _train(s: Step, group: str, *, init, vocab_policy: str = "remap") -> dict:
+def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> dict:
     """Train, save drafter/ (flat format), train_history.json and history.csv; the metrics."""
     from draftport.plan.params import TrainConfig
     from draftport.training.phases import train_phase
@@ -55,7 +55,7 @@ def _train(s: Step, group: str, *, init, vocab_policy: str = "remap") -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def online_of(s: Step, name: str | None = None) -> dict:
+def online_of(s: StepContext, name: str | None = None) -> dict:
     """train_phase's spool settings (used when the features are stored online / hybrid): the
     bound features.spool_gb, in features.spool_dir/<step> or beside the step's checkpoints."""
     from draftport.data.capture import trusted
@@ -67,7 +67,7 @@ def online_of(s: Step, name: str | None = None) -> dict:
                                                                                       s.p["targets"]["trust_remote_code"])}
 
 
-def monitor_of(s: Step, cfg) -> dict | None:
+def monitor_of(s: StepContext, cfg) -> dict | None:
     """train_phase's monitor when the train group asks for held-out tau (eval_every > 0)."""
     if not cfg.eval_every:
         return None
@@ -75,13 +75,13 @@ def monitor_of(s: Step, cfg) -> dict | None:
     return {"features": s.input("monitor"), "k": m["k"], "batch_size": m["batch_size"]}
 
 
-def train_phase1_scratch(s: Step) -> dict:
+def train_phase1_scratch(s: StepContext) -> dict:
     """The control: the same architecture, data and budget as Phase 1, from a random init on the
     new map: what fine-tuning the source must beat."""
     return _train(s, "phase1", init="scratch")
 
 
-def train_phase1(s: Step) -> dict:
+def train_phase1(s: StepContext) -> dict:
     """Fine-tune the source drafter on the new target's data (its lm_head moved onto the new map
     by target id, or the source map kept: phase1.vocab_policy)."""
     verdict = read_json(s.input("compare"))["verdict"]
@@ -91,6 +91,6 @@ def train_phase1(s: Step) -> dict:
     return _train(s, "phase1", init="source", vocab_policy=s.p["phase1"]["vocab_policy"])
 
 
-def train_phase2(s: Step) -> dict:
+def train_phase2(s: StepContext) -> dict:
     """Continue Phase 1's drafter (its map kept) on the scaled data."""
     return _train(s, "phase2", init=str(s.input("init")))
