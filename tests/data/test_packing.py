@@ -19,17 +19,22 @@ import torch
 from draftport.data.packing import pack, plan_rows
 from draftport.data.shards import Batch, collate
 from draftport.model.drafter import Attention
-from draftport.model.fast.kernels import Segments, ttt_attention
+from draftport.model.fast import unroll as fast_unroll
+from draftport.model.fast.attention import Segments, ttt_attention
+from draftport.model.fast.path import FastPath
 from draftport.training.loop import TrainConfig, init_distributed, train
-from draftport.training.ttt import combine, ttt_terms
+from draftport.training.ttt import combine, packed_args, ttt_terms
 from toys import make_features, make_samples, toy_cfg, toy_drafter
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # what the torchrun worker (this file) imports
 
 
 def loss_and_grads(d, batch, head, steps, fused, chunk=5):
+    """The reference loss's (fused False) or the fast path's, in chunks of `chunk` rows (None:
+    its default sizes) -> (loss, stats, gradients)."""
     d.zero_grad(set_to_none=True)
-    terms = ttt_terms(d, batch, head, steps, fused=fused, chunk=chunk)
+    fast = (FastPath(target_chunk=chunk, loss_chunk=chunk) if chunk else FastPath()) if fused else None
+    terms = ttt_terms(d, batch, head, steps, fast)
     loss, stats = combine(terms, 0.8)
     loss.backward()
     return float(loss.detach()), stats, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
@@ -131,10 +136,12 @@ def test_a_sample_sees_nothing_of_its_row_neighbours():
         outs = []
         for s in (samples, mixed):
             b = pack(s, dtype=torch.float64)[0]
-            from draftport.training.ttt import packed_args
             with torch.no_grad():
-                outs.append(d.unroll(b.aux, b.tokens, 4, valid=b.valid, fused=fused, return_normed=True,
-                                     **packed_args(b)))
+                if fused:
+                    outs.append(fast_unroll.unroll(d, b.aux, b.tokens, 4, path=FastPath(), valid=b.valid,
+                                                   return_normed=True, **fast_unroll.packed_args(b)))
+                else:
+                    outs.append(d.unroll(b.aux, b.tokens, 4, valid=b.valid, return_normed=True, **packed_args(b)))
         keep = torch.zeros(19, dtype=torch.bool)
         keep[:6] = keep[14:] = True     # samples 0 and 2
         for a, b in zip(*outs):

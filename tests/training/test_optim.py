@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftport.model.fast.path import FastPath
 from draftport.training.optim import AdamW
 from draftport.plan.params import TrainConfig
 from toys import toy_batch, toy_cfg, toy_drafter
@@ -103,7 +104,7 @@ def test_checkpoint_round_trip_and_resume_under_either_optimizer(tmp_path):
     def steps(d, opt, n):
         params = list(trainable(d).values())
         for _ in range(n):
-            train_step(d, batch, head, opt, params, tcfg, impl="fused")
+            train_step(d, batch, head, opt, params, tcfg, fast=FastPath())
 
     d = toy_drafter(cfg, seed=4)
     opt = AdamW(list(trainable(d).values()), lr=1e-2, compiled=False)

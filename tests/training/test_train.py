@@ -11,6 +11,8 @@ import torch
 
 from draftport.data.shards import FeatureSet, Sequence, write_features
 from draftport.errors import DraftportError
+from draftport.model.fast.path import FastPath
+from draftport.training import loop
 from draftport.training.loop import TrainConfig, batch_ids, lr_at, train
 from toys import make_features, toy_cfg, toy_drafter, weights
 
@@ -104,57 +106,32 @@ def test_checkpoint_of_other_config_is_set_aside_not_resumed(tmp_path):
     assert list(tmp_path.glob("run/checkpoints.stale-*"))
 
 
-def test_attention_key_sets_the_kernel_and_a_change_of_it_still_resumes(tmp_path):
-    """train.attention picks the process's CUDA attention kernel (the CPU path ignores it: this
-    checks the switch and the resume, the H200 benchmark runs the kernels); a checkpoint made
-    under one kernel is continued under the other, and "default" leaves the switch alone."""
-    from draftport.model.fast import kernels
-
+def test_fast_params_describe_each_step_and_a_change_of_them_still_resumes(tmp_path, monkeypatch):
+    """train.fast and train.impl are all a training's fast path is made of: every step gets the
+    FastPath they describe (weight gradients summed in place in one process; compiled for impl
+    compiled; none for impl reference). The CPU trains under any kernel name (the H200 benchmark
+    runs the kernels), and a checkpoint made under one kernel is continued under another."""
     fs, head = make_features(tmp_path)
-    before = dict(kernels._BACKEND)
-    base = dict(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2)
-    try:
-        kernels.set_attention_backend("flash")
-        kernels.set_packed_attention("auto")
-        train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, attention="cudnn"),
-              progress=False, stop_after=2)
-        assert kernels._BACKEND["dense"] == "cudnn" and kernels.packed_attention() == "segments"
-        res = train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, attention="flash"),
-                    progress=False)
-        assert res["resumed_from"] == 2 and res["steps"] == 4
-        assert kernels._BACKEND["dense"] == "flash" and kernels.packed_attention() == "varlen"
-        kernels.set_attention_backend("cudnn")
-        train(toy_drafter(seed=5), fs, head, tmp_path / "other", TrainConfig(**dict(base, steps=1)), progress=False)
-        assert kernels._BACKEND["dense"] == "cudnn"   # default: as the environment / caller set it
-    finally:
-        kernels._BACKEND.update(before)
-    with pytest.raises(DraftportError, match=r"train\.attention: must be one of default, flash, cudnn, fa4"):
-        TrainConfig(**base, attention="math")
-
-
-def test_fa4_backend_is_a_switch_on_the_cpu_and_names_its_package_where_it_is_missing(tmp_path):
-    """train.attention fa4 selects FlashAttention-4 for CUDA (packed rows: its varlen kernel); the
-    CPU path trains as under any backend. Where flash-attn-4 is not importable, the first CUDA call
-    would fail with one line naming the package (the H200 benchmark runs the kernels)."""
-    import importlib.util
-
-    from draftport.model.fast import kernels
-
-    fs, head = make_features(tmp_path)
-    before = dict(kernels._BACKEND)
-    try:
-        kernels.set_packed_attention("auto")
-        res = train(toy_drafter(seed=5), fs, head, tmp_path / "run",
-                    TrainConfig(steps=2, batch_size=4, lr=3e-3, warmup_steps=1, attention="fa4", packing=True),
-                    progress=False)
-        assert res["steps"] == 2
-        assert kernels._BACKEND["dense"] == "fa4" and kernels.packed_attention() == "varlen"
-    finally:
-        kernels._BACKEND.update(before)
-    if importlib.util.find_spec("flash_attn") is None:
-        kernels._FA4.clear()
-        with pytest.raises(RuntimeError, match=r"^attention backend fa4: .*pip install --pre flash-attn-4"):
-            kernels._fa4()
+    seen = []
+    step = loop.train_step
+    monkeypatch.setattr(loop, "train_step", lambda *a, **kw: seen.append(kw["fast"]) or step(*a, **kw))
+    base = dict(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2, impl="fused",
+                packing=True)
+    train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, fast={"attention": "cudnn"}),
+          progress=False, stop_after=2)
+    assert seen[-1] == FastPath(attention="cudnn", accumulate_wgrad=True) and seen[-1].packed == "segments"
+    other = {"attention": "fa4", "packed_attention": "segments", "compile_tuning": False}
+    res = train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, fast=other), progress=False)
+    assert res["resumed_from"] == 2 and res["steps"] == 4
+    assert set(seen[2:]) == {FastPath(**other, accumulate_wgrad=True)}
+    train(toy_drafter(seed=5), fs, head, tmp_path / "ref", TrainConfig(**dict(base, steps=1, impl="reference")),
+          progress=False)
+    assert seen[-1] is None
+    assert loop.fast_path(TrainConfig(), "compiled", False) == FastPath(compile=True)
+    with pytest.raises(DraftportError, match=r"train\.fast\.attention: must be one of flash, cudnn, fa4"):
+        TrainConfig(**base, fast={"attention": "math"})
+    with pytest.raises(DraftportError, match=r"train\.attention: unknown key"):
+        TrainConfig(**base, attention="cudnn")
 
 
 # ---- held-out tau during training (train.eval_every, train.patience) ----------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from typing import Literal
 
 import torch
@@ -23,7 +24,7 @@ ATTENTION = ("flash", "cudnn", "fa4")
 PACKED_ATTENTION = ("auto", "varlen", "segments")
 
 # inductor's options with compile_tuning: each Triton kernel's block sizes searched as it compiles
-COMPILE_TUNING = {"coordinate_descent_tuning": True}
+COMPILE_TUNING = types.MappingProxyType({"coordinate_descent_tuning": True})
 
 
 @dataclasses.dataclass(frozen=True)
