@@ -15,7 +15,7 @@ from draftport.model.formats import save_safetensors
 from draftport.data.shards import (FeatureSet, Sequence, bytes_per_token, dequantize_fp8, quantize_fp8,
     write_features)
 from draftport.errors import DraftportError
-from targets import LLAMA_AUX, seed_folder, tiny_llama
+from tiny_targets import LLAMA_AUX, seed_folder, tiny_llama
 from toys import toy_cfg, toy_drafter
 
 E4M3_REL = 2.0 ** -4   # half an ulp of 3 mantissa bits, relative to the value

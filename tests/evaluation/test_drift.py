@@ -12,7 +12,7 @@ import torch
 from draftport.data.shards import FeatureSet
 from draftport.evaluation.drift import capture_same_tokens, drift_probe, drift_stats, linear_cka
 from draftport.errors import DraftportError
-from targets import H, LLAMA_AUX, LLAMA_VOCAB, seed_folder, tiny_llama
+from tiny_targets import H, LLAMA_AUX, LLAMA_VOCAB, seed_folder, tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,8 @@ from pathlib import Path
 import torch
 
 from draftport.data.shards import FeatureSet
-from draftport.pipeline.tracking import Logger
 from draftport.training.loop import TrainConfig, init_distributed, train
-from toys import toy_drafter
-
-
-class Keep(Logger):
-    def __init__(self):
-        self.losses = []
-
-    def log_metrics(self, m, step):
-        self.losses.append(m["loss"])
+from toys import LossLog, toy_drafter
 
 
 if __name__ == "__main__":
@@ -27,7 +18,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     head = torch.randn(100, 64, generator=torch.Generator().manual_seed(7))
     d = toy_drafter(seed=3)
-    log = Keep()
+    log = LossLog()
     cfg = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
                       impl=impl)
     train(d, FeatureSet(feats), head, out, cfg, logger=log, progress=False)

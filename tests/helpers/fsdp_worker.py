@@ -14,17 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from draftport.data.shards import FeatureSet
-from draftport.pipeline.tracking import Logger
 from draftport.training.loop import TrainConfig, init_distributed, train
-from toys import toy_drafter
-
-
-class Keep(Logger):
-    def __init__(self):
-        self.losses = []
-
-    def log_metrics(self, m, step):
-        self.losses.append(m["loss"])
+from toys import LossLog, toy_drafter
 
 
 if __name__ == "__main__":
@@ -45,7 +36,7 @@ if __name__ == "__main__":
     d = toy_drafter(seed=a.drafter_seed)
     # the frozen embedding always comes from the target, never from a checkpoint
     d.set_embedding(toy_drafter(seed=3).embed_tokens.weight)
-    log = Keep()
+    log = LossLog()
     cfg = TrainConfig(steps=a.steps, batch_size=4, lr=3e-3, warmup_steps=1, log_every=1,
                       checkpoint_every=a.checkpoint_every, impl=a.impl, parallel=a.parallel)
     res = train(d, FeatureSet(a.feats), head, out, cfg, logger=log, progress=False, stop_after=a.stop_after)

@@ -19,7 +19,7 @@ from draftport.plan import registry as R
 from draftport.training.loop import TrainConfig
 from draftport.training.phases import train_phase
 from repo import ROOT
-from targets import H, STUB_CTX, STUB_VOCAB, stub_target
+from tiny_targets import H, STUB_CTX, STUB_VOCAB, stub_target
 
 AUX = [1, 2, 3]
 K = 3

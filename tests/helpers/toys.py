@@ -1,5 +1,6 @@
 """The 64-wide toy drafter and what trains it: its config, the drafter (seeded), a batch, samples
-to pack, a learnable synthetic feature set with its head, and a drafter's weights to compare."""
+to pack, a learnable synthetic feature set with its head, a drafter's weights to compare, and a
+logger that keeps the loss of every logged step (what the torchrun workers report)."""
 
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from draftport.data.shards import Batch, FeatureSet, Sequence, write_features
 from draftport.model.config import DrafterConfig
 from draftport.model.drafter import Eagle3Drafter
 from draftport.model.vocab import build_maps
+from draftport.pipeline.tracking import Logger
 
 
 def toy_cfg(**kw):
@@ -94,3 +96,13 @@ def make_features(tmp: Path, n=24, seed=0):
 def weights(d):
     """A drafter's exported weights, cloned."""
     return {k: v.clone() for k, v in d.export_state().items()}
+
+
+class LossLog(Logger):
+    """Keeps the loss of every logged step."""
+
+    def __init__(self):
+        self.losses = []
+
+    def log_metrics(self, m, step):
+        self.losses.append(m["loss"])

@@ -31,7 +31,7 @@ from draftport.errors import DraftportError
 from draftport.outputs.export import export_problems, validate_export
 from draftport.model.vocab import build_maps
 
-from targets import H, STUB_CTX, STUB_VOCAB, stub_target
+from tiny_targets import H, STUB_CTX, STUB_VOCAB, stub_target
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from draftport.model.drafter import Eagle3Drafter
 from draftport.errors import DraftportError
 from draftport.outputs.export import export_problems, validate_export
 from draftport.model.vocab import build_maps
-from targets import H, STUB_CTX, STUB_LAYERS, STUB_VOCAB, stub_target
+from tiny_targets import H, STUB_CTX, STUB_LAYERS, STUB_VOCAB, stub_target
 
 
 def make_export(folder, target, *, include_embed=False, **cfg_kw):

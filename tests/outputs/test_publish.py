@@ -22,7 +22,7 @@ from draftport.errors import DraftportError
 from draftport.outputs.export import validate_export
 from publish_pipeline import AUX, build_pipeline
 from repo import ROOT
-from targets import stub_target
+from tiny_targets import stub_target
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from draftport.errors import DraftportError
 from draftport.data.features import featurizer
 from draftport.training.spool import MARKER, SpoolFeatures, _files_bytes, consumption_order
 from draftport.training.loop import TrainConfig, batch_ids, train
-from targets import H, LLAMA_AUX, LLAMA_VOCAB, tiny_llama
+from tiny_targets import H, LLAMA_AUX, LLAMA_VOCAB, tiny_llama
 from toys import toy_cfg, toy_drafter, weights
 
 META = {"aux_layer_ids": LLAMA_AUX, "aux_convention": "vllm"}
