@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from draftport.data.packing import pack, plan_rows
-from draftport.data.shards import Batch, collate
+from draftport.data.shards import Batch, FeatureSet, collate
 from draftport.model.drafter import Attention
 from draftport.model.fast import unroll as fast_unroll
 from draftport.model.fast.attention import Segments, ttt_attention
 from draftport.model.fast.path import FastPath
 from draftport.training.loop import TrainConfig, init_distributed, train
 from draftport.training.ttt import combine, packed_args, ttt_terms
-from toys import make_features, make_samples, toy_cfg, toy_drafter
+from toys import LossLog, make_features, make_samples, toy_cfg, toy_drafter
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # what the torchrun worker (this file) imports
 
@@ -213,21 +213,11 @@ def test_packing_under_two_gloo_processes_equals_one_padded_process(tmp_path, pa
 
 
 if __name__ == "__main__":   # the torchrun worker of the test above
-    from draftport.data.shards import FeatureSet
-    from draftport.pipeline.tracking import Logger
-
-    class Keep(Logger):
-        def __init__(self):
-            self.losses = []
-
-        def log_metrics(self, m, step):
-            self.losses.append(m["loss"])
-
     feats, out, parallel, impl, packing = sys.argv[1:6]
     rank, world = init_distributed()
     head = torch.randn(100, 64, generator=torch.Generator().manual_seed(7))
     d = toy_drafter(seed=3)
-    log = Keep()
+    log = LossLog()
     cfg = TrainConfig(steps=5, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
                       impl=impl, parallel=parallel, packing=packing == "1")
     train(d, FeatureSet(feats), head, Path(out), cfg, logger=log, progress=False)
