@@ -34,7 +34,7 @@ from draftport.errors import DraftportError
 from draftport.data.storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive, bytes_per_token,
     check_storage, storage_need)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/estimate.py)
 DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-12-03-h200-train-9.json"
 RESULTS = ROOT / "benchmarks" / "results"
 PHASES = (("phase1_scratch", "phase1"), ("phase1", "phase1"), ("phase2", "phase2"))
