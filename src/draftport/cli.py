@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from inspect import cleandoc
 from typing import Annotated
 
 import typer
@@ -38,12 +39,14 @@ def compare(
 ):
     """Config, weights and vocab maps of two drafters side by side, from headers only (with
     --target, also the bytes of embed_tokens where a drafter carries one)."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
     from draftport.outputs.compare import compare_drafters
 
     rep = compare_drafters(src, dst, target=target)
     if as_json:
         _print_json(rep)
     else:
+        # lazy: rich's tables, for the text output only
         from draftport.outputs.render import compare_renderables, show
 
         show(compare_renderables(rep))
@@ -61,6 +64,7 @@ def costmodel(
     as_json: JsonFlag = False,
 ):
     """Accept length and acceptance a drafter needs to pay off, and to reach target throughputs."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
     from draftport.evaluation.costmodel import CostModel, best_k
 
     cm = CostModel(baseline_tok_s, verify_ms, draft_ms, k)
@@ -74,6 +78,7 @@ def costmodel(
     if as_json:
         _print_json(rep)
     else:
+        # lazy: rich's tables, for the text output only
         from draftport.outputs.render import costmodel_renderables, show
 
         show(costmodel_renderables(rep))
@@ -85,12 +90,14 @@ def inspect(
     as_json: JsonFlag = False,
 ):
     """Tensor names, shapes, dtypes and the normalized config, from headers only."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
     from draftport.model.formats import inspect_report
 
     rep = inspect_report(folder)
     if as_json:
         _print_json(rep)
     else:
+        # lazy: rich's tables, for the text output only
         from draftport.outputs.render import inspect_renderables, show
 
         show(inspect_renderables(rep))
@@ -120,6 +127,7 @@ def estimate(
 ):
     """Wall time and disk of a profile's phases: regenerating the answers, capturing the hidden
     states and training, per storage mode (disk bf16 / fp8, online), every input printed."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
     from draftport.outputs import estimate as E
     from draftport.plan.params import load
 
@@ -131,6 +139,7 @@ def estimate(
     if as_json:
         _print_json(rep)
     else:
+        # lazy: rich's tables, for the text output only
         from draftport.outputs.render import estimate_renderables, show
 
         show(estimate_renderables(rep))
@@ -143,6 +152,7 @@ def decide(
     as_json: JsonFlag = False,
 ):
     """The decision: which init, how much data, whether Phase 2 pays (CIs and rules: docs/decision.md)."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
     from draftport.evaluation.decision import load_decision, render_text
 
     rep = load_decision(path)
@@ -166,6 +176,7 @@ def ui(
 ):
     """The MLflow UI on the tracking store: starts `mlflow server` and prints the addresses of the
     phase runs' compare view, their tau by training step and the runs table (Ctrl-C stops it)."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
     from draftport.ui import main as ui_main
 
     raise typer.Exit(ui_main(configfile or [], params, host, port, print_urls, as_json, log))
@@ -189,10 +200,12 @@ def publish(
     """The chosen drafter as a hub-ready folder (flat config.json, model.safetensors with the new
     target's embed_tokens, a README.md model card) from the pipeline's artifacts, checked; with
     --push, uploaded (docs/publish.md)."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
     from draftport.outputs import publish as PUB
 
     if push:  # no token: one line, before anything is read or built
         PUB.hub_token()
+    # lazy: a command imports what it runs when it runs (see the module docstring)
     from draftport.plan.params import load
     from draftport.plan import registry as R
 
@@ -219,10 +232,8 @@ def _one_line_summaries() -> None:
     """`draftport --help` lists each command with its docstring's first paragraph, and typer's rich
     mode keeps that paragraph's line breaks there (the line ends mid-sentence in the panel): hand
     each command the paragraph as one line (its own --help still shows the docstring whole)."""
-    import inspect
-
     for info in app.registered_commands:
-        doc = inspect.cleandoc(info.callback.__doc__ or "") if info.callback else ""
+        doc = cleandoc(info.callback.__doc__ or "") if info.callback else ""
         if doc and info.short_help is None:
             info.short_help = " ".join(doc.split("\n\n")[0].split())
 

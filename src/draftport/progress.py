@@ -15,8 +15,7 @@ one every DRAFTPORT_PROGRESS_SECONDS seconds (default 5; 0: at every update) and
 
 The step runner writes stdout/stderr both to the terminal and to logs/<step>.log; on a terminal
 the bar's carriage-return updates reach the log too, and `LogWriter`, the log side of that Tee,
-collapses them to a line every few seconds. Only the standard library is imported here; tqdm is
-imported when a bar is shown.
+collapses them to a line every few seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +27,8 @@ import sys
 import threading
 import time
 from typing import IO, Any, Callable
+
+from tqdm import tqdm
 
 ENV_SECONDS = "DRAFTPORT_PROGRESS_SECONDS"
 DEFAULT_SECONDS = 5.0
@@ -97,8 +98,6 @@ class _Bar(Progress):
     """tqdm, for a terminal."""
 
     def __init__(self, total, desc, unit, *, initial, leave, file):
-        from tqdm import tqdm
-
         self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, file=file,
                          dynamic_ncols=True)
 

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -25,6 +26,10 @@ import urllib.request
 from pathlib import Path
 
 from draftport.errors import DraftportError
+from draftport.pipeline.runner import RUNS_DIR
+from draftport.pipeline.tracking import check_reachable, client, experiment_name, retry, tracking_uri
+from draftport.plan import params as P
+from draftport.plan import registry as R
 
 METRIC = "accept_length"  # the phases' headline; by step in each training run (tau during training)
 CURVES = "curves"         # the learning curves' parent run (one nested run per point)
@@ -35,8 +40,6 @@ TOGGLE = ('if the UI opens on a GenAI overview ("Traces 0"), pick "Model trainin
 
 def phases() -> list[str]:
     """The phase runs, in the plan's order (the registry's evaluation steps), curves left out."""
-    from draftport.plan import registry as R
-
     out = []
     for row in R.STEPS:
         if row.run and row.run != CURVES and row.name == f"eval_{row.run}" and row.run not in out:
@@ -46,14 +49,10 @@ def phases() -> list[str]:
 
 def trained_phases() -> set[str]:
     """Phases with a training step: their runs hold accept_length by step."""
-    from draftport.plan import registry as R
-
     return {row.run for row in R.STEPS if row.trains and row.run}
 
 
 def profile_of(configfiles: list[Path], base: Path) -> str:
-    from draftport.plan import params as P
-
     cfg = P.read_yaml(base)
     for f in configfiles:
         cfg = P.merge(cfg, P.read_yaml(f))
@@ -74,9 +73,6 @@ def _check_store(uri: str) -> None:
         raise DraftportError(uri, f"no tracking store ({db} does not exist); {HINT}, or set "
                                   f"MLFLOW_TRACKING_URI to the store the pipeline logged to")
     if db is not None:  # read-only look: MLflow would turn any sqlite file into a store
-        import sqlite3
-
-        from draftport.pipeline.tracking import retry
 
         def tables_of():
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
@@ -92,8 +88,6 @@ def _check_store(uri: str) -> None:
         if not {"experiments", "runs"} <= tables:
             raise DraftportError(uri, f"not an MLflow tracking store ({db} has no experiments and runs tables); {HINT}")
     if uri.startswith(("http://", "https://")):
-        from draftport.pipeline.tracking import check_reachable
-
         check_reachable(uri)
 
 
@@ -111,9 +105,6 @@ def find_runs(uri: str, profile: str, runs_dir: Path | str | None = None, check:
     {run_id, accept_length, by}}, missing, curves: {run_id, children} or None}. A phase's run is
     the one the workspace's record names when this store holds it (by "record": the same run
     whichever URI reached it), else the phase's latest top-level run (by "latest")."""
-    from draftport.pipeline.runner import RUNS_DIR
-    from draftport.pipeline.tracking import client, experiment_name, retry
-
     runs_dir = Path(runs_dir if runs_dir is not None else RUNS_DIR)
     if check:
         _check_store(uri)
@@ -128,6 +119,7 @@ def find_runs(uri: str, profile: str, runs_dir: Path | str | None = None, check:
         others = sorted(x.name for x in retry(c.search_experiments) if x.name.startswith("draftport-"))
         has = f" (it has {', '.join(others)}: pass that profile's --configfile)" if others else ""
         raise DraftportError(uri, f"no experiment {name}{has}; {HINT}")
+    # lazy: mlflow is optional (the pipeline extra)
     from mlflow.entities import ViewType
 
     found = retry(c.search_runs, [exp.experiment_id], run_view_type=ViewType.ACTIVE_ONLY, max_results=5000,
@@ -270,8 +262,6 @@ def _fmt(v) -> str:
 def main(configfiles: list[Path], base: Path, host: str, port: int, print_only: bool, as_json: bool,
          log: Path) -> int:
     """The `draftport ui` command (cli.py parses, this runs)."""
-    from draftport.pipeline.tracking import tracking_uri
-
     uri = tracking_uri()
     _check_store(uri)  # before the profile: run in the wrong folder, this says more
     found = find_runs(uri, profile_of(configfiles, base), check=False)

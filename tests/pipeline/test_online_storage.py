@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftport.training import loop as T
+from draftport.training import phases
 from draftport.model.bind import new_drafter_config
 from draftport.model.config import target_text_config
 from draftport.data.shards import FeatureSet, SequenceSet, open_set
@@ -133,10 +133,10 @@ def test_resume_restarts_the_capture_at_the_checkpoints_data_position(micro, mon
     for mode in ("online", "hybrid"):
         _, ref = run(micro, mode, f"ref_{mode}", c)
         name = f"resumed_{mode}"
-        orig = T.train
-        monkeypatch.setattr(T, "train", lambda *a, **k: orig(*a, **{**k, "stop_after": 9}))  # into epoch 2
+        orig = phases.train
+        monkeypatch.setattr(phases, "train", lambda *a, **k: orig(*a, **{**k, "stop_after": 9}))  # into epoch 2
         run(micro, mode, name, c)
-        monkeypatch.setattr(T, "train", orig)
+        monkeypatch.setattr(phases, "train", orig)
         state = json.loads((micro["root"] / name / "checkpoints" / "step_0000009" / "state.json").read_text())
         assert state["data_position"] == 9 * 4
         rep, w = run(micro, mode, name, c)
@@ -146,10 +146,10 @@ def test_resume_restarts_the_capture_at_the_checkpoints_data_position(micro, mon
 
 def test_a_checkpoint_at_another_data_position_is_refused(micro, monkeypatch):
     c = cfg(6)
-    orig = T.train
-    monkeypatch.setattr(T, "train", lambda *a, **k: orig(*a, **{**k, "stop_after": 3}))
+    orig = phases.train
+    monkeypatch.setattr(phases, "train", lambda *a, **k: orig(*a, **{**k, "stop_after": 3}))
     run(micro, "online", "moved", c)
-    monkeypatch.setattr(T, "train", orig)
+    monkeypatch.setattr(phases, "train", orig)
     st = micro["root"] / "moved" / "checkpoints" / "step_0000003" / "state.json"
     st.write_text(json.dumps({**json.loads(st.read_text()), "data_position": 5}))
     with pytest.raises(DraftportError, match="records data position 5, but step 3 x batch 4 reads from 12"):

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from draftport.model.config import target_text_config
 from draftport.errors import DraftportError
@@ -39,6 +41,7 @@ def compile_layers(model, mode: str = "default") -> None:
     compiled code, in the module's eager __call__, and the layers share one graph (their weights
     are its inputs). dynamic=False compiles once per batch shape: pad the batch lengths
     (padded_length) to bound them."""
+    # lazy: torch._dynamo takes seconds to import; only a compiled capture needs it
     import torch._dynamo as dynamo
 
     layers, _, _ = decoder_parts(model)
@@ -82,8 +85,6 @@ text_config = target_text_config  # the text decoder's config (also of a multimo
 
 def _tensor_names(path: Path) -> dict[str, Path]:
     """name -> file, from the safetensors headers (no tensor is read)."""
-    from safetensors import safe_open
-
     out = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
@@ -94,8 +95,6 @@ def _tensor_names(path: Path) -> dict[str, Path]:
 def read_text_tensor(path: str | Path, name: str, tied_to: str | None = None) -> torch.Tensor:
     """A tensor of the text decoder by its plain causal-LM name ('model.norm.weight',
     'lm_head.weight'), found at the top level or under a multimodal wrapper's prefix."""
-    from safetensors import safe_open
-
     path = Path(path)
     names = _tensor_names(path)
     for cand in [name, *(tied_to and [tied_to] or [])]:
@@ -138,8 +137,6 @@ def load_target(path: str | Path, *, dtype=torch.float32, device="cpu", trust_re
     loads as its text decoder alone: the vision tower is never built. device "auto": the
     weights are spread over the visible GPUs (device_map), for targets that fit them.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise DraftportError(path, "not a model folder (no config.json)")
@@ -271,8 +268,6 @@ def target_identity(path: str | Path) -> dict:
 def read_target_tensor(path: str | Path, suffix: str) -> torch.Tensor:
     """One tensor of a target folder by name suffix (e.g. 'lm_head.weight'), without loading the
     model: the drafter needs only the target's embedding and lm_head."""
-    from safetensors import safe_open
-
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -10,11 +10,13 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
-from draftport.data.shards import Sequence, bytes_per_token, capture_meta, to_device, write_features
+from draftport.data.shards import Sequence, bytes_per_token, capture_meta, to_device, write_features, write_sequences
 from draftport.errors import DraftportError
 from draftport.progress import progress
-from draftport.data.capture import capture_dtype, capture_features, load_target, regenerate, target_identity
+from draftport.data.capture import (capture_dtype, capture_features, compile_layers, load_target, padded_length,
+    regenerate, remote_code_refused, target_identity, text_config, uncompile_layers)
 
 
 def log(msg: str) -> None:
@@ -24,10 +26,6 @@ def log(msg: str) -> None:
 # ---- tokenization through the target's chat template ------------------------------------------
 def load_tokenizer(target_dir, trust_remote_code: bool = False):
     """The target's tokenizer; its own code runs only when the params trust its repo."""
-    from transformers import AutoTokenizer
-
-    from draftport.data.capture import remote_code_refused
-
     with remote_code_refused(target_dir):
         return AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
 
@@ -101,8 +99,8 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
     settings recorded for the training step that captures the states itself (draftport.training.spool).
     The storage check covers every mode: disk the states; online / hybrid the token ids, plus the
     spool bound when spool_gb is given (the training step checks its spool where it makes it)."""
+    # lazy (registry): drift and online_* run this module without data.storage
     from draftport.data.storage import SPOOL_GB, check_storage, storage_need
-    from draftport.data.capture import text_config
 
     samples = read_samples(samples_path, n_samples, offset)
     tok = load_tokenizer(target_dir, trust_remote_code)
@@ -135,6 +133,7 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
         budget = [min(max_new_tokens, ctx - len(p)) for p in prompts]
         with progress(len(prompts), "regenerate", "sample") as bar:
             if regenerate_via == "openai":
+                # lazy (registry): only features.engine openai runs engines.openai; the training rows do not list it
                 from draftport.engines.openai import regenerate_openai
 
                 resp = regenerate_openai(base_url, served_model, prompts, max_new_tokens=max(budget),
@@ -154,8 +153,6 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
             "samples_file": str(samples_path), "offset": offset,
             "num_target_layers": int(tcfg.get("num_hidden_layers", 0))}
     if storage != "disk":
-        from draftport.data.shards import write_sequences
-
         del model
         capture = {"storage": storage, "engine": engine, "dtype": dtype, "device": device, "batch_size": batch_size,
                    "tensor_parallel_size": tensor_parallel_size, "shard_samples": shard_samples,
@@ -165,6 +162,7 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
             f"(storage {storage}: the training step captures their states)")
         return index
     if engine == "vllm":
+        # lazy (registry): only features.engine vllm runs this; world's and online_*'s rows do not list it
         from draftport.engines.vllm.hidden_states import capture_features_vllm
 
         del model
@@ -196,6 +194,7 @@ def capture_writer(target_dir, index: dict, trust_remote_code: bool = False):
     aux, conv, dtype, bs = list(index["aux_layer_ids"]), index["aux_convention"], cap["dtype"], int(cap["batch_size"])
     meta = capture_meta(index)
     if cap["engine"] == "vllm":
+        # lazy (registry): only features.engine vllm runs this; world's and online_*'s rows do not list it
         from draftport.engines.vllm.hidden_states import capture_features_vllm
 
         def write_vllm(folder, seqs):
@@ -252,8 +251,6 @@ def featurizer(model, aux_layer_ids, convention: str, device: str, pad: int = 0,
     write steady state 76% / 82% of the prefill roofline at the 8B / 32B shapes against 64% / 71%
     eager. A compile that fails (at whichever batch) falls back to the eager layers, said in one
     line."""
-    from draftport.data.capture import compile_layers, padded_length, uncompile_layers
-
     head = greedy_head(model)
     dev = capture_device(model, device)
     gpu = dev.type == "cuda"

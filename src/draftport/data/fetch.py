@@ -19,7 +19,12 @@ import hashlib
 import json
 import os
 import shutil
+from fnmatch import fnmatch
 from pathlib import Path
+
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
 from draftport.model.formats import PICKLE_SUFFIXES, atomic_dir, atomic_write_text, save_safetensors, sha256
 from draftport.errors import DraftportError
@@ -43,7 +48,6 @@ def place(src: Path, dst: Path) -> None:
 
 
 def _match(name: str, patterns) -> bool:
-    from fnmatch import fnmatch
     return any(fnmatch(name, p) for p in patterns)
 
 
@@ -51,8 +55,6 @@ def convert_pickles(src: Path, pickles: list[Path], out: Path) -> dict[str, str]
     """Pickle weights -> safetensors in out (allowed by params only). torch.load(weights_only=True)
     unpickles tensors and plain containers and refuses any other object, so no code runs.
     -> {pickle name: safetensors name}."""
-    import torch
-
     names = {}
     for p in pickles:
         try:
@@ -114,8 +116,6 @@ def resolve(source: str, revision: str | None, cache_dir=None, patterns=DRAFTER_
         return local, "local"
     if "/" not in source or source.count("/") > 1:
         raise DraftportError(source, "neither an existing folder nor a hub id like org/name")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")

@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 # the layout of save_safetensors' files, used to write a shard in place (see _ShardFile)
-from draftport.model.formats import TORCH_CODES, atomic_dir, atomic_write_text, layout_header
+from draftport.model.formats import (TORCH_CODES, atomic_dir, atomic_write_text, disk_full_error, layout_header,
+    save_safetensors)
 from draftport.model.formats import sha256 as sha256_file
 from draftport.errors import DraftportError
 
@@ -152,8 +154,6 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
         return _write_shards(out_dir, sequences, featurize, meta, shard_samples, batch_size, dtype, progress,
                              window if by_length else None, writers)
     except Exception as e:
-        from draftport.model.formats import disk_full_error
-
         full = disk_full_error(e, out_dir)
         if full is None:
             raise
@@ -518,7 +518,6 @@ class FeatureSet:
 
     def _shard(self, si):
         if self.shards[si] is None:
-            from safetensors.torch import load_file
             path = self.folder / self.index["shards"][si]["file"]
             try:
                 sh = load_file(str(path))
@@ -590,8 +589,6 @@ def write_sequences(out_dir: str | Path, sequences: list[Sequence], *, meta: dic
     batch size, ...; the training step reads it, so a change reruns what trains on it), the
     hidden size and bytes per token the capture will give, and the file's sha256. Written into
     a temporary sibling folder renamed into place."""
-    from draftport.model.formats import save_safetensors
-
     out_dir = Path(out_dir)
     if not sequences:
         raise DraftportError(out_dir, "no samples to write (empty dataset)")
@@ -626,8 +623,6 @@ class SequenceSet:
     capture runs on. Checked as a FeatureSet is: index.json parsed, the file's sha256."""
 
     def __init__(self, folder: str | Path, verify: bool = True):
-        from safetensors.torch import load_file
-
         self.folder = Path(folder)
         idx_path, self.index = read_index(self.folder, "sequences")
         ent = self.index.get("sequences")

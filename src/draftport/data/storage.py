@@ -30,6 +30,7 @@ def _positive(name: str, value, *, at_most: float | None = None) -> None:
 def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -> tuple[int, str]:
     """(bytes per stored token, how): draftport.data.shards's, the writer's own size (fp8_e4m3: 1 B per
     element + a float32 scale per token per state)."""
+    # lazy: data.shards imports torch; `draftport estimate` imports this module and stays torch-free
     from draftport.data import shards as data
 
     try:
@@ -68,6 +69,7 @@ def check_storage(folder, need: dict, log=print) -> dict:
     """Refuse (one line) when the disk at folder cannot hold `need` (storage_need's) with 5% to
     spare; hybrid: refuse below online's need, and say whether the first epoch's cache fits.
     Returns need with `free_bytes` (and, for hybrid, `cache`: true when the cache fits)."""
+    # lazy: data.shards imports torch; `draftport estimate` imports this module and stays torch-free
     from draftport.data.shards import human
 
     folder = Path(folder)

@@ -22,12 +22,16 @@ Three definitions of "how much is accepted", all from the same counts (`summariz
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
 
 from draftport.model.drafter import Eagle3Drafter
-from draftport.data.shards import Batch
+from draftport.data.shards import Batch, FeatureSet, iter_batches
+from draftport.model.bind import check_features_fit, drafter_for_target, target_head
+from draftport.model.formats import load_drafter_state
+from draftport.progress import progress
 from draftport.training.ttt import target_logits
 
 
@@ -143,8 +147,6 @@ def offline_accept_length(drafter: Eagle3Drafter, batches: Iterable[tuple[Batch,
 def held_out_monitor(fs, target_head: torch.Tensor, *, k: int, batch_size: int = 32):
     """train()'s monitor: the drafter's tau on a fixed held-out feature set (collated once, on the
     target head's device), drafted as evaluate_drafter drafts."""
-    from draftport.data.shards import iter_batches
-
     dev = target_head.device
     batches = [(b.to(dev), starts) for b, starts in iter_batches(fs, list(range(len(fs))), batch_size)]
 
@@ -157,12 +159,6 @@ def held_out_monitor(fs, target_head: torch.Tensor, *, k: int, batch_size: int =
 def evaluate_drafter(drafter_dir, target_dir, features_dir, *, k: int, batch_size: int = 16,
              max_samples: int | None = None) -> dict:
     """Offline accept length of a saved drafter on held-out features of a target."""
-    import time
-
-    from draftport.model.bind import check_features_fit, drafter_for_target, target_head
-    from draftport.model.formats import load_drafter_state
-    from draftport.data.shards import FeatureSet, iter_batches
-
     cfg, state = load_drafter_state(drafter_dir)
     fs = FeatureSet(features_dir)
     check_features_fit(cfg, fs, drafter_dir)
@@ -170,7 +166,6 @@ def evaluate_drafter(drafter_dir, target_dir, features_dir, *, k: int, batch_siz
     head = target_head(target_dir)
     ids = list(range(len(fs) if max_samples is None else min(len(fs), max_samples)))
     t0 = time.time()
-    from draftport.progress import progress
 
     with progress(len(ids), "evaluate", "sample") as bar:
         res = offline_accept_length(d, iter_batches(fs, ids, batch_size), head, k, progress=bar.update)

@@ -15,6 +15,8 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+
 from draftport.errors import DraftportError
 
 SCHEMA = "draftport.evaluation.decision/1"
@@ -54,8 +56,6 @@ def _fmt_ci(ci) -> str:
 
 def _counts(accepted, cycles, where: str):
     """[S, P] float arrays of accepted / cycles, checked (1-D input is one seed row)."""
-    import numpy as np
-
     try:
         a = np.asarray(accepted, dtype=float)
         c = np.asarray(cycles, dtype=float)
@@ -92,8 +92,6 @@ def _boot_taus(rng, per_prompt_pairs, P: int, n_boot: int):
     """For each replicate, one draw of P prompt indices; per (A, C) pair (per-prompt sums over that
     drafter's seeds) the pooled tau of the drawn prompts. Returns one array [n_boot] per pair (nan
     where the drawn prompts have no cycle at all)."""
-    import numpy as np
-
     outs = [np.empty(n_boot) for _ in per_prompt_pairs]
     done = 0
     while done < n_boot:
@@ -109,8 +107,6 @@ def _boot_taus(rng, per_prompt_pairs, P: int, n_boot: int):
 
 
 def _percentile_ci(samples, level: float) -> list[float]:
-    import numpy as np
-
     ok = samples[np.isfinite(samples)]
     if ok.size == 0:
         raise DraftportError("bootstrap", "every bootstrap replicate drew prompts without a single cycle")
@@ -125,8 +121,6 @@ def tau_ci(accepted, cycles, *, n_boot: int = 2000, level: float = 0.95, seed: i
 
     Returns {"accept_length", "ci": [lo, hi], "seeds": per-row tau, "seed_std" (population std of
     the rows' tau, 0.0 for one row), "n_prompts"}. Deterministic given `seed`."""
-    import numpy as np
-
     _check_boot(n_boot, level)
     a, c = _counts(accepted, cycles, where)
     row_cyc = c.sum(axis=1)
@@ -148,8 +142,6 @@ def paired_diff_ci(a_acc, a_cyc, b_acc, b_cyc, *, n_boot: int = 2000, level: flo
     bootstrap CI from one shared prompt draw per replicate.
 
     Returns {"diff", "ci": [lo, hi], "significant" (the CI excludes 0), "better": "a" | "b" | None}."""
-    import numpy as np
-
     _check_boot(n_boot, level)
     a, ac = _counts(a_acc, a_cyc, f"{where} (a)")
     b, bc = _counts(b_acc, b_cyc, f"{where} (b)")
@@ -176,6 +168,7 @@ def _verdict(ci, break_even: float) -> str:
 
 
 def _cost(costmodel, k):
+    # lazy (registry): eval_curves runs this module without evaluation.costmodel
     from draftport.evaluation.costmodel import CostModel
 
     if not isinstance(costmodel, dict):

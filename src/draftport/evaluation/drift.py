@@ -28,13 +28,21 @@ Metric names (a = the reference, the old target; b = the other, the new target):
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from draftport.data.shards import FeatureSet, Sequence, collate, write_features
 from draftport.errors import DraftportError
-from draftport.data.capture import check_aux_ids, target_identity, text_config
+from draftport.data.capture import capture_dtype, check_aux_ids, load_target, target_identity, text_config
+from draftport.data.features import featurizer, on_gpu
+from draftport.engines.vllm.hidden_states import capture_features_vllm
+from draftport.evaluation.accept import evaluate_drafter, offline_accept_length
+from draftport.model.bind import check_features_fit, drafter_for_target, target_head
+from draftport.model.formats import atomic_write_text, load_drafter_state
+from draftport.progress import progress
 
 DEFAULT_MAX_TOKENS = 4096  # CKA's token sample: Gram matrices of 4096^2 float64 (128 MB each)
 CKA_SEED = 0
@@ -47,8 +55,6 @@ def log(msg: str) -> None:
 # ---- reading a feature folder's token sequences (no hidden state is loaded) -------------------
 def _shard_small(fs: FeatureSet, si: int) -> dict[str, torch.Tensor]:
     """tokens, loss_mask, offsets, response_start of one shard, read alone (safe_open)."""
-    from safetensors import safe_open
-
     path = fs.folder / fs.index["shards"][si]["file"]
     try:
         with safe_open(str(path), framework="pt") as sf:
@@ -166,19 +172,14 @@ def capture_same_tokens(target_dir, features_dir, out_dir, *, batch_size: int = 
             meta[key] = fs.index[key]
     ntok = sum(len(s.tokens) for s in seqs)
     log(f"drift: {target_identity(target_dir)['id']} over the {len(seqs)} sequences ({ntok} tokens) of {features_dir}")
-    from draftport.progress import progress
 
     if engine == "vllm":
-        from draftport.engines.vllm.hidden_states import capture_features_vllm
-
         with progress(len(seqs), "capture same tokens (vLLM)", "sample") as bar:
             return capture_features_vllm(target_dir, seqs, out_dir, aux_ids=aux_ids, convention=conv, meta=meta,
                                          tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                                          batch_size=batch_size, shard_samples=shard_samples, progress=bar.update)
     if engine != "transformers":
         raise DraftportError("features.engine", f"unknown engine {engine!r} (transformers or vllm)")
-    from draftport.data.features import featurizer, on_gpu
-    from draftport.data.capture import capture_dtype, load_target
 
     model = load_target(target_dir, dtype=capture_dtype(device, dtype), device=device,
                         trust_remote_code=trust_remote_code)
@@ -342,8 +343,6 @@ def _greedy(sample: dict, head: torch.Tensor | None, fs: FeatureSet) -> torch.Te
 
 # ---- 3. the probe ------------------------------------------------------------------------------
 def _eval_json(path: Path, res: dict) -> None:
-    from draftport.model.formats import atomic_write_text
-
     res = {k: v for k, v in res.items() if k != "eval_seconds"}  # identical runs, identical bytes
     atomic_write_text(path, json.dumps(res, indent=2, sort_keys=True) + "\n")
 
@@ -354,10 +353,6 @@ def tau_with_choices(drafter_dir, target_dir, features_dir, choices_dir, *, k: i
     """evaluate_drafter's offline accept length with the drafter bound to target_dir and reading
     features_dir's states, its drafts checked against another folder's greedy choices (choices_dir:
     the same sequences, captured from another target)."""
-    from draftport.model.bind import check_features_fit, drafter_for_target, target_head
-    from draftport.model.formats import load_drafter_state
-    from draftport.evaluation.accept import offline_accept_length
-
     cfg, state = load_drafter_state(drafter_dir)
     fs, fc = _open(features_dir), _open(choices_dir)
     check_features_fit(cfg, fs, drafter_dir)
@@ -418,8 +413,6 @@ def drift_probe(source_drafter, target_old, target_new, features_new, out_dir, *
 
     k, batch_size, max_samples: as eval.* (the evaluator); feature_batch_size, dtype, device,
     engine, tensor_parallel_size: as features.* (the capture); max_tokens: CKA's token sample."""
-    from draftport.evaluation.accept import evaluate_drafter
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     old_dir = out_dir / "features_old"
@@ -444,7 +437,5 @@ def drift_probe(source_drafter, target_old, target_new, features_new, out_dir, *
         out[f"accept_rate_pos_{i}_old_features"] = ev_old[f"accept_rate_pos_{i}"]
         out[f"accept_rate_pos_{i}_new_features"] = ev_new[f"accept_rate_pos_{i}"]
     if not keep_features:
-        import shutil
-
         shutil.rmtree(old_dir)
     return out

@@ -27,12 +27,17 @@ Every input is printed next to the result so the arithmetic can be redone by han
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
+
+from rich.console import Console, Group
 
 from draftport.errors import DraftportError
 from draftport.data.storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive, bytes_per_token,
     check_storage, storage_need)
+from draftport.model.config import target_text_config
+from draftport.outputs.render import estimate_renderables
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/estimate.py)
 DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-12-03-h200-train-9.json"
@@ -119,8 +124,6 @@ def bench_throughput(path=DEFAULT_BENCH) -> dict:
 
 # ---- the target's shape: active parameters and capture FLOPs ------------------------------------
 def _read_text_config(path: Path) -> dict:
-    from draftport.model.config import target_text_config
-
     path = Path(path)
     if path.is_dir():
         return target_text_config(path)
@@ -403,12 +406,6 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
 
 def render(rep: dict) -> str:
     """The tables `draftport estimate` prints (render.estimate_renderables), as plain text."""
-    import io
-
-    from rich.console import Console, Group
-
-    from draftport.outputs.render import estimate_renderables
-
     buf = io.StringIO()
     Console(file=buf, width=150, color_system=None, highlight=False).print(Group(*estimate_renderables(rep)))
     return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())

@@ -17,8 +17,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
+from safetensors import safe_open
 
-from draftport.model.formats import REQUIRED_KEYS, OPTIONAL_KEYS, expected_shapes, read_header
+from draftport.data.capture import read_target_tensor
+from draftport.model.formats import (OPTIONAL_KEYS, REQUIRED_KEYS, expected_shapes, find_target_embedding,
+    read_header, read_tensor_np, tensor_sha256)
 from draftport.model.config import FLAT_ARCH, parse_config, target_text_config
 from draftport.errors import DraftportError
 
@@ -40,8 +44,6 @@ def _raw_tables(folder: Path) -> dict:
 
 
 def _read(info):
-    from draftport.model.formats import read_tensor_np
-
     return read_tensor_np(info)
 
 
@@ -169,8 +171,6 @@ def export_problems(drafter_dir, target_dir, *, context: int | None = None,
 
 def _embed_bits_problems(info, target_dir) -> list[str]:
     """The export's embed_tokens must be the target's bit for bit (online.embed_tokens: target)."""
-    from draftport.model.formats import find_target_embedding, tensor_sha256
-
     try:
         theirs = find_target_embedding(target_dir)
     except DraftportError as e:
@@ -185,11 +185,6 @@ def _embed_bits_problems(info, target_dir) -> list[str]:
 
 
 def _embed_problems(info, target_dir) -> list[str]:
-    import torch
-    from safetensors import safe_open
-
-    from draftport.data.capture import read_target_tensor
-
     try:
         mine = None
         with safe_open(str(info.file), framework="pt") as sf:

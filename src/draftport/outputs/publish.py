@@ -34,7 +34,19 @@ import os
 import shutil
 from pathlib import Path
 
+from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub.errors import HfHubHTTPError
+
+from draftport.data.capture import target_identity
+from draftport.engines.speculators.roundtrip import convert_command
+from draftport.engines.vllm.serve import for_vllm
 from draftport.errors import DraftportError
+from draftport.evaluation.accept import evaluate_drafter
+from draftport.evaluation.costmodel import CostModel
+from draftport.evaluation.decision import load_decision, render_text, tau_ci
+from draftport.model.config import load_json, read_config
+from draftport.model.formats import atomic_dir, find_target_embedding, load_drafter_state, read_header, tensor_sha256
+from draftport.outputs.export import export_problems
 
 PHASES = ("phase1_scratch", "phase1", "phase2")
 HOW = {"phase1_scratch": "trained from a random init on the new target's own answers (Phase 1's control)",
@@ -83,10 +95,6 @@ def tau_table(folder, target_dir, features_dir, ks, *, batch_size: int = 32, max
               boot: dict | None = None, costmodel: dict | None = None) -> list[dict]:
     """draftport's offline tau of `folder` at each k (its CI over prompts with boot = {n_boot, level,
     seed}; projected tok/s with costmodel = {baseline_tok_s, verify_ms, draft_ms})."""
-    from draftport.evaluation.costmodel import CostModel
-    from draftport.evaluation.decision import tau_ci
-    from draftport.evaluation.accept import evaluate_drafter
-
     rows = []
     for k in ks:
         res = evaluate_drafter(folder, target_dir, features_dir, k=k, batch_size=batch_size, max_samples=max_samples)
@@ -115,10 +123,6 @@ def _fmt(x, nd: int = 3) -> str:
 
 def model_card(facts: dict) -> str:
     """README.md: huggingface_hub ModelCard (metadata + body) from the facts publish_drafter gathers."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    from draftport.engines.speculators.roundtrip import convert_command
-
     f = facts
     repo = f["repo_id"] or f"./{f['folder']}"
     base, k, ids = f["base_model"], f["k"], f["aux"]["ids"]
@@ -201,12 +205,6 @@ def check_folder(folder, target_dir, *, embed_tokens: str | None = "target", dra
     """What a peer will rely on, checked on the folder alone (plus, with drafter_dir, that every
     tensor but embed_tokens is that drafter's, bit for bit). Raises DraftportError listing every
     problem; returns a summary."""
-    from huggingface_hub import ModelCard
-
-    from draftport.model.formats import load_drafter_state, read_header, tensor_sha256
-    from draftport.model.config import read_config
-    from draftport.outputs.export import export_problems
-
     folder = Path(folder)
     if not folder.is_dir():
         raise DraftportError(folder, "no such folder to publish")
@@ -264,10 +262,6 @@ def publish_drafter(drafter_dir, target_dir, out_dir, facts: dict, *, features_d
     `cfg` are filled in here). ks: the k of the tau table. eval_opts: batch_size, max_samples,
     boot, costmodel (tau_table). expected: {"k", "accept_length"}: the phase's evaluation, which
     the folder's tau at that k must equal."""
-    from draftport.model.formats import atomic_dir, find_target_embedding, read_header, tensor_sha256
-    from draftport.model.config import read_config
-    from draftport.engines.vllm.serve import for_vllm
-
     out_dir = Path(out_dir)
     base = facts["base_model"]
     with atomic_dir(out_dir) as tmp:
@@ -319,18 +313,12 @@ def publish_drafter(drafter_dir, target_dir, out_dir, facts: dict, *, features_d
 
 # ---- from the pipeline's artifacts -----------------------------------------------------------------
 def _index(path) -> dict:
-    from draftport.model.config import load_json
-
     return load_json(path, "missing (has the features step run?)")
 
 
 def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, repo_id: str | None = None) -> dict:
     """The publish step (and `draftport publish`): p = its params (publish, targets.new, eval,
     costmodel, decision), inputs = its named inputs (registry row `publish`)."""
-    from draftport.model.config import load_json, read_config
-    from draftport.evaluation.decision import load_decision, render_text
-    from draftport.data.capture import target_identity
-
     pp = p["publish"]
 
     def inp(name):
@@ -364,7 +352,6 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
     ev = load_json(inp(f"eval_{ph}"), "missing (has the evaluation step run?)")
     k = int(p["eval"]["k"])
     d = p["decision"]
-    from draftport.evaluation.costmodel import CostModel
 
     cm = p["costmodel"]
     online = []
@@ -420,9 +407,6 @@ def push(folder, repo_id: str, target_dir, *, embed_tokens: str | None = "target
          token: str | None = None, message: str | None = None) -> dict:
     """Upload a published folder to the hub (HfApi.create_repo + upload_folder), after
     push_preflight and check_folder pass; nothing leaves the machine otherwise."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
     token = push_preflight(repo_id, token=token)
     summary = check_folder(folder, target_dir, embed_tokens=embed_tokens)
     push_preflight(repo_id, summary["base_model"], token)

@@ -196,6 +196,7 @@ def inspect_renderables(rep: dict) -> list:
 def estimate_renderables(rep: dict) -> list:
     """`draftport estimate`: the inputs, the per-rule training table, the data steps, and per
     phase and storage mode the hours (data + training) and the disk."""
+    # lazy: data.shards imports torch; compare and inspect render from headers, torch-free
     from draftport.data.shards import human
 
     b, tg, fl, ce = rep["bench"], rep["target"], rep["flops_per_token"], rep["capture_efficiency"]

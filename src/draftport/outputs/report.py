@@ -46,6 +46,7 @@ def _history(path) -> list[dict]:
 
 
 def _plt():
+    # lazy: matplotlib is optional (the pipeline extra); the Agg backend before pyplot
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,6 +61,7 @@ def _plt():
 def plot_tau(phases: dict, cost: dict, k: int, out: Path, source_on_old: float | None,
              figsize=(9.5, 5.2)) -> None:
     plt = _plt()
+    # lazy: matplotlib is optional (the pipeline extra)
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 

@@ -32,11 +32,14 @@ checks each against the installed version):
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import difflib
 import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -46,6 +49,7 @@ import yaml
 
 from draftport.plan import params as P
 from draftport.errors import DraftportError
+from draftport.model.formats import atomic_write_text
 from draftport.plan import registry as R
 from draftport.plan.registry import art, done
 
@@ -128,23 +132,18 @@ def _lock_id(path) -> str:
 
 def note_lock_owner(persistence, root: str = LOCK_OWNERS) -> None:
     """[S1] onstart (the lock is held by then): record this process as the owner of its lock files."""
-    import socket
-
     locks = [str(f) for f in getattr(persistence, "_lockfile", {}).values() if Path(f).is_file()]
     if not locks:
         return
     pid = os.getpid()
     rec = {"pid": pid, "process": _proc_identity(pid), "host": socket.gethostname(),
            "locks": {f: _lock_id(f) for f in locks}}
-    from draftport.model.formats import atomic_write_text
 
     atomic_write_text(Path(root, f"{pid}.json"), json.dumps(rec) + "\n")
 
 
 def clear_stale_locks(root: str = LOCK_OWNERS, log=None) -> int:
     """Parse time: remove the lock files of recorded Snakemake processes that died holding them."""
-    import socket
-
     base = Path(root)
     if not base.is_dir():
         return 0
@@ -312,6 +311,7 @@ def dvc_yaml_text(params_file: str = P.PARAMS_FILE) -> str:
 @contextlib.contextmanager
 def snakemake_workflow(snakefile: str = "Snakefile", configfiles: tuple = ()):
     """[S4] The parsed Snakemake workflow (rules with their input/output/params/shell), no DAG."""
+    # lazy: snakemake is optional (the pipeline extra); only this [S4] check parses the workflow
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import (ConfigSettings, OutputSettings, Quietness,
                                           ResourceSettings)
@@ -324,9 +324,6 @@ def snakemake_workflow(snakefile: str = "Snakefile", configfiles: tuple = ()):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import difflib
-
     ap = argparse.ArgumentParser(prog="python -m draftport.pipeline.bridge")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("dvc-yaml", help="write dvc.yaml from the step registry (--check: fail on drift)")
@@ -351,7 +348,6 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print(f"{a.out} matches the step registry")
             return 0
-        from draftport.model.formats import atomic_write_text
 
         atomic_write_text(a.out, text)
         print(f"wrote {a.out} ({text.count(chr(10))} lines)")

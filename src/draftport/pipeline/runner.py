@@ -26,7 +26,11 @@ from typing import Any, Callable
 
 from draftport.plan import params as P
 from draftport.errors import DraftportError
+from draftport.model.config import load_json
+from draftport.model.formats import atomic_write_text
+from draftport.pipeline.bridge import drop_snakemake_records, record_for_snakemake
 from draftport.plan import registry as R
+from draftport.progress import LogWriter
 
 CHECKPOINTS = "checkpoints"
 # The MLflow run a step made (tracked steps): a later step (the phase's evaluation, its online
@@ -86,14 +90,10 @@ class StepContext:
 
 
 def write_json(path, obj) -> None:
-    from draftport.model.formats import atomic_write_text
-
     atomic_write_text(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
 
 
 def read_json(path) -> Any:
-    from draftport.model.config import load_json
-
     return load_json(path, "missing (has the step that writes it run?)")
 
 
@@ -157,8 +157,6 @@ def main(step: str, argv: list[str] | None = None) -> int:
         return _run_worker(row, fn, a.params, ins)
     log_fh = None
     if a.log:
-        from draftport.progress import LogWriter
-
         Path(a.log).parent.mkdir(parents=True, exist_ok=True)
         log_fh = open(a.log, "w")
         log = LogWriter(log_fh)
@@ -171,8 +169,6 @@ def main(step: str, argv: list[str] | None = None) -> int:
         if not ins:  # run by hand: the inputs its rule would pass under params.yaml
             ins = default_inputs(row)
         if os.environ.get("DVC_STAGE"):
-            from draftport.pipeline.bridge import drop_snakemake_records
-
             n = drop_snakemake_records(step)
             if n:
                 print(f"{step}: run by DVC; dropped {n} Snakemake record(s) of {art(step)}/")
@@ -201,8 +197,6 @@ def main(step: str, argv: list[str] | None = None) -> int:
         if checkpoints(step).is_dir():  # finished: the step's outputs replace its resume state
             shutil.rmtree(checkpoints(step), ignore_errors=True)
         if os.environ.get("DVC_STAGE") and Path(".snakemake").is_dir():
-            from draftport.pipeline.bridge import record_for_snakemake
-
             record_for_snakemake(step)
         print(f"{step}: done in {time.time() - t0:.1f} s -> {folder}/")
         return 0
@@ -259,12 +253,14 @@ def _open_run(s: StepContext):
     (an evaluation: its training step) reopens that step's run (recorded in .draftport/runs/), so
     the phase's loss by step and its accept length share one run, or starts one when that record
     is gone (e.g. after a fresh clone's `dvc pull`) or belongs to another tracking store."""
+    # lazy (registry): only tracked steps run pipeline.tracking; the other rows do not list it
     from draftport.pipeline.tracking import PhaseRun
 
     trained = s.row.run_from
     rec = run_file(trained) if trained else None
     if rec is not None and rec.is_file():
         info = json.loads(rec.read_text())
+        # lazy (registry): only tracked steps run pipeline.tracking; the other rows do not list it
         from draftport.pipeline.tracking import tracking_uri
 
         if info.get("uri") == tracking_uri():
@@ -291,6 +287,7 @@ def _open_run(s: StepContext):
 def _log_params_once(run, params: dict) -> None:
     """MLflow params are write-once: a re-evaluation with other eval values logs the new values
     as tags `param.<key>` (the UI shows both; metrics.json holds the truth)."""
+    # lazy (registry): only tracked steps run pipeline.tracking; the other rows do not list it
     from draftport.pipeline.tracking import retry
 
     have = retry(run.c.get_run, run.run_id).data.params

@@ -19,6 +19,7 @@ commit and the source drafter's revision, so `mlflow ui`'s compare view lines ph
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import re
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
@@ -74,9 +77,6 @@ def experiment_name(profile: str) -> str:
 
 def check_reachable(uri: str | None = None, timeout: float = 5.0) -> str:
     """Fail fast (before compute) when the tracking store cannot be used; returns the URI."""
-    import urllib.error
-    import urllib.request
-
     uri = uri or tracking_uri()
     if uri.startswith(("http://", "https://")):
         url = uri.rstrip("/") + "/health"
@@ -161,6 +161,7 @@ def patient(fn: Callable, *args, deadline: float, what: str, **kw) -> bool:
 
 
 def client(uri: str | None = None):
+    # lazy: mlflow is optional (the pipeline extra); training imports this module without it
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri or tracking_uri())
@@ -202,6 +203,7 @@ class PhaseRun(Logger):
 
     def __init__(self, profile: str, phase: str, *, tags: dict[str, str] | None = None,
                  uri: str | None = None):
+        # lazy: mlflow is optional (the pipeline extra)
         from mlflow.entities import RunTag
 
         self._q = None  # the background sender's queue (background())
@@ -220,6 +222,7 @@ class PhaseRun(Logger):
     def attach(cls, run_id: str, where=None, uri: str | None = None) -> "PhaseRun":
         """An existing run (a phase's, reopened by a later step to add its figures). Fails before
         any compute when the store is unreachable or does not hold the run."""
+        # lazy: mlflow is optional (the pipeline extra)
         from mlflow.entities import RunTag
 
         self = cls.__new__(cls)
@@ -236,6 +239,7 @@ class PhaseRun(Logger):
 
     # Logger
     def log_params(self, params: dict) -> None:
+        # lazy: mlflow is optional (the pipeline extra)
         from mlflow.entities import Param
 
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
@@ -245,6 +249,7 @@ class PhaseRun(Logger):
     def log_metrics(self, metrics: dict, step: int) -> None:
         """Retried on transient failures, dropped with a warning if they last: never raises.
         In the background (background()) when a training loop calls it."""
+        # lazy: mlflow is optional (the pipeline extra)
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
@@ -260,7 +265,6 @@ class PhaseRun(Logger):
         if getattr(self, "_q", None) is None:
             self._q = queue.Queue()
             threading.Thread(target=self._work, name="mlflow-sender", daemon=True).start()
-            import atexit
 
             atexit.register(self.flush)
         return self
@@ -307,8 +311,6 @@ def _short_http_retries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftport.pipeline.tracking init PROFILE`: check the store, create the experiment."""
-    import sys
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "init":
         print("usage: python -m draftport.pipeline.tracking init PROFILE", file=sys.stderr)

@@ -11,7 +11,9 @@ No torch, no snakemake here: the Snakefile imports this at every start.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 
 ARTIFACTS = "artifacts"
 
@@ -249,8 +251,6 @@ def active(cfg: dict) -> list[Step]:
 
 def is_hub_id(value: str) -> bool:
     """org/name that is not a local folder (artifacts/... paths are the pipeline's own)."""
-    from pathlib import Path
-
     return (not Path(value).exists() and value.count("/") == 1 and not value.startswith((".", "/"))
             and not value.startswith(ARTIFACTS + "/"))
 
@@ -285,8 +285,6 @@ def upstream(step: Step, cfg: dict) -> list[str]:
 
 def module_files(step: Step) -> list[str]:
     """Its code dependencies: the step's script and the library modules it runs, as repo paths."""
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     files = [f"scripts/{step.name}.py"]
     for m in dict.fromkeys((*RUNNER_MODULES, *step.modules)):
@@ -298,8 +296,6 @@ def module_files(step: Step) -> list[str]:
 
 def step_params(cfg: dict, name: str) -> dict:
     """The nested sub-dict of cfg holding exactly the step's keys."""
-    import copy
-
     out: dict = {}
     for dotted in BY_NAME[name].params:
         *parents, last = dotted.split(".")

@@ -10,12 +10,15 @@ from pathlib import Path
 import torch
 
 from draftport.model.bind import check_features_fit, drafter_for_target, target_head
-from draftport.model.formats import atomic_write_text, load_drafter_state, save_drafter
+from draftport.model.formats import atomic_write_text, load_drafter_state, save_drafter, sha256
 from draftport.model.config import DrafterConfig, read_config
 from draftport.data.shards import FeatureChain, FeatureSet, check_disjoint, open_set
+from draftport.data.storage import SPOOL_GB
 from draftport.model.draftmap import cfg_d2t, read_vocab
 from draftport.errors import DraftportError
+from draftport.evaluation.accept import held_out_monitor
 from draftport.model.vocab import check_maps, compare_maps, remap_lm_head
+from draftport.training.loop import train
 
 
 def feature_dirs(features_dir) -> list:
@@ -27,8 +30,6 @@ def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, 
                        arch=None, n_samples: int | None = None, monitor: dict | None = None) -> dict:
     """What a training run learns from, as digests: its checkpoints resume only a run on the same
     inputs (train's `inputs`). Features by their index (it holds every shard's sha256)."""
-    from draftport.model.formats import sha256
-
     def folder(f) -> str:
         f = Path(f)
         lock = f / "fetch.lock.json"
@@ -79,9 +80,6 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     cache in spool["cache_dir"] (default: beside the spool); the target's code runs only when
     trust_remote_code.
     """
-    from draftport.evaluation.accept import held_out_monitor
-    from draftport.training.loop import train
-
     out_dir = Path(out_dir)
     dirs = feature_dirs(features_dir)
     sets = [open_set(d) for d in dirs]
@@ -127,7 +125,7 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
                                 source_dir=source_dir, vocab_policy=vocab_policy, arch=arch,
                                 n_samples=n_samples, monitor=monitor)
     if fs.index.get("storage") in ("online", "hybrid"):
-        from draftport.data.storage import SPOOL_GB
+        # lazy (registry): only online / hybrid storage runs training.spool; world's row does not list it
         from draftport.training.spool import online_features
 
         sp = spool or {}

@@ -49,14 +49,17 @@ read its slice of each batch, which the strict order check cannot follow.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import threading
 from pathlib import Path
 
+from draftport.data.features import capture_writer
 from draftport.data.shards import (DTYPES, FeatureSet, Sequence, bytes_per_token, capture_meta, human,
     write_features)
+from draftport.data.storage import check_storage, storage_need
 from draftport.errors import DraftportError
 from draftport.training.loop import batch_ids, dist_info
 
@@ -396,8 +399,6 @@ class OnlineFeatures:
 
     def _prepare_cache(self) -> None:
         """The cache is this data's, in this order, or it is cleared."""
-        import hashlib
-
         parts = getattr(self.seqset, "sets", [self.seqset])  # a chain: each folder's sequences file
         key = {"sequences": [p.index.get("sequences") for p in parts], "samples": len(self._seqs),
                "order": hashlib.sha256(json.dumps(self._order[:len(self._seqs)]).encode()).hexdigest(),
@@ -460,9 +461,6 @@ def online_features(fs, *, target_dir, spool_dir, spool_gb: float, cache_dir=Non
     (storage.check_storage: the spool bound + the ids; hybrid: whether the first epoch's cache
     fits beside it) before the target is loaded for the capture (features.capture_writer, the
     engine the capture settings name)."""
-    from draftport.data.storage import check_storage, storage_need
-    from draftport.data.features import capture_writer
-
     mode = fs.index.get("storage")
     lengths = [fs.length(i) for i in range(len(fs))]
     cap = fs.index.get("capture") or {}

@@ -26,6 +26,7 @@ import json
 import time
 from pathlib import Path
 
+from draftport.plan.params import WorldParams
 from draftport.world.language import generate_corpus, topic_distribution, write_jsonl
 from draftport.world.source import build_source_drafter
 from draftport.world.targets import measure_targets, train_target
@@ -45,8 +46,6 @@ def base_params(world: dict | None = None) -> dict:
     """The keys of a params `world` group that build_world_base takes (all but the pipeline's
     `build` and `source_drafter`), copied; None: the embedded world (WorldParams' defaults)."""
     if world is None:
-        from draftport.plan.params import WorldParams
-
         world = WorldParams().model_dump()
     return {k: copy.deepcopy(v) for k, v in world.items() if k not in PIPELINE_KEYS}
 

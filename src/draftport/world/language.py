@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from draftport.plan.params import WorldParams
+
 ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
           "sh", "ch", "th", "br", "kr", "pl", "st", "tr", "gl", "dr"]
 VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou", "ei", "ia"]
@@ -305,8 +307,6 @@ def generate_corpus(kind: str, n: int, seed: int, *, start: int = 0,
     """
     topic_weights(kind)  # validates kind
     if language_seed is None:
-        from draftport.plan.params import WorldParams
-
         language_seed = WorldParams().language_seed
     lang = make_language(language_seed)
     return [_sample(kind, lang, random.Random(f"{kind}:{seed}:{i}")) for i in range(start, start + n)]

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
+
+from draftport.data.features import build_features, read_samples
+from draftport.data.fetch import publish_to_cache
+from draftport.errors import DraftportError
+from draftport.evaluation.accept import evaluate_drafter
+from draftport.model.bind import new_drafter_config
+from draftport.model.draftmap import build_vocab
+from draftport.training.phases import train_phase
 
 
 def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draft_vocab_ratio: float,
@@ -23,16 +32,6 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
     old-corpus prompts, answered by target_old itself (what it will verify), are the held-out set
     whose tau train_cfg.eval_every steps traces the plateau (`monitor` in the result).
     Intermediate features are deleted: the world stays small."""
-    import tempfile
-
-    from draftport.model.bind import new_drafter_config
-    from draftport.model.draftmap import build_vocab
-    from draftport.errors import DraftportError
-    from draftport.evaluation.accept import evaluate_drafter
-    from draftport.data.features import build_features, read_samples
-    from draftport.data.fetch import publish_to_cache
-    from draftport.training.phases import train_phase
-
     world = Path(world_dir)
     target = world / "target_old"
     corpus = world / "corpus" / "old.jsonl"

@@ -16,6 +16,12 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+from draftport.plan.params import WorldModel
+from draftport.progress import progress as progress_bar  # train_target's `progress` flag shadows the name
 from draftport.world.tokenizer import BOS, END, PAD, TOKENIZER_FILES, encode_world_chat, load_world_tokenizer
 
 
@@ -46,8 +52,6 @@ class _Deterministic:
         self.threads = threads
 
     def __enter__(self):
-        import torch
-        from transformers.utils import logging as hf_logging
         self.prev = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
                      hf_logging.is_progress_bar_enabled())
         if self.threads:
@@ -56,8 +60,6 @@ class _Deterministic:
         hf_logging.disable_progress_bar()
 
     def __exit__(self, *exc):
-        import torch
-        from transformers.utils import logging as hf_logging
         torch.set_num_threads(self.prev[0])
         torch.use_deterministic_algorithms(self.prev[1])
         if self.prev[2]:
@@ -79,12 +81,6 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
     world.target_old / target_new group.
     Returns the summary also written to draftport_target.json.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from draftport.plan.params import WorldModel
-    from draftport.progress import progress as progress_bar  # the `progress` flag shadows the name
-
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     t0 = time.time()
     with _Deterministic(threads):
@@ -180,7 +176,6 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
 
 def _assistant_predictions(model, tok, samples: list[dict], batch_size: int = 32):
     """Per sample: (logits at positions predicting assistant tokens, those tokens)."""
-    import torch
     pad = tok.token_to_id(PAD)
     out = []
     for b in range(0, len(samples), batch_size):
@@ -206,9 +201,6 @@ def measure_targets(target_a: str | Path, target_b: str | Path, heldout: dict[st
     Agreement is the fraction of assistant positions where argmax A == argmax B: roughly the
     acceptance a perfect imitation of A would get against B, i.e. how far the port has to move.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
     res: dict[str, float] = {}
     with _Deterministic(threads):
         models = {"A": AutoModelForCausalLM.from_pretrained(target_a, dtype=torch.float32).eval(),

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Iterable
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 0..4
 BOS, USER, ASSISTANT, END, PAD = "<|bos|>", "<|user|>", "<|assistant|>", "<|end|>", "<|pad|>"
 
@@ -33,8 +35,6 @@ def train_tokenizer(out_dir: str | Path, samples: Iterable[dict], *, vocab_size:
     PreTrainedTokenizerFast.save_pretrained so its content does not drift with transformers
     versions (v5 moves the chat template to a separate file; we want it in tokenizer_config.json).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -73,7 +73,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def load_world_tokenizer(folder: str | Path):
     """The `tokenizers.Tokenizer` of a world/target folder (fast, no transformers import)."""
-    from tokenizers import Tokenizer
     return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
 
 

@@ -17,6 +17,7 @@ loader on the converted folder. `python -m draftport.engines.speculators.roundtr
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -24,7 +25,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftport.data.shards import FeatureSet
+from draftport.engines import require_interpreter
+from draftport.engines.vllm.venv import run_in_vllm_venv
 from draftport.errors import DraftportError
+from draftport.model.bind import drafter_for_target
+from draftport.model.config import read_config
+from draftport.model.formats import (find_target_embedding, load_drafter_state, read_header, read_tensor_np,
+    tensor_sha256, to_flat_name)
 
 VENV_DIR = ".venv-speculators"
 RUNNERS = Path(__file__).resolve().parent / "runners"
@@ -37,8 +48,6 @@ def default_speculators_python() -> Path:
 
 
 def speculators_python(path: str | os.PathLike | None = None) -> Path:
-    from draftport.engines import require_interpreter
-
     return require_interpreter(Path(path) if path else default_speculators_python(),
                                "DRAFTPORT_SPECULATORS_PYTHON", VENV_DIR, "speculators")
 
@@ -66,15 +75,11 @@ def convert_command(drafter: str, verifier: str, output: str, cfg) -> str:
 
 def _run(cmd: list[str], log_path, result: Path, *, where, what: str, timeout: float | None) -> float:
     # the vLLM venv's runner is generic: any venv's interpreter, its log, one-line errors
-    from draftport.engines.vllm.venv import run_in_vllm_venv
-
     return run_in_vllm_venv(cmd, log_path, result, where=where, what=what, timeout=timeout)
 
 
 def convert(drafter_dir, verifier, out_dir, *, python=None, log_path=None, timeout: float | None = 1800) -> Path:
     """`speculators convert` on a flat drafter folder -> out_dir (speculators' format)."""
-    from draftport.model.config import read_config
-
     cfg, raw = read_config(drafter_dir)
     if cfg.format != "flat":
         raise DraftportError(drafter_dir, "speculators convert takes the flat format (this folder is already "
@@ -93,19 +98,12 @@ def convert(drafter_dir, verifier, out_dir, *, python=None, log_path=None, timeo
 # ---- forwards ---------------------------------------------------------------------------------
 def sequences_from_features(features_dir, n: int) -> list[tuple]:
     """The first n samples of a feature folder as (aux [T, 3H] float32, tokens [T] int64)."""
-    from draftport.data.shards import FeatureSet
-
     fs = FeatureSet(features_dir)
     return [(s["aux"].float(), s["tokens"].long()) for s in (fs.sample(i) for i in range(min(n, len(fs))))]
 
 
 def draftport_forward(drafter_dir, target_dir, sequences, steps: int) -> list:
     """draftport's teacher-forced logits of each TTT step, rows of all sequences one after another."""
-    import torch
-
-    from draftport.model.bind import drafter_for_target
-    from draftport.model.formats import load_drafter_state
-
     cfg, state = load_drafter_state(drafter_dir)
     d = drafter_for_target(cfg, target_dir, state).eval()
     out: list[list] = [[] for _ in range(steps)]
@@ -120,9 +118,6 @@ def speculators_forward(model_dir, sequences, steps: int, *, python=None, attn: 
                         work_dir=None, dump_embedding: bool = False, timeout: float | None = 1800):
     """speculators' logits of each TTT step (runners/forward_speculators.py in its venv); ->
     (logits per step, meta, embed_tokens as loaded or None)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     script = RUNNERS / "forward_speculators.py"
     lengths = [len(t) for _, t in sequences]
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
@@ -149,8 +144,6 @@ def compare_logits(ours: list, theirs: list, lengths: list[int]) -> dict:
     """Per TTT step j: max |diff| over every row, and argmax agreement over the rows whose step-j
     input token is real (row p of a T-long sequence: p + 1 + j < T; later rows embed the fill 0
     in both). Plus the totals over all steps."""
-    import torch
-
     rows, total = [], {"max_abs_diff": 0.0, "argmax_agree": 0, "rows": 0}
     for j, (a, b) in enumerate(zip(ours, theirs)):
         if a.shape != b.shape:
@@ -170,8 +163,6 @@ def compare_logits(ours: list, theirs: list, lengths: list[int]) -> dict:
 def tensors_renamed_equal(flat_dir, spec_dir) -> dict:
     """Every tensor of the flat folder under its speculators name in the other, bit for bit
     (sha256 of the stored bytes, dtype and shape); names present on one side only."""
-    from draftport.model.formats import read_header, tensor_sha256, to_flat_name
-
     def table(folder):
         out = {}
         for f in sorted(Path(folder).glob("*.safetensors")):
@@ -190,10 +181,6 @@ def roundtrip(published_dir, target_dir, features_dir, work_dir, *, n_samples: i
               verifier=None, python=None, attn: str | None = None) -> dict:
     """Convert the published folder with speculators and compare (see the module docstring).
     verifier: what `--verifier` names (default target_dir: AutoConfig must be able to read it)."""
-    import torch
-
-    from draftport.model.formats import find_target_embedding, read_tensor_np
-
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     conv = convert(published_dir, verifier or target_dir, work_dir / "speculators", python=python,
@@ -216,15 +203,11 @@ def roundtrip(published_dir, target_dir, features_dir, work_dir, *, n_samples: i
 
 
 def _cfg(folder):
-    from draftport.model.config import read_config
-
     return read_config(folder)[0]
 
 
 def main(argv=None) -> int:
     """python -m draftport.engines.speculators.roundtrip PUBLISHED TARGET FEATURES [--n 8] [--steps 3]"""
-    import argparse
-
     ap = argparse.ArgumentParser(description="speculators convert + forward next to draftport's")
     ap.add_argument("published")
     ap.add_argument("target")

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from draftport.data.shards import Sequence, write_features
 from draftport.errors import DraftportError
@@ -69,8 +71,6 @@ def capture_features_vllm(target_dir, seqs: list[Sequence], out_dir, *, aux_ids,
                           engine_dtype: str | None = None, batch_size: int = 16, shard_samples: int = 256,
                           vllm_python_path=None, work_dir=None, progress=None) -> dict:
     """Feature shards (data.write_features' format) of `seqs`, captured by vLLM."""
-    from safetensors.torch import load_file
-
     tcfg = text_config(target_dir)
     L = int(tcfg["num_hidden_layers"])
     ids = vllm_layer_ids(aux_ids, convention, L)
@@ -110,6 +110,4 @@ def capture_features_vllm(target_dir, seqs: list[Sequence], out_dir, *, aux_ids,
         return write_features(out_dir, seqs, featurize, meta=meta, batch_size=batch_size, dtype=dtype,
                               shard_samples=shard_samples, progress=progress)
     finally:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)

@@ -27,14 +27,27 @@ drops or replaces a drafter's own embed_tokens (params online.embed_tokens);
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from draftport.data.capture import capture_features, load_target, regenerate
+from draftport.data.shards import Batch, Sequence
 from draftport.errors import DraftportError
 from draftport.engines.vllm.venv import run_in_vllm_venv, runner, vllm_python
+from draftport.evaluation.accept import acceptance_rate, accepted_counts, simulated_acc_len, summarize, walk
+from draftport.model.bind import drafter_for_target, target_head
+from draftport.model.config import load_json, target_text_config
+from draftport.model.formats import (atomic_dir, atomic_write_text, copy_tensors_safetensors, find_target_embedding,
+    load_drafter_state, read_header, tensor_sha256, to_flat_name)
+from draftport.outputs.export import EMBED_CHOICES, validate_export
 
 
 def log(msg: str) -> None:
@@ -45,6 +58,7 @@ def log(msg: str) -> None:
 def encode_prompts(target_dir, prompts_path, n_prompts: int | None, *, offset: int = 0) -> list[list[int]]:
     """Held-out chat prompts rendered through the target's chat template (generation prompt on):
     the same token ids go to vLLM and to the offline evaluator."""
+    # lazy (registry): the publish step runs this module without data.features
     from draftport.data.features import encode_prompt, load_tokenizer, read_samples
 
     tok = load_tokenizer(target_dir)
@@ -52,8 +66,6 @@ def encode_prompts(target_dir, prompts_path, n_prompts: int | None, *, offset: i
 
 
 def _target_context(target_dir) -> int:
-    from draftport.model.config import target_text_config
-
     return int(target_text_config(target_dir).get("max_position_embeddings", 2048))
 
 
@@ -112,7 +124,6 @@ def summarize_online(raw: dict) -> dict:
         out[f"online_cond_acc_{i}"] = rate / prev if prev > 0 else 0.0
         prev = rate
     # SpecForge's and vLLM's log's definitions on vLLM's own counters (draftport.evaluation.accept)
-    from draftport.evaluation.accept import acceptance_rate, simulated_acc_len
 
     out["online_simulated_acc_len"] = simulated_acc_len(out[f"online_cond_acc_{i}"]
                                                         for i in range(len(raw["accepted_per_pos"])))
@@ -132,8 +143,6 @@ def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_n
     returned as a second value with return_raw.
     """
     if validate:
-        from draftport.outputs.export import validate_export
-
         validate_export(drafter_dir, target_dir)
     prompts = encode_prompts(target_dir, prompts_path, n_prompts, offset=offset)
     ctx = _target_context(target_dir)
@@ -147,8 +156,6 @@ def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_n
                    log_path=log_path, tensor_parallel_size=tensor_parallel_size)
     raw["prompt_token_ids"] = prompts
     if raw_out is not None:
-        from draftport.model.formats import atomic_write_text
-
         atomic_write_text(raw_out, json.dumps(raw) + "\n")
     res = summarize_online(raw)
     return (res, raw) if return_raw else res
@@ -160,8 +167,6 @@ def _extend_greedy(model, seqs: list[list[int]], n: int, pad: int, batch_size: i
     drafts past the end of a request). Batched, left padded; n is small (k - 2), so n full
     forwards per batch cost little and avoid the cache API, which moves between transformers
     versions."""
-    import torch
-
     dev = next(model.parameters()).device
     out: list[list[int]] = [list(x) for x in seqs]
     for s0 in range(0, len(out), batch_size):
@@ -194,15 +199,8 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
     evaluator's figure on the same sequences (`accept_length_plain`), per-request cycles and
     the wall time.
     """
-    import torch
-
-    from draftport.model.formats import load_drafter_state
-    from draftport.data.shards import Sequence
-    from draftport.evaluation.accept import accepted_counts, summarize, walk
-    from draftport.model.bind import drafter_for_target, target_head
+    # lazy (registry): the publish step runs this module without data.features
     from draftport.data.features import load_tokenizer
-    from draftport.data.capture import capture_features, load_target, regenerate
-    from draftport.data.shards import Batch
 
     if online_raw is not None:
         if not isinstance(online_raw, dict):
@@ -344,14 +342,6 @@ def for_vllm(drafter_dir, out_dir, convention: str | None, embed_tokens: str = "
     config.json rewritten when renumbered, the safetensors file holding embed_tokens rewritten
     (tensors copied bit for bit, torch-free), every other file hard-linked (copied across devices).
     """
-    import os
-    import shutil
-
-    from draftport.model.formats import (atomic_dir, copy_tensors_safetensors, find_target_embedding, read_header,
-        tensor_sha256, to_flat_name)
-    from draftport.model.config import load_json
-    from draftport.outputs.export import EMBED_CHOICES
-
     if embed_tokens not in EMBED_CHOICES:
         raise DraftportError("online.embed_tokens", f"must be one of {', '.join(EMBED_CHOICES)}, got {embed_tokens!r}")
     if embed_tokens == "target" and target_dir is None:
@@ -454,9 +444,6 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
     embed_tokens: what for_vllm made the export carry (online.embed_tokens: "drop" / "target"),
     checked by validate_export; None accepts either.
     """
-    from draftport.model.formats import atomic_write_text
-    from draftport.outputs.export import validate_export
-
     out_dir = Path(out_dir)
     # out_dir is created by the first file written into it (vLLM's log): bad input leaves nothing
     export = validate_export(drafter_dir, target_dir, embed_tokens=embed_tokens)
@@ -494,8 +481,6 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
 
 def main(argv=None) -> int:
     """python -m draftport.engines.vllm.serve TARGET DRAFTER PROMPTS OUT_DIR --n 100 --k 3 --max-new-tokens 128"""
-    import argparse
-
     ap = argparse.ArgumentParser(description="vLLM vs offline accept length on the same prompts")
     ap.add_argument("target")
     ap.add_argument("drafter")

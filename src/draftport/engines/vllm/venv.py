@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from draftport.engines import require_interpreter
 from draftport.errors import DraftportError
 
 VENV_DIR = ".venv-vllm"
@@ -29,8 +30,6 @@ def default_vllm_python() -> Path:
 
 def vllm_python(path: str | os.PathLike | None = None) -> Path:
     """The vLLM venv's interpreter: argument, else $DRAFTPORT_VLLM_PYTHON, else .venv-vllm."""
-    from draftport.engines import require_interpreter
-
     return require_interpreter(Path(path) if path else default_vllm_python(), "DRAFTPORT_VLLM_PYTHON", VENV_DIR, "vLLM")
 
 

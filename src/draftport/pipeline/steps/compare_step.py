@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import json
 
+from draftport.model.config import DrafterConfig, read_config, target_text_config
+from draftport.model.draftmap import read_vocab
+from draftport.model.fixtures import write_header_only_drafter
+from draftport.model.formats import inspect_drafter
+from draftport.outputs.compare import compare_drafters
+from draftport.outputs.tables import compare_tables
 from draftport.pipeline.runner import StepContext, art, write_json
 
 
 def compare(s: StepContext) -> dict:
     """Config, weights, vocab, verdict. The layout is headers + maps only (weights are file holes),
     so this costs nothing at Kimi scale either."""
-    from draftport.model.formats import inspect_drafter
-    from draftport.outputs.compare import compare_drafters
-    from draftport.model.config import DrafterConfig, read_config, target_text_config
-    from draftport.model.draftmap import read_vocab
-    from draftport.model.fixtures import write_header_only_drafter
-    from draftport.outputs.tables import compare_tables
-
     src = s.input("source")
     cfg, _ = read_config(src)
     d2t, t2d = read_vocab(s.input("vocab"))

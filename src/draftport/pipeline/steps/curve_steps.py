@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
+from draftport.evaluation.accept import evaluate_drafter
 from draftport.pipeline.runner import RUNS_DIR, StepContext, checkpoints, read_json, write_json
+from draftport.pipeline.tracking import PhaseRun, tracking_uri
+from draftport.plan.params import TrainConfig
 
 POINT_RUNS = Path(RUNS_DIR, "train_curves.points.json")  # nested runs' ids (outside artifacts/)
 
@@ -29,8 +33,6 @@ def points(c: dict) -> list[dict]:
 
 def _child_run(s: StepContext, pt: dict):
     """A nested MLflow run of the step's run for one point."""
-    from draftport.pipeline.tracking import PhaseRun
-
     profile = s.p["profile"]
     run = PhaseRun(profile, f"curves {pt['init']} n={pt['n_samples']} seed={pt['seed']}", tags={
         "mlflow.parentRunId": s.run.run_id, "init": pt["init"], "n_samples": pt["n_samples"],
@@ -42,9 +44,7 @@ def train_curves(s: StepContext) -> dict:
     """Train every point (init x n x seed) on the first n samples of Phase 1's + Phase 2's
     capture; a killed step resumes: finished points continue from their last checkpoint (0 steps
     left), the interrupted one from its own."""
-    import tempfile
-
-    from draftport.plan.params import TrainConfig
+    # lazy (registry): eval_curves runs this module and trains nothing
     from draftport.training.phases import train_phase
     from draftport.training.loop import init_distributed
     from draftport.pipeline.steps.train_steps import monitor_of, online_of
@@ -94,8 +94,6 @@ def train_curves(s: StepContext) -> dict:
 
 
 def _point_run(s: StepContext, pt: dict, recorded: dict):
-    from draftport.pipeline.tracking import PhaseRun, tracking_uri
-
     if recorded.get("uri") == tracking_uri() and pt["name"] in recorded.get("runs", {}):
         try:
             return PhaseRun.attach(recorded["runs"][pt["name"]], where=POINT_RUNS)
@@ -107,8 +105,8 @@ def _point_run(s: StepContext, pt: dict, recorded: dict):
 def eval_curves(s: StepContext) -> dict:
     """Every point's drafter on the new target's held-out set, drafted as an engine drafts;
     curves.json holds each point's tau and its per-prompt counts (the decision's bootstrap)."""
+    # lazy (registry): train_curves runs this module without evaluation.decision
     from draftport.evaluation.decision import tau_ci
-    from draftport.evaluation.accept import evaluate_drafter
 
     e = s.p["eval"]
     trained = read_json(s.input("points"))

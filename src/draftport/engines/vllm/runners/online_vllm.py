@@ -71,6 +71,7 @@ def main() -> int:
     # CPU engine: a small KV cache (GiB) unless the caller set one.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     t0 = time.time()
+    # lazy: runs in the vLLM venv; loads after the VLLM_* defaults, inside load_seconds
     import torch
 
     kw = {}
@@ -79,6 +80,8 @@ def main() -> int:
         # of their own that imports vLLM again (~37 of a 52 s run on the micro world, 2 cores)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         kw["distributed_executor_backend"] = "uni"
+    # lazy: after VLLM_ENABLE_V1_MULTIPROCESSING is decided (vLLM reads it when it loads)
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -124,9 +127,6 @@ def main() -> int:
             "per_step_accepted": list(sd.per_step_accepted) if sd is not None else None,
             "per_step_drafted": list(sd.per_step_drafted) if sd is not None else None,
         })
-    import vllm
-    import torch
-
     result = {
         **counters,
         "k": args.k,
