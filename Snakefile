@@ -19,8 +19,7 @@ import os
 from draftport.pipeline import bridge
 from draftport.plan import registry as R
 
-# Jobs inherit this: OpenMP threads that wait sleep instead of spinning. On shared cores the
-# spinning made a 2-thread step 8x slower than 1 thread; sleeping, 2 threads beat 1 (measured).
+# Jobs inherit this: waiting OpenMP threads sleep instead of spinning on cores other jobs share.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -238,19 +238,16 @@ def featurizer(model, aux_layer_ids, convention: str, device: str, pad: int = 0,
     On the CPU every batch runs as it always has (padding masked), which keeps the embedded
     world's features bit for bit. On a GPU the forward gets no attention mask: causal attention
     alone never lets a token see the padding to its right, and without a mask the fused (flash)
-    attention kernel runs. Measured on an H200 (benchmarks/bench_capture_h200.py, bf16 targets of
-    32 and 64 layers): the unmasked batch's states are bit for bit those of each sequence run
-    alone; the masked batch's (another attention kernel) are not (4-6% apart after 64 random
-    layers, the greedy choice different at 10-15% of the positions).
+    attention kernel runs: the unmasked batch's states are bit for bit those of each sequence run
+    alone, the masked batch's (another attention kernel) are not (benchmarks/bench_capture_h200.py
+    checks both on an H200; results/*-h200-capture*.json).
 
     compile (features.compile, a GPU only; the CPU path never compiles): each decoder layer's
-    forward through torch.compile (target.compile_layers) and each batch right-padded to a
+    forward through torch.compile (data.capture.compile_layers) and each batch right-padded to a
     multiple of COMPILE_PAD tokens (never attended: causal; dropped when the rows are packed), so
-    a capture compiles once per (batch size, padded length). Measured on an H200
-    (benchmarks/results/2026-12-01-h200-capture-compile-*.json, the same functions): capture +
-    write steady state 76% / 82% of the prefill roofline at the 8B / 32B shapes against 64% / 71%
-    eager. A compile that fails (at whichever batch) falls back to the eager layers, said in one
-    line."""
+    a capture compiles once per (batch size, padded length); what it gains on an H200:
+    benchmarks/results/*-h200-capture-compile-*.json. A compile that fails (at whichever batch)
+    falls back to the eager layers, said in one line."""
     head = greedy_head(model)
     dev = capture_device(model, device)
     gpu = dev.type == "cuda"

@@ -45,18 +45,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 PHASES = (("phase1_scratch", "phase1"), ("phase1", "phase1"), ("phase2", "phase2"))
 
 PEAK_TFLOPS = 790.0  # H200 dense bf16, the roofline of the training and capture benchmarks
-# Stated, until a capture benchmark file lands: one H200, 2026-12-01, bf16 random-weight targets,
-# B x T = 16 x 2048, the 32B shape (the one nearest Kimi's 32B active): plain forward 65% of the
-# prefill roofline, capture + write 42%. No capture-only (no write) figure was quoted, so the
-# online mode is billed at the capture + write fraction too (conservative).
+# Stated until a capture benchmark file lands (CAPTURE_STATED_SOURCE: where the figure comes from);
+# no capture-only figure was quoted, so online is billed at capture + write's fraction (conservative).
 CAPTURE_STATED = {"capture_write": 0.42, "capture": 0.42}
 CAPTURE_STATED_SOURCE = ("H200 2026-12-01, 32B dense bf16 random weights, B x T 16 x 2048: capture+write "
                          "42% of roofline (forward alone 65%), quoted, no result file")
-# Stated: output tok/s of one 8 x H200 node serving the target for the answers. DeepSeek-R1 FP8
-# (the DeepSeek-V3 shape Kimi-K2 shares: MLA, 8 routed + 1 shared expert, 37B active), SGLang TP8
-# on H200, 1K in / 1K out, 64 concurrent: 223.6 output tok/s per GPU x 8 (SemiAnalysisAI/InferenceX
-# issue #870, 2026-03-05). Decode is memory-bound (every step reads the routed experts' weights);
-# a batch job at more concurrency gets more, so this is on the low side.
+# Stated: output tok/s of one 8 x H200 node serving the target for the answers (SERVE_SOURCE: a
+# published DeepSeek-R1 FP8 figure, the DeepSeek-V3 shape Kimi-K2 shares); decode is memory-bound
+# and a batch job runs at more concurrency, so this is on the low side.
 SERVE_TOK_S = 1800.0
 SERVE_SOURCE = ("DeepSeek-R1 FP8 on 8 x H200, SGLang TP8, 1K/1K, 64 concurrent: 223.6 output tok/s/GPU x 8 "
                 "(SemiAnalysisAI/InferenceX#870)")

@@ -233,9 +233,8 @@ def _run_worker(row: R.Step, fn, params_file: str | None, ins: dict) -> int:
 def _set_threads() -> None:
     """Intra-op threads: the rule's `threads` (Snakemake exports OMP_NUM_THREADS), else 1.
 
-    Under DVC nothing sets it: one thread, because OpenMP threads spin while they wait and, on
-    shared cores, 2 spinning threads ran 5-20x slower than 1 (the Snakefile sets
-    OMP_WAIT_POLICY=PASSIVE for its jobs, which makes 2 threads pay off).
+    Under DVC nothing sets it: one thread, because waiting OpenMP threads spin and slow one
+    another on shared cores (the Snakefile's jobs get OMP_WAIT_POLICY=PASSIVE: theirs sleep).
     """
     n = int(os.environ.get("OMP_NUM_THREADS") or 1)
     os.environ["OMP_NUM_THREADS"] = str(n)

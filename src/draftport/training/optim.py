@@ -3,16 +3,14 @@
 torch's fused AdamW (`fused=True`) runs every parameter through one multi-tensor kernel that reads
 the parameter, its gradient and both moments and writes all four back: with a `grad_scale` (how
 train_step clips: the kernel divides each gradient by it as it reads it) it also stores the
-unscaled gradient, 16 bytes per bf16 parameter. On an H200 it moved 2.7 TB/s of the ~4.3 a plain
-copy gets: 5.7 ms per step for the 961.6M bf16 parameters of the Kimi-size drafter
-(benchmarks/probe_adamw_h200.py, results/2026-12-02-h200-probe-adamw.json). Here the same
-arithmetic, in the same order and in fp32 (torch's opmath), runs as two torch.compile'd functions
-per parameter: its scalars (the bias corrections, once) and one pointwise pass over its flat view
-that reads the parameter, the gradient and the moments and writes the parameter and the moments
-(14 bytes per bf16 parameter; the gradient is left as it was): 3.2 ms, 4.2 TB/s, in the same
-probe. The step count, learning rate and gradient scale are device tensors, so a step never syncs
-with the host and a new learning rate never recompiles. The clipping norm (grad_norm) is one
-compiled reduction per gradient.
+unscaled gradient, 16 bytes per bf16 parameter. Here the same arithmetic, in the same order and
+in fp32 (torch's opmath), runs as two torch.compile'd functions per parameter: its scalars (the
+bias corrections, once) and one pointwise pass over its flat view that reads the parameter, the
+gradient and the moments and writes the parameter and the moments (14 bytes per bf16 parameter;
+the gradient is left as it was): fewer bytes and nearer a plain copy's bandwidth on an H200
+(benchmarks/results/2026-12-02-h200-probe-adamw.json). The step count, learning rate and
+gradient scale are device tensors, so a step never syncs with the host and a new learning rate
+never recompiles. The clipping norm (grad_norm) is one compiled reduction per gradient.
 
 The state is torch.optim.AdamW's: per parameter `step` (a 0-dim fp32 tensor on the parameter's
 device, as the fused AdamW keeps it), `exp_avg` and `exp_avg_sq` in the parameter's dtype, so

@@ -76,8 +76,7 @@ def main() -> int:
 
     kw = {}
     if not torch.cuda.is_available() and args.tensor_parallel_size == 1:
-        # the CPU engine in this one process: its engine core and worker would each be a process
-        # of their own that imports vLLM again (~37 of a 52 s run on the micro world, 2 cores)
+        # the CPU engine in this one process: a separate engine core and worker would each import vLLM again
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         kw["distributed_executor_backend"] = "uni"
     # lazy: after VLLM_ENABLE_V1_MULTIPROCESSING is decided (vLLM reads it when it loads)
