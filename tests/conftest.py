@@ -16,5 +16,7 @@ import sys
 from pathlib import Path
 
 # Shared builders and the processes tests launch (workers, the MLflow server and UI) live in
-# tests/helpers; importable by name from every test area.
+# tests/helpers, the benchmarks tests run at toy size in benchmarks/: importable by name from every
+# test area.
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -9,10 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from bench_capture_h200 import (SHAPES, aux_ids, build_target, compile_layers, flops_per_token, length_mix,
+    make_sequences, padded_inputs, params_of, roofline, uncompile_layers)
+from draftport.data.features import featurizer
+from draftport.outputs.estimate import capture_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_capture_h200.py"
-sys.path.insert(0, str(BENCH.parent))
 
 
 def test_bench_runs_toy_on_cpu_and_writes_what_the_estimate_reads(tmp_path):
@@ -37,15 +42,11 @@ def test_bench_runs_toy_on_cpu_and_writes_what_the_estimate_reads(tmp_path):
     assert not list(tmp_path.glob("bench-capture.*"))  # its shards are gone
     assert "summary:" in r.stdout
 
-    from draftport.outputs.estimate import capture_bench
-
     got = capture_bench(out)
     assert got["source"] == "measured" and got["capture_write"] == pytest.approx(w["fraction_of_roofline"])
 
 
 def test_roofline_is_the_issues_at_the_8b_shape():
-    from bench_capture_h200 import SHAPES, flops_per_token, length_mix, params_of, roofline
-
     p = params_of(SHAPES["8b"])
     assert p["non_embedding"] == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 128256 * 4096
     # 790 TFLOP/s over 2 x 7.50B params + causal attention at T = 2048: the issue's 50.8K tok/s
@@ -78,12 +79,6 @@ def test_bench_compile_lever_runs_toy_on_cpu_beside_the_eager_rows(tmp_path):
 def test_compiled_featurizer_matches_eager_on_the_toy_target():
     """Each decoder layer's forward compiled, the capture hooks outside it, and the input padded
     to a multiple of 16 tokens: the same aux / final states and greedy choice as eager."""
-    import torch
-
-    from bench_capture_h200 import (SHAPES, aux_ids, build_target, compile_layers, make_sequences,
-                                    padded_inputs, uncompile_layers)
-    from draftport.data.features import featurizer
-
     shape = SHAPES["toy"]
     model = build_target(shape, "cpu", torch.float32)
     batch = make_sequences([37, 30, 21], shape["vocab_size"], seed=4)   # padded: a mask on the CPU

@@ -2,6 +2,7 @@
 count and scoring, and the train step's clipping inside the optimizer. That the fast path it
 times computes the reference's loss and gradients: tests/model/test_fast_path.py."""
 
+import importlib.util
 import json
 import os
 import statistics
@@ -12,9 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench_train_h200 as bench_mod
+from bench_train_h200 import SIZES, flops_per_token, score
+from bench_train_h200 import main as bench_main
 from draftport.model.config import DrafterConfig
 from draftport.model.fast.path import FastPath
-from draftport.training.loop import TrainConfig
+from draftport.training.loop import TrainConfig, train_step
+from draftport.training.optim import AdamW
 from toys import toy_batch, toy_cfg, toy_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,8 +72,6 @@ def test_bench_runs_toy_on_cpu_and_writes_fields(tmp_path):
 
 
 def test_flop_count_matches_the_anchor_formula_at_kimi_size():
-    sys.path.insert(0, str(BENCH.parent))
-    from bench_train_h200 import SIZES, flops_per_token
 
     cfg = DrafterConfig(**SIZES["kimi"], aux_layer_ids=[2, 30, 58])
     H, I, q, DV, T, S = 7168, 18432, 64 * 128, 32000, 2048, 7
@@ -84,9 +87,6 @@ def test_flop_count_matches_the_anchor_formula_at_kimi_size():
 def test_clipping_inside_fused_adamw_equals_clip_grad_norm(optimizer):
     """train_step clips inside the optimizer (grad_scale; by default for torch's fused AdamW and
     draftport.training.optim's) as clip_grad_norm_ before the update would."""
-    from draftport.training.optim import AdamW
-    from draftport.training.loop import train_step
-
     cfg = toy_cfg()
     batch = toy_batch(cfg)
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
@@ -112,8 +112,6 @@ def test_faster_peer_ratio_needs_every_peer_asked_for():
     """score(): the ratio to the faster peer takes the faster of all the peers asked for; when one
     of them was not measured (it timed out) there is no such ratio, rather than one against the
     peer that happened to finish."""
-    sys.path.insert(0, str(BENCH.parent))
-    from bench_train_h200 import score
 
     def run(peers_raw):
         ours = {f"{k}_{m}": {"real_tokens_per_s": v, "mfu": 0.7, "peak_mem_gib": 10.0}
@@ -282,11 +280,9 @@ def test_merge_peers_takes_each_peer_from_the_file_that_measured_it(tmp_path):
     a = peers_file("a.json", {"speculators": [], "specforge": sf},
                    {"speculators": {"status": "failed (rc 1)"}, "specforge": {"status": "done"}})
     b = peers_file("b.json", {"speculators": sp}, {"speculators": {"status": "done"}})
-    sys.path.insert(0, str(BENCH.parent))
-    from bench_train_h200 import main
 
     out = tmp_path / "m.json"
-    main(["--merge-peers", a, b, "--json", str(out)])
+    bench_main(["--merge-peers", a, b, "--json", str(out)])
     m = json.loads(out.read_text())
     assert m["peers_raw"] == {"speculators": sp, "specforge": sf}
     assert m["peer_runs"]["speculators"]["status"] == "done" and m["peer_runs"]["specforge"]["status"] == "done"
@@ -295,7 +291,7 @@ def test_merge_peers_takes_each_peer_from_the_file_that_measured_it(tmp_path):
                      (peers_file("d.json", {"speculators": sp}, {}, seqs=(2048,)), "config differs"),
                      (str(tmp_path / "none.json"), "no such file")):
         with pytest.raises(SystemExit) as e:   # the CLI prints it as one line and exits 1
-            main(["--merge-peers", a, bad, "--json", str(tmp_path / "x.json")])
+            bench_main(["--merge-peers", a, bad, "--json", str(tmp_path / "x.json")])
         assert why in str(e.value) and "\n" not in str(e.value)
         assert not (tmp_path / "x.json").exists()
 
@@ -305,8 +301,6 @@ def test_mix_prompts_mask_the_same_rows_in_ours_and_name_them_for_the_peers(tmp_
     default 16, a quarter of a shorter sample) in our samples' loss masks, and the mix file the
     peers' runners read lists the same prompt lengths (without it, no "prompts" key: the peers'
     loss takes every row, as before)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_train_h200 as bench_mod
 
     lengths = [40, 100, 2048]
     assert bench_mod.mix_prompts(lengths) == [10, 16, 16]
@@ -338,7 +332,6 @@ def test_mix_prompts_mask_the_same_rows_in_ours_and_name_them_for_the_peers(tmp_
 def test_profile_kinds_put_flash_varlen_under_attention():
     """The profile's breakdown by kind: FlashAttention's kernels name cutlass in their template
     arguments and were counted as GEMMs; attention is matched first."""
-    import importlib.util
     spec = importlib.util.spec_from_file_location("bench_train_h200", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

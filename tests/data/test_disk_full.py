@@ -7,12 +7,21 @@ The full disk is real: a small tmpfs mounted for the test (root), or else a per-
 
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftport.data.shards import FeatureSet, Sequence, write_features
+from draftport.errors import DraftportError
+from draftport.training.loop import TrainConfig, latest_checkpoint, resumable, train
+from toys import make_features, toy_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = ROOT / "tests" / "helpers"  # what the worker (this file, in its own process) imports
@@ -51,13 +60,6 @@ def small_place(tmp_path):
 
 def worker(what: str, mode: str, folder: str, limit: int, extra: str) -> None:
     """The write that runs out of space, in its own process; prints the outcome as JSON."""
-    import resource
-    import signal
-
-    import torch
-
-    from draftport.errors import DraftportError
-
     if mode == "rlimit":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
@@ -66,13 +68,6 @@ def worker(what: str, mode: str, folder: str, limit: int, extra: str) -> None:
         if what == "features":
             features(Path(folder))
         else:
-            from toys import toy_drafter
-
-            from draftport.data.shards import FeatureSet
-            from draftport.training.loop import train
-
-            from safetensors.torch import load_file
-
             fs = FeatureSet(extra)
             head = load_file(str(Path(extra) / "head.safetensors"))["head"]
             train(toy_drafter(seed=5), fs, head, Path(folder) / "run", ckpt_cfg(), progress=False,
@@ -83,10 +78,6 @@ def worker(what: str, mode: str, folder: str, limit: int, extra: str) -> None:
 
 
 def features(out: Path, n: int = 24):
-    import torch
-
-    from draftport.data.shards import Sequence, write_features
-
     g = torch.Generator().manual_seed(0)
     seqs = [Sequence(torch.randint(0, 100, (16,), generator=g).tolist(), 3) for _ in range(n)]
 
@@ -97,8 +88,6 @@ def features(out: Path, n: int = 24):
 
 
 def ckpt_cfg():
-    from draftport.training.loop import TrainConfig
-
     return TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2,
                        keep_checkpoints=2)
 
@@ -128,12 +117,7 @@ def test_features_on_a_full_disk(tmp_path, small_place):
 
 
 def test_checkpoint_on_a_full_disk_keeps_the_last_good_one(tmp_path, small_place):
-    from toys import make_features
-
-    from draftport.training.loop import latest_checkpoint, resumable
-
     mode, mount = small_place
-    from safetensors.torch import save_file
 
     _, head = make_features(tmp_path)
     feats = tmp_path / "feats"

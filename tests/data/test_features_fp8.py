@@ -10,11 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from draftport.data.capture import capture_dtype, capture_features, load_target
+from draftport.data.features import greedy_choice, greedy_head
 from draftport.model.formats import save_safetensors
 from draftport.data.shards import (FeatureSet, Sequence, bytes_per_token, dequantize_fp8, quantize_fp8,
     write_features)
 from draftport.errors import DraftportError
+from draftport.evaluation.drift import capture_same_tokens
+from draftport.training.loop import TrainConfig, train
 from tiny_targets import LLAMA_AUX, seed_folder, tiny_llama
 from toys import toy_cfg, toy_drafter
 
@@ -218,8 +223,6 @@ def test_fp8_folder_halves_the_bytes_reads_back_and_keeps_the_full_precision_cho
 
 def rewrite_shard(folder: Path, si: int, edit) -> Path:
     """Change one shard's tensors and record its new sha256: a folder that passes the hash check."""
-    from safetensors.torch import load_file
-
     idx = json.loads((folder / "index.json").read_text())
     path = folder / idx["shards"][si]["file"]
     t = load_file(str(path))
@@ -274,8 +277,6 @@ def test_fp8_scales_and_hashes_are_checked(tmp_path):
 
 # ---- a drafter trains on fp8 features as on bf16 ones -----------------------------------------------
 def test_a_drafter_trains_on_fp8_features_as_on_bf16(tmp_path):
-    from draftport.training.loop import TrainConfig, train
-
     cfg = toy_cfg()
     H = cfg.hidden_size
     seqs = sequences(24, lo=10, hi=20, vocab=cfg.vocab_size)
@@ -295,8 +296,6 @@ def test_a_drafter_trains_on_fp8_features_as_on_bf16(tmp_path):
 
 # ---- a real target: capture in fp8 --------------------------------------------------------------
 def test_capture_of_a_real_target_in_fp8(tmp_path):
-    from draftport.evaluation.drift import capture_same_tokens
-
     tiny_llama(tmp_path / "target")
     seed_folder(tmp_path / "seqs", n=9)
     ref = capture_same_tokens(tmp_path / "target", tmp_path / "seqs", tmp_path / "f32", batch_size=4, dtype="float32")
@@ -314,8 +313,6 @@ def test_capture_of_a_real_target_in_fp8(tmp_path):
 
 # ---- the capture: target dtype, stop at the final norm, the greedy choice ----------------------
 def test_capture_dtype_is_bf16_on_a_gpu_float32_on_the_cpu():
-    from draftport.data.capture import capture_dtype
-
     assert capture_dtype("cpu") == torch.float32 and capture_dtype("cpu", "fp8_e4m3") == torch.float32
     assert capture_dtype("cuda") == torch.bfloat16 and capture_dtype("cuda:1", "fp8_e4m3") == torch.bfloat16
     assert capture_dtype("cuda", "float32") == torch.float32  # float32 features: a float32 forward
@@ -323,9 +320,6 @@ def test_capture_dtype_is_bf16_on_a_gpu_float32_on_the_cpu():
 
 
 def test_capture_stops_at_the_final_norm_and_chunks_the_greedy_choice(tmp_path):
-    from draftport.data.features import greedy_choice, greedy_head
-    from draftport.data.capture import capture_features, load_target
-
     tiny_llama(tmp_path / "t")
     model = load_target(tmp_path / "t")
     calls = []

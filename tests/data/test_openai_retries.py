@@ -4,6 +4,7 @@ come back in order; a 4xx fails at once; a server that never recovers fails afte
 budget with one line naming the URL."""
 
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -106,8 +107,6 @@ def test_a_server_that_stays_down_fails_after_the_budget_naming_the_url(serve):
 
 
 def test_a_refused_connection_is_retried_then_named(monkeypatch):
-    import socket
-
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

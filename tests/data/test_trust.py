@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftport.data import fetch as F
 from draftport.plan import params as P
 from draftport.model.formats import load_drafter_state, save_drafter
 from draftport.errors import DraftportError
 from draftport.plan import registry as R
-from draftport.data.capture import trusted
+from draftport.data.capture import load_target, trusted
 from toys import toy_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +27,6 @@ def pickled_repo(tmp_path, payload=None) -> tuple[str, Path, dict]:
     """A hub repo (in a local hub cache) holding config.json + pytorch_model.bin only."""
     d = toy_drafter(seed=3)
     save_drafter(tmp_path / "good", d.cfg, d.export_state())
-    from safetensors.torch import load_file
 
     state = load_file(str(tmp_path / "good" / "model.safetensors"))
     folder = tmp_path / "repo"
@@ -79,8 +80,6 @@ def test_allowed_pickle_that_carries_code_is_still_refused(tmp_path, monkeypatch
 
 def custom_code_target(tmp_path) -> Path:
     """A tiny Llama whose config.json asks for the repo's own classes; importing them leaves a mark."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     folder = tmp_path / "target"
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
@@ -100,8 +99,6 @@ def custom_code_target(tmp_path) -> Path:
 
 
 def test_remote_code_runs_only_when_trusted(tmp_path):
-    from draftport.data.capture import load_target
-
     folder = custom_code_target(tmp_path)
     marker = tmp_path / "code_ran"
     with pytest.raises(DraftportError) as e:

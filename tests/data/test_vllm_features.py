@@ -12,11 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from draftport.data.capture import load_target, regenerate
 from draftport.engines.vllm.hidden_states import vllm_layer_ids
 from draftport.engines.vllm.venv import default_vllm_python, vllm_python
 from draftport.errors import DraftportError
-from draftport.data.features import build_features
+from draftport.data.features import build_features, encode_prompt, load_tokenizer, read_samples
+from draftport.data.shards import FeatureSet
+from draftport.engines.openai import regenerate_openai
+from draftport.model.bind import new_drafter_config
+from draftport.model.config import target_text_config
+from draftport.model.draftmap import build_vocab
+from draftport.plan.params import TrainConfig, load
+from draftport.training.phases import train_phase
+from draftport.world import build_world_base
 
 HAVE_VLLM = default_vllm_python().exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
 REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_VLLM"))
@@ -37,8 +47,6 @@ def micro(tmp_path_factory):
         if REQUIRE:
             pytest.fail(f"DRAFTPORT_REQUIRE_VLLM is set but {default_vllm_python()} is missing")
         pytest.skip("no vLLM venv (make vllm-venv; DRAFTPORT_REQUIRE_VLLM=1 makes this a failure)")
-    from draftport.plan.params import load
-    from draftport.world import build_world_base
 
     root = tmp_path_factory.mktemp("vllm-features")
     build_world_base(root / "w", load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"], progress=False)
@@ -47,8 +55,6 @@ def micro(tmp_path_factory):
 
 @pytest.mark.slow
 def test_vllm_extracted_features_equal_transformers_capture(micro):
-    from draftport.data.shards import FeatureSet
-
     target, prompts = micro / "w" / "target_new", micro / "w" / "corpus" / "new.jsonl"
     kw = dict(n_samples=12, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=16, dtype="float32",
               batch_size=4, shard_samples=5)
@@ -74,14 +80,6 @@ def test_online_training_through_vllm_equals_the_vllm_disk_capture(micro):
     """features.storage online with engine vllm: the training step's spool is filled by vLLM
     extraction runs (one per spool shard), and the drafter equals one trained on vLLM's disk
     capture of the same samples."""
-    from safetensors.torch import load_file
-
-    from draftport.model.bind import new_drafter_config
-    from draftport.model.config import target_text_config
-    from draftport.model.draftmap import build_vocab
-    from draftport.plan.params import TrainConfig
-    from draftport.training.phases import train_phase
-
     target, prompts = micro / "w" / "target_new", micro / "w" / "corpus" / "new.jsonl"
     kw = dict(n_samples=12, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=16, dtype="float32",
               batch_size=4, shard_samples=6, engine="vllm")
@@ -150,10 +148,6 @@ def server(micro):
 
 @pytest.mark.slow
 def test_served_regeneration_equals_transformers_greedy(micro, server):
-    from draftport.engines.openai import regenerate_openai
-    from draftport.data.features import encode_prompt, load_tokenizer, read_samples
-    from draftport.data.capture import load_target, regenerate
-
     target = micro / "w" / "target_new"
     tok = load_tokenizer(target)
     prompts = [encode_prompt(tok, s["user"]) for s in read_samples(micro / "w/corpus/heldout_new.jsonl", 6)]

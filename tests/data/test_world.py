@@ -5,6 +5,8 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftport.plan import params as P
 from draftport.world import PIPELINE_KEYS, base_params, build_world_base
@@ -81,8 +83,6 @@ def test_new_words_are_only_in_new_and_answers_depend_on_prompt():
 
 @pytest.mark.slow  # builds a micro world
 def test_tokenizer_round_trips_and_matches_chat_template(world):
-    from transformers import AutoTokenizer
-
     out, manifest = world
     tok = load_world_tokenizer(out / "tokenizer")
     assert tok.get_vocab_size() == manifest["vocab_size"] <= MICRO["vocab_size"]
@@ -123,9 +123,6 @@ def test_micro_world_is_deterministic(world, tmp_path):
 
 @pytest.mark.slow  # builds a micro world
 def test_targets_load_from_their_folders(world):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out, manifest = world
     for name in ("target_old", "target_new"):
         folder = out / name

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftport.data.capture import (capture_features, load_target, read_target_tensor, read_text_tensor,
     text_config)
@@ -14,8 +15,6 @@ from draftport.data.capture import (capture_features, load_target, read_target_t
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("wrapped")
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from draftport.cli import main
 from draftport.evaluation import decision as D
 from draftport.errors import DraftportError
 
@@ -275,8 +276,6 @@ def test_render_text():
 # ---------------------------------------------------------------- CLI
 
 def cli(args, capsys):
-    from draftport.cli import main
-
     try:
         rc = main(args)
     except SystemExit as e:  # typer exits on success

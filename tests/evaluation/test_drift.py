@@ -12,6 +12,11 @@ import torch
 from draftport.data.shards import FeatureSet
 from draftport.evaluation.drift import capture_same_tokens, drift_probe, drift_stats, linear_cka
 from draftport.errors import DraftportError
+from draftport.evaluation.accept import evaluate_drafter
+from draftport.model.config import DrafterConfig
+from draftport.model.drafter import Eagle3Drafter
+from draftport.model.formats import save_drafter
+from draftport.model.vocab import build_maps
 from tiny_targets import H, LLAMA_AUX, LLAMA_VOCAB, seed_folder, tiny_llama
 
 
@@ -111,12 +116,6 @@ def test_incompatible_targets_give_one_line(world, target, like, what):
 
 
 def test_drift_probe_reports_tau_on_both_sides(world, tmp_path):
-    from draftport.model.formats import save_drafter
-    from draftport.model.config import DrafterConfig
-    from draftport.model.drafter import Eagle3Drafter
-    from draftport.evaluation.accept import evaluate_drafter
-    from draftport.model.vocab import build_maps
-
     cfg = DrafterConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, vocab_size=LLAMA_VOCAB, draft_vocab_size=40, aux_layer_ids=LLAMA_AUX,
                         max_position_embeddings=128, aux_convention="vllm")

@@ -51,6 +51,7 @@ def need_browser() -> None:
 
 @contextmanager
 def browser():
+    # lazy: playwright is optional (the test extra); need_browser skips without it
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:

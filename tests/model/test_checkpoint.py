@@ -1,16 +1,22 @@
 """Checkpoint formats: header parsing, validation, save/load round trips (flat and speculators)."""
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.numpy import load_file as load_np
+from safetensors.torch import load_file, save_file
 
-from draftport.model.formats import (check_keys, check_shapes, inspect_drafter, inspect_report,
-    load_drafter_state, read_header, read_tensor_np, save_drafter)
+from draftport.data.shards import Sequence, write_features
+from draftport.model.formats import (check_keys, check_shapes, inspect_drafter, inspect_report, load_drafter_state,
+    read_header, read_tensor_np, save_drafter, save_safetensors)
 from draftport.model.config import parse_config, read_config
 from draftport.model.drafter import Eagle3Drafter
 from draftport.errors import DraftportError
@@ -243,12 +249,6 @@ save_drafter(sys.argv[1] + "/drafter", cfg, state, metadata={"source": "org/a", 
 
 
 def test_identical_writes_in_two_processes_give_identical_bytes(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    from safetensors import safe_open
-
     outs = []
     for seed in ("1", "2"):
         out = tmp_path / f"seed{seed}"
@@ -267,11 +267,6 @@ def test_identical_writes_in_two_processes_give_identical_bytes(tmp_path):
 
 
 def test_save_safetensors_round_trips_every_dtype_and_matches_safetensors(tmp_path):
-    from safetensors.numpy import load_file as load_np
-    from safetensors.torch import load_file
-
-    from draftport.model.formats import save_safetensors
-
     g = torch.Generator().manual_seed(0)
     tensors = {"f32": torch.randn(4, 3, generator=g), "bf16": torch.randn(2, 5, generator=g).bfloat16(),
                "i64": torch.arange(-3, 9).reshape(3, 4), "bool": torch.rand(7, generator=g) > 0.5,
@@ -305,8 +300,6 @@ def test_save_safetensors_round_trips_every_dtype_and_matches_safetensors(tmp_pa
 
 
 def test_feature_shards_and_save_drafter_write_the_same_bytes_twice(tmp_path):
-    from draftport.data.shards import Sequence, write_features
-
     def featurize(batch):
         g = torch.Generator().manual_seed(len(batch[0].tokens))
         T = max(len(s.tokens) for s in batch)

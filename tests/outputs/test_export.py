@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftport.engines.vllm.serve import for_vllm
 from draftport.model.formats import save_drafter
 from draftport.model.config import DrafterConfig
 from draftport.model.drafter import Eagle3Drafter
@@ -151,8 +152,6 @@ def test_speculators_config_is_not_the_flat_format(world):
 
 def test_sglang_numbered_drafter_is_served_to_vllm_with_ids_plus_one(tmp_path):
     """SGLang's aux id k (leaving layer k) is vLLM's k + 1 (entering layer k + 1)."""
-    from draftport.engines.vllm.serve import for_vllm
-
     target = stub_target(tmp_path / "target")
     src = make_export(tmp_path / "sglang", target, aux_layer_ids=[0, 1, 2], aux_convention="sglang")
     before = {f.name: f.read_bytes() for f in src.iterdir()}

@@ -10,16 +10,20 @@ Only HfApi's two network calls are replaced, by recorders.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import yaml
+from huggingface_hub import HfApi, ModelCard
 
 from draftport.plan import params as P
 from draftport.model.formats import find_target_embedding, load_drafter_state, read_header, tensor_sha256
 from draftport.model.config import read_config
 from draftport.errors import DraftportError
 from draftport.outputs.export import validate_export
+from draftport.outputs.publish import check_folder, choose_phase, from_pipeline, push
 from publish_pipeline import AUX, build_pipeline
 from repo import ROOT
 from tiny_targets import stub_target
@@ -32,8 +36,6 @@ def pipe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def published(pipe):
-    from draftport.outputs.publish import from_pipeline
-
     out = pipe["root"] / "out" / "drafter"
     rep = from_pipeline(pipe["params"], pipe["inputs"], out, repo_id="org/k25-eagle3")
     return {**pipe, "out": out, "rep": rep}
@@ -54,10 +56,6 @@ def test_trained_drafters_name_the_target_they_were_trained_for(pipe):
 
 
 def test_the_folder_is_hub_ready_and_loads_back(published):
-    from huggingface_hub import ModelCard
-
-    from draftport.outputs.publish import choose_phase
-
     out, rep, target = published["out"], published["rep"], published["target"]
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     assert rep["phase"] == choose_phase(published["decision"])[0] in ("phase1", "phase2")  # no curves: init either
@@ -103,8 +101,6 @@ def test_the_card_says_what_the_issue_lists(published):
 
 
 def test_a_named_phase_and_a_bad_one(pipe, tmp_path):
-    from draftport.outputs.publish import choose_phase, from_pipeline
-
     rep = from_pipeline(pipe["params"], pipe["inputs"], tmp_path / "p2", phase="phase2")
     assert rep["phase"] == "phase2"
     text = (tmp_path / "p2" / "README.md").read_text()
@@ -120,8 +116,6 @@ def test_a_named_phase_and_a_bad_one(pipe, tmp_path):
 def test_a_failed_check_leaves_no_folder(pipe, tmp_path):
     """The embedding asked for is checked against the target's bytes: a drafter whose other
     tensors are not what the export made fails, and nothing is left under the final name."""
-    from draftport.outputs.publish import from_pipeline
-
     bad = dict(pipe["inputs"])
     bad["target"] = stub_target(tmp_path / "other_target", seed=5)  # not the one the phase was measured on
     with pytest.raises(DraftportError, match="the phase's evaluation measured"):
@@ -137,8 +131,6 @@ class Recorder:
 @pytest.fixture
 def hub(monkeypatch):
     """HfApi's two network calls, recorded instead of sent."""
-    from huggingface_hub import HfApi
-
     rec = Recorder()
 
     def create_repo(self, repo_id, **kw):
@@ -154,8 +146,6 @@ def hub(monkeypatch):
 
 
 def test_push_reaches_the_upload_with_the_folder_and_repo(published, hub, monkeypatch):
-    from draftport.outputs.publish import push
-
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     res = push(published["out"], "org/k25-eagle3", published["target"])
     assert [c[0] for c in hub.calls] == ["create_repo", "upload_folder"]
@@ -164,10 +154,6 @@ def test_push_reaches_the_upload_with_the_folder_and_repo(published, hub, monkey
 
 
 def test_push_is_refused_before_any_network_call(published, hub, monkeypatch, tmp_path):
-    import shutil
-
-    from draftport.outputs.publish import push
-
     monkeypatch.delenv("HF_TOKEN", raising=False)
     with pytest.raises(DraftportError, match="HF_TOKEN: not set"):
         push(published["out"], "org/k25-eagle3", published["target"])
@@ -189,8 +175,6 @@ def test_push_is_refused_before_any_network_call(published, hub, monkeypatch, tm
 
 
 def test_push_refuses_a_base_model_that_is_not_on_the_hub(pipe, hub, monkeypatch, tmp_path):
-    from draftport.outputs.publish import from_pipeline, push
-
     p = json.loads(json.dumps(pipe["params"]))
     p["publish"]["base_model"] = str(pipe["target"])  # a local folder: what targets.new is in the world
     from_pipeline(p, pipe["inputs"], tmp_path / "local", repo_id="org/x")
@@ -223,10 +207,6 @@ def test_the_cli_refuses_a_push_without_a_token_in_one_line(tmp_path):
 def test_the_step_runs_under_its_registry_row(pipe, tmp_path):
     """scripts/publish.py as Snakemake and DVC run it: its folder, publish.json and metrics.json,
     and every draftport module it ran listed in its row (DRAFTPORT_STRICT_MODULES)."""
-    import shutil
-
-    import yaml
-
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     over = {"targets": {"new": "org/target-new"}, "publish": {"enabled": True, "k": [1, 3], "repo_id": "org/k25"},
             "decision": {"n_boot": 200}}
@@ -247,10 +227,6 @@ def test_the_step_runs_under_its_registry_row(pipe, tmp_path):
 
 def test_the_cli_builds_the_folder_from_the_artifacts(pipe, tmp_path):
     """`draftport publish` in a checkout whose artifacts/ the pipeline filled (here: the fixture's)."""
-    import shutil
-
-    import yaml
-
     root = pipe["root"]
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     (tmp_path / "over.yaml").write_text(yaml.safe_dump({
@@ -271,8 +247,6 @@ def test_the_cli_builds_the_folder_from_the_artifacts(pipe, tmp_path):
 
 
 def test_embed_tokens_drop_publishes_none_and_says_so(pipe, tmp_path):
-    from draftport.outputs.publish import check_folder, from_pipeline
-
     p = json.loads(json.dumps(pipe["params"]))
     p["publish"]["embed_tokens"] = "drop"
     rep = from_pipeline(p, pipe["inputs"], tmp_path / "drop")

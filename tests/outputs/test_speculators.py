@@ -16,6 +16,9 @@ import torch
 
 from draftport.engines.speculators import roundtrip as RT
 from draftport.errors import DraftportError
+from draftport.model.config import DrafterConfig, parse_config
+from draftport.model.formats import find_target_embedding, load_drafter_state, read_tensor_np, save_drafter
+from draftport.outputs.publish import from_pipeline
 from publish_pipeline import AUX, K, build_pipeline
 from repo import ROOT
 
@@ -29,8 +32,6 @@ TOL = 1e-4
 
 
 def test_the_convert_command_passes_the_aux_ids_and_norm_before_residual():
-    from draftport.model.config import DrafterConfig
-
     cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
                         head_dim=32, vocab_size=100, draft_vocab_size=40, aux_layer_ids=[2, 30, 58])
     args = RT.convert_args("org/d", "org/t", "out", cfg)
@@ -44,8 +45,6 @@ def test_the_convert_command_passes_the_aux_ids_and_norm_before_residual():
 def test_rope_from_transformers_5s_rope_parameters():
     """speculators 0.9.0 writes transformer_layer_config under transformers 5: RoPE as
     rope_parameters, no rope_theta. Read as the default 10000, the drafter would rotate wrongly."""
-    from draftport.model.config import parse_config
-
     layer = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
              "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 100,
              "rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}}
@@ -66,7 +65,6 @@ def spec(tmp_path_factory):
             pytest.fail(f"DRAFTPORT_REQUIRE_SPECULATORS is set but {SPEC_PY} is missing: run `make speculators-venv`")
         pytest.skip(f"no speculators venv at {SPEC_PY} (run `make speculators-venv`; DRAFTPORT_REQUIRE_SPECULATORS=1 "
                     "makes this a failure)")
-    from draftport.outputs.publish import from_pipeline
 
     root = tmp_path_factory.mktemp("speculators")
     # rope_theta 50000: a RoPE read wrongly on either side (the default is 10000) shows in the logits
@@ -102,8 +100,6 @@ def test_speculators_converts_loads_and_computes_what_draftport_computes(spec):
 def test_draftports_speculators_format_loads_in_speculators(spec):
     """The speculators-format writer names the drafter's own target (the new one) as its
     verifier, which speculators reads (its layer count, its final norm)."""
-    from draftport.model.formats import (find_target_embedding, load_drafter_state, read_tensor_np, save_drafter)
-
     cfg, state = load_drafter_state(spec["inputs"]["drafter_phase1"])  # as Phase 1's training saved it
     assert cfg.extra["verifier"] == str(spec["target"])
     state["embed_tokens.weight"] = torch.from_numpy(read_tensor_np(find_target_embedding(spec["target"])).copy())

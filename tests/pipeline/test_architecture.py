@@ -4,6 +4,7 @@ listed there, and every module's first line says what it holds."""
 import ast
 from pathlib import Path
 
+from draftport.pipeline.runner import function_of
 from draftport.plan import registry as R
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,8 +29,6 @@ def test_every_module_has_a_first_line_and_a_row_in_the_docs():
 
 
 def test_every_registry_row_has_its_script_and_function():
-    from draftport.pipeline.runner import function_of
-
     for s in R.STEPS:
         script = (ROOT / "scripts" / f"{s.name}.py").read_text()
         assert f'main("{s.name}")' in script, s.name

@@ -30,7 +30,9 @@ from typing import Callable
 import numpy as np
 import pytest
 import yaml
+from safetensors.numpy import load_file, save_file
 
+from draftport.data.shards import FeatureSet, Sequence, capture_meta, write_sequences
 from repo import BIN, ROOT, micro_copy
 
 PY = sys.executable
@@ -133,8 +135,6 @@ def flip_bytes(rel: str):
 def rewrite_tensors(rel: str, fn_tensors):
     """Load a safetensors file with numpy, change its tensors, save it back (a valid file)."""
     def fn(repo):
-        from safetensors.numpy import load_file, save_file
-
         t = dict(load_file(str(repo / rel)))
         fn_tensors(t)
         (repo / rel).unlink()
@@ -186,8 +186,6 @@ def drafter_for_wider_target(repo):
 
 def wider_target(repo):
     """targets.new -> a copy of the new target whose hidden size is 96 (the drafter's is 64)."""
-    from safetensors.numpy import load_file, save_file
-
     dst = repo / "wide_target"
     shutil.copytree(repo / "artifacts/world/target_new", dst)
     t = dict(load_file(str(dst / "model.safetensors")))
@@ -205,8 +203,6 @@ def empty_index(repo):
 
 def online_with_a_tiny_spool(repo):
     """features_new as storage online writes it (the answers only), and a spool bound of 1 KB."""
-    from draftport.data.shards import FeatureSet, Sequence, capture_meta, write_sequences
-
     train = repo / "artifacts/features_new/train"
     fs = FeatureSet(train)
     seqs = []

@@ -1,6 +1,7 @@
 """Bad input through the real CLI: exit status 2, one line on stderr naming file and problem,
 no traceback, nothing written."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from draftport.cli import app
 from draftport.model.fixtures import frequency_maps, small_config, write_header_only_drafter
 
 
@@ -183,10 +185,6 @@ def test_help_lists_each_command_with_its_summary_on_one_line(tmp_path):
     """`draftport --help` shows each command's first docstring paragraph joined: typer's rich mode
     would keep the docstring's line breaks there, ending lines mid-sentence. A wide terminal so
     that nothing wraps: each summary must stand whole on the command's line."""
-    import inspect
-
-    from draftport.cli import app
-
     env = dict(os.environ, COLUMNS="400", TERMINAL_WIDTH="400")
     res = subprocess.run([sys.executable, "-m", "draftport.cli", "--help"], capture_output=True,
                          text=True, env=env, cwd=tmp_path)

@@ -2,8 +2,10 @@
 a cycle), and the modules the Snakefile and the header-only commands load stay torch-free."""
 
 import ast
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -90,9 +92,6 @@ def test_snakefile_side_and_header_commands_do_not_import_torch():
 def test_a_wheel_carries_every_module_and_the_in_venv_scripts(tmp_path):
     """A non-editable `pip install .` gets the whole package: the steps, the engines and the
     scripts that run inside the vLLM venv (found next to the package, never in the repo)."""
-    import shutil
-    import zipfile
-
     root = SRC.parent
     work = tmp_path / "tree"
     shutil.copytree(SRC, work / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))

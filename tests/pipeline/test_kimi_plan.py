@@ -1,9 +1,11 @@
 """The kimi-k2.5 profile plans the whole game plan with every job's GPUs, memory, runtime and
 command (Snakemake dry run, nothing runs); the embedded profile's commands stay plain `python`."""
 
+import importlib.util
 import re
 
 import pytest
+import yaml
 
 from draftport.plan import cluster
 from draftport.plan import params as P
@@ -96,10 +98,6 @@ def test_torchrun_only_for_training_rules_with_gpus():
 def test_slurm_profile_plans_with_the_rules_resources():
     """profiles/slurm/config.yaml parsed by Snakemake itself; the executor is swapped for the
     dry run only when the slurm plugin is not installed (planning needs no plugin code then)."""
-    import importlib.util
-
-    import yaml
-
     prof = yaml.safe_load((ROOT / "profiles/slurm/config.yaml").read_text())
     assert prof["executor"] == "slurm" and prof["jobs"] >= 1
     args = ["phase2", "--configfile", KIMI, "--profile", "profiles/slurm"]

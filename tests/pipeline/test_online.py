@@ -4,15 +4,29 @@ The end-to-end test needs the vLLM venv (`make vllm-venv`). Without it the test 
 unless DRAFTPORT_REQUIRE_VLLM is set (CI), where a missing venv is a failure.
 """
 
+import ast
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+import draftport
+from draftport.data.features import build_features
 from draftport.engines.vllm import serve
-from draftport.engines.vllm.venv import default_vllm_python, vllm_python
+from draftport.engines.vllm.venv import default_vllm_python, runner, vllm_python
 from draftport.errors import DraftportError
+from draftport.model.bind import new_drafter_config
+from draftport.model.draftmap import build_vocab
+from draftport.model.formats import find_target_embedding, read_tensor_np, save_safetensors, tensor_sha256
+from draftport.outputs.export import validate_export
+from draftport.plan.params import load
+from draftport.training.loop import TrainConfig
+from draftport.training.phases import train_phase
+from draftport.world import build_world_base
 
 VLLM_PY = default_vllm_python()
 HAVE_VLLM = VLLM_PY.exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
@@ -81,12 +95,6 @@ def test_the_vllm_venv_is_found_from_the_working_directory(tmp_path, monkeypatch
 def test_the_in_venv_scripts_ship_inside_the_package():
     """Found next to the package (so a wheel carries them), importing nothing of draftport (the
     vLLM venv does not have it)."""
-    import ast
-    from pathlib import Path
-
-    import draftport
-    from draftport.engines.vllm.venv import runner
-
     for name in ("online_vllm.py", "features_vllm.py"):
         path = runner(name)
         assert path.is_relative_to(Path(draftport.__file__).parent)
@@ -107,13 +115,6 @@ def micro(tmp_path_factory):
         if REQUIRE:
             pytest.fail(f"DRAFTPORT_REQUIRE_VLLM is set but {VLLM_PY} is missing: run `make vllm-venv`")
         pytest.skip(f"no vLLM venv at {VLLM_PY} (run `make vllm-venv`; DRAFTPORT_REQUIRE_VLLM=1 makes this a failure)")
-    from draftport.model.bind import new_drafter_config
-    from draftport.model.draftmap import build_vocab
-    from draftport.data.features import build_features
-    from draftport.plan.params import load
-    from draftport.training.phases import train_phase
-    from draftport.training.loop import TrainConfig
-    from draftport.world import build_world_base
 
     root = tmp_path_factory.mktemp("online")
     p = load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"]  # the micro profile's world
@@ -167,14 +168,6 @@ def test_embed_tokens_drop_and_target_serve_the_same(micro):
     embeds with the target's) is exported both ways of online.embed_tokens: dropped (vLLM takes
     the target's) or replaced by the new target's bytes. Same embedding either way: vLLM drafts
     the same tokens, so tau and every request's cycles are identical."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file
-
-    from draftport.model.formats import find_target_embedding, read_tensor_np, save_safetensors, tensor_sha256
-    from draftport.outputs.export import validate_export
-
     root, k = micro["root"], 3
     foreign = root / "foreign_embed"
     shutil.copytree(micro["drafter"], foreign)

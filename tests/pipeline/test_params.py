@@ -9,7 +9,10 @@ import pytest
 import yaml
 
 from draftport.plan import params as P
+from draftport.plan import registry as R
 from draftport.errors import DraftportError
+from draftport.plan.registry import STEP_NAMES, TRAINING_STEPS
+from draftport.training.loop import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,8 +121,6 @@ def test_merge_is_recursive_like_snakemake():
 
 
 def test_step_keys_exist_in_the_schema(base):
-    from draftport.plan import registry as R
-
     cfg = P.validate(base)
     for step in R.STEPS:
         sub = R.step_params(cfg, step.name)
@@ -219,8 +220,6 @@ OLD_EXPLICIT = {  # the keys each train group sets apart from the defaults
 
 
 def test_train_groups_in_params_yaml_keep_the_effective_values(base):
-    from draftport.training.loop import TrainConfig
-
     assert TrainConfig().model_dump() == OLD_TRAIN_DEFAULTS
     assert list(TrainConfig.model_fields) == list(OLD_TRAIN_DEFAULTS)
     for dotted, explicit in OLD_EXPLICIT.items():
@@ -242,8 +241,6 @@ def test_world_model_defaults_are_the_embedded_world(base):
 
 
 def test_resource_rules_come_from_the_step_registry():
-    from draftport.plan.registry import STEP_NAMES, TRAINING_STEPS
-
     assert P.RESOURCE_RULES == ("default", *STEP_NAMES) and P.TRAINING_RULES == TRAINING_STEPS
     assert list(P.ResourcesParams.model_fields) == list(P.RESOURCE_RULES)
 
@@ -387,8 +384,6 @@ def test_not_a_mapping():
 
 
 def test_train_config_is_the_train_group():
-    from draftport.training.loop import TrainConfig
-
     assert TrainConfig is P.TrainConfig
     cfg = TrainConfig(steps=3, lr=1)
     assert cfg.lr == 1.0 and type(cfg.lr) is float and cfg.gamma == 0.8

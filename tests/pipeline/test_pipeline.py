@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlflow_server import MlflowServer, rest
+import mlflow_ui as U
+from draftport.plan import registry as R
+from mlflow_server import MlflowServer, free_port, rest
 from repo import BIN, ROOT, micro_copy
 
 pytestmark = pytest.mark.slow
@@ -338,8 +340,6 @@ def test_registry_modules_are_the_ones_each_step_ran(repo):
     """Each step's registry row lists the draftport modules it imported (logs/<step>.json records
     them; under DRAFTPORT_STRICT_MODULES an unlisted one fails the step), and lists no module it
     never ran except the engine paths another profile takes (vLLM capture, a served target)."""
-    from draftport.plan import registry as R
-
     branch = {"engines.vllm.features", "engines.vllm.venv", "engines.vllm.runners.features_vllm", "engines.openai",
               "engines.vllm.runners.online_vllm",   # run as a file inside the vLLM venv
               "packing",  # imported only by a training with train.packing: true
@@ -536,9 +536,6 @@ def test_mlflow_ui_in_a_browser(repo):
     parent, its nested runs showing under it once expanded, and accept_length once added as a
     column; a new user who lands on the GenAI overview gets to the runs with "Model training".
     Expected values come from the tracking server's REST API. Nothing DVC or Snakemake track changes."""
-    import mlflow_ui as U
-    from mlflow_server import free_port
-
     U.need_browser()
     db = repo.path.parent / "mlflow-server.db"  # MlflowServer(tmp)'s store: the fixture's server writes it
     assert db.is_file()

@@ -6,9 +6,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from snakemake.persistence.file import FilePersistence
 
+from draftport.errors import DraftportError
+from draftport.outputs.report import build_report
 from draftport.plan import params as P
 from draftport.pipeline import bridge
+from draftport.pipeline.steps.eval_steps import cost_metrics
+from draftport.pipeline.tracking import check_reachable, retry
 from draftport.plan import registry as R
 from repo import ROOT, smk
 
@@ -123,8 +128,6 @@ def test_params_arg_is_empty_for_params_yaml_and_content_named_otherwise(tmp_pat
 
 
 def test_dropping_snakemake_records_matches_snakemakes_file_layout(tmp_path):
-    from snakemake.persistence.file import FilePersistence
-
     meta = tmp_path / "metadata"
     meta.mkdir()
 
@@ -146,17 +149,12 @@ def test_dropping_snakemake_records_matches_snakemakes_file_layout(tmp_path):
 
 
 def test_unreachable_tracking_server_is_one_line_with_the_uri():
-    from draftport.errors import DraftportError
-    from draftport.pipeline.tracking import check_reachable
-
     with pytest.raises(DraftportError) as e:
         check_reachable("http://127.0.0.1:9", timeout=2)
     assert str(e.value).startswith("http://127.0.0.1:9: MLflow tracking server unreachable")
 
 
 def test_tracking_retries_while_the_database_is_locked():
-    from draftport.pipeline.tracking import retry
-
     calls = []
 
     def flaky():
@@ -171,17 +169,12 @@ def test_tracking_retries_while_the_database_is_locked():
 
 
 def test_cost_metrics_match_the_seeds():
-    from draftport.pipeline.steps.eval_steps import cost_metrics
-
     m = cost_metrics(2.46, {"baseline_tok_s": 82.0, "verify_ms": 30.0, "draft_ms": 0.0}, k=3)
     assert m["break_even_accept_length"] == pytest.approx(2.46)
     assert m["projected_tok_s"] == pytest.approx(82.0)
 
 
 def test_report_builds_from_metrics(tmp_path):
-    from draftport.outputs.report import build_report
-    from draftport.pipeline.steps.eval_steps import cost_metrics
-
     A = tmp_path / "artifacts"
     k = 3
     for i, ph in enumerate(("phase0", "phase1_scratch", "phase1", "phase2")):

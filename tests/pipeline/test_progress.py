@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from tqdm import tqdm
 
 from draftport import progress as P
 
@@ -90,8 +91,6 @@ def test_interval_from_the_environment(monkeypatch):
 
 
 def test_terminal_gets_a_tqdm_bar(tty):
-    from tqdm import tqdm
-
     buf = io.StringIO()
     with P.progress(5, "train", "step", file=buf) as bar:
         assert isinstance(bar._bar, tqdm)
@@ -130,8 +129,6 @@ def test_logwriter_collapses_carriage_return_updates_and_keeps_the_last_state():
 
 
 def test_logwriter_with_a_real_tqdm_stream():
-    from tqdm import tqdm
-
     fh = io.StringIO()
     log = P.LogWriter(fh, 3600)  # at most the first state, then the final one
     for _ in tqdm(range(500), desc="capture", file=log, mininterval=0, miniters=1, ascii=True, ncols=80):

@@ -16,9 +16,11 @@ import pytest
 import torch
 import yaml
 
+from draftport.errors import DraftportError
 from draftport.pipeline import bridge
 from draftport.pipeline import runner
-from draftport.training.loop import TrainConfig, train
+from draftport.pipeline.tracking import Logger
+from draftport.training.loop import TrainConfig, latest_checkpoint, resumable, train
 from repo import BIN, micro_copy
 from resume_copy import EVERY, STEP, STEPS, Copy, assert_same_result, kill_after_first_checkpoint
 from toys import make_features, toy_drafter
@@ -119,10 +121,6 @@ def test_lock_of_a_dead_snakemake_is_cleared_a_live_ones_is_not(tmp_path):
 
 
 def test_non_finite_loss_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    from draftport.errors import DraftportError
-    from draftport.pipeline.tracking import Logger
-    from draftport.training.loop import latest_checkpoint, resumable
-
     fs, head = make_features(tmp_path)
     cfg = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2)
 

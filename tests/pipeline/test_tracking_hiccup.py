@@ -6,6 +6,7 @@ same port and backend store."""
 import os
 
 import pytest
+from mlflow.exceptions import MlflowException
 
 from draftport.pipeline.tracking import Logger, PhaseRun, transient
 from draftport.training.loop import TrainConfig, train
@@ -73,8 +74,6 @@ def test_training_survives_the_tracking_server_going_away(server, tmp_path, caps
 
 
 def test_what_counts_as_a_hiccup():
-    from mlflow.exceptions import MlflowException
-
     assert transient(MlflowException("API request to http://h/api failed with exception HTTPConnectionPool("
                                       "host='h', port=5000): Max retries exceeded ([Errno 111] Connection refused)"))
     assert transient(MlflowException("API request to endpoint /api/2.0/mlflow/runs/log-batch failed with "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from draftport.pipeline.tracking import PhaseRun, ensure_experiment
 from mlflow_server import free_port
 
 BIN = Path(sys.executable).parent
@@ -45,8 +46,6 @@ def store(tmp_path, monkeypatch):
     """A workspace (params.yaml: profile tiny) whose sqlite store holds what the pipeline logs:
     phase0, phase1_scratch, two phase1 runs (a rerun), the curves parent with two nested runs,
     and a run of another profile's experiment."""
-    from draftport.pipeline.tracking import PhaseRun
-
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     (tmp_path / "params.yaml").write_text(f"profile: {PROFILE}\n")
     # absolute here (MLflow keeps one engine per URI in this process); `draftport ui` runs in
@@ -151,7 +150,6 @@ def test_errors_are_one_line(tmp_path, store):
                    "draftport-other", "draftport-tiny", "run `make phase1` first")
     bare = tmp_path / "bare"
     bare.mkdir()
-    from draftport.pipeline.tracking import ensure_experiment
 
     ensure_experiment("bare", f"sqlite:///{bare}/mlflow.db")
     (bare / "params.yaml").write_text("profile: bare\n")

@@ -4,6 +4,7 @@ FSDP, or in one process); the multi-GPU benchmark runs at toy size on the CPU.""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,8 +93,6 @@ def test_fsdp_resume_is_exact_and_a_single_process_can_resume_it(runs, tmp_path)
     """Interrupted after step 3 (its checkpoint), resumed by a fresh set of processes under FSDP:
     the same weights as the uninterrupted FSDP run; resumed in one process instead: the same
     weights as the one-process run."""
-    import shutil
-
     ck = runs["fsdp"] / "checkpoints" / "step_0000003"
     for name in ("again", "alone"):
         (tmp_path / name / "checkpoints").mkdir(parents=True)

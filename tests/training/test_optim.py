@@ -12,6 +12,7 @@ import torch
 from draftport.model.fast.path import FastPath
 from draftport.training.optim import AdamW
 from draftport.plan.params import TrainConfig
+from draftport.training.loop import load_model_state, load_optimizer_state, save_checkpoint, train_step, trainable
 from toys import toy_batch, toy_cfg, toy_drafter
 
 
@@ -93,9 +94,6 @@ def test_bad_hyperparameters_refused():
 def test_checkpoint_round_trip_and_resume_under_either_optimizer(tmp_path):
     """save_checkpoint writes draftport's AdamW state as torch's (the same files); a resume into
     either optimizer takes the same next step as the run that was not interrupted."""
-    from draftport.training.loop import (load_model_state, load_optimizer_state, save_checkpoint, trainable,
-        train_step)
-
     cfg = toy_cfg()
     batch = toy_batch(cfg)
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(3))

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftport.data.shards import FeatureSet, Sequence, write_features
+from draftport.data.shards import FeatureChain, FeatureSet, Sequence, check_disjoint, write_features
 from draftport.errors import DraftportError
+from draftport.evaluation.accept import held_out_monitor
 from draftport.model.fast.path import FastPath
 from draftport.training import loop
 from draftport.training.loop import TrainConfig, batch_ids, lr_at, train
@@ -136,8 +137,6 @@ def test_fast_params_describe_each_step_and_a_change_of_them_still_resumes(tmp_p
 
 # ---- held-out tau during training (train.eval_every, train.patience) ----------------------------
 def _monitor(tmp: Path, head):
-    from draftport.evaluation.accept import held_out_monitor
-
     held, _ = make_features(tmp / "held", n=8, seed=7)
     return held_out_monitor(held, head, k=2, batch_size=4)
 
@@ -184,10 +183,6 @@ def test_patience_stops_and_a_resume_stays_stopped(tmp_path):
 
 
 def test_patience_without_eval_every_and_eval_every_without_a_set_are_refused(tmp_path):
-    import pytest
-
-    from draftport.errors import DraftportError
-
     fs, head = make_features(tmp_path)
     with pytest.raises(DraftportError, match="train.patience"):
         train(toy_drafter(), fs, head, tmp_path / "a", TrainConfig(steps=2, patience=3), progress=False)
@@ -196,11 +191,6 @@ def test_patience_without_eval_every_and_eval_every_without_a_set_are_refused(tm
 
 
 def test_feature_chain_is_a_prefix_and_checks_continuity(tmp_path):
-    import pytest
-
-    from draftport.data.shards import FeatureChain, check_disjoint
-    from draftport.errors import DraftportError
-
     cfg = toy_cfg()
     g = torch.Generator().manual_seed(0)
 
