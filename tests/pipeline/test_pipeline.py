@@ -340,12 +340,12 @@ def test_registry_modules_are_the_ones_each_step_ran(repo):
     """Each step's registry row lists the draftport modules it imported (logs/<step>.json records
     them; under DRAFTPORT_STRICT_MODULES an unlisted one fails the step), and lists no module it
     never ran except the engine paths another profile takes (vLLM capture, a served target)."""
-    branch = {"engines.vllm.features", "engines.vllm.venv", "engines.vllm.runners.features_vllm", "engines.openai",
+    branch = {"engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm", "engines.openai",
               "engines.vllm.runners.online_vllm",   # run as a file inside the vLLM venv
-              "packing",  # imported only by a training with train.packing: true
+              "data.packing",  # imported only by a training with train.packing: true
               # a training step captures (features, its storage check, the spool) only with features.storage
               # online / hybrid: tests/pipeline/test_online_storage.py runs those under DRAFTPORT_STRICT_MODULES
-              "spool", "storage", "features"}
+              "training.spool", "data.storage", "data.features"}
     checked = 0
     for row in R.STEPS:
         rec = repo.path / "logs" / f"{row.name}.json"
