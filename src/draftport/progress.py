@@ -1,4 +1,5 @@
-"""Progress of long loops, readable both on a terminal and in logs/<step>.log.
+"""Progress of long loops, readable both on a terminal and in logs/<step>.log, and where a training
+loop reports its metrics (Logger).
 
     with progress(len(items), "capture", "sample") as bar:
         for batch in batches:
@@ -294,3 +295,14 @@ class LogWriter:
             self._cur, self._state, self._in_cr = "", None, False
             self.closed = True
             self.fh.close()
+
+
+class Logger:
+    """Where a training loop reports its metrics (draftport.training.loop): nowhere by default;
+    pipeline.tracking.PhaseRun (MLflow) plugs in behind the same two methods."""
+
+    def log_params(self, params: dict) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        pass

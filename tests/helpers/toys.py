@@ -11,7 +11,7 @@ from draftport.data.shards import Batch, FeatureSet, Sequence, write_features
 from draftport.model.config import DrafterConfig
 from draftport.model.drafter import Eagle3Drafter
 from draftport.model.vocab import build_maps
-from draftport.pipeline.tracking import Logger
+from draftport.progress import Logger
 
 
 def toy_cfg(**kw):

@@ -19,7 +19,7 @@ import yaml
 from draftport.errors import DraftportError
 from draftport.pipeline import bridge
 from draftport.pipeline import runner
-from draftport.pipeline.tracking import Logger
+from draftport.progress import Logger
 from draftport.training.loop import TrainConfig, latest_checkpoint, resumable, train
 from repo import BIN, micro_copy
 from resume_copy import EVERY, STEP, STEPS, Copy, assert_same_result, kill_after_first_checkpoint

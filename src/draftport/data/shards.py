@@ -82,7 +82,7 @@ class Batch:
     target_arg: torch.Tensor | None = None
     # the share of rows that are assistant tokens and not padding, read on the host (to() fills
     # it from a host batch): the fused loss reads it to know, without waiting on the device,
-    # that too few rows lie outside the loss for skipping them to pay (ttt.set_skip_uncounted)
+    # that too few rows lie outside the loss for skipping them to pay (FastPath.skip_uncounted)
     loss_share: float | None = None
 
     def host_loss_share(self) -> float | None:

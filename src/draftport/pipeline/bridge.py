@@ -1,5 +1,5 @@
 """The only code that knows Snakemake's and DVC's records, so that after either tool has run, the
-other finds nothing to do (the traps are in DESIGN.md).
+other finds nothing to do (the traps, one per bullet, are below).
 
 * Both tools run the same command per step (draftport.plan.registry.command): dvc.yaml is
   generated from the registry (`python -m draftport.pipeline.bridge dvc-yaml`), never edited by

@@ -36,18 +36,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 from tenacity.stop import stop_base
 
 from draftport.errors import DraftportError
-
-class Logger:
-    """What a training loop reports to (draftport.training.loop); PhaseRun, MLflow, plugs in behind the
-    same two methods."""
-
-    def log_params(self, params: dict) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict, step: int) -> None:
-        pass
-
-
+from draftport.progress import Logger
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 

@@ -45,7 +45,8 @@ class Step:
 
 
 # Library modules every step runs (the runner and what it imports): a change reruns every step.
-RUNNER_MODULES = ("errors", "plan.params", "progress", "plan.registry", "pipeline.runner", "model.formats", "model.config")
+RUNNER_MODULES = ("errors", "plan.params", "progress", "plan.registry", "pipeline.runner", "model.formats",
+                  "model.config")
 # Run by the runner but no dependency of any step: the tools' records (under DVC), never an output.
 RECORD_MODULES = ("pipeline.bridge",)
 
@@ -58,11 +59,14 @@ FEATURE_MODULES = ("data.features", "data.shards", "data.capture", "engines.vllm
 EVAL_KEYS = ("eval", "costmodel")
 # the drafter's fast path (training.ttt dispatches to it, so every step that imports ttt runs it)
 FAST_MODULES = ("model.fast.path", "model.fast.attention", "model.fast.linear", "model.fast.unroll", "model.fast.loss")
-EVAL_MODULES = ("evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "evaluation.costmodel", "model.vocab",
-                "pipeline.tracking", "pipeline.steps.eval_steps")
-TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "evaluation.accept", "model.bind", "data.shards", "model.draftmap", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab",
-                 "pipeline.tracking", "pipeline.steps.train_steps", "data.packing", "training.spool", "data.features", "data.storage", "engines.vllm.hidden_states",
-                 "engines.vllm.venv", "engines.vllm.runners.features_vllm")  # spool on: the capture runs in training
+# what drafting with a drafter bound to a target runs (the offline evaluator and everything below it)
+DRAFTING_MODULES = ("evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt",
+                    "data.capture", "model.vocab")
+EVAL_MODULES = (*DRAFTING_MODULES, "evaluation.costmodel", "pipeline.tracking", "pipeline.steps.eval_steps")
+# spool on: the capture runs in training, hence the features and vLLM modules
+TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "model.draftmap", *DRAFTING_MODULES,
+                 "pipeline.tracking", "pipeline.steps.train_steps", "data.packing", "training.spool", "data.features",
+                 "data.storage", "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm")
 SOURCE = Input("fetch/source")
 TARGET = Input("@new")
 EVAL_SET = Input("features_eval/eval_new")
@@ -88,12 +92,13 @@ def _eval(phase: str, train_step: str, **more: Input) -> Step:
 STEPS: tuple[Step, ...] = (
     Step("world", "the embedded K2 -> K2.5 analog: corpus, tokenizer, two targets, the source drafter in a hub cache",
          "data_steps:world", ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
-         ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "data.features", "model.draftmap",
-          "training.phases", "training.loop", "training.optim", "pipeline.tracking", "model.bind", "evaluation.accept", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab", "data.fetch",
-          "data.storage", "pipeline.steps.data_steps"),
+         ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "data.features",
+          "model.draftmap", "training.phases", "training.loop", "training.optim", "pipeline.tracking", *DRAFTING_MODULES,
+          "data.fetch", "data.storage", "pipeline.steps.data_steps"),
          enabled="world.build"),
     Step("fetch", "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
-         "data_steps:fetch", ("source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"),
+         "data_steps:fetch",
+         ("source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"),
          ("data.fetch", "pipeline.steps.data_steps"), after=("world",)),
     Step("features_new", "the new target's answers to Phase 1's prompts and its hidden states",
          "data_steps:features_new", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples"),
@@ -108,14 +113,17 @@ STEPS: tuple[Step, ...] = (
          "data_steps:features_monitor", (*FEATURE_KEYS, "targets.prompts_train", "monitor.n_samples"), FEATURE_MODULES,
          {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
     Step("vocab_new", "the new target's draft map (top-N ids of its own answers) and its overlap with the source's",
-         "data_steps:vocab_new", ("targets.new", "vocab_new"), ("model.draftmap", "data.shards", "model.vocab", "pipeline.steps.data_steps"),
+         "data_steps:vocab_new", ("targets.new", "vocab_new"),
+         ("model.draftmap", "data.shards", "model.vocab", "pipeline.steps.data_steps"),
          {"features": Input("features_new/train"), "source": SOURCE, "target": TARGET}),
     Step("features_phase2", "Phase 2's scaled data: the next prompts after Phase 1's, answered by the new target",
          "data_steps:features_phase2", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples",
                                   "phase2.n_samples"),
          FEATURE_MODULES, {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
     Step("compare", "the source drafter against the layout the new target needs: config, weights, vocab, verdict",
-         "compare_step:compare", ("targets.new",), ("outputs.compare", "model.draftmap", "model.vocab", "model.fixtures", "outputs.tables", "pipeline.steps.compare_step"),
+         "compare_step:compare", ("targets.new",),
+         ("outputs.compare", "model.draftmap", "model.vocab", "model.fixtures", "outputs.tables",
+          "pipeline.steps.compare_step"),
          {"source": SOURCE, "vocab": VOCAB, "target": TARGET}),
     Step("eval_phase0", "phase0: the source drafter as fetched on the new target (and on the old one; the reference)",
          "eval_steps:eval_phase0", ("profile", "targets.new", "targets.old", "targets.prompts_eval_old", "reference",
@@ -128,26 +136,29 @@ STEPS: tuple[Step, ...] = (
          "eval_steps:drift", ("targets.new", "targets.old", "targets.trust_remote_code", "eval.k", "eval.batch_size",
                             "eval.max_samples", "features.batch_size", "features.dtype", "features.device",
                             "features.engine", "features.tensor_parallel_size", "drift"),
-         ("evaluation.drift", "data.features", "evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab", "pipeline.tracking",
-          "pipeline.steps.eval_steps", "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm"),
+         ("evaluation.drift", "data.features", *DRAFTING_MODULES, "pipeline.tracking", "pipeline.steps.eval_steps",
+          "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm"),
          {"drafter": SOURCE, "target": TARGET, "target_old": Input("@old"), "features": EVAL_SET,
           "phase0": Input("eval_phase0/metrics.json")},
          run="phase0", run_from="eval_phase0", cache=False, enabled="drift.enabled"),
     Step("train_phase1_scratch", "the control: Phase 1's architecture, data and budget from a random init on the new map",
-         "train_steps:train_phase1_scratch", ("profile", "targets.new", "phase1.train", *MONITOR_KEYS, *SPOOL_KEYS), TRAIN_MODULES,
+         "train_steps:train_phase1_scratch", ("profile", "targets.new", "phase1.train", *MONITOR_KEYS, *SPOOL_KEYS),
+         TRAIN_MODULES,
          {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
           "monitor": monitor_input("phase1")},
          run="phase1_scratch", trains=True),
     _eval("phase1_scratch", "train_phase1_scratch"),
     Step("train_phase1", "fine-tune the source drafter on the new target's data (lm_head moved onto the new map)",
-         "train_steps:train_phase1", ("profile", "targets.new", "phase1.train", "phase1.vocab_policy", *MONITOR_KEYS, *SPOOL_KEYS),
+         "train_steps:train_phase1",
+         ("profile", "targets.new", "phase1.train", "phase1.vocab_policy", *MONITOR_KEYS, *SPOOL_KEYS),
          TRAIN_MODULES,
          {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
           "compare": Input("compare/compare.json"), "monitor": monitor_input("phase1")}, run="phase1", trains=True),
     _eval("phase1", "train_phase1", phase0=Input("eval_phase0/metrics.json"),
           phase1_scratch=Input("eval_phase1_scratch/metrics.json")),
     Step("train_phase2", "continue Phase 1's drafter (its map kept) on the scaled data",
-         "train_steps:train_phase2", ("profile", "targets.new", "phase2.train", *MONITOR_KEYS, *SPOOL_KEYS), TRAIN_MODULES,
+         "train_steps:train_phase2", ("profile", "targets.new", "phase2.train", *MONITOR_KEYS, *SPOOL_KEYS),
+         TRAIN_MODULES,
          {"features": Input("features_phase2/train"), "vocab": VOCAB, "init": Input("train_phase1/drafter"),
           "source": SOURCE, "target": TARGET, "monitor": monitor_input("phase2")}, run="phase2", trains=True),
     _eval("phase2", "train_phase2", phase1=Input("eval_phase1/metrics.json")),
@@ -160,16 +171,18 @@ STEPS: tuple[Step, ...] = (
          run="curves", trains=True, enabled="curves.enabled"),
     Step("eval_curves", "every learning-curve point's drafter on the new target's held-out set (per-prompt counts)",
          "curve_steps:eval_curves", ("targets.new", "eval", "curves.n_samples", "curves.seeds", "curves.inits"),
-         (*(m for m in EVAL_MODULES if m not in ("evaluation.costmodel", "pipeline.steps.eval_steps")), "evaluation.decision", "pipeline.steps.curve_steps"),
+         (*DRAFTING_MODULES, "pipeline.tracking", "evaluation.decision", "pipeline.steps.curve_steps"),
          {"points": Input("train_curves/points.json"), "target": TARGET, "features": EVAL_SET},
          run="curves", run_from="train_curves", enabled="curves.enabled"),
     Step("decision", "the recommendation with evidence: init, data, Phase 2, drift; bootstrap CIs and rules R1-R6",
-         "decision_step:decision", ("costmodel", "eval.k", "decision"), ("evaluation.decision", "evaluation.costmodel", "pipeline.steps.decision_step"),
+         "decision_step:decision", ("costmodel", "eval.k", "decision"),
+         ("evaluation.decision", "evaluation.costmodel", "pipeline.steps.decision_step"),
          {"curves": Input("eval_curves/curves.json", ("curves.enabled",)),
           **{ph: Input(f"eval_{ph}/eval.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
           "drift": Input("drift/metrics.json", ("drift.enabled",))}),
     Step("report", "plots and tables: tau per phase vs projected tok/s, per-position acceptance, loss, comparison",
-         "report_step:report", ("profile", "costmodel", "eval.k", "online.enabled"), ("outputs.report", "outputs.tables", "pipeline.steps.report_step"),
+         "report_step:report", ("profile", "costmodel", "eval.k", "online.enabled"),
+         ("outputs.report", "outputs.tables", "pipeline.steps.report_step"),
          {"compare": Input("compare/compare.json"), "world": Input("world/metrics.json", ("world.build",)),
           "source_drafter": Input("world/source_drafter.json", ("world.build",)),
           "decision": Input("decision/decision.json"), "curves": Input("eval_curves/curves.json", ("curves.enabled",)),
@@ -182,15 +195,15 @@ STEPS: tuple[Step, ...] = (
                                    "online.n_prompts", "online.max_new_tokens", "online.max_num_seqs",
                                    "online.tolerance", "online.dtype", "online.vllm_python",
                                    "online.tensor_parallel_size", "online.embed_tokens"),
-           ("engines.vllm.serve", "engines.vllm.venv", "engines.vllm.runners.online_vllm", "outputs.export", "evaluation.accept", "model.bind",
-            "data.features", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab", "pipeline.tracking", "pipeline.steps.online_steps"),
+           ("engines.vllm.serve", "engines.vllm.venv", "engines.vllm.runners.online_vllm", "outputs.export",
+            "data.features", *DRAFTING_MODULES, "pipeline.tracking", "pipeline.steps.online_steps"),
            {"drafter": SOURCE if ph == "phase0" else Input("train_phase1/drafter"), "target": TARGET,
             "phase": Input(f"eval_{ph}/metrics.json")}, dvc=False)
       for ph in ("phase0", "phase1")),
     Step("publish", "the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens, a model card; checked",
          "publish_step:publish", ("targets.new", "eval", "costmodel", "decision", "publish"),
-         ("outputs.publish", "outputs.export", "engines.vllm.serve", "engines.vllm.venv", "engines.speculators.roundtrip", "evaluation.decision",
-          "evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt", "data.capture", "model.vocab", "evaluation.costmodel", "pipeline.steps.publish_step"),
+         ("outputs.publish", "outputs.export", "engines.vllm.serve", "engines.vllm.venv", "engines.speculators.roundtrip",
+          "evaluation.decision", *DRAFTING_MODULES, "evaluation.costmodel", "pipeline.steps.publish_step"),
          {"decision": Input("decision/decision.json"), "target": TARGET, "features": EVAL_SET,
           "source": Input("fetch/source/fetch.lock.json"),
           "data_phase1": Input("features_new/train/index.json"), "data_phase2": Input("features_phase2/train/index.json"),

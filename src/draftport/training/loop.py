@@ -35,8 +35,8 @@ from draftport.data.shards import FeatureSet, collate
 from draftport.model.drafter import Eagle3Drafter
 from draftport.model.fast.path import FastPath
 from draftport.errors import DraftportError
+from draftport.progress import Logger
 from draftport.training.optim import AdamW
-from draftport.pipeline.tracking import Logger
 from draftport.plan.params import TrainConfig  # the train groups of params.yaml: a pydantic model
 from draftport.training.ttt import combine, stats_to_float, ttt_terms
 

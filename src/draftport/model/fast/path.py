@@ -5,7 +5,7 @@ regions run compiled, which of the equality-preserving levers are on, how many r
 holds) is a field here; nothing in draftport.model.fast reads a process-global switch. A
 training builds its FastPath from its params (draftport.training.loop), tests and benchmarks
 build theirs. Each lever kept is on by default and computes the same terms and gradients as off
-(tests/model/test_fast_path.py); their measurements are in benchmarks/results and README.md.
+(tests/model/test_fast_path.py); their measurements are in benchmarks/README.md and benchmarks/results/.
 
 Compiled kernels are made once per (function, compile options) for the process and reused by
 every step (a cache: which variant runs is decided by the FastPath a call is given).

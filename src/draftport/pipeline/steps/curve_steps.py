@@ -1,7 +1,7 @@
 """The learning curves: fine-tune and scratch at several new-target sample counts, several seeds
 each, under one budget rule; trained in `train_curves`, measured in `eval_curves` (so evaluation
 settings retrain nothing). Every point reads a prefix of one capture: Phase 1's samples, then
-Phase 2's (data.FeatureChain), never a capture of its own. MLflow: the step's run `curves` is
+Phase 2's (data.shards.FeatureChain), never a capture of its own. MLflow: the step's run `curves` is
 the parent of one nested run per point (tags init, n_samples, seed)."""
 
 from __future__ import annotations

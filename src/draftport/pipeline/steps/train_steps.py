@@ -1,5 +1,5 @@
 """The training steps: each makes one drafter for the new target (drafter/, its loss history),
-logged live to the phase's MLflow run. Evaluation is a step of its own (steps.evaluate), so
+logged live to the phase's MLflow run. Evaluation is a step of its own (steps.eval_steps), so
 evaluation settings never retrain a drafter."""
 
 from __future__ import annotations
