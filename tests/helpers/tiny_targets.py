@@ -1,19 +1,25 @@
-"""Tiny target folders, two kinds:
+"""Tiny target folders, two kinds, and a toy drafter next to them:
 
 - stub_target: what the export validator reads of a target (config.json, its embedding and
   lm_head), no layers; STUB_* are its sizes.
 - tiny_llama: a real 2-layer random Llama a capture runs (vllm convention, LLAMA_AUX);
   seed_folder: token sequences for it in a feature folder.
+- stub_drafter: a flat EAGLE-3 drafter sized for stub_target.
 
 Both are H wide."""
 
 import json
 
+import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftport.data.shards import Sequence, write_features
+from draftport.model.config import DrafterConfig
+from draftport.model.drafter import Eagle3Drafter
+from draftport.model.formats import save_drafter
+from draftport.model.vocab import build_maps
 
 H = 64
 STUB_VOCAB, STUB_LAYERS, STUB_CTX = 100, 4, 512
@@ -33,6 +39,22 @@ def stub_target(folder, seed=0, embed_name="model.embed_tokens.weight", dtype=to
     save_file({embed_name: torch.randn(STUB_VOCAB, H, generator=g).to(dtype),
                "lm_head.weight": torch.randn(STUB_VOCAB, H, generator=g)}, str(folder / "model.safetensors"))
     return folder
+
+
+def stub_drafter(folder, embed_from=None, *, include_embed=None, **cfg_kw):
+    """A flat drafter for stub_target (seeded): with embed_from (a target folder) its embedding is
+    that target's, saved in the folder when include_embed (default: when embed_from is given)."""
+    kw = dict(hidden_size=H, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+              head_dim=32, vocab_size=STUB_VOCAB, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
+              max_position_embeddings=STUB_CTX, aux_convention="vllm")
+    kw.update(cfg_kw)
+    cfg = DrafterConfig(**kw)
+    torch.manual_seed(0)
+    embed = load_file(str(embed_from / "model.safetensors"))["model.embed_tokens.weight"] if embed_from else None
+    d = Eagle3Drafter(cfg, embed_weight=embed)
+    d.set_vocab_maps(*build_maps(np.random.default_rng(0).integers(0, 1000, STUB_VOCAB), cfg.draft_vocab_size))
+    include = embed_from is not None if include_embed is None else include_embed
+    return save_drafter(folder, cfg, d.export_state(include_embed=include))
 
 
 def tiny_llama(path, *, seed=0, hidden=H, vocab=LLAMA_VOCAB, base=None, noise=0.0):

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -22,16 +21,13 @@ from safetensors.torch import load_file, save_file
 
 from draftport.plan import params as P
 from draftport.model.formats import (copy_tensors_safetensors, find_target_embedding, read_header,
-    save_drafter, save_safetensors, tensor_sha256, tensors_equal_values)
+    save_safetensors, tensor_sha256, tensors_equal_values)
 from draftport.outputs.compare import compare_drafters, embedding_check
-from draftport.model.config import DrafterConfig
-from draftport.model.drafter import Eagle3Drafter
 from draftport.engines.vllm.serve import for_vllm
 from draftport.errors import DraftportError
 from draftport.outputs.export import export_problems, validate_export
-from draftport.model.vocab import build_maps
 
-from tiny_targets import H, STUB_CTX, STUB_VOCAB, stub_target
+from tiny_targets import H, STUB_VOCAB, stub_drafter, stub_target
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,15 +44,7 @@ def sha(t: torch.Tensor) -> str:
 
 def make_drafter(folder, embed_from=None, **cfg_kw):
     """A flat drafter; with embed_from (a target folder) it carries that target's embed_tokens."""
-    kw = dict(hidden_size=H, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-              head_dim=32, vocab_size=STUB_VOCAB, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
-              max_position_embeddings=STUB_CTX, aux_convention="vllm")
-    kw.update(cfg_kw)
-    cfg = DrafterConfig(**kw)
-    torch.manual_seed(0)
-    d = Eagle3Drafter(cfg, embed_weight=target_embed(embed_from) if embed_from is not None else None)
-    d.set_vocab_maps(*build_maps(np.random.default_rng(0).integers(0, 1000, STUB_VOCAB), cfg.draft_vocab_size))
-    return save_drafter(folder, cfg, d.export_state(include_embed=embed_from is not None))
+    return stub_drafter(folder, embed_from, **cfg_kw)
 
 
 def tensors(folder) -> dict:

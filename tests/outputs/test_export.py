@@ -2,33 +2,18 @@
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from draftport.engines.vllm.serve import for_vllm
-from draftport.model.formats import save_drafter
-from draftport.model.config import DrafterConfig
-from draftport.model.drafter import Eagle3Drafter
 from draftport.errors import DraftportError
 from draftport.outputs.export import export_problems, validate_export
-from draftport.model.vocab import build_maps
-from tiny_targets import H, STUB_CTX, STUB_LAYERS, STUB_VOCAB, stub_target
+from tiny_targets import H, STUB_CTX, STUB_LAYERS, STUB_VOCAB, stub_drafter, stub_target
 
 
 def make_export(folder, target, *, include_embed=False, **cfg_kw):
-    kw = dict(hidden_size=H, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-              head_dim=32, vocab_size=STUB_VOCAB, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
-              max_position_embeddings=STUB_CTX, aux_convention="vllm")
-    kw.update(cfg_kw)
-    cfg = DrafterConfig(**kw)
-    torch.manual_seed(0)
-    embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
-    d = Eagle3Drafter(cfg, embed_weight=embed)
-    counts = np.random.default_rng(0).integers(0, 1000, STUB_VOCAB)
-    d.set_vocab_maps(*build_maps(counts, cfg.draft_vocab_size))
-    return save_drafter(folder, cfg, d.export_state(include_embed=include_embed))
+    return stub_drafter(folder, target, include_embed=include_embed, **cfg_kw)
 
 
 @pytest.fixture
