@@ -170,6 +170,9 @@ OPTIONAL_LEAVES = (
     # draftport.model.bind.new_drafter_config (key/value heads = heads, head_dim = hidden / heads, ...)
     lambda k: k in ("world.source_drafter.arch.num_key_value_heads", "world.source_drafter.arch.head_dim",
                     "world.source_drafter.arch.rope_theta"),
+    # the targets' architecture (left out: llama, the embedded world) and DeepSeek-V3's keys (left
+    # out: derived by draftport.world.targets.target_config); configs/micro-deepseek.yaml sets them
+    lambda k: k == "world.model.arch" or k in {f"world.model.{n}" for n in P.WorldModel.DEEPSEEK_KEYS},
     # `reference: null` in the embedded profile (no published drafter for the world's new target);
     # configs/kimi-k2.5.yaml writes every key of it (checked below)
     lambda k: k.startswith("reference."),

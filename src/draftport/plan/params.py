@@ -29,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      create_model, model_serializer)
+                      create_model, field_validator, model_serializer)
 from pydantic_core import PydanticCustomError
 
 from draftport.errors import DraftportError
@@ -194,15 +194,61 @@ class TrainConfig(Group):
 
 # ---- the world (step world) --------------------------------------------------------------------
 class WorldModel(Group):
-    """The targets' shape (a small Llama-like decoder; both targets share it)."""
+    """The targets' shape (a small decoder; both targets share it). arch: transformers' own
+    LlamaForCausalLM (the embedded world), DeepseekV3ForCausalLM (Kimi-K2/K2.5's architecture:
+    MLA attention, MoE layers after the first first_k_dense_replace) or Qwen3ForCausalLM (dense,
+    q/k norms). arch and the DeepSeek-V3 keys may be left out (arch: llama; a DeepSeek-V3 key:
+    derived from the sizes, draftport.world.targets.target_config) and stay out of the dump, so
+    the Llama world's params are what they were; params.yaml writes the other keys out."""
 
+    keys_optional: ClassVar[bool] = True
+
+    arch: Literal["llama", "deepseek_v3", "qwen3"] = F(
+        "llama", "the targets' architecture (transformers' own class, no remote code): llama, deepseek_v3 "
+        "(Kimi-K2's: MLA + MoE) or qwen3")
     hidden_size: int = F(128, "hidden size H of the targets", ge=1)
-    intermediate_size: int = F(384, "MLP width", ge=1)
+    intermediate_size: int = F(384, "MLP width (deepseek_v3: of the dense layers)", ge=1)
     num_hidden_layers: int = F(4, "decoder layers L (bounds features.aux_layer_ids)", ge=1)
     num_attention_heads: int = F(4, "attention heads", ge=1)
     num_key_value_heads: int = F(4, "key/value heads (grouped-query attention when fewer)", ge=1)
     head_dim: int = F(32, "per-head size (vLLM's CPU attention has no kernel below 32)", ge=1)
     max_position_embeddings: int = F(512, "longest sequence (also the tokenizer's model_max_length)", ge=1)
+    # deepseek_v3 only; left out: derived (draftport.world.targets.target_config)
+    q_lora_rank: int = F(None, "deepseek_v3: MLA query compression rank (left out: hidden_size / 2)", ge=1)
+    kv_lora_rank: int = F(None, "deepseek_v3: MLA key/value latent rank (left out: hidden_size / 4)", ge=1)
+    qk_nope_head_dim: int = F(None, "deepseek_v3: per-head query/key size without RoPE (left out: head_dim)", ge=1)
+    qk_rope_head_dim: int = F(None, "deepseek_v3: per-head query/key size with RoPE, even (left out: head_dim / 2)",
+                              ge=2)
+    v_head_dim: int = F(None, "deepseek_v3: per-head value size (left out: head_dim)", ge=1)
+    n_routed_experts: int = F(None, "deepseek_v3: routed experts of a MoE layer (left out: 4)", ge=2)
+    num_experts_per_tok: int = F(None, "deepseek_v3: routed experts per token (left out: 2)", ge=1)
+    n_shared_experts: int = F(None, "deepseek_v3: shared experts of a MoE layer (left out: 1)", ge=0)
+    moe_intermediate_size: int = F(None, "deepseek_v3: an expert's MLP width, a multiple of 8 (left out: "
+                                   "intermediate_size / (num_experts_per_tok + n_shared_experts), rounded down "
+                                   "to one: a token's MoE compute is a dense layer's, as in DeepSeek-V3 and "
+                                   "Kimi-K2)", ge=8)
+    first_k_dense_replace: int = F(None, "deepseek_v3: the first layers that stay dense, the rest MoE (left out: "
+                                   "1, as Kimi-K2)", ge=0)
+    n_group: int = F(None, "deepseek_v3: expert groups of the router (left out: 1, as Kimi-K2)", ge=1)
+    topk_group: int = F(None, "deepseek_v3: groups a token's experts are chosen from, at most n_group "
+                        "(left out: 1, as Kimi-K2)", ge=1)
+
+    DEEPSEEK_KEYS: ClassVar[tuple[str, ...]] = (
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+        "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace", "n_group",
+        "topk_group")
+
+    @field_validator(*DEEPSEEK_KEYS)
+    @classmethod
+    def _deepseek_only(cls, v, info):
+        arch = info.data.get("arch", "llama")
+        if v is not None and arch != "deepseek_v3":
+            raise _problem(f"a deepseek_v3 key, but world.model.arch is {arch}")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unset(self, handler):  # arch llama and the keys to derive stay out: the Llama world's dump
+        return {k: v for k, v in handler(self).items() if v is not None and not (k == "arch" and v == "llama")}
 
 
 class TargetTraining(Group):

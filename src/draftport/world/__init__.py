@@ -5,8 +5,11 @@ pipeline builds its own pair of targets with real maths at small scale:
 
     synthetic language ─► corpus/old.jsonl ─┐
                        └► corpus/new.jsonl ─┼► tokenizer/ (BPE over old ∪ new)
-                                            ├► target_old/  "K2":   Llama trained on old
+                                            ├► target_old/  "K2":   a decoder trained on old
                                             └► target_new/  "K2.5": target_old continued on new
+
+The targets are transformers' own LlamaForCausalLM (the embedded world), DeepseekV3ForCausalLM
+(Kimi-K2's architecture: MLA attention, MoE layers) or Qwen3ForCausalLM: params world.model.arch.
 
 The modules: `language` (the made-up language and the two corpora), `tokenizer` (byte-level
 BPE and the chat template), `targets` (training and measuring the two targets), `source` (the

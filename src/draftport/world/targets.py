@@ -1,6 +1,9 @@
-"""The world's two targets: small Llama decoders trained on the corpora (target_old "K2" from
-scratch, target_new "K2.5" continued from it), their content revision, and how the pair
-measures (each one's loss / top-1 on assistant tokens, and how often their argmaxes agree).
+"""The world's two targets: small decoders trained on the corpora (target_old "K2" from scratch,
+target_new "K2.5" continued from it), their content revision, and how the pair measures (each
+one's loss / top-1 on assistant tokens, and how often their argmaxes agree).
+
+Their architecture is params world.model.arch: transformers' own LlamaForCausalLM (the embedded
+world), DeepseekV3ForCausalLM (Kimi-K2's: MLA attention, MoE layers) or Qwen3ForCausalLM.
 
 Training packs the chat samples into windows (nanoGPT style) and is deterministic: a seeded
 torch.Generator and deterministic algorithms on a fixed number of threads.
@@ -17,9 +20,11 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, PretrainedConfig,
+                          Qwen3Config)
 from transformers.utils import logging as hf_logging
 
+from draftport.errors import DraftportError
 from draftport.plan.params import WorldModel
 from draftport.progress import progress as progress_bar  # train_target's `progress` flag shadows the name
 from draftport.world.tokenizer import BOS, END, PAD, TOKENIZER_FILES, encode_world_chat, load_world_tokenizer
@@ -37,6 +42,58 @@ def target_revision(folder: str | Path) -> str:
     """Content hash of the weights and config: changes iff the target changes."""
     folder = Path(folder)
     return _file_hash([folder / "config.json", folder / "model.safetensors"])
+
+
+ARCH_CONFIGS = {"llama": LlamaConfig, "deepseek_v3": DeepseekV3Config, "qwen3": Qwen3Config}
+
+
+def _deepseek_v3_keys(m: dict) -> dict:
+    """The MLA and MoE keys of a deepseek_v3 world.model, the ones left out derived from the
+    sizes (WorldModel's field docs); one-line errors name the key."""
+    h, hd, inter = m["hidden_size"], m["head_dim"], m["intermediate_size"]
+    out = {k: m.get(k) for k in WorldModel.DEEPSEEK_KEYS}
+    derived = {"q_lora_rank": max(1, h // 2), "kv_lora_rank": max(1, h // 4), "qk_nope_head_dim": hd,
+               "qk_rope_head_dim": max(2, hd // 4 * 2), "v_head_dim": hd, "n_routed_experts": 4,
+               "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+               "topk_group": 1}
+    out = {k: derived[k] if out[k] is None and k in derived else out[k] for k in out}
+    if out["moe_intermediate_size"] is None:  # a multiple of 8, as the check below wants
+        out["moe_intermediate_size"] = max(8, inter // (out["num_experts_per_tok"] + out["n_shared_experts"]) // 8 * 8)
+    where = "world.model."
+    for key, v in (("moe_intermediate_size", out["moe_intermediate_size"]), ("hidden_size", h)):
+        if v % 8:  # transformers' experts run torch._grouped_mm, whose operands need 16-byte strides
+            raise DraftportError(where + key, f"{v}: deepseek_v3's experts need a multiple of 8 (transformers "
+                                 "runs them as grouped matmuls, whose rows must be 16-byte aligned)")
+    if m["num_key_value_heads"] != m["num_attention_heads"]:
+        raise DraftportError(where + "num_key_value_heads", f"{m['num_key_value_heads']}: MLA (deepseek_v3) has "
+                             f"one key/value head per attention head, set it to num_attention_heads "
+                             f"({m['num_attention_heads']})")
+    if out["qk_rope_head_dim"] % 2:
+        raise DraftportError(where + "qk_rope_head_dim", f"{out['qk_rope_head_dim']}: must be even (RoPE pairs)")
+    n, groups = out["n_routed_experts"], out["n_group"]
+    if n % groups or n // groups < 2:
+        # the router scores a group by its two best experts (DeepSeek-V3's noaux_tc)
+        raise DraftportError(where + "n_group", f"{groups}: must divide n_routed_experts ({n}) into groups of "
+                             "at least 2 experts")
+    if out["topk_group"] > groups:
+        raise DraftportError(where + "topk_group", f"{out['topk_group']}: more than n_group ({groups})")
+    if out["num_experts_per_tok"] > out["topk_group"] * (n // groups):
+        raise DraftportError(where + "num_experts_per_tok", f"{out['num_experts_per_tok']}: more than the "
+                             f"{out['topk_group'] * (n // groups)} experts of topk_group groups")
+    return out
+
+
+def target_config(model: dict | None = None, **special) -> PretrainedConfig:
+    """The transformers config of a world target from a params world.model group (None: the
+    embedded world's, WorldModel's defaults); `special` adds vocab_size and the token ids.
+    Untied head, as Kimi's: the drafter takes embed_tokens and lm_head separately."""
+    m = {**WorldModel().model_dump(), "tie_word_embeddings": False, "rms_norm_eps": 1e-5, **(model or {})}
+    arch = m.pop("arch", "llama")
+    base = {k: v for k, v in m.items() if k not in WorldModel.DEEPSEEK_KEYS}
+    if arch == "deepseek_v3":
+        base.pop("head_dim")  # MLA's head sizes are its own (qk_nope / qk_rope / v_head_dim)
+        return DeepseekV3Config(**base, **_deepseek_v3_keys(m), **special)
+    return ARCH_CONFIGS[arch](**base, **special)
 
 
 def _chunks(xs: list, n: int) -> list[list]:
@@ -71,7 +128,8 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
                  steps: int, lr: float, batch_size: int, seq_len: int, warmup: int,
                  seed: int = 0, name: str = "target", trained_on: str = "",
                  threads: int | None = None, progress: bool = True) -> dict:
-    """Train a small LlamaForCausalLM on packed chat samples; save an HF model folder.
+    """Train a small causal LM (target_config: Llama, DeepSeek-V3 or Qwen3) on packed chat samples;
+    save an HF model folder.
 
     Loss is on all tokens, not only the assistant's: the windows are packed (nanoGPT style, no
     padding, cheapest on CPU), user turns are the same language so they are free signal for the
@@ -95,17 +153,14 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
             raise ValueError(f"{name}: corpus has {len(data)} tokens, fewer than seq_len {seq_len}")
 
         if init_from is not None:
-            model = LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32)
             if model.config.vocab_size != tok.get_vocab_size():
                 raise ValueError(f"{init_from}: vocab {model.config.vocab_size} != tokenizer "
                                  f"{tok.get_vocab_size()}")
         else:
-            # untied head, as Kimi's: the drafter takes embed_tokens and lm_head separately
-            cfg = {**WorldModel().model_dump(), "tie_word_embeddings": False,
-                   "rms_norm_eps": 1e-5, **(config or {}),
-                   "vocab_size": tok.get_vocab_size(), "bos_token_id": tok.token_to_id(BOS),
-                   "eos_token_id": tok.token_to_id(END), "pad_token_id": tok.token_to_id(PAD)}
-            model = LlamaForCausalLM(LlamaConfig(**cfg))
+            cfg = target_config(config, vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id(BOS),
+                                eos_token_id=tok.token_to_id(END), pad_token_id=tok.token_to_id(PAD))
+            model = AutoModelForCausalLM.from_config(cfg)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
         gen = torch.Generator().manual_seed(seed)
