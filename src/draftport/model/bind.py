@@ -10,7 +10,7 @@ import torch
 from draftport.model.config import DrafterConfig
 from draftport.model.drafter import Eagle3Drafter
 from draftport.errors import DraftportError
-from draftport.data.capture import read_target_tensor
+from draftport.data.capture import read_target_tensor, text_config
 
 if TYPE_CHECKING:
     from draftport.data.shards import FeatureSet
@@ -46,9 +46,24 @@ def check_features_fit(cfg: DrafterConfig, fs: FeatureSet, where) -> None:
         raise DraftportError(where, f"features have hidden size {fs.index.get('hidden_size')}, the drafter expects {th}")
 
 
+def target_sizes(target_dir) -> dict:
+    """What a fresh drafter takes from its target, new_drafter_config's hidden_size, vocab_size and
+    max_positions (the context), from the text decoder's config; nothing else: the drafter is a
+    Llama-style EAGLE-3 layer whatever the target (DeepSeek-V3's head_dim, MLA sizes and RoPE
+    keys are its attention's own)."""
+    tcfg = text_config(target_dir)
+    try:
+        return {"hidden_size": int(tcfg["hidden_size"]), "vocab_size": int(tcfg["vocab_size"]),
+                "max_positions": int(tcfg.get("max_position_embeddings") or 2048)}
+    except (KeyError, TypeError, ValueError) as e:
+        raise DraftportError(target_dir, f"target config lacks a usable {e}") from None
+
+
 def new_drafter_config(arch: dict, *, vocab_size: int, hidden_size: int, aux_layer_ids, convention,
                        draft_vocab_size: int, max_positions: int) -> DrafterConfig:
-    """A fresh drafter config for a target (scratch drafters, the world's source drafter)."""
+    """A fresh drafter config for a target (scratch drafters, the world's source drafter): its
+    sizes from `arch` (params world.source_drafter.arch) or derived, only hidden / vocab /
+    context from the target (target_sizes)."""
     heads = arch.get("num_attention_heads", 4)
     return DrafterConfig(
         hidden_size=hidden_size, intermediate_size=arch.get("intermediate_size", 3 * hidden_size),

@@ -5,7 +5,6 @@ target, published as a hub-cache entry (world_dir/hub) that the fetch step pins.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,7 +13,7 @@ from draftport.data.features import build_features, read_samples
 from draftport.data.fetch import publish_to_cache
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter
-from draftport.model.bind import new_drafter_config
+from draftport.model.bind import new_drafter_config, target_sizes
 from draftport.model.draftmap import build_vocab
 from draftport.training.phases import train_phase
 
@@ -51,13 +50,12 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
             build_features(target, corpus, work / "monitor", n_samples=monitor_samples, offset=n_old - monitor_samples,
                            dtype="float32", regenerate_responses=True, **common)
             monitor = {"features": work / "monitor", "k": train_cfg.ttt_steps, "batch_size": batch_size}
-        tcfg = json.loads((target / "config.json").read_text())
-        vocab, hidden = tcfg["vocab_size"], tcfg["hidden_size"]
+        sizes = target_sizes(target)  # hidden, vocab, context: all a drafter takes from its target
+        vocab = sizes["vocab_size"]
         dv = max(8, int(round(vocab * draft_vocab_ratio)))
         vstats = build_vocab(work / "features", work / "vocab.safetensors", draft_vocab_size=dv, vocab_size=vocab)
-        cfg = new_drafter_config(arch, vocab_size=vocab, hidden_size=hidden, aux_layer_ids=aux_layer_ids,
-                                 convention=convention, draft_vocab_size=dv,
-                                 max_positions=tcfg.get("max_position_embeddings", 2048))
+        cfg = new_drafter_config(arch, **sizes, aux_layer_ids=aux_layer_ids, convention=convention,
+                                 draft_vocab_size=dv)
         rep = train_phase(work / "train", features_dir=work / "features", target_dir=target,
                           vocab_path=work / "vocab.safetensors", init="scratch", arch=cfg,
                           train_cfg=train_cfg, progress=progress, monitor=monitor,
