@@ -71,6 +71,8 @@ def test_the_target_is_transformers_own_class(target):
         assert kinds == ["DeepseekV3MLP"] + ["DeepseekV3MoE"] * (LAYERS - 1)
         assert cfg["q_lora_rank"] == 32 and cfg["kv_lora_rank"] == 16 and cfg["qk_rope_head_dim"] == 16
         assert cfg["n_routed_experts"] == 4 and cfg["num_experts_per_tok"] == 2 and cfg["n_group"] == 1
+        # the routing transformers computes, in the keys DeepSeek-V3's and Kimi-K2's configs (and vLLM) use
+        assert (cfg["topk_method"], cfg["scoring_func"]) == ("noaux_tc", "sigmoid")
 
 
 @pytest.mark.parametrize("convention,aux_ids,shift", [("vllm", [0, 2, 3], 0), ("sglang", [0, 1, 2], 1)])

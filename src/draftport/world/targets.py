@@ -92,7 +92,11 @@ def target_config(model: dict | None = None, **special) -> PretrainedConfig:
     base = {k: v for k, v in m.items() if k not in WorldModel.DEEPSEEK_KEYS}
     if arch == "deepseek_v3":
         base.pop("head_dim")  # MLA's head sizes are its own (qk_nope / qk_rope / v_head_dim)
-        return DeepseekV3Config(**base, **_deepseek_v3_keys(m), **special)
+        # what transformers' DeepseekV3 routing computes (sigmoid scores, bias-corrected group top-k),
+        # named as DeepSeek-V3's and Kimi-K2's own config.json name it: vLLM reads these two keys and,
+        # without them, routes by softmax and builds no e_score_correction_bias
+        return DeepseekV3Config(**base, **_deepseek_v3_keys(m), topk_method="noaux_tc", scoring_func="sigmoid",
+                                **special)
     return ARCH_CONFIGS[arch](**base, **special)
 
 
