@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast phase1 phase2 decision report ui lint clean-venv
+.PHONY: setup test test-fast phase1 phase2 decision report ui lint docs clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,6 +43,11 @@ ui: $(STAMP)
 
 lint: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --lint
+
+# the documentation site (mkdocs.yml, docs/) into site/: generated pages checked first, any warning fails
+docs: $(STAMP)
+	$(BIN)/python tools/docgen.py --check
+	$(BIN)/mkdocs build --strict --site-dir site
 
 clean-venv:
 	rm -rf $(VENV)
