@@ -75,6 +75,13 @@ def _hub_id(v: str) -> str:
     return v
 
 
+def _hub_id_or_folder(v: str) -> str:
+    """org/name, or a folder written as a path (/abs, ./rel, ../rel): a drafter the team has on disk."""
+    if not (_is_hub_id(v) or v.startswith(("/", "./", "../"))):
+        raise _problem(f"expected a hub id like org/name or a folder (./path, /path), got {_show(v)}")
+    return v
+
+
 def _hub_ids(v: Any) -> Any:
     if not isinstance(v, list):
         raise _problem(f"expected a list of hub ids like org/name, got {_show(v)}")
@@ -99,6 +106,7 @@ def _int_list(min_entry: int | None = None, max_len: int | None = None):
 Str = Annotated[str, AfterValidator(_non_empty)]          # a non-empty string
 PathStr = Annotated[str, AfterValidator(_non_empty)]      # a file or folder (relative: to the repo)
 HubId = Annotated[str, AfterValidator(_non_empty), AfterValidator(_hub_id)]   # org/name
+HubIdOrFolder = Annotated[str, AfterValidator(_non_empty), AfterValidator(_hub_id_or_folder)]
 HubIdList = Annotated[list[str], BeforeValidator(_hub_ids)]                   # may be empty
 
 
@@ -210,8 +218,10 @@ class WorldModel(Group):
     intermediate_size: int = F(384, "MLP width (deepseek_v3: of the dense layers)", ge=1)
     num_hidden_layers: int = F(4, "decoder layers L (bounds features.aux_layer_ids)", ge=1)
     num_attention_heads: int = F(4, "attention heads", ge=1)
-    num_key_value_heads: int = F(4, "key/value heads (grouped-query attention when fewer)", ge=1)
-    head_dim: int = F(32, "per-head size (vLLM's CPU attention has no kernel below 32)", ge=1)
+    num_key_value_heads: int = F(4, "key/value heads (grouped-query attention when fewer; deepseek_v3: "
+                                 "= num_attention_heads)", ge=1)
+    head_dim: int = F(32, "per-head size (vLLM's CPU attention has no kernel below 32; deepseek_v3: what its "
+                      "MLA head sizes are derived from)", ge=1)
     max_position_embeddings: int = F(512, "longest sequence (also the tokenizer's model_max_length)", ge=1)
     # deepseek_v3 only; left out: derived (draftport.world.targets.target_config)
     q_lora_rank: int = F(None, "deepseek_v3: MLA query compression rank (left out: hidden_size / 2)", ge=1)
@@ -331,7 +341,7 @@ class WorldParams(Group):
 class SourceParams(Group):
     """Step fetch: the source drafter, pinned."""
 
-    repo_id: HubId = F(..., "hub repo of the source drafter (org/name)")
+    repo_id: HubIdOrFolder = F(..., "hub repo of the source drafter (org/name), or its folder (./path, /path)")
     revision: Str = F(..., "branch, tag or commit (the resolved commit is recorded)")
     cache_dir: Optional[PathStr] = F(..., "hub cache; null = the default HF cache")
     offline: bool = F(..., "HF_HUB_OFFLINE=1: nothing leaves the machine")
