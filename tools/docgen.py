@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import os
 import re
 import sys
 import types
@@ -296,10 +297,25 @@ def cli_reference() -> str:
     return "\n".join(out)
 
 
+def kimi_estimate() -> str:
+    """`draftport estimate --configfile configs/kimi-k2.5.yaml` as printed (the committed benchmarks)."""
+    from draftport.outputs import estimate as E   # torch via data.storage: only this block needs it
+    from draftport.plan import params as P
+
+    cwd = Path.cwd()
+    try:  # the profile's relative paths (params.yaml, benchmark files) are the repository's
+        os.chdir(ROOT)
+        text = E.render(E.estimate(P.load(ROOT / "configs" / "kimi-k2.5.yaml")))
+    finally:
+        os.chdir(cwd)
+    return "```text\n" + text + "\n```\n"
+
+
 GENERATORS = {"steps": registry.table_markdown, "modules": module_table, "params": params_reference,
-              "cli": cli_reference}
+              "cli": cli_reference, "kimi_estimate": kimi_estimate}
 # the files that hold generated blocks
-FILES = (ROOT / "docs" / "architecture.md", ROOT / "docs" / "configuration.md", ROOT / "docs" / "cli.md")
+FILES = (ROOT / "docs" / "architecture.md", ROOT / "docs" / "configuration.md", ROOT / "docs" / "cli.md",
+         ROOT / "docs" / "estimate.md")
 BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end: \2 -->)", re.S)
 
 

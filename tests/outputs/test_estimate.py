@@ -16,6 +16,8 @@ from draftport.errors import DraftportError
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "configs/kimi-k2.5.yaml"
+# the kimi profile's Phase 1 / Phase 2 steps (draftport init wrote them: 2 epochs at batch 64)
+P1_STEPS, P2_STEPS = (P.load(KIMI)[g]["train"]["steps"] for g in ("phase1", "phase2"))
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +44,9 @@ def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     bench = json.loads(E.DEFAULT_BENCH.read_text())
     rate = bench["packed_real_tokens_per_s"]  # draftport's default: lm_head trained, packed rows
     rows = {r["rule"]: r for r in rep["rows"]}
-    assert rows["phase1"]["gpus"] == 8 and rows["phase1"]["tokens"] == 1200 * 64 * 2048
-    assert rows["phase1"]["seconds"] == pytest.approx(1200 * 64 * 2048 / (rate * 8 * 0.9))
-    assert rows["phase2"]["seconds"] == pytest.approx(6000 * 64 * 2048 / (rate * 8 * 0.9))
+    assert rows["phase1"]["gpus"] == 8 and rows["phase1"]["tokens"] == P1_STEPS * 64 * 2048
+    assert rows["phase1"]["seconds"] == pytest.approx(P1_STEPS * 64 * 2048 / (rate * 8 * 0.9))
+    assert rows["phase2"]["seconds"] == pytest.approx(P2_STEPS * 64 * 2048 / (rate * 8 * 0.9))
     assert rep["phase1_hours"] == pytest.approx(2 * rows["phase1"]["hours"])  # control + fine-tune
     # 57 KB/token at H 7168, as DESIGN.md states
     assert rep["bytes_per_token"] == 4 * 7168 * 2 + 5
@@ -127,7 +129,7 @@ def test_data_and_mode_rows_recomputed_from_the_printed_inputs(kimi):
     assert modes["phase2", "disk", "bfloat16"]["capture_hours"] == pytest.approx(data["features_phase2"]["capture_hours"])
     # online: every training token recomputed (both Phase 1 trainings; Phase 2 over all 200K samples)
     on1, on2 = modes["phase1", "online", "bfloat16"], modes["phase2", "online", "bfloat16"]
-    assert on1["recompute_tokens"] == 2 * 1200 * 64 * 2048 and on2["recompute_tokens"] == 6000 * 64 * 2048
+    assert on1["recompute_tokens"] == 2 * P1_STEPS * 64 * 2048 and on2["recompute_tokens"] == P2_STEPS * 64 * 2048
     assert on1["capture_hours"] == pytest.approx((held * tps + on1["recompute_tokens"]) / rate / 3600)
     assert on2["capture_hours"] == pytest.approx(on2["recompute_tokens"] / rate / 3600)
     assert on1["disk_bytes"] == 64 * 10**9 + 37000 * tps * 5 + held * tps * (4 * 7168 * 2 + 5)
@@ -152,7 +154,7 @@ def test_capture_benchmark_file_is_read_and_labelled_measured(kimi_cfg, tmp_path
     rep = E.estimate(kimi_cfg, capture_bench_path=f)
     flops = rep["flops_per_token"]["total"]
     on = {(r["phase"], r["mode"]): r for r in rep["phases"]}["phase2", "online"]
-    assert on["capture_hours"] == pytest.approx(6000 * 64 * 2048 * flops / (790e12 * 8 * 7140 / 11900) / 3600)
+    assert on["capture_hours"] == pytest.approx(P2_STEPS * 64 * 2048 * flops / (790e12 * 8 * 7140 / 11900) / 3600)
     assert f"measured {f}" in E.render(rep)
     # a stated fraction overrides any file, and says so
     rep = E.estimate(kimi_cfg, capture_bench_path=f, capture_eff=0.3)
@@ -266,19 +268,35 @@ def test_check_storage_refuses_in_every_mode(tmp_path, monkeypatch):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "draftport.cli", "estimate", "--profile", str(KIMI), *args],
+    return subprocess.run([sys.executable, "-m", "draftport.cli", "estimate", "--configfile", str(KIMI), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_estimate_command_prints_the_readme_figures():
     r = run_cli()
     assert r.returncode == 0, r.stderr
-    line = re.search(r"Phase 1 \(control \+ fine-tune\): [0-9.]+ h;  Phase 2: [0-9.]+ h \(training only\)", r.stdout)
+    line = re.search(r"Phase 1 \(control \+ fine-tune\): [0-9.]+ h;  Phase 2: [0-9.]+ h \(training only\)\n"
+                     r"learning curves: [0-9.]+ h \(30 trainings under the budget rule; training only\)", r.stdout)
     assert line, r.stdout
-    for doc in ("README.md", "docs/estimate.md"):  # both quote this command's output
-        assert line.group(0) in (ROOT / doc).read_text(), doc
+    assert line.group(0) in (ROOT / "docs" / "estimate.md").read_text(), "docs/estimate.md quotes this output"
     for label in ("measured: ", "target: ", "capture FLOPs/token: ", "capture rate: ", "regenerate: ", "assumed: "):
         assert label in r.stdout
+
+
+def test_estimate_bills_the_learning_curves():
+    """The curves are trainings too: 5 n x 2 inits x 3 seeds, each ceil(epochs x n / batch) steps
+    (at least min_steps, at most train.steps), at the training rate of their own rows."""
+    cfg = P.load(KIMI)
+    c = cfg["curves"]
+    per_seed = sum(min(c["train"]["steps"], max(c["min_steps"], -(-c["epochs"] * n // c["train"]["batch_size"])))
+                   for n in c["n_samples"])
+    rep = E.estimate(cfg)
+    row = next(r for r in rep["rows"] if r["rule"] == "curves")
+    assert row["points"] == len(c["n_samples"]) * len(c["inits"]) * len(c["seeds"]) == 30
+    assert row["steps"] == per_seed * 6
+    assert rep["curves_hours"] == pytest.approx(row["hours"]) and rep["curves_hours"] > rep["phase2_hours"]
+    cfg["curves"]["enabled"] = False
+    assert "curves" not in [r["rule"] for r in E.estimate(cfg)["rows"]]
 
 
 def test_estimate_command_json_and_bad_input():

@@ -34,6 +34,7 @@ from pathlib import Path
 from rich.console import Console, Group
 
 from draftport.errors import DraftportError
+from draftport.plan.curves import budget_steps, points
 from draftport.data.storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive, bytes_per_token,
     check_storage, storage_need)
 from draftport.model.config import target_text_config
@@ -322,6 +323,25 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
                      "tok_s_per_gpu": round(rate),
                      "gpus": n_gpu, "seconds": sec, "hours": sec / 3600})
 
+    # the learning curves: every point a training of its own under the budget rule (train_curves)
+    c = cfg.get("curves") or {}
+    if c.get("enabled"):
+        tr = c["train"]
+        n_gpu = _gpus(cfg, "train_curves", gpus)
+        trainable = tr.get("train_lm_head", True)
+        packed = bool(tr.get("packing", False))
+        rate = b[("" if packed else "padded_") + ("lm_head_trainable" if trainable else "lm_head_frozen")]
+        pts = points(c)
+        steps = sum(budget_steps(pt["n_samples"], c) for pt in pts)
+        batch = int(tr["batch_size"])
+        sec = train_seconds(steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate,
+                            gpus=n_gpu, efficiency=efficiency)
+        rows.append({"rule": "curves", "phase": "curves", "steps": steps, "batch_size": batch,
+                     "samples": sum(pt["n_samples"] for pt in pts), "points": len(pts),
+                     "epochs": float(c["epochs"]), "tokens": steps * batch * tps,
+                     "lm_head": "trainable" if trainable else "frozen", "rows": "packed" if packed else "padded",
+                     "tok_s_per_gpu": round(rate), "gpus": n_gpu, "seconds": sec, "hours": sec / 3600})
+
     tc, shape_from = target_config(cfg, target_config_path)
     shape = target_shape(tc, shape_from)
     hidden = shape["hidden_size"]
@@ -388,6 +408,7 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
             "efficiency": efficiency, "rows": rows,
             "phase1_hours": sum(r["hours"] for r in rows if r["rule"] in ("phase1_scratch", "phase1")),
             "phase2_hours": sum(r["hours"] for r in rows if r["rule"] == "phase2"),
+            "curves_hours": sum(r["hours"] for r in rows if r["rule"] == "curves"),
             "bytes_per_token": per_tok[f["dtype"]][0], "hidden_size": hidden,
             "target": {"id": t["new"], "config": shape_from, **shape}, "flops_per_token": flops,
             "peak_tflops": peak_tflops, "capture_efficiency": eff,

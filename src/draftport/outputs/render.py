@@ -242,7 +242,10 @@ def estimate_renderables(rep: dict) -> list:
     rows_line = Text.assemble(("rows: ", "bold"), ";  ".join(
         f"{k} ({', '.join(v)})" for k, v in layout.items() if v), " as each rule's train.packing says\n")
     mid = Text.assemble(rows_line, ("Phase 1 (control + fine-tune): ", "bold"), f"{rep['phase1_hours']:.2f} h;  ",
-                        ("Phase 2: ", "bold"), f"{rep['phase2_hours']:.2f} h (training only)")
+                        ("Phase 2: ", "bold"), f"{rep['phase2_hours']:.2f} h (training only)",
+                        *(("\n", ("learning curves: ", "bold"),
+                           f"{rep['curves_hours']:.2f} h ({next(r['points'] for r in rep['rows'] if r['rule'] == 'curves')} "
+                           "trainings under the budget rule; training only)") if rep.get("curves_hours") else ()))
     d = Table(box=box.SIMPLE_HEAD, padding=0)
     d.add_column("data step", no_wrap=True)
     for col in ("samples", "answer tok", "regen h", "capture tok", "GPUs", "capture h"):
@@ -275,7 +278,7 @@ def estimate_renderables(rep: dict) -> list:
         "billed as not overlapped with training\n",
         ("hybrid: ", "bold"), "disk's hours and bytes when the first epoch's cache fits, else online's;  ",
         ("* ", "bold"), f"the profile's features.storage ({rep['storage_mode']}) and dtype\n",
-        ("not estimated: ", "bold"), "the learning curves (curves.*), the drift probe, the online steps, "
+        ("not estimated: ", "bold"), "the learning curves' evaluations, the drift probe, the online steps, "
         "fetching the target's weights")
     return [head, t, mid, d, p, foot]
 

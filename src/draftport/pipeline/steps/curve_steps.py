@@ -7,28 +7,16 @@ the parent of one nested run per point (tags init, n_samples, seed)."""
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 from pathlib import Path
 
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.pipeline.runner import RUNS_DIR, StepContext, checkpoints, read_json, write_json
 from draftport.pipeline.tracking import PhaseRun, tracking_uri
+from draftport.plan.curves import budget_steps, points
 from draftport.plan.params import TrainConfig
 
 POINT_RUNS = Path(RUNS_DIR, "train_curves.points.json")  # nested runs' ids (outside artifacts/)
-
-
-def budget_steps(n: int, c: dict) -> int:
-    """The budget rule: the same epochs at every n, at least min_steps, at most train.steps
-    (with train.patience > 0 a point may stop earlier, at a plateau of its held-out tau)."""
-    bs = c["train"]["batch_size"]
-    return min(c["train"]["steps"], max(c["min_steps"], math.ceil(c["epochs"] * n / bs)))
-
-
-def points(c: dict) -> list[dict]:
-    return [{"name": f"{init}_n{n}_s{seed}", "init": init, "n_samples": n, "seed": seed}
-            for n in c["n_samples"] for init in c["inits"] for seed in c["seeds"]]
 
 
 def _child_run(s: StepContext, pt: dict):
