@@ -24,6 +24,23 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
 
 
+def _version(value: bool) -> None:
+    if value:
+        # the installed distribution's version: pyproject.toml is its one source
+        from importlib.metadata import version
+
+        sys.stdout.write(f"draftport {version('draftport')}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print draftport's version and exit.")] = False,
+):
+    """Port an EAGLE-3 drafter to a new version of its target model."""
+
+
 def _print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
@@ -104,8 +121,77 @@ def inspect(
 
 
 @app.command()
+def init(
+    name: Annotated[str, typer.Argument(help="The profile's name: writes configs/NAME.yaml (and the MLflow experiment draftport-NAME).")],
+    source: Annotated[str, typer.Option(help="The source drafter: a hub id[@revision] or a folder.")],
+    target_new: Annotated[str, typer.Option(help="The new target: a hub id[@revision] or a folder.")],
+    target_old: Annotated[str | None, typer.Option(help="The old target (the source's home): Phase 0 on it and the drift probe.")] = None,
+    prompts: Annotated[Path | None, typer.Option(help="Training prompts, JSONL ({\"user\": ...} per line; default data/NAME/train.jsonl).")] = None,
+    prompts_eval: Annotated[Path | None, typer.Option(help="Held-out prompts, disjoint from --prompts (default data/NAME/heldout.jsonl).")] = None,
+    regenerate: Annotated[str, typer.Option(help="Who writes the new target's answers: local (the capture step) or openai (a served target).")] = "local",
+    base_url: Annotated[str | None, typer.Option(help="With --regenerate openai: the server's /v1 address.")] = None,
+    served_model: Annotated[str | None, typer.Option(help="With --regenerate openai: the model name the server knows (default: the target's id).")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="The hub cache to read (default: HF_HOME's).")] = None,
+    offline: Annotated[bool, typer.Option("--offline", help="Read the hub cache only (also HF_HUB_OFFLINE=1).")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Let the target's own code (auto_map) run; names it in targets.trust_remote_code.")] = False,
+    like: Annotated[Path | None, typer.Option(help="Take training, eval and resources settings from this profile (e.g. configs/micro.yaml) instead of the GPU-node defaults.")] = None,
+    gpus: Annotated[int, typer.Option(help="GPUs of one training node.")] = 8,
+    phase1_samples: Annotated[int | None, typer.Option(help="Phase 1's samples (default: a fifth of Phase 2's, at most 37,000).")] = None,
+    phase2_samples: Annotated[int | None, typer.Option(help="Phase 2's samples (default: every training prompt but the monitor's).")] = None,
+    baseline_tok_s: Annotated[float | None, typer.Option(help="Your target's tok/s without a drafter (measured).")] = None,
+    verify_ms: Annotated[float | None, typer.Option(help="One verify step of your deployment, ms (measured).")] = None,
+    draft_ms: Annotated[float | None, typer.Option(help="One draft step, ms (0: inside verify_ms).")] = None,
+    reference: Annotated[str | None, typer.Option(help="A drafter already trained for the new target (hub id[@revision]): Phase 0's upper bound.")] = None,
+    pin: Annotated[bool, typer.Option("--pin/--no-pin", help="Pin the source to the commit its revision resolves to (--no-pin: keep the branch; an example profile).")] = True,
+    out: Annotated[Path | None, typer.Option(help="Where to write the profile (default configs/NAME.yaml).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing profile.")] = False,
+    as_json: JsonFlag = False,
+):
+    """A profile for your own pair: checks the source drafter against the new target and the prompt
+    files from headers only, pins the revision, writes configs/NAME.yaml (a comment per key), prints
+    the estimate and what is still missing before `snakemake --configfile=configs/NAME.yaml --cores 8 decision`."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
+    from draftport.outputs import estimate as E
+    from draftport.outputs import init_profile as I
+
+    rep = I.build(name, source=source, target_new=target_new, target_old=target_old, prompts=prompts,
+                  prompts_eval=prompts_eval, regenerate=regenerate, base_url=base_url, served_model=served_model,
+                  cache_dir=cache_dir, offline=offline, read_offline=offline or I.env_offline(),
+                  trust_remote_code=trust_remote_code,
+                  like=like, gpus=gpus, phase1_samples=phase1_samples, phase2_samples=phase2_samples,
+                  baseline_tok_s=baseline_tok_s, verify_ms=verify_ms, draft_ms=draft_ms,
+                  reference=reference, pin=pin, out=out, force=force)
+    if rep["problems"]:
+        for where, what in rep["problems"]:
+            sys.stderr.write(f"draftport: error: {where}: {what}\n")
+        sys.stderr.write(f"draftport: error: {len(rep['problems'])} problem(s): {rep['path']} not written\n")
+        raise typer.Exit(2)
+    path = I.write(rep, force=force)
+    est = None
+    try:
+        est = E.estimate(rep["profile"], target_config_path=rep["target_config"])
+    except DraftportError as e:   # the profile stands; the estimate needs what is missing
+        rep["gaps"].append(("estimate", str(e)))
+    if as_json:
+        _print_json({k: v for k, v in rep.items() if k not in ("text", "profile", "estimate_input")} | {"estimate": est})
+        return
+    sys.stdout.write(f"wrote {path}\n")
+    for where, what in rep["notes"]:
+        sys.stdout.write(f"  note  {where}: {what}\n")
+    if est is not None:
+        sys.stdout.write(E.render(est) + "\n")
+    if rep["gaps"]:
+        sys.stdout.write(f"still missing before `snakemake --configfile={path} --cores 8 decision`:\n")
+        for where, what in rep["gaps"]:
+            sys.stdout.write(f"  - {where}: {what}\n")
+    else:
+        sys.stdout.write(f"nothing missing: snakemake --configfile={path} --cores 8 -n decision\n")
+
+
+@app.command()
 def estimate(
-    profile: Annotated[list[Path], typer.Option("--profile", help="Profile(s) layered on params.yaml.")],
+    configfile: Annotated[list[Path], typer.Option(
+        "--configfile", help="Profile(s) layered on params.yaml, as given to snakemake.")],
     params: Annotated[Path, typer.Option(help="The base parameter file.")] = Path("params.yaml"),
     tokens_per_sample: Annotated[int | None, typer.Option(help="Default: the benchmark's sequence length.")] = None,
     gpus: Annotated[int | None, typer.Option(help="Default: each rule's resources gpu (training and capture).")] = None,
@@ -131,7 +217,7 @@ def estimate(
     from draftport.outputs import estimate as E
     from draftport.plan.params import load
 
-    rep = E.estimate(load(*profile, base=params), tokens_per_sample=tokens_per_sample, gpus=gpus,
+    rep = E.estimate(load(*configfile, base=params), tokens_per_sample=tokens_per_sample, gpus=gpus,
                      efficiency=efficiency, bench=bench or E.DEFAULT_BENCH, capture_bench_path=capture_bench,
                      capture_eff=capture_efficiency, serve_tok_s=E.SERVE_TOK_S if serve_tok_s is None else serve_tok_s,
                      answer_tokens=answer_tokens, target_config_path=target_config, spool_gb=spool_gb,

@@ -75,6 +75,13 @@ def _hub_id(v: str) -> str:
     return v
 
 
+def _hub_id_or_folder(v: str) -> str:
+    """org/name, or a folder written as a path (/abs, ./rel, ../rel): a drafter the team has on disk."""
+    if not (_is_hub_id(v) or v.startswith(("/", "./", "../"))):
+        raise _problem(f"expected a hub id like org/name or a folder (./path, /path), got {_show(v)}")
+    return v
+
+
 def _hub_ids(v: Any) -> Any:
     if not isinstance(v, list):
         raise _problem(f"expected a list of hub ids like org/name, got {_show(v)}")
@@ -99,6 +106,7 @@ def _int_list(min_entry: int | None = None, max_len: int | None = None):
 Str = Annotated[str, AfterValidator(_non_empty)]          # a non-empty string
 PathStr = Annotated[str, AfterValidator(_non_empty)]      # a file or folder (relative: to the repo)
 HubId = Annotated[str, AfterValidator(_non_empty), AfterValidator(_hub_id)]   # org/name
+HubIdOrFolder = Annotated[str, AfterValidator(_non_empty), AfterValidator(_hub_id_or_folder)]
 HubIdList = Annotated[list[str], BeforeValidator(_hub_ids)]                   # may be empty
 
 
@@ -333,7 +341,7 @@ class WorldParams(Group):
 class SourceParams(Group):
     """Step fetch: the source drafter, pinned."""
 
-    repo_id: HubId = F(..., "hub repo of the source drafter (org/name)")
+    repo_id: HubIdOrFolder = F(..., "hub repo of the source drafter (org/name), or its folder (./path, /path)")
     revision: Str = F(..., "branch, tag or commit (the resolved commit is recorded)")
     cache_dir: Optional[PathStr] = F(..., "hub cache; null = the default HF cache")
     offline: bool = F(..., "HF_HUB_OFFLINE=1: nothing leaves the machine")
