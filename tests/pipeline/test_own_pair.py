@@ -1,0 +1,75 @@
+"""A team's own pair in the Kimi family's architecture, end to end as the docs tell it: targets that
+are transformers' own DeepseekV3ForCausalLM (MLA + MoE), a source drafter in a hub cache, prompt
+files; `draftport init` writes the profile (nobody edits it), Snakemake runs the whole plan to the
+decision and the report, `draftport decide` prints the recommendation and `draftport publish`
+writes the checked hub folder.
+
+The pair comes from the world builder (configs/micro-deepseek.yaml), moved out of artifacts/ so
+that it is just folders on disk, as a user's would be. vLLM's CPU engine does not serve this
+architecture next to an EAGLE-3 drafter (configs/micro-deepseek.yaml says why), so the online
+steps are not part of it."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftport.plan import params as P
+from repo import BIN, copy_repo, smk
+
+pytestmark = pytest.mark.slow
+
+
+def draftport(*args, cwd):
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "NO_COLOR": "1"}
+    return subprocess.run([sys.executable, "-m", "draftport.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_deepseek_v3_pair_from_init_to_the_decision(tmp_path):
+    repo = tmp_path / "repo"
+    copy_repo(repo)
+    smk("--configfile=configs/micro-deepseek.yaml", "--cores", "2", "world", cwd=repo)
+    pair = repo / "pairs" / "dsk"
+    pair.parent.mkdir()
+    shutil.move(repo / "artifacts" / "world", pair)
+    shutil.rmtree(repo / "artifacts")
+    for t in ("target_old", "target_new"):
+        assert json.loads((pair / t / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+
+    r = draftport("init", "micro-dsk", "--source", "draftport/world-k2-eagle3", "--cache-dir", "pairs/dsk/hub",
+                  "--offline", "--target-new", "pairs/dsk/target_new", "--target-old", "pairs/dsk/target_old",
+                  "--prompts", "pairs/dsk/corpus/new.jsonl", "--prompts-eval", "pairs/dsk/corpus/heldout_new.jsonl",
+                  "--like", "configs/micro.yaml", "--phase1-samples", "64", "--phase2-samples", "128",
+                  "--baseline-tok-s", "82", "--verify-ms", "30", "--draft-ms", "0", cwd=repo)
+    assert r.returncode == 0, r.stderr
+    assert "nothing missing: snakemake --configfile=configs/micro-dsk.yaml" in r.stdout, r.stdout[-3000:]
+    cfg = P.load(repo / "configs" / "micro-dsk.yaml", base=repo / "params.yaml")
+    assert not cfg["world"]["build"] and cfg["features"]["aux_convention"] == "vllm"  # the drafter's own marker
+    assert cfg["features"]["aux_layer_ids"] == [0, 1, 2] and cfg["drift"]["enabled"]
+
+    smk("--configfile=configs/micro-dsk.yaml", "--cores", "2", "all", cwd=repo)
+    art = repo / "artifacts"
+    for step in ("fetch", "compare", "eval_phase0", "drift", "eval_phase1_scratch", "eval_phase1", "eval_phase2",
+                 "eval_curves", "decision", "report"):
+        assert (art / step / "metrics.json").is_file(), step
+    assert not (art / "world").exists()  # the pair is the user's folders, not a world the plan built
+    compare = json.loads((art / "compare" / "compare.json").read_text())
+    assert compare["verdict"], compare
+    dec = json.loads((art / "decision" / "decision.json").read_text())
+    assert dec["recommendation"]["init"] in ("source", "scratch", "either")
+    assert [x["id"] for x in dec["recommendation"]["rules"]] == ["R1", "R2", "R3", "R4", "R5", "R6"]
+
+    r = draftport("decide", cwd=repo)
+    assert r.returncode == 0 and "Recommendation: init " in r.stdout, r.stderr
+    r = draftport("publish", "--configfile", "configs/micro-dsk.yaml", "--out", tmp_path / "published", "--json",
+                  cwd=repo)
+    assert r.returncode == 0, r.stderr
+    pub = json.loads(r.stdout)
+    assert pub["export"] and (tmp_path / "published" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "published" / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLMEagle3"]
