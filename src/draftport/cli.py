@@ -72,7 +72,7 @@ def compare(
 @app.command()
 def costmodel(
     baseline_tok_s: Annotated[float, typer.Option(help="Target alone, tokens/s.")],
-    verify_ms: Annotated[float, typer.Option(help="One target verify step, ms.")],
+    verify_ms: Annotated[float, typer.Option(help="One verify cycle of the target, ms (drafting included when --draft-ms is 0).")],
     draft_ms: Annotated[float, typer.Option(help="One draft step, ms (needs --k).")] = 0.0,
     k: Annotated[int | None, typer.Option("--k", help="Draft steps per cycle (default: unbounded chain).")] = None,
     target_tok_s: Annotated[list[float] | None, typer.Option(help="Throughput to reach (repeatable).")] = None,
@@ -139,7 +139,7 @@ def init(
     phase1_samples: Annotated[int | None, typer.Option(help="Phase 1's samples (default: a fifth of Phase 2's, at most 37,000).")] = None,
     phase2_samples: Annotated[int | None, typer.Option(help="Phase 2's samples (default: every training prompt but the monitor's).")] = None,
     baseline_tok_s: Annotated[float | None, typer.Option(help="Your target's tok/s without a drafter (measured).")] = None,
-    verify_ms: Annotated[float | None, typer.Option(help="One verify step of your deployment, ms (measured).")] = None,
+    verify_ms: Annotated[float | None, typer.Option(help="One verify cycle of your deployment, ms (measured; drafting included when --draft-ms is 0).")] = None,
     draft_ms: Annotated[float | None, typer.Option(help="One draft step, ms (0: inside verify_ms).")] = None,
     reference: Annotated[str | None, typer.Option(help="A drafter already trained for the new target (hub id[@revision]): Phase 0's upper bound.")] = None,
     pin: Annotated[bool, typer.Option("--pin/--no-pin", help="Pin the source to the commit its revision resolves to (--no-pin: keep the branch; an example profile).")] = True,

@@ -1,7 +1,7 @@
 """params.yaml: the one parameter file, its profiles and its schema.
 
 Every value a step uses lives in params.yaml, grouped by step. A profile (configs/<name>.yaml)
-is a partial params.yaml layered on top (`snakemake --configfile configs/micro.yaml`); the merge
+is a partial params.yaml layered on top (`snakemake --configfile=configs/micro.yaml --cores 2 phase1`); the merge
 is a recursive dict update, exactly what Snakemake does with its configfiles.
 
 The schema is one pydantic model tree, `Params` (a group of params.yaml is a model: unknown keys
