@@ -133,7 +133,7 @@ def test_paired_diff_ci():
 
 def test_clear_gain_source():
     d = run_decide(curves_from({"source": {100: 1.8, 200: 2.3, 400: 2.6}, "scratch": {100: 1.3, 200: 1.6, 400: 1.9}}))
-    assert d["schema"] == "draftport.evaluation.decision/1" and d["k"] == K and d["n_boot"] == NB
+    assert d["schema"] == "draftport.decision/1" and d["k"] == K and d["n_boot"] == NB
     assert d["costmodel"]["break_even_accept_length"] == pytest.approx(2.0)
     src = d["curves"]["source"]
     assert [r["n_samples"] for r in src] == [100, 200, 400]

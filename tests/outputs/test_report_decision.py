@@ -29,7 +29,7 @@ def _item(n, tau, beats):
 def decision_json():
     src = [_item(n, t, b) for n, t, b in zip(NS, (2.6, 3.1, 3.4), ("no", "yes", "yes"))]
     scr = [_item(n, t, b) for n, t, b in zip(NS, (1.4, 2.2, 2.95), ("no", "no", "unclear"))]
-    return {"schema": "draftport.evaluation.decision/1", "level": 0.95, "n_boot": 2000, "k": K,
+    return {"schema": "draftport.decision/1", "level": 0.95, "n_boot": 2000, "k": K,
             "costmodel": {**COST, "break_even_accept_length": BE},
             "curves": {"source": src, "scratch": scr},
             "gain": [{"n_samples": n, "diff": a["accept_length"] - b["accept_length"],

@@ -222,7 +222,7 @@ def test_all_and_the_report(repo):
     assert "cos_final" in {m["key"] for m in phase0["data"]["metrics"]}
     # the decision: curves (2 n x 2 seeds x 2 inits), bootstrap CIs, rules; the report's first section
     dec = json.loads((repo.path / "artifacts/decision/decision.json").read_text())
-    assert dec["schema"] == "draftport.evaluation.decision/1"
+    assert dec["schema"] == "draftport.decision/1"
     assert [row["n_samples"] for row in dec["curves"]["source"]] == [32, 128]
     assert all(row["n_seeds"] == 2 and row["ci"][0] <= row["accept_length"] <= row["ci"][1]
                for init in ("source", "scratch") for row in dec["curves"][init])

@@ -19,7 +19,7 @@ import numpy as np
 
 from draftport.errors import DraftportError
 
-SCHEMA = "draftport.evaluation.decision/1"
+SCHEMA = "draftport.decision/1"  # the file format's name, not a module path: it stays when code moves
 INITS = ("source", "scratch")
 PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
 DEFAULT_PATH = Path("artifacts/decision/decision.json")
