@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements.lock
 setup: $(STAMP)
 
 test: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest --durations=25
 
 # The edit loop: every test but those marked slow (they build a world or run the pipeline).
 test-fast: $(STAMP)
