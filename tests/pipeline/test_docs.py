@@ -41,7 +41,10 @@ BIN = Path(sys.executable).parent
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(bash|sh|console)[^\n]*\n(.*?)^```", re.S | re.M)
 # A profile a page names as a placeholder for yours: planned with a real one
-PLACEHOLDERS = {"configs/NAME.yaml": "configs/micro.yaml", "configs/X.yaml": "configs/micro.yaml"}
+# profiles a walkthrough writes before it plans them: planned dry as the profile they come from
+# (micro-dsk is init's profile of the micro-deepseek pair: tests/pipeline/test_own_pair.py runs it)
+PLACEHOLDERS = {"configs/NAME.yaml": "configs/micro.yaml", "configs/X.yaml": "configs/micro.yaml",
+                "configs/micro-dsk.yaml": "configs/micro-deepseek.yaml"}
 SEPARATORS = {"&&", "||", ";", "|"}
 
 

@@ -93,7 +93,7 @@ STEPS: tuple[Step, ...] = (
     Step("world", "the embedded K2 -> K2.5 analog: corpus, tokenizer, two targets, the source drafter in a hub cache",
          "data_steps:world", ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
          ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "data.features",
-          "model.draftmap", "training.phases", "training.loop", "training.optim", "pipeline.tracking", *DRAFTING_MODULES,
+          "model.draftmap", "training.phases", "training.loop", "training.optim", *DRAFTING_MODULES,
           "data.fetch", "data.storage", "pipeline.steps.data_steps"),
          enabled="world.build"),
     Step("fetch", "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
