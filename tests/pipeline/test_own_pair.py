@@ -1,13 +1,13 @@
-"""A team's own pair in the Kimi family's architecture, end to end as the docs tell it: targets that
-are transformers' own DeepseekV3ForCausalLM (MLA + MoE), a source drafter in a hub cache, prompt
-files; `draftport init` writes the profile (nobody edits it), Snakemake runs the whole plan to the
-decision and the report, `draftport decide` prints the recommendation and `draftport publish`
-writes the checked hub folder.
+"""A team's own pair, end to end as the docs tell it: targets that are transformers' own
+DeepseekV3ForCausalLM (the Kimi family's MLA + MoE) or Qwen3ForCausalLM (dense, q/k norms), a
+source drafter in a hub cache, prompt files; `draftport init` writes the profile (nobody edits
+it), Snakemake runs the whole plan to the decision and the report, `draftport decide` prints the
+recommendation and `draftport publish` writes the checked hub folder.
 
-The pair comes from the world builder (configs/micro-deepseek.yaml), moved out of artifacts/ so
-that it is just folders on disk, as a user's would be. vLLM's CPU engine does not serve this
-architecture next to an EAGLE-3 drafter (configs/micro-deepseek.yaml says why), so the online
-steps are not part of it."""
+The pair comes from the world builder (configs/micro-deepseek.yaml, configs/micro-qwen3.yaml),
+moved out of artifacts/ so that it is just folders on disk, as a user's would be. vLLM's CPU
+engine does not serve DeepSeek-V3 next to an EAGLE-3 drafter (configs/micro-deepseek.yaml says
+why); the online steps are not run here (the vLLM tests run them on the Llama micro world)."""
 
 import json
 import os
@@ -30,16 +30,18 @@ def draftport(*args, cwd):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_a_deepseek_v3_pair_from_init_to_the_decision(tmp_path):
+@pytest.mark.parametrize("world, arch", [("micro-deepseek", "DeepseekV3ForCausalLM"),   # Kimi's: MLA + MoE
+                                         ("micro-qwen3", "Qwen3ForCausalLM")])          # dense, q/k norms
+def test_a_pair_from_init_to_the_decision(tmp_path, world, arch):
     repo = tmp_path / "repo"
     copy_repo(repo)
-    smk("--configfile=configs/micro-deepseek.yaml", "--cores", "2", "world", cwd=repo)
+    smk(f"--configfile=configs/{world}.yaml", "--cores", "2", "world", cwd=repo)
     pair = repo / "pairs" / "dsk"
     pair.parent.mkdir()
     shutil.move(repo / "artifacts" / "world", pair)
     shutil.rmtree(repo / "artifacts")
     for t in ("target_old", "target_new"):
-        assert json.loads((pair / t / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+        assert json.loads((pair / t / "config.json").read_text())["architectures"] == [arch]
 
     r = draftport("init", "micro-dsk", "--source", "draftport/world-k2-eagle3", "--cache-dir", "pairs/dsk/hub",
                   "--offline", "--target-new", "pairs/dsk/target_new", "--target-old", "pairs/dsk/target_old",
