@@ -173,7 +173,7 @@ def init(
     except DraftportError as e:   # the profile stands; the estimate needs what is missing
         rep["gaps"].append(("estimate", str(e)))
     if as_json:
-        _print_json({k: v for k, v in rep.items() if k not in ("text", "profile", "estimate_input")} | {"estimate": est})
+        _print_json({k: v for k, v in rep.items() if k not in ("text", "profile")} | {"estimate": est})
         return
     sys.stdout.write(f"wrote {path}\n")
     for where, what in rep["notes"]:

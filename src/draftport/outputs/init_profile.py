@@ -284,7 +284,10 @@ def _scalar(v) -> str:
         return repr(v)
     if isinstance(v, float):  # PyYAML reads 5e-05 as a string: positional digits only
         r = repr(v)
-        return r if "e" not in r else format(v, ".15f").rstrip("0").rstrip(".") + ("" if v == int(v) else "")
+        if "e" not in r:
+            return r
+        digits = format(v, ".15f").rstrip("0")
+        return digits + "0" if digits.endswith(".") else digits
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_scalar(x) for x in v) + "]"
     if isinstance(v, dict):
@@ -295,10 +298,12 @@ def _scalar(v) -> str:
 
 
 def render_yaml(header: list[str], lines: list[Line]) -> str:
-    """YAML with one comment per key (groups by the dotted paths' first part)."""
+    """YAML with one comment per key: a key is `group` or `group.key` (a deeper value is written
+    inline, as `{a: 1, b: 2}`), grouped by its first part in the order the lines come."""
     out = [f"# {h}" if h else "#" for h in header]
     groups: dict[str, list[Line]] = {}
     for ln in lines:
+        assert ln.key.count(".") <= 1, ln.key
         groups.setdefault(ln.key.split(".", 1)[0], []).append(ln)
     for g, lns in groups.items():
         if len(lns) == 1 and "." not in lns[0].key:
@@ -307,32 +312,7 @@ def render_yaml(header: list[str], lines: list[Line]) -> str:
             continue
         out.append(f"{g}:")
         for ln in lns:
-            rest = ln.key.split(".", 1)[1]
-            text = f"  {rest}: {_scalar(ln.value)}"
-            out.append(text + (f"   # {ln.why}" if ln.why else ""))
-    text = "\n".join(out) + "\n"
-    # nested keys (a.b.c) become YAML mappings: expand "b.c:" once per group
-    return _nest(text)
-
-
-def _nest(text: str) -> str:
-    """`  b.c: v` lines under one group -> `  b:\n    c: v` (one level deeper per dot)."""
-    out, opened = [], []
-    for line in text.splitlines():
-        m = re.match(r"^  ([\w]+(?:\.[\w]+)+): (.*)$", line)
-        if not m:
-            if not line.startswith("  "):
-                opened = []
-            out.append(line)
-            continue
-        parts = m.group(1).split(".")
-        for depth, p in enumerate(parts[:-1]):
-            if len(opened) > depth and opened[depth] == p:
-                continue
-            opened = opened[:depth] + [p]
-            out.append("  " * (depth + 1) + f"{p}:")
-        opened = opened[:len(parts) - 1]
-        out.append("  " * len(parts) + f"{parts[-1]}: {m.group(2)}")
+            out.append(f"  {ln.key.split('.', 1)[1]}: {_scalar(ln.value)}" + (f"   # {ln.why}" if ln.why else ""))
     return "\n".join(out) + "\n"
 
 
@@ -594,7 +574,7 @@ def build(name: str, *, source: str, target_new: str, target_old: str | None = N
               "Each value says why it is there; edit freely, then `snakemake -n` shows what reruns."]
     text = render_yaml(header, lines)
     profile = P.validate(P.merge(P.read_yaml(P.PARAMS_FILE), yaml.safe_load(text)))
-    rep.update(profile=profile, text=text, estimate_input=profile)
+    rep.update(profile=profile, text=text)
     return rep
 
 
