@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -179,8 +180,54 @@ class TrainConfig(Group):
     packing: bool = F(False, "lay a step's samples end to end in one row (draftport.data.packing: attention, RoPE "
                       "positions and the loss stay per sample, the same loss as padding them) instead of "
                       "right-padding each to the longest; no compute is spent on padding")
+    l2sp_lambda: float = F(
+        0.0, "L2-SP: the loss gains l2sp_lambda * sum ||w - w0||^2 over the trained weights, w0 the weights the "
+        "training started from (a fine-tune's init after its vocab remap; a resume keeps them): the fine-tune "
+        "stays near the source (a Kimi K2.6 -> K2.7 port used 1e-4); 0: off. A training from init scratch "
+        "refuses it (train_phase1_scratch reads phase1.train too)",
+        ge=0)
+    freeze: list[Literal["fc", "input_norms", "attention", "post_attention_norm", "mlp", "final_norm"]] = F(
+        default_factory=list, doc="parts of the drafter kept at their initial weights (no gradient, no optimizer "
+        "state): fc (the projection of the aux states), input_norms (input_layernorm, hidden_norm: the embedding "
+        "and aux halves' norms), attention (q/k/v/o), post_attention_norm, mlp (gate/up/down), final_norm (norm); "
+        "lm_head: train_lm_head. []: none")
     fast: FastParams = F(default_factory=FastParams, doc="impl fused / compiled: how a step is computed "
                          "(the attention kernels, compile tuning)")
+
+    # freeze's parts: the flat names of their weights (lm_head is train_lm_head's)
+    FREEZE_PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "fc": ("fc.weight",),
+        "input_norms": ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"),
+        "attention": ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+                      "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight"),
+        "post_attention_norm": ("midlayer.post_attention_layernorm.weight",),
+        "mlp": ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight"),
+        "final_norm": ("norm.weight",),
+    }
+
+    @field_validator("l2sp_lambda")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise _problem(f"expected a finite number, got {v}")
+        return v
+
+    @field_validator("freeze", mode="before")
+    @classmethod
+    def _freeze_parts(cls, v: Any, info) -> Any:
+        parts = ", ".join(cls.FREEZE_PARTS)
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise _problem(f"expected a list of part names ({parts}), got {_show(v)}")
+        for i, x in enumerate(v):
+            if x == "lm_head":
+                raise _problem(f"lm_head: set train_lm_head: false to freeze it; parts: {parts}")
+            if x not in cls.FREEZE_PARTS:
+                raise _problem(f"unknown part {_show(x)}; parts: {parts}")
+            if x in v[:i]:
+                raise _problem(f"{_show(x)} twice")
+        if set(v) == set(cls.FREEZE_PARTS) and info.data.get("train_lm_head") is False:
+            raise _problem("every part frozen and train_lm_head false: nothing left to train")
+        return v
 
     def __init__(self, /, **data: Any) -> None:
         try:

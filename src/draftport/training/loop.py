@@ -15,10 +15,20 @@ weight is needed in every TTT step and finer groups would only gather the same w
 The frozen embed_tokens stays replicated: every step looks up arbitrary rows of it, so sharding
 would gather all of it each step and save no peak memory. Checkpoints are the same flat files
 either way (gathered to rank 0), so a run resumes under either mode or in one process.
+
+Two port recipes (off by default, and then not a single operation differs): `freeze` keeps named
+parts of the drafter at their initial weights (requires_grad off before DDP / FSDP wrap them: no
+gradient, no all-reduce or reduce-scatter of one, no AdamW state), and `l2sp_lambda` anchors the
+trained weights to w0, the weights train() was handed (a fine-tune's init): after backward and
+before clipping each trained weight's gradient gains 2 * lambda * (w - w0), the gradient of
+lambda * ||w - w0||^2, on each rank's own weights or shards (no communication). A resume rebuilds
+w0 as the first run did (the caller builds the same init again: the checkpoint's `inputs` say
+so) and checks it against the digest the checkpoint keeps.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -92,13 +102,58 @@ def trainable(drafter: Eagle3Drafter) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in drafter.named_parameters() if p.requires_grad}
 
 
+def set_trained_parts(drafter: Eagle3Drafter, cfg: TrainConfig) -> None:
+    """requires_grad of every weight train() may train: lm_head as cfg.train_lm_head says, each
+    part of TrainConfig.FREEZE_PARTS off when cfg.freeze names it, on otherwise (the embedding
+    stays frozen: it is the target's)."""
+    params = dict(drafter.named_parameters())
+    drafter.lm_head.weight.requires_grad_(cfg.train_lm_head)
+    for part, names in TrainConfig.FREEZE_PARTS.items():
+        for n in names:
+            params[n].requires_grad_(part not in cfg.freeze)
+
+
+def anchor_digest(w0: dict[str, torch.Tensor]) -> str:
+    """sha256 of the anchor weights (names, dtypes, shapes, bytes): a resume's rebuilt w0 must be
+    the first run's to the bit."""
+    h = hashlib.sha256()
+    for n in sorted(w0):
+        t = w0[n].detach().cpu().contiguous()
+        h.update(f"{n}:{t.dtype}:{list(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def add_l2sp_grad(params: list, w0: list, lam: float) -> torch.Tensor:
+    """The L2-SP anchor's gradient, in place: grad += 2 * lam * (w - w0) for each trained weight
+    (under FSDP: this rank's shard of w, of w0 and of the gradient). -> sum ||w - w0||^2 over them
+    (0-dim fp32, this rank's part: under FSDP the ranks' parts add up; no host sync)."""
+    sq = None
+    for p, a in zip(params, w0):
+        sharded = _is_dtensor(p)
+        w = p.to_local() if sharded else p
+        d = w.detach() - a
+        s = torch.linalg.vector_norm(d, dtype=torch.float32).square()
+        sq = s if sq is None else sq + s
+        if p.grad is None:
+            if sharded:   # unused this step (never in an EAGLE-3 step): AdamW skips it anyway
+                continue
+            p.grad = torch.zeros_like(p)
+        g = p.grad.to_local() if sharded else p.grad
+        g.add_(d.to(g.dtype), alpha=2 * lam)
+    return sq if sq is not None else torch.zeros((), dtype=torch.float32)
+
+
 def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: TrainConfig,
-                    sharded=None, inputs: dict | None = None, data_position: int | None = None) -> Path | None:
+                    sharded=None, inputs: dict | None = None, data_position: int | None = None,
+                    anchor: str | None = None) -> Path | None:
     """sharded: the FSDP module of train() under parallel: fsdp. Then every rank must call: the
     full state is gathered to rank 0, which alone writes (the same files as one process).
     inputs: what the run was trained on (train()'s `inputs`), kept so a resume can check it.
     data_position: the positions of the run's consumption order read so far (online features:
-    where their capture restarts; step x batch size).
+    where their capture restarts; step x batch size). anchor: the digest of the L2-SP anchor
+    (anchor_digest; None without one).
     A full disk is a DraftportError; the previous checkpoints stay as they were."""
     from draftport.model.formats import disk_full_error, save_safetensors
 
@@ -126,6 +181,8 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
             state = {"step": step, "adam_steps": steps, "history": history, "config": cfg.model_dump(),
                      "inputs": inputs, "data_position": data_position if data_position is not None
                      else step * cfg.batch_size}
+            if anchor is not None:
+                state["anchor"] = anchor
             (tmp / "state.json").write_text(json.dumps(state) + "\n")
     except Exception as e:
         err = disk_full_error(e, final)
@@ -145,16 +202,17 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None) -> bool:
+def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None, anchor: str | None = None) -> bool:
     """A checkpoint continues this run only if everything but the logging cadence matches, the
-    inputs (train()'s `inputs`: data, vocab, init) included."""
+    inputs (train()'s `inputs`: data, vocab, init) and the L2-SP anchor's digest included."""
     try:
         state = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if state.get("inputs") != inputs:
+    if state.get("inputs") != inputs or state.get("anchor") != anchor:
         return False
-    saved = {"eval_every": 0, "patience": 0, "packing": False, **state.get("config", {})}  # older checkpoints predate them
+    saved = {"eval_every": 0, "patience": 0, "packing": False, "l2sp_lambda": 0.0, "freeze": [],
+             **state.get("config", {})}  # older checkpoints predate them
     # parallel: ddp and fsdp make the same updates, and so does the fast path under any of its
     # params (up to the kernels' rounding); older checkpoints predate those keys (or name
     # the attention kernel `attention`)
@@ -337,16 +395,22 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         raise DraftportError("train.eval_every", "held-out tau during training runs on a whole drafter: "
                              "use parallel ddp (or eval_every 0) under fsdp")
     fast = fast_path(cfg, impl, accumulate_wgrad=world == 1 or fsdp)
-    drafter.lm_head.weight.requires_grad_(cfg.train_lm_head)
+    set_trained_parts(drafter, cfg)   # before DDP / FSDP see the parameters
+    w0, anchor = None, None
+    if cfg.l2sp_lambda:
+        # the anchor: the weights handed in (the init, rebuilt the same way by a resume), taken
+        # before a checkpoint's weights are loaded
+        w0 = {n: p.detach().clone() for n, p in trainable(drafter).items()}
+        anchor = anchor_digest(w0)
 
     out_dir = Path(out_dir)
     ckpt_root = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
     step, history = 0, []
     last = latest_checkpoint(ckpt_root)
-    if last is not None and not resumable(last, cfg, inputs):
+    if last is not None and not resumable(last, cfg, inputs, anchor):
         # A checkpoint of another configuration (edited params.yaml) or of other inputs (new
-        # features, another init) must not be continued: that would mix two runs. Its folder is
-        # set aside, never deleted.
+        # features, another init, another anchor) must not be continued: that would mix two runs.
+        # Its folder is set aside, never deleted.
         aside = ckpt_root.with_name(f"{ckpt_root.name}.stale-{int(time.time())}")
         if rank == 0:
             os.replace(ckpt_root, aside)
@@ -360,6 +424,11 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
 
     net = wrap_parallel(drafter, cfg.parallel if world > 1 else "none", device)
     params = trainable(drafter)           # under FSDP: this rank's shards
+    l2sp = None
+    if w0 is not None:   # (weights, their anchors): under FSDP the anchors' shards of this rank
+        l2sp = (list(params.values()), [_like(w0[n], p).to_local() if _is_dtensor(p) else w0[n]
+                                        for n, p in params.items()], cfg.l2sp_lambda)
+        del w0
     decay = [p for p in params.values() if p.ndim >= 2]
     no_decay = [p for p in params.values() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -410,7 +479,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         loss, terms, counts, stats_t, gnorm = train_step(net, batch, target_head, opt, list(params.values()),
-                                                         cfg, fast=fast, use_bf16=use_bf16, world=world)
+                                                         cfg, fast=fast, use_bf16=use_bf16, world=world, l2sp=l2sp)
         bad |= ~torch.isfinite(loss.detach())
         step += 1
         done_this_call += 1
@@ -423,6 +492,14 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
                 raise DraftportError(f"train step {step}", f"loss is not finite (at or before this step); "
                                      f"last good checkpoint kept in {ckpt_root}")
             stats = _reduce_stats(terms, counts) if world > 1 else stats_to_float(stats_t)
+            if l2sp is not None:
+                sq = stats_t["anchor_sq"].float()
+                if fsdp:   # each rank holds its shards' part
+                    sq = sq.clone()
+                    dist.all_reduce(sq)
+                sq = float(sq)
+                stats.pop("anchor_sq", None)
+                stats.update(l2sp_penalty=cfg.l2sp_lambda * sq, anchor_distance=math.sqrt(sq))
             stats.update(loss=sum(cfg.gamma ** j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
                          lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm))
             if eval_now:  # every rank: the same drafter, the same set, the same stop
@@ -449,7 +526,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
             bar.update(1)
         if ckpt_now and (rank == 0 or fsdp):   # under FSDP every rank joins the gather
             save_checkpoint(ckpt_root, step, drafter, opt, history, cfg, sharded=net if fsdp else None,
-                            inputs=inputs, data_position=getattr(features, "position", None))
+                            inputs=inputs, data_position=getattr(features, "position", None), anchor=anchor)
         if world > 1:
             dist.barrier()
         if last:
@@ -477,16 +554,18 @@ def fast_path(cfg: TrainConfig, impl: str, accumulate_wgrad: bool) -> FastPath |
 
 def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: TrainConfig, *,
                fast: FastPath | None = None, use_bf16: bool = False, world: int = 1,
-               clip_in_optimizer: bool | None = None):
+               clip_in_optimizer: bool | None = None, l2sp: tuple | None = None):
     """One optimizer step (TTT loss, backward, clipping, AdamW) with no host sync, so the CPU
     can queue the next step while this one runs (under DDP/FSDP the row counts are all-reduced).
 
     net: the drafter, its DDP view, or the FSDP module of shard_fsdp (params then hold this
     rank's shards). fast: the fast path (None: the reference loss). clip_in_optimizer (default: when the optimizer is fused AdamW or
     draftport's, and the parameters are not sharded) applies the gradient clipping inside the
-    optimizer's kernel.
+    optimizer's kernel. l2sp: (params, their anchors w0, lambda): the L2-SP anchor's gradient is
+    added before the clipping (add_l2sp_grad); stats then hold `anchor_sq`, sum ||w - w0||^2
+    before this step's update (this rank's part under FSDP).
     Returns (loss, terms, global counts or None, stats as 0-dim tensors, grad norm before
-    clipping)."""
+    clipping, the anchor's gradient included)."""
     device = target_head.device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
         if isinstance(net, _FSDPTerms):
@@ -501,6 +580,8 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
     loss, stats = combine(terms, cfg.gamma, counts, scale=float(world), sync=False)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if l2sp is not None:
+        stats["anchor_sq"] = add_l2sp_grad(*l2sp)
     sharded = bool(params) and _is_dtensor(params[0])
     if clip_in_optimizer is None:
         takes_scale = bool(opt.defaults.get("fused")) or getattr(opt, "takes_grad_scale", False)

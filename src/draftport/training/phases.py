@@ -64,6 +64,8 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     kept ('keep'). The map is never rebuilt silently: it comes from vocab_path.
     init 'scratch': same architecture, random init, the new map.
     init '<folder>': continue a drafter saved by an earlier phase (its map is kept).
+    The initial weights are train_cfg.l2sp_lambda's anchor w0 (refused for init scratch): built
+    here the same way on every run, so a resumed training anchors to them again.
     ckpt_dir: where the periodic checkpoints live (default out_dir/checkpoints); a run on the
     same config and inputs (inputs_fingerprint) resumes from them.
     features_dir: a feature folder, or several that continue one another (draftport.data.shards.
@@ -80,6 +82,9 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     cache in spool["cache_dir"] (default: beside the spool); the target's code runs only when
     trust_remote_code.
     """
+    if init == "scratch" and train_cfg.l2sp_lambda:
+        raise DraftportError("train.l2sp_lambda", f"{train_cfg.l2sp_lambda}: the L2-SP anchor holds a training near "
+                             "the weights it starts from, and init scratch starts from random ones (set 0)")
     out_dir = Path(out_dir)
     dirs = feature_dirs(features_dir)
     sets = [open_set(d) for d in dirs]
