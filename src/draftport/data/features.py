@@ -7,6 +7,7 @@ The same calls serve the embedded world and a real target; weights through safet
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -103,6 +104,11 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
     from draftport.data.storage import SPOOL_GB, check_storage, storage_need
 
     samples = read_samples(samples_path, n_samples, offset)
+    if not regenerate_responses:
+        bad = next((i for i, x in enumerate(samples) if not isinstance(x.get("assistant"), str)), None)
+        if bad is not None:  # the line number counts non-blank lines of the file
+            raise DraftportError(f"{samples_path}:{offset + bad + 1}", "no string 'assistant' field: the "
+                                 "dataset's own answer is needed when the answers are not regenerated")
     tok = load_tokenizer(target_dir, trust_remote_code)
     tcfg = text_config(target_dir)
     ctx = max_len or int(tcfg.get("max_position_embeddings", 4096))
@@ -129,6 +135,7 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     seqs: list[Sequence] = []
+    t0 = time.perf_counter()
     if regenerate_responses:
         budget = [min(max_new_tokens, ctx - len(p)) for p in prompts]
         with progress(len(prompts), "regenerate", "sample") as bar:
@@ -147,6 +154,9 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
         for s in samples:
             ids, start = encode_chat(tok, s["user"], s["assistant"])
             seqs.append(Sequence(ids[:ctx], start))
+    # wall seconds of the answers and of the capture (the decision's hours; never in index.json)
+    seconds = {"regenerate": round(time.perf_counter() - t0, 3) if regenerate_responses else 0.0}
+    t0 = time.perf_counter()
 
     meta = {"aux_layer_ids": list(aux_layer_ids), "aux_convention": convention,
             "target": target_identity(target_dir), "regenerated": regenerate_responses,
@@ -160,7 +170,7 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
         index = write_sequences(out_dir, seqs, meta=meta, capture=capture)
         log(f"features: wrote {index['samples']} sequences, {index['tokens']} tokens to {out_dir} "
             f"(storage {storage}: the training step captures their states)")
-        return index
+        return {**index, "seconds": {**seconds, "capture": 0.0}}
     if engine == "vllm":
         # lazy (registry): only features.engine vllm runs this; world's and online_*'s rows do not list it
         from draftport.engines.vllm.hidden_states import capture_features_vllm
@@ -172,7 +182,7 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
                                           batch_size=batch_size, shard_samples=shard_samples, progress=bar.update)
         log(f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
             f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir} (vLLM)")
-        return index
+        return {**index, "seconds": {**seconds, "capture": round(time.perf_counter() - t0, 3)}}
     featurize = featurizer(model, aux_layer_ids, convention, device, pad, compile=compile, log=log)
 
     with progress(len(seqs), "capture", "sample") as bar:
@@ -181,7 +191,7 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
                                by_length=on_gpu(model, device))
     log(f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
         f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir}")
-    return index
+    return {**index, "seconds": {**seconds, "capture": round(time.perf_counter() - t0, 3)}}
 
 
 def capture_writer(target_dir, index: dict, trust_remote_code: bool = False):

@@ -23,6 +23,7 @@ import copy
 import difflib
 import json
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -619,6 +620,16 @@ class CurvesParams(Group):
     epochs: float = F(..., "the budget rule: steps = min(train.steps, max(min_steps, ceil(epochs * n / "
                       "train.batch_size))): the same epochs at every n", ge=0.01)
     min_steps: int = F(..., "fewest steps of a point", ge=1)
+    arms_n_samples: Annotated[list[int], _int_list(1, 16)] = F(
+        ..., "the n at which the arms below train (each among n_samples: an arm is compared with plain "
+        "fine-tuning at the same n and seeds): arms x len(arms_n_samples) x len(seeds) trainings more; "
+        "[]: no arms (answers and recipes unused)")
+    answers: bool = F(..., "the regenerate-or-not arm: each init trained on the prompts' own answers as "
+                      "the dataset gives them (step features_dataset: a prefill, no decoding), scored on "
+                      "the new target's own answers like every point (rule R7)")
+    recipes: dict[str, dict[str, Any]] = F(
+        ..., "port recipes: name -> train keys that differ from `train` (e.g. {l2sp_lambda: 1.0e-4}, "
+        "{lr: 5.0e-4}, {freeze: [fc]}); each one an arm fine-tuning the source (rule R8); {}: none")
     train: TrainConfig = F(..., "the training run of every point (steps: the most a point may take; "
                            "seed: replaced by each point's; patience > 0: stop at a plateau)")
 
@@ -631,6 +642,9 @@ class DecisionParams(Group):
     seed: int = F(..., "the bootstrap's seed", ge=0)
     min_gain: float = F(0.05, "rule R6: a tau gain from more data smaller than this is not worth collecting "
                         "(0: any significant gain is)", ge=0)
+    serving_tokens_per_day: Optional[float] = F(
+        None, "tokens the deployment generates a day: with it the recommendation states the payback (days "
+        "of serving until the port's GPU-hours are recovered by the faster decoding); null: not stated", gt=0)
 
 
 class Params(Group):
@@ -867,6 +881,30 @@ def _cross_checks(cfg: dict) -> None:
             raise ParamsError("curves.seeds", f"{c['seeds']}: a seed twice")
         if not c["inits"] or len(set(c["inits"])) != len(c["inits"]):
             raise ParamsError("curves.inits", f"{c['inits']}: source and/or scratch, each once")
+        if "scratch" in c["inits"] and c["train"].get("l2sp_lambda"):
+            raise ParamsError("curves.train.l2sp_lambda", "the scratch points start from random weights: anchor "
+                              "the source's points through curves.recipes instead (or set 0)")
+        arms_n = c["arms_n_samples"]
+        if arms_n != sorted(set(arms_n)) or not set(arms_n) <= set(ns):
+            raise ParamsError("curves.arms_n_samples", f"{arms_n}: ascending, each among curves.n_samples {ns}")
+        if c["recipes"] and arms_n and "source" not in c["inits"]:
+            raise ParamsError("curves.recipes", "fine-tune the source: needs source among curves.inits")
+        for name, over in c["recipes"].items():
+            if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", str(name)):
+                raise ParamsError(f"curves.recipes.{name}", "a recipe's name: lowercase letters, digits, _ "
+                                  "(it names checkpoints and MLflow runs)")
+            if not isinstance(over, dict) or not over:
+                raise ParamsError(f"curves.recipes.{name}", "a mapping of the train keys the recipe changes")
+            for key in ("steps", "seed", "batch_size"):
+                if key in over:
+                    raise ParamsError(f"curves.recipes.{name}.{key}", "set by the budget rule / the point: "
+                                      "every arm trains the same steps on the same batches")
+            try:
+                TrainConfig.from_dict({**c["train"], **over}, f"curves.recipes.{name}")
+            except ParamsError:
+                raise
+            except DraftportError as e:  # from_dict's unknown-key error: the same line, as a params error
+                raise ParamsError(f"curves.recipes.{name}", e.problem) from None
     for group in ("phase1", "phase2", "curves"):
         t = cfg[group]["train"]
         if t.get("patience") and not t.get("eval_every"):
@@ -877,6 +915,9 @@ def _cross_checks(cfg: dict) -> None:
             raise ParamsError("monitor.n_samples", f"phase2.n_samples + monitor.n_samples = {need} but the world's "
                               f"new corpus holds world.n_new = {w['n_new']} (the monitor takes the last prompts)")
         sd = w["source_drafter"]
+        if sd["train"].get("l2sp_lambda"):
+            raise ParamsError("world.source_drafter.train.l2sp_lambda", "the source drafter trains from random "
+                              "weights: nothing to anchor to (set 0)")
         if sd["n_samples"] + sd["monitor_samples"] > w["n_old"]:
             raise ParamsError("world.source_drafter.n_samples", f"{sd['n_samples']} + monitor_samples "
                               f"{sd['monitor_samples']} exceed world.n_old = {w['n_old']}")

@@ -41,7 +41,7 @@ class Step:
     trains: bool = False                      # makes a drafter: torchrun-able, checkpoints
     dvc: bool = True                          # has a DVC stage (online steps need the vLLM venv)
     cache: bool = True                        # DVC caches its outs (features: too big, not cached)
-    enabled: str | None = None                # a dotted bool key: the step exists only when it is true
+    enabled: str | tuple[str, ...] | None = None  # dotted bool key(s): the step exists only when all are true
 
 
 # Library modules every step runs (the runner and what it imports): a change reruns every step.
@@ -67,6 +67,9 @@ EVAL_MODULES = (*DRAFTING_MODULES, "evaluation.costmodel", "pipeline.tracking", 
 TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "model.draftmap", *DRAFTING_MODULES,
                  "pipeline.tracking", "pipeline.steps.train_steps", "data.packing", "training.spool", "data.features",
                  "data.storage", "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm")
+# the points of the learning curves (draftport.plan.curves.points)
+CURVE_KEYS = ("curves.n_samples", "curves.seeds", "curves.inits", "curves.arms_n_samples", "curves.answers",
+              "curves.recipes")
 SOURCE = Input("fetch/source")
 TARGET = Input("@new")
 EVAL_SET = Input("features_eval/eval_new")
@@ -120,6 +123,11 @@ STEPS: tuple[Step, ...] = (
          "data_steps:features_phase2", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples",
                                   "phase2.n_samples"),
          FEATURE_MODULES, {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
+    Step("features_dataset", "the regenerate-or-not arm's data: the prompts' own answers, teacher-forced through the new target",
+         "data_steps:features_dataset", (*FEATURE_KEYS, "features.storage", "targets.prompts_train",
+                                         "curves.arms_n_samples"),
+         FEATURE_MODULES, {"source": SOURCE, "target": TARGET}, after=("world",), cache=False,
+         enabled=("curves.enabled", "curves.answers", "curves.arms_n_samples")),
     Step("compare", "the source drafter against the layout the new target needs: config, weights, vocab, verdict",
          "compare_step:compare", ("targets.new",),
          ("outputs.compare", "model.draftmap", "model.vocab", "model.fixtures", "outputs.tables",
@@ -163,22 +171,26 @@ STEPS: tuple[Step, ...] = (
           "source": SOURCE, "target": TARGET, "monitor": monitor_input("phase2")}, run="phase2", trains=True),
     _eval("phase2", "train_phase2", phase1=Input("eval_phase1/metrics.json")),
     Step("train_curves", "learning curves: fine-tune and scratch at each curves.n_samples x seed, one budget rule",
-         "curve_steps:train_curves", ("profile", "targets.new", "curves.n_samples", "curves.seeds", "curves.inits",
-                                 "curves.epochs", "curves.min_steps", "curves.train", *MONITOR_KEYS, *SPOOL_KEYS),
+         "curve_steps:train_curves", ("profile", "targets.new", *CURVE_KEYS, "curves.epochs", "curves.min_steps",
+                                 "curves.train", *MONITOR_KEYS, *SPOOL_KEYS),
          (*TRAIN_MODULES, "plan.curves", "pipeline.steps.curve_steps"),
          {"features": Input("features_new/train"), "features_phase2": Input("features_phase2/train"),
+          "features_dataset": Input("features_dataset/train", ("curves.answers", "curves.arms_n_samples")),
           "vocab": VOCAB, "source": SOURCE, "target": TARGET, "monitor": monitor_input("curves")},
          run="curves", trains=True, enabled="curves.enabled"),
     Step("eval_curves", "every learning-curve point's drafter on the new target's held-out set (per-prompt counts)",
-         "curve_steps:eval_curves", ("targets.new", "eval", "curves.n_samples", "curves.seeds", "curves.inits"),
+         "curve_steps:eval_curves", ("targets.new", "eval", *CURVE_KEYS),
          (*DRAFTING_MODULES, "pipeline.tracking", "evaluation.decision", "plan.curves", "pipeline.steps.curve_steps"),
          {"points": Input("train_curves/points.json"), "target": TARGET, "features": EVAL_SET},
          run="curves", run_from="train_curves", enabled="curves.enabled"),
-    Step("decision", "the recommendation with evidence: init, data, Phase 2, drift; bootstrap CIs and rules R1-R6",
-         "decision_step:decision", ("costmodel", "eval.k", "decision"),
-         ("evaluation.decision", "evaluation.costmodel", "pipeline.steps.decision_step"),
+    Step("decision", "the recommendation with evidence: init, recipe, answers, data, Phase 2, hours; bootstrap CIs, rules R1-R8",
+         "decision_step:decision", ("costmodel", "eval.k", "decision", "resources"),
+         ("evaluation.decision", "evaluation.hours", "evaluation.costmodel", "pipeline.steps.decision_step"),
          {"curves": Input("eval_curves/curves.json", ("curves.enabled",)),
           **{ph: Input(f"eval_{ph}/eval.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
+          **{f"data_{st}": Input(f"{st}/metrics.json") for st in ("features_new", "features_phase2")},
+          "data_features_dataset": Input("features_dataset/metrics.json", ("curves.enabled", "curves.answers", "curves.arms_n_samples")),
+          **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
           "drift": Input("drift/metrics.json", ("drift.enabled",))}),
     Step("report", "plots and tables: tau per phase vs projected tok/s, per-position acceptance, loss, comparison",
          "report_step:report", ("profile", "costmodel", "eval.k", "online.enabled"),
@@ -254,7 +266,8 @@ def get(cfg: dict, dotted: str):
 
 
 def enabled(step: Step, cfg: dict) -> bool:
-    return step.enabled is None or bool(get(cfg, step.enabled))
+    keys = (step.enabled,) if isinstance(step.enabled, str) else step.enabled or ()
+    return all(get(cfg, k) for k in keys)
 
 
 def active(cfg: dict) -> list[Step]:
@@ -333,7 +346,8 @@ def table_markdown() -> str:
                         for k, v in s.inputs.items()) or "-"
         flags = ", ".join(f for f, on in (("trains", s.trains), (f"MLflow run {s.run}", bool(s.run)),
                                           ("no DVC stage", not s.dvc), ("not cached", not s.cache),
-                                          (f"only when {s.enabled}", bool(s.enabled))) if on) or "-"
+                                          (f"only when {' and '.join((s.enabled,) if isinstance(s.enabled, str) else s.enabled or ())}",
+                                           bool(s.enabled))) if on) or "-"
         rows.append(f"| `{s.name}` | {s.doc} | {ins} | {', '.join(f'`{p}`' for p in s.params)} | {flags} |")
     return "\n".join(rows) + "\n"
 

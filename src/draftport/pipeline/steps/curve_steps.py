@@ -1,84 +1,138 @@
-"""The learning curves: fine-tune and scratch at several new-target sample counts, several seeds
-each, under one budget rule; trained in `train_curves`, measured in `eval_curves` (so evaluation
-settings retrain nothing). Every point reads a prefix of one capture: Phase 1's samples, then
-Phase 2's (data.shards.FeatureChain), never a capture of its own. MLflow: the step's run `curves` is
-the parent of one nested run per point (tags init, n_samples, seed)."""
+"""The learning curves: every arm (plain fine-tuning and scratch at several new-target sample
+counts; the dataset-answers and recipe arms at curves.arms_n_samples) with several seeds each,
+under one budget rule; trained in `train_curves`, measured in `eval_curves` (so evaluation settings
+retrain nothing). A regenerated point reads a prefix of one capture: Phase 1's samples, then Phase
+2's (data.shards.FeatureChain); a dataset point a prefix of features_dataset's. MLflow: the step's
+run `curves` is the parent of one nested run per point (tags arm, init, answers, recipe, n_samples,
+seed)."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import tempfile
+import time
 from pathlib import Path
 
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.pipeline.runner import RUNS_DIR, StepContext, checkpoints, read_json, write_json
 from draftport.pipeline.tracking import PhaseRun, tracking_uri
-from draftport.plan.curves import budget_steps, points
+from draftport.plan.curves import DATASET, points, train_config
 from draftport.plan.params import TrainConfig
 
 POINT_RUNS = Path(RUNS_DIR, "train_curves.points.json")  # nested runs' ids (outside artifacts/)
 
 
-def _child_run(s: StepContext, pt: dict):
+def _child_run(profile: str, parent_id: str, step: str, pt: dict):
     """A nested MLflow run of the step's run for one point."""
-    profile = s.p["profile"]
-    run = PhaseRun(profile, f"curves {pt['init']} n={pt['n_samples']} seed={pt['seed']}", tags={
-        "mlflow.parentRunId": s.run.run_id, "init": pt["init"], "n_samples": pt["n_samples"],
-        "seed": pt["seed"], "draftport.step": s.name})
-    return run
+    arm = pt.get("arm", pt["init"])
+    return PhaseRun(profile, f"curves {arm} n={pt['n_samples']} seed={pt['seed']}", tags={
+        "mlflow.parentRunId": parent_id, "init": pt["init"], "arm": arm, "answers": pt.get("answers", "regenerated"),
+        "recipe": pt.get("recipe", "plain"), "n_samples": pt["n_samples"], "seed": pt["seed"], "draftport.step": step})
+
+
+def _train_point(job: dict) -> dict:
+    """One point, trained and saved under job["out"] (in the step's process or a worker's)."""
+    # lazy (registry): eval_curves runs this module and trains nothing
+    from draftport.training.phases import train_phase
+
+    pt, kw = job["point"], dict(job["kw"])
+    cfg = TrainConfig(**job["train"])
+    kw["train_cfg"] = cfg
+    print(f"curves: point {job['i']}/{job['of']}: {pt['arm']} n={pt['n_samples']} seed={pt['seed']}, "
+          f"{cfg.steps} steps", flush=True)
+    child = _child_run(job["profile"], job["parent"], job["step"], pt) if job["parent"] else None
+    if child is not None:
+        child.log_params({"init": pt["init"], "arm": pt["arm"], "answers": pt["answers"], "recipe": pt["recipe"],
+                          "n_samples": pt["n_samples"], "seed": pt["seed"], "train_steps": cfg.steps,
+                          **{f"train.{k}": v for k, v in cfg.model_dump().items()}})
+    t0 = time.perf_counter()
+    rep = train_phase(job["out"], logger=child.background() if child else None, progress=job["progress"], **kw)
+    seconds = round(time.perf_counter() - t0, 3)
+    print(f"curves: point {job['i']}/{job['of']} ({pt['name']}) done in {seconds:.1f} s", flush=True)
+    if child is not None:
+        child.finish(ok=True)
+    return {**pt, "dir": f"points/{pt['name']}", "train_steps": rep["train_steps"],
+            "stopped_early": rep["stopped_early"], "curve": rep["curve"], "final_loss": rep["final"].get("loss"),
+            "train_seconds": seconds, "run_id": child.run_id if child else None}
+
+
+def _worker_init() -> None:
+    """A worker trains on one thread (a point's floats as in one process) and dies with the step
+    (kill -9 of the step leaves no orphan writing checkpoints that a resumed step reads)."""
+    import ctypes
+    import signal
+
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _workers(n_points: int, world: int) -> int:
+    """Points trained at once: the step's threads on the CPU (one thread each), else one."""
+    import torch
+
+    if world > 1 or torch.cuda.is_available():
+        return 1
+    return max(1, min(torch.get_num_threads(), n_points))
 
 
 def train_curves(s: StepContext) -> dict:
-    """Train every point (init x n x seed) on the first n samples of Phase 1's + Phase 2's
-    capture; a killed step resumes: finished points continue from their last checkpoint (0 steps
-    left), the interrupted one from its own."""
+    """Train every point (arm x n x seed; draftport.plan.curves) on the first n samples of Phase 1's
+    + Phase 2's capture (the dataset arms: of features_dataset); on the CPU the step's threads
+    train that many points at once. A killed step resumes: finished points continue from their
+    last checkpoint (0 steps left), the interrupted ones from their own."""
     # lazy (registry): eval_curves runs this module and trains nothing
     from draftport.training.phases import train_phase
     from draftport.training.loop import init_distributed
     from draftport.pipeline.steps.train_steps import monitor_of, online_of
 
-    rank, _ = init_distributed()  # under torchrun every rank trains each point on its slice of the batch
+    rank, world = init_distributed()  # under torchrun every rank trains each point on its slice of the batch
     c = s.p["curves"]
-    feats = [s.input("features"), s.input("features_phase2")]
-    runs = {}
-    out = []
+    regenerated = [s.input("features"), s.input("features_phase2")]
     pts = points(c)
+    jobs = []
     for i, pt in enumerate(pts, 1):
-        steps = budget_steps(pt["n_samples"], c)
-        cfg = TrainConfig(**{**c["train"], "steps": steps, "seed": pt["seed"],
-                             "checkpoint_every": min(c["train"]["checkpoint_every"], steps)})
-        kw = dict(features_dir=feats, n_samples=pt["n_samples"], target_dir=s.input("target"),
-                  vocab_path=s.input("vocab"), init=pt["init"], source_dir=s.input("source"), train_cfg=cfg,
-                  monitor=monitor_of(s, cfg), ckpt_dir=checkpoints(s.name) / pt["name"],
-                  verifier=s.p["targets"]["new"], **online_of(s, f"{s.name}-{pt['name']}"))
+        tc = train_config(c, pt)
+        cfg = TrainConfig(**tc)
+        kw = dict(features_dir=[s.input("features_dataset")] if pt["answers"] == DATASET else regenerated,
+                  n_samples=pt["n_samples"], target_dir=s.input("target"), vocab_path=s.input("vocab"),
+                  init=pt["init"], source_dir=s.input("source"), monitor=monitor_of(s, cfg),
+                  ckpt_dir=checkpoints(s.name) / pt["name"], verifier=s.p["targets"]["new"],
+                  **online_of(s, f"{s.name}-{pt['name']}"))
         if rank > 0:  # rank 0 writes the files, logs and checkpoints
             with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
-                train_phase(scratch, logger=None, progress=False, **kw)
+                train_phase(scratch, logger=None, progress=False, train_cfg=cfg, **kw)
             continue
-        print(f"curves: point {i}/{len(pts)}: {pt['init']} n={pt['n_samples']} seed={pt['seed']}, {steps} steps",
-              flush=True)
-        child = _child_run(s, pt) if s.run is not None else None
-        if child is not None:
-            child.log_params({"init": pt["init"], "n_samples": pt["n_samples"], "seed": pt["seed"],
-                              "train_steps": steps, **{f"train.{k}": v for k, v in cfg.model_dump().items()}})
-            runs[pt["name"]] = child.run_id
-        rep = train_phase(s.path("points", pt["name"]), logger=child.background() if child else None,
-                          progress=True, **kw)
-        if child is not None:
-            child.finish(ok=True)
-        out.append({**pt, "dir": f"points/{pt['name']}", "train_steps": rep["train_steps"],
-                    "stopped_early": rep["stopped_early"], "curve": rep["curve"],
-                    "final_loss": rep["final"].get("loss")})
+        jobs.append({"i": i, "of": len(pts), "point": pt, "kw": kw, "train": tc,
+                     "out": str(s.path("points", pt["name"])), "profile": s.p["profile"],
+                     "parent": s.run.run_id if s.run is not None else None, "step": s.name, "progress": True})
     if rank > 0:
         return {}
-    if runs:
+    n_workers = _workers(len(jobs), world)
+    if n_workers == 1:
+        out = [_train_point(j) for j in jobs]
+    else:  # the longest points first: the workers finish together
+        print(f"curves: {len(jobs)} points, {n_workers} at a time (one thread each)", flush=True)
+        by_cost = sorted(jobs, key=lambda j: -j["train"]["steps"])
+        with mp.get_context("spawn").Pool(n_workers, initializer=_worker_init) as pool:
+            done = dict(zip((j["point"]["name"] for j in by_cost),
+                            pool.map(_train_point, by_cost, chunksize=1)))
+        out = [done[j["point"]["name"]] for j in jobs]
+    runs = {r["name"]: r.pop("run_id") for r in out}
+    if s.run is not None:
         write_json(POINT_RUNS, {"uri": s.run.uri, "runs": runs})
     write_json(s.path("points.json"), {"budget": {"rule": "same epochs", "epochs": c["epochs"],
                                                   "min_steps": c["min_steps"], "max_steps": c["train"]["steps"],
                                                   "patience": c["train"]["patience"]},
                                        "points": out})
     return {"points": len(out), "steps_total": sum(p["train_steps"] for p in out),
-            "stopped_early": sum(bool(p["stopped_early"]) for p in out)}
+            "stopped_early": sum(bool(p["stopped_early"]) for p in out), "workers": n_workers,
+            "seconds": round(sum(p["train_seconds"] for p in out), 3)}
 
 
 def _point_run(s: StepContext, pt: dict, recorded: dict):
@@ -87,7 +141,7 @@ def _point_run(s: StepContext, pt: dict, recorded: dict):
             return PhaseRun.attach(recorded["runs"][pt["name"]], where=POINT_RUNS)
         except Exception:  # the run is gone (another store, a deleted experiment): a new child
             pass
-    return _child_run(s, pt)
+    return _child_run(s.p["profile"], s.run.run_id, s.name, pt)
 
 
 def eval_curves(s: StepContext) -> dict:
@@ -105,7 +159,7 @@ def eval_curves(s: StepContext) -> dict:
         res = evaluate_drafter(root / pt["dir"] / "drafter", s.input("target"), s.input("features"), k=e["k"],
                                batch_size=e["batch_size"], max_samples=e["max_samples"])
         ci = tau_ci([res["per_sample"]["accepted"]], [res["per_sample"]["cycles"]], n_boot=1000)["ci"]
-        print(f"curves: {i}/{len(trained['points'])} {pt['init']} n={pt['n_samples']} seed={pt['seed']}: "
+        print(f"curves: {i}/{len(trained['points'])} {pt.get('arm', pt['init'])} n={pt['n_samples']} seed={pt['seed']}: "
               f"tau {res['accept_length']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]", flush=True)
         if s.run is not None:
             run = _point_run(s, pt, recorded)
@@ -113,13 +167,15 @@ def eval_curves(s: StepContext) -> dict:
                              "accept_length_ci_high": ci[1], "simulated_acc_len": res["simulated_acc_len"],
                              "acceptance_rate": res["acceptance_rate"]}, step=pt["train_steps"])
             run.finish(ok=True)
-        res_points.append({k: pt[k] for k in ("init", "n_samples", "seed", "train_steps", "stopped_early", "curve")}
+        res_points.append({k: pt[k] for k in ("arm", "init", "answers", "recipe", "n_samples", "seed", "train_steps",
+                                              "train_seconds", "stopped_early", "curve") if k in pt}
                           | {"accept_length": res["accept_length"], "ci": ci, "per_sample": res["per_sample"]})
     c = s.p["curves"]
     write_json(s.path("curves.json"), {"n_samples": c["n_samples"], "seeds": c["seeds"], "inits": c["inits"],
+                                       "arms_n_samples": c["arms_n_samples"], "recipes": c["recipes"],
                                        "budget": trained["budget"], "eval_samples": res["eval_samples"],
                                        "k": e["k"], "points": res_points})
     out: dict = {}
     for pt in res_points:  # the seeds' mean per (init, n): MLflow's compare view and DVC metrics
-        out.setdefault(pt["init"], {}).setdefault(f"n{pt['n_samples']}", []).append(pt["accept_length"])
+        out.setdefault(pt.get("arm", pt["init"]), {}).setdefault(f"n{pt['n_samples']}", []).append(pt["accept_length"])
     return {init: {n: sum(v) / len(v) for n, v in d.items()} for init, d in out.items()}

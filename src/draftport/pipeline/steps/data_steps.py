@@ -96,9 +96,11 @@ def _check_source_fits(source: Path, features: dict) -> None:
                              f"was trained under {cfg.aux_convention}")
 
 
-def _features(s: StepContext, out_dir, target, prompts, *, n: int, offset: int = 0, training: bool = False) -> dict:
+def _features(s: StepContext, out_dir, target, prompts, *, n: int, offset: int = 0, training: bool = False,
+              regenerate: bool = True) -> dict:
     """training: a training set (features.storage applies: online / hybrid store the answers
-    only); held-out and evaluation sets are always stored with their states."""
+    only); held-out and evaluation sets are always stored with their states. regenerate false:
+    the prompts file's own answers, teacher-forced (one prefill per sample)."""
     # lazy (registry): fetch and vocab_new run this module without the capture
     from draftport.data.features import build_features
     from draftport.data.capture import trusted
@@ -108,13 +110,13 @@ def _features(s: StepContext, out_dir, target, prompts, *, n: int, offset: int =
     idx = build_features(target, prompts, out_dir, n_samples=n, offset=offset,
                          trust_remote_code=trusted(target, s.p["targets"]["trust_remote_code"]),
                          aux_layer_ids=f["aux_layer_ids"], convention=f["aux_convention"],
-                         regenerate_responses=True, max_new_tokens=f["max_new_tokens"],
+                         regenerate_responses=regenerate, max_new_tokens=f["max_new_tokens"],
                          batch_size=f["batch_size"], dtype=f["dtype"], device=f["device"],
                          engine=f["engine"], tensor_parallel_size=f["tensor_parallel_size"],
                          regenerate_via=f["regenerate"], base_url=f["base_url"],
                          served_model=f["served_model"], storage=storage, compile=f["compile"])
     out = {"samples": idx["samples"], "tokens": idx["tokens"],
-           "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2)}
+           "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2), "seconds": idx["seconds"]}
     if storage != "disk":  # mb: what the states would take on disk; stored: the answers alone
         out.update(storage=storage, stored_mb=round(sum(p.stat().st_size for p in Path(out_dir).iterdir()) / 1e6, 3))
     return out
@@ -165,6 +167,15 @@ def features_phase2(s: StepContext) -> dict:
     n1, n2 = s.p["phase1"]["n_samples"], s.p["phase2"]["n_samples"]
     return {"train": _features(s, s.path("train"), s.input("target"), s.p["targets"]["prompts_train"],
                                n=n2 - n1, offset=n1, training=True), "offset": n1}
+
+
+def features_dataset(s: StepContext) -> dict:
+    """The regenerate-or-not arm's data: the first prompts of Phase 1's + Phase 2's (the same
+    prompts the regenerated points read), with the answers the prompts file gives them,
+    teacher-forced through the new target: a prefill per sample, no decoding."""
+    _check_source_fits(s.input("source"), s.p["features"])
+    return {"train": _features(s, s.path("train"), s.input("target"), s.p["targets"]["prompts_train"],
+                               n=max(s.p["curves"]["arms_n_samples"]), training=True, regenerate=False)}
 
 
 def vocab_new(s: StepContext) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import tempfile
+import time
 
 from draftport.data.capture import trusted
 from draftport.errors import DraftportError
@@ -19,6 +20,8 @@ from draftport.training.phases import train_phase
 def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> dict:
     """Train, save drafter/ (flat format), train_history.json and history.csv; the metrics."""
     cfg = TrainConfig(**s.p[group]["train"])
+    if init == "scratch":  # the control: the group's budget without its port recipes (no weights to anchor or keep)
+        cfg = cfg.model_copy(update={"l2sp_lambda": 0.0, "freeze": []})
     kw = dict(features_dir=s.input("features"), target_dir=s.input("target"), vocab_path=s.input("vocab"),
               init=init, source_dir=s.input("source"), vocab_policy=vocab_policy,
               train_cfg=cfg, ckpt_dir=checkpoints(s.name), monitor=monitor_of(s, cfg),
@@ -28,7 +31,9 @@ def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> 
         with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
             train_phase(scratch, logger=None, progress=False, **kw)
         return {}
+    t0 = time.perf_counter()
     rep = train_phase(s.dir, logger=s.run.background() if s.run else None, progress=True, **kw)
+    seconds = round(time.perf_counter() - t0, 3)
     hist = json.loads(s.path("train_history.json").read_text())
     cols = ["step", "loss", "acc_0", "lr", "accept_length"]   # accept_length: held-out tau, at eval steps
     with open(s.path("history.csv"), "w", newline="") as fh:
@@ -39,7 +44,8 @@ def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> 
     fin = rep.get("final", {})
     out = {"train_processes": dist_info()[1],  # > 1 under torchrun (resources.<rule>.torchrun)
            "train_steps": rep["train_steps"], "final_loss": fin.get("loss"), "final_acc_0": fin.get("acc_0"),
-           "resumed_from_step": rep["resumed_from_step"]}
+           "resumed_from_step": rep["resumed_from_step"],
+           "seconds": seconds}  # wall seconds of this run (after a resume: its own part); the decision's hours
     if rep["curve"]:  # the held-out tau by step (DVC plots read curve.csv)
         out.update(held_out_accept_length=rep["curve"][-1]["accept_length"],
                    best_held_out_accept_length=max(c["accept_length"] for c in rep["curve"]),
@@ -75,7 +81,8 @@ def monitor_of(s: StepContext, cfg) -> dict | None:
 
 def train_phase1_scratch(s: StepContext) -> dict:
     """The control: the same architecture, data and budget as Phase 1, from a random init on the
-    new map: what fine-tuning the source must beat."""
+    new map: what fine-tuning the source must beat (Phase 1's port recipes, l2sp_lambda and
+    freeze, do not apply to random weights: the control trains without them)."""
     return _train(s, "phase1", init="scratch")
 
 
