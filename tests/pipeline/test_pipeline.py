@@ -25,6 +25,7 @@ import yaml
 import mlflow_ui as U
 from draftport.plan import registry as R
 from mlflow_server import MlflowServer, free_port, rest
+from decision_check import says_what_the_numbers_show
 from repo import BIN, ROOT, micro_copy
 
 pytestmark = pytest.mark.slow
@@ -231,7 +232,17 @@ def test_all_and_the_report(repo):
     assert dec["drift"]["tau_gap"] == pytest.approx(d["tau_gap"])
     rec = dec["recommendation"]
     assert rec["init"] in ("source", "scratch", "either") and [r["id"] for r in rec["rules"]] == \
-        ["R1", "R2", "R3", "R4", "R5", "R6"]
+        ["R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8"]
+    # the arms at n=32 (each init on the dataset's own answers, three recipes), each paired with plain
+    assert set(dec["curves"]) == {"source", "scratch", "source-dataset", "scratch-dataset", "source-l2sp",
+                                  "source-lr_low", "source-frozen"}
+    assert [g["n_samples"] for g in dec["answers_gain"]["source"]] == [32] and set(dec["recipe_gain"]) == {
+        "l2sp", "lr_low", "frozen"}
+    assert says_what_the_numbers_show(dec) == []
+    # the hours: measured by the steps, in every curve row and phase; the dataset arm regenerates nothing
+    assert all(row["hours"]["total"] > 0 for rows in dec["curves"].values() for row in rows)
+    assert all(row["hours"]["regenerate"] == 0 for row in dec["curves"]["source-dataset"])
+    assert dec["curves"]["source"][0]["hours"]["regenerate"] > 0 and dec["hours"]["plan"]["total"] > 0
     assert summary.index("<h2>Decision</h2>") == summary.index("<h2>")
     assert (repo.path / "artifacts/report/curves.png").stat().st_size > 0
     printed = repo.run(sys.executable, "-m", "draftport.cli", "decide").stdout
@@ -244,7 +255,8 @@ def test_all_and_the_report(repo):
             == parent[0]["info"]["run_id"]]
     tags = sorted((t["init"], int(t["n_samples"]), int(t["seed"])) for t in
                   ({x["key"]: x["value"] for x in k["data"]["tags"]} for k in kids))
-    assert tags == sorted((i, n, sd) for i in ("source", "scratch") for n in (32, 128) for sd in (0, 1))
+    plain = sorted((i, n, sd) for i in ("source", "scratch") for n in (32, 128) for sd in (0, 1))
+    assert [t for t in tags if t in plain] == plain and len(tags) == len(plain) + 5 * 2   # + 5 arms x 2 seeds
     assert all("accept_length" in {m["key"] for m in k["data"]["metrics"]} for k in kids)
     # the world's source drafter: teacher-forced on the old corpus, its held-out tau on the old
     # target traced every eval_every steps (the plateau curve), plotted in the report

@@ -1,4 +1,4 @@
-"""The decision: which init, how much data, whether Phase 2 pays, from bootstrap CIs on accept length and the cost model's break-even (decision.json, rules R1-R6).
+"""The decision: which init, which recipe, whether to regenerate the answers, how much data, whether Phase 2 pays, and what it costs in hours, from bootstrap CIs on accept length and the cost model's break-even (decision.json, rules R1-R8).
 
 Accept length over a set of prompts is a ratio of sums, tau = 1 + sum(accepted) / sum(cycles),
 pooled over every seed (replicate) and prompt. Its uncertainty is the prompts': a percentile
@@ -45,6 +45,15 @@ RULES = {
           "paired difference, largest n - n, over the same prompts: its CI's lower end <= min_gain); when "
           "every smaller n is, n_enough = the largest n and the text says the curve is still rising there "
           "(more data may still help).",
+    "R7": "regenerate: for the recommended init (for \"either\": source), at the largest n measured with both "
+          "its regenerated and its dataset-answers arm, the paired gain regenerated - dataset. Significant and "
+          "> 0 -> regenerate; significant and < 0 -> do not (the dataset's answers train better); not "
+          "significant -> do not (no measured gain; the text states the regeneration hours it saves at R2's "
+          "n); no dataset arm -> null (not measured).",
+    "R8": "recipe: at the largest n measured with every recipe arm, the paired gain of each recipe over "
+          "plain fine-tuning of the source. The recipe with the largest significant gain > 0 is chosen; "
+          "none significant and > 0 -> \"plain\" (the text lists each recipe's gain). Only for init "
+          "source (else \"plain\"); no recipe arm -> \"plain\" (not measured).",
 }
 
 
@@ -202,7 +211,8 @@ def _per_sample(ev, where: str):
 
 
 def _curve_groups(curves) -> dict:
-    """{(init, n): [(seed, accepted, cycles), ...] sorted by seed}, every row on the same P prompts."""
+    """{(arm, n): [(seed, accepted, cycles), ...] sorted by seed}, every row on the same P prompts
+    (a point's arm: its `arm`, else its init)."""
     if curves is None:
         return {}
     if not isinstance(curves, dict) or not isinstance(curves.get("points", []), list):
@@ -215,6 +225,9 @@ def _curve_groups(curves) -> dict:
         init, n, sd = pt.get("init"), pt.get("n_samples"), pt.get("seed", i)
         if init not in INITS:
             raise DraftportError("curves", f"points[{i}]: init must be 'source' or 'scratch', got {init!r}")
+        arm = pt.get("arm", init)
+        if not isinstance(arm, str) or not arm.startswith(init):
+            raise DraftportError("curves", f"points[{i}]: arm must be a name starting with its init {init!r}, got {arm!r}")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise DraftportError("curves", f"points[{i}]: n_samples must be an integer >= 0, got {n!r}")
         ps = _per_sample(pt, f"curves: points[{i}] (init={init}, n={n})")
@@ -226,9 +239,9 @@ def _curve_groups(curves) -> dict:
             raise DraftportError("curves", f"points[{i}] (init={init}, n={n}, seed={sd}) has {len(ps[0])} prompts, "
                                            f"but init={first[0]}, n={first[1]}, seed={first[2]} has {P}: every "
                                            "point must be evaluated on the same prompts")
-        rows = groups.setdefault((init, n), [])
+        rows = groups.setdefault((arm, n), [])
         if any(r[0] == sd for r in rows):
-            raise DraftportError("curves", f"two points for init={init}, n={n}, seed={sd}")
+            raise DraftportError("curves", f"two points for arm={arm}, n={n}, seed={sd}")
         rows.append((sd, *ps))
     for rows in groups.values():
         rows.sort(key=lambda r: (str(type(r[0])), r[0]))
@@ -353,6 +366,72 @@ def rule_r6_enough(init: str, groups: dict, opts: dict, min_gain: float = 0.0) -
             f"significance (n={N} is {x['diff_to_largest']:+.3f}, CI {_fmt_ci(x['ci'])}, above it).")
 
 
+def _arm_gain(groups: dict, a: str, b: str, opts: dict, names: tuple[str, str] | None = None) -> list[dict]:
+    """Paired gains arm a - arm b at every n both measured (ascending); `better` names the winner
+    by names (default: the arms)."""
+    names = names or (a, b)
+    out = []
+    for n in sorted({n for (x, n) in groups if x == a} & {n for (x, n) in groups if x == b}):
+        ra, rb = groups[(a, n)], groups[(b, n)]
+        d = paired_diff_ci([r[1] for r in ra], [r[2] for r in ra], [r[1] for r in rb], [r[2] for r in rb],
+                           where=f"curves: {a} - {b} at n={n}", **opts)
+        out.append({"n_samples": n, "diff": d["diff"], "ci": d["ci"], "significant": d["significant"],
+                    "better": {"a": names[0], "b": names[1], None: None}[d["better"]]})
+    return out
+
+
+def rule_r7_regenerate(init: str, groups: dict, opts: dict, regen_hours=None) -> tuple[bool | None, dict, str, str]:
+    """(regenerate, the gains per init, fired, sentence). regen_hours: n -> device-hours of
+    regenerating n answers (None: unknown)."""
+    which = "source" if init == "either" else init
+    gains = {i: _arm_gain(groups, i, f"{i}-dataset", opts, ("regenerated", "dataset")) for i in INITS}
+    gains = {i: g for i, g in gains.items() if g}
+    if which not in gains:
+        return (None, gains, f"no {which}-dataset arm measured",
+                "Regenerate the answers: not measured (no arm trained on the dataset's own answers).")
+    at = gains[which][-1]
+    g = f"{at['diff']:+.3f}, CI {_fmt_ci(at['ci'])}"
+    where = f"{which} at n={at['n_samples']}"
+    if at["significant"] and at["diff"] > 0:
+        cost = "" if regen_hours is None else f"; it costs {regen_hours:.3g} device-hours of regeneration"
+        return (True, gains, f"regenerated - dataset for {where}: {g}, significant",
+                f"Regenerate the answers: the new target's own answers train a better {which} drafter than the "
+                f"dataset's (regenerated - dataset {g} at n={at['n_samples']}){cost}.")
+    saves = "" if regen_hours is None else f", and saves {regen_hours:.3g} device-hours of regeneration"
+    if at["significant"]:
+        return (False, gains, f"regenerated - dataset for {where}: {g}, significant, dataset better",
+                f"Do not regenerate: the dataset's own answers train a better {which} drafter (regenerated - "
+                f"dataset {g} at n={at['n_samples']}){saves}.")
+    return (False, gains, f"regenerated - dataset for {where}: {g}, not significant",
+            f"Do not regenerate: the new target's own answers bring no significant gain for {which} "
+            f"(regenerated - dataset {g} at n={at['n_samples']}){saves}.")
+
+
+def rule_r8_recipe(init: str, groups: dict, opts: dict) -> tuple[str, dict, str, str]:
+    """(recipe, gains per recipe, fired, sentence)."""
+    names = sorted({a[len("source-"):] for (a, _) in groups if a.startswith("source-") and a != "source-dataset"})
+    gains = {r: _arm_gain(groups, f"source-{r}", "source", opts, (r, "plain")) for r in names}
+    gains = {r: g for r, g in gains.items() if g}
+    if not gains:
+        return "plain", {}, "no recipe arm measured", "Recipe: plain fine-tuning (no recipe was measured)."
+    N = min(g[-1]["n_samples"] for g in gains.values())
+    at = {r: next(x for x in g if x["n_samples"] == N) for r, g in gains.items()}
+    listed = "; ".join(f"{r} {x['diff']:+.3f} (CI {_fmt_ci(x['ci'])}"
+                       f"{', significant' if x['significant'] else ''})" for r, x in at.items())
+    if init == "scratch":
+        return ("plain", gains, f"init scratch: recipes fine-tune the source ({listed})",
+                f"Recipe: plain (the recipes fine-tune the source; init is scratch). Over plain fine-tuning at "
+                f"n={N}: {listed}.")
+    good = [(x["diff"], r) for r, x in at.items() if x["significant"] and x["diff"] > 0]
+    if not good:
+        return ("plain", gains, f"no recipe's gain at n={N} is significant and > 0: {listed}",
+                f"Recipe: plain fine-tuning; no recipe beats it significantly at n={N} ({listed}).")
+    r = max(good)[1]
+    return (r, gains, f"largest significant gain at n={N}: {r} ({listed})",
+            f"Recipe: {r}: it beats plain fine-tuning at n={N} by {at[r]['diff']:+.3f} (CI {_fmt_ci(at[r]['ci'])}); "
+            f"all recipes: {listed}.")
+
+
 def rule_r5_confidence(init_from_sig_at_n: bool, n_found: bool) -> tuple[str, str]:
     held = int(init_from_sig_at_n) + int(n_found)
     conf = {2: "high", 1: "medium", 0: "low"}[held]
@@ -369,28 +448,56 @@ def _point(tau: dict, cm, break_even: float) -> dict:
             "beats_break_even": _verdict(tau["ci"], break_even)}
 
 
+def _arm_facts(curves) -> tuple[dict, dict]:
+    """({(arm, n): mean training seconds over its seeds, when recorded}, {arm: its answers})."""
+    secs: dict = {}
+    answers: dict = {}
+    for pt in (curves or {}).get("points", []):
+        arm = pt.get("arm", pt.get("init"))
+        answers[arm] = pt.get("answers", "regenerated")
+        if isinstance(pt.get("train_seconds"), (int, float)):
+            secs.setdefault((arm, pt["n_samples"]), []).append(float(pt["train_seconds"]))
+    return {key: sum(v) / len(v) for key, v in secs.items()}, answers
+
+
+def _arm_order(arm: str) -> tuple:
+    return (arm not in INITS, INITS.index(arm) if arm in INITS else 0, arm)
+
+
 def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000, level: float = 0.95,
-           seed: int = 0, min_gain: float = 0.0) -> dict:
-    """decision.json: CIs per (init, n) and per phase, the paired gains, and the recommendation of
-    rules R1-R6 (RULES; docs/decision.md)."""
+           seed: int = 0, min_gain: float = 0.0, hours: dict | None = None,
+           serving_tokens_per_day: float | None = None) -> dict:
+    """decision.json: CIs per (arm, n) and per phase, the paired gains, and the recommendation of
+    rules R1-R8 (RULES; docs/decision.md). hours: {"rates": draftport.evaluation.hours.rates,
+    "phases": {phase: device-hours split}, "plan": the whole plan's split} (measured; None: the
+    decision states no hours); serving_tokens_per_day: the payback of the chosen drafter's hours."""
+    # lazy (registry): eval_curves runs this module without evaluation.hours
+    from draftport.evaluation.hours import payback, split
+
     _check_boot(n_boot, level)
     cm = _cost(costmodel, k)
     be = float(cm.break_even_accept_length)
     opts = {"n_boot": n_boot, "level": level, "seed": seed}
+    rates = hours["rates"] if hours else None
 
     groups = _curve_groups(curves)
+    secs, answers_of = _arm_facts(curves)
     curves_out: dict = {i: [] for i in INITS}
-    for (init, n) in sorted(groups, key=lambda key: (key[0], key[1])):
-        rows = groups[(init, n)]
-        t = tau_ci([r[1] for r in rows], [r[2] for r in rows], where=f"curves: init={init}, n={n}", **opts)
-        curves_out[init].append({"n_samples": n, **_point(t, cm, be), "seeds": t["seeds"],
-                                 "seed_std": t["seed_std"], "n_seeds": len(rows)})
-    for init in INITS:
-        curves_out[init].sort(key=lambda r: r["n_samples"])
+    for (arm, n) in sorted(groups, key=lambda key: (_arm_order(key[0]), key[1])):
+        rows = groups[(arm, n)]
+        t = tau_ci([r[1] for r in rows], [r[2] for r in rows], where=f"curves: arm={arm}, n={n}", **opts)
+        row = {"n_samples": n, **_point(t, cm, be), "seeds": t["seeds"], "seed_std": t["seed_std"],
+               "n_seeds": len(rows)}
+        if rates is not None and (arm, n) in secs:
+            row["hours"] = split(n, secs[(arm, n)], rates, answers_of.get(arm, "regenerated"))
+        curves_out.setdefault(arm, []).append(row)
+    for arm in curves_out:
+        curves_out[arm].sort(key=lambda r: r["n_samples"])
         # Same key order for every row (n_samples first, then the CI, then the seeds, then the verdicts).
-        curves_out[init] = [{key: r[key] for key in ("n_samples", "accept_length", "ci", "seeds", "seed_std",
-                                                     "n_seeds", "projected_tok_s", "speedup_vs_baseline",
-                                                     "beats_break_even")} for r in curves_out[init]]
+        curves_out[arm] = [{key: r[key] for key in ("n_samples", "accept_length", "ci", "seeds", "seed_std",
+                                                    "n_seeds", "projected_tok_s", "speedup_vs_baseline",
+                                                    "beats_break_even", "hours") if key in r}
+                           for r in curves_out[arm]]
 
     gain = []
     for n in sorted({n for (i, n) in groups if i == "source"} & {n for (i, n) in groups if i == "scratch"}):
@@ -419,6 +526,9 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
                                            "must be evaluated on the same prompts")
         counts[name] = ps
     phases_out = {name: _point(tau_ci(*ps, where=f"phases: {name}", **opts), cm, be) for name, ps in counts.items()}
+    for name, h in ((hours or {}).get("phases") or {}).items():
+        if name in phases_out:
+            phases_out[name]["hours"] = h
 
     def pair(x, y):
         if x not in counts or y not in counts:
@@ -437,7 +547,31 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
     deploy, f4, s4 = rule_r4_deploy(phases_out, be)
     conf, f5 = rule_r5_confidence(init_sig, n_rec is not None)
     n_enough, plateau, f6, s6 = rule_r6_enough(init, groups, opts, min_gain)
-    text = [s1, s2, s6, s3, s4]
+    recipe, recipe_gain, f8, s8 = rule_r8_recipe(init, groups, opts)
+    regen_h = None if rates is None or n_rec is None else n_rec * rates["regenerate_s_per_sample"] / 3600
+    regenerate, answers_gain, f7, s7 = rule_r7_regenerate(init, groups, opts, regen_h)
+    chosen = _chosen(init, recipe, regenerate, n_rec, curves_out, secs, rates)
+    text = [s1, s8, s7, s2, s6, s3, s4]
+    pay = None
+    if chosen is not None:
+        h = chosen.get("hours")
+        text.append(f"The recommended drafter ({chosen['arm']} at n={chosen['n_samples']}"
+                    f"{'' if chosen['measured'] else ', figures of the plain ' + chosen['figures_from'] + ' arm'}): "
+                    f"accept length {chosen['accept_length']:.3f} (CI {_fmt_ci(chosen['ci'])}), "
+                    f"{chosen['projected_tok_s']:.1f} tok/s"
+                    + ("" if h is None else f", {h['total']:.3g} device-hours (regenerate {h['regenerate']:.3g}, "
+                                            f"capture {h['capture']:.3g}, train {h['train']:.3g})") + ".")
+        if serving_tokens_per_day is not None and h is not None:
+            pay = payback(h["total"], chosen["projected_tok_s"], cm.baseline_tok_s, float(serving_tokens_per_day))
+            if (hours or {}).get("plan"):
+                pay["plan"] = payback(hours["plan"]["total"], chosen["projected_tok_s"], cm.baseline_tok_s,
+                                      float(serving_tokens_per_day))
+            text.append(_payback_text(pay))
+    if (hours or {}).get("plan"):
+        ph = hours["plan"]
+        text.append(f"This plan took {ph['total']:.3g} device-hours: regenerate {ph['regenerate']:.3g}, capture "
+                    f"{ph['capture']:.3g}, train {ph['train']:.3g} (the learning curves {ph.get('curves', 0):.3g}); "
+                    f"measured ({hours['rates'].get('source', 'this run')}).")
     if p1 is not None:
         text.append(f"Phase 1 (fine-tuned source) - Phase 1 scratch control: {p1['diff']:+.3f} (CI "
                     f"{_fmt_ci(p1['ci'])}), {'significant' if p1['significant'] else 'not significant'}.")
@@ -458,15 +592,57 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
         "phase1_gain_vs_scratch": p1,
         "phase2_gain": p2,
         "plateau": plateau,
+        "answers_gain": answers_gain,
+        "recipe_gain": recipe_gain,
         "drift": drift,
+        "hours": hours,
         "recommendation": {
-            "init": init, "n_samples": n_rec, "n_enough": n_enough, "phase2": ph2, "deploy_source_now": deploy,
-            "confidence": conf,
+            "init": init, "recipe": recipe, "regenerate": regenerate, "n_samples": n_rec, "n_enough": n_enough,
+            "phase2": ph2, "deploy_source_now": deploy, "confidence": conf, "chosen": chosen, "payback": pay,
             "rules": [{"id": "R1", "fired": f1}, {"id": "R2", "fired": f2}, {"id": "R3", "fired": f3},
-                      {"id": "R4", "fired": f4}, {"id": "R5", "fired": f5}, {"id": "R6", "fired": f6}],
+                      {"id": "R4", "fired": f4}, {"id": "R5", "fired": f5}, {"id": "R6", "fired": f6},
+                      {"id": "R7", "fired": f7}, {"id": "R8", "fired": f8}],
             "text": text,
         },
     }
+
+
+def _chosen(init, recipe, regenerate, n, curves_out, secs, rates) -> dict | None:
+    """The recommended drafter: its arm (init, R8's recipe, R7's answers), R2's n; its figures from
+    that arm's point when measured, else from the plain init's at n; its hours from the rates."""
+    # lazy (registry): eval_curves runs this module without evaluation.hours
+    from draftport.evaluation.hours import split
+
+    if n is None:
+        return None
+    base = "source" if init == "either" else init
+    answers = "dataset" if regenerate is False else "regenerated"
+    parts = [base] + (["dataset"] if answers == "dataset" else []) + ([recipe] if recipe != "plain" else [])
+    arm = "-".join(parts)
+    for cand in (arm, base):
+        row = next((r for r in curves_out.get(cand, []) if r["n_samples"] == n), None)
+        if row is not None:
+            break
+    if row is None:
+        return None
+    out = {"arm": arm, "answers": answers, "n_samples": n, "measured": cand == arm, "figures_from": cand,
+           **{key: row[key] for key in ("accept_length", "ci", "projected_tok_s", "speedup_vs_baseline")}}
+    train_s = secs.get((cand, n))
+    if rates is not None and train_s is not None:
+        out["hours"] = split(n, train_s, rates, answers)
+    return out
+
+
+def _payback_text(pay: dict) -> str:
+    if pay["days"] is None:
+        return (f"Payback: never at {pay['tokens_per_day']:.3g} tokens a day: the recommended drafter is not "
+                "faster than the break-even.")
+    plan = pay.get("plan")
+    more = "" if not plan or plan["days"] is None else f"; the whole plan's {plan['port_hours']:.3g} h in " \
+                                                      f"{plan['days']:.3g} days"
+    return (f"Payback: at {pay['tokens_per_day']:.3g} tokens a day the drafter saves {pay['saved_hours_per_day']:.3g} "
+            f"hours of serving a day against the break-even: its {pay['port_hours']:.3g} device-hours are recovered "
+            f"in {pay['days']:.3g} days{more}.")
 
 
 # ---------------------------------------------------------------- reading and rendering
@@ -497,31 +673,40 @@ def render_text(decision: dict) -> str:
     pct = f"{100 * decision['level']:g}%"
     n = "none" if r["n_samples"] is None else str(r["n_samples"])
     ne = r.get("n_enough")
-    out = [f"Recommendation: init {r['init']}, n_samples {n}{'' if ne is None else f' (enough: {ne})'}, "
-           f"phase2 {r['phase2']}, deploy source now "
+    regen = {True: "yes", False: "no", None: "not measured"}[r.get("regenerate")]
+    out = [f"Recommendation: init {r['init']}, recipe {r.get('recipe', 'plain')}, regenerate {regen}, "
+           f"n_samples {n}{'' if ne is None else f' (enough: {ne})'}, phase2 {r['phase2']}, deploy source now "
            f"{'yes' if r['deploy_source_now'] else 'no'} (confidence {r['confidence']})"]
     out += [f"  {s}" for s in r["text"]]
     out.append(f"Break-even accept length {be:.3f} (baseline {cmd['baseline_tok_s']:g} tok/s, verify "
                f"{cmd['verify_ms']:g} ms, draft {cmd['draft_ms']:g} ms, k={decision['k']}); {pct} CIs, "
                f"{decision['n_boot']} bootstrap draws over prompts")
-    rows = [(init, p) for init in INITS for p in decision["curves"].get(init, [])]
+    rows = [(arm, p) for arm in sorted(decision["curves"], key=_arm_order) for p in decision["curves"][arm]]
     if rows:
-        out.append(f"Learning curves:  {'init':<8}{'n':>8}  {'tau':>6}  {'CI':<17}{'seeds':>5}  {'tok/s':>8}  "
-                   "beats break-even")
-        for init, p in rows:
-            out.append(f"                  {init:<8}{p['n_samples']:>8}  {p['accept_length']:>6.3f}  "
-                       f"{_fmt_ci(p['ci']):<17}{p['n_seeds']:>5}  {p['projected_tok_s']:>8.1f}  "
+        w = max(8, *(len(a) + 2 for a, _ in rows))
+        out.append(f"Learning curves:  {'arm':<{w}}{'n':>6}  {'tau':>6}  {'CI':<17}{'seeds':>5}  {'tok/s':>8}  "
+                   f"{'hours':>8}  beats break-even")
+        for arm, p in rows:
+            hrs = f"{p['hours']['total']:>8.3g}" if p.get("hours") else f"{'-':>8}"
+            out.append(f"                  {arm:<{w}}{p['n_samples']:>6}  {p['accept_length']:>6.3f}  "
+                       f"{_fmt_ci(p['ci']):<17}{p['n_seeds']:>5}  {p['projected_tok_s']:>8.1f}  {hrs}  "
                        f"{p['beats_break_even']}")
     if decision["gain"]:
         out.append("Gain source - scratch:")
         for g in decision["gain"]:
             verdict = f"significant ({g['better']})" if g["significant"] else "not significant"
             out.append(f"  n={g['n_samples']:<8} {g['diff']:+.3f} {_fmt_ci(g['ci'])}  {verdict}")
+    for key, label in (("answers_gain", "Gain regenerated - dataset answers"), ("recipe_gain", "Gain recipe - plain")):
+        for arm, gains in (decision.get(key) or {}).items():
+            for g in gains:
+                verdict = f"significant ({g['better']})" if g["significant"] else "not significant"
+                out.append(f"{label} ({arm}): n={g['n_samples']:<6} {g['diff']:+.3f} {_fmt_ci(g['ci'])}  {verdict}")
     if decision["phases"]:
         out.append("Phases:")
         for name, p in decision["phases"].items():
+            hrs = f"  {p['hours']['total']:.3g} device-hours" if p.get("hours") else ""
             out.append(f"  {name:<15} tau {p['accept_length']:.3f} {_fmt_ci(p['ci'])}  {p['projected_tok_s']:.1f} "
-                       f"tok/s (x{p['speedup_vs_baseline']:.2f})  beats break-even: {p['beats_break_even']}")
+                       f"tok/s (x{p['speedup_vs_baseline']:.2f})  beats break-even: {p['beats_break_even']}{hrs}")
     for key, label in (("phase1_gain_vs_scratch", "Phase 1 - Phase 1 scratch"), ("phase2_gain", "Phase 2 - Phase 1")):
         g = decision.get(key)
         if g is not None:

@@ -448,6 +448,13 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
                ("enough data (samples)", "—" if ne is None else str(ne)),
                ("Phase 2", str(rec.get("phase2", "—"))), ("deploy the source now", _yes(rec.get("deploy_source_now"))),
                ("confidence", str(rec.get("confidence", "—")))]
+    if "recipe" in rec:  # rules R7, R8 and the hours (decisions before them lack the keys)
+        hrs = ((rec.get("chosen") or {}).get("hours") or {}).get("total")
+        days = (rec.get("payback") or {}).get("days")
+        summary[1:1] = [("recipe", str(rec.get("recipe"))),
+                        ("regenerate the answers", {True: "yes", False: "no"}.get(rec.get("regenerate"), "not measured"))]
+        summary += [("device-hours (the drafter)", "—" if hrs is None else f"{hrs:.3g}"),
+                    ("payback (days)", "—" if days is None else f"{days:.3g}")]
     parts = ["<h2>Decision</h2>",
              f"<div class='verdict ok'><b>Recommendation:</b> {html.escape(init_txt)}"
              + (f": it beats break-even from {html.escape(str(n))} samples" if n is not None else "")
@@ -488,6 +495,19 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
                    "speedup_vs_baseline", "beats_break_even"],
             ["samples", "τ", f"{lvl}CI", "seeds' std", "seeds", "projected tok/s", "× baseline",
              "beats break-even"]))
+    arms = [{"arm": arm, **it, "ci_text": _ci_text(it), "hours_total": (it.get("hours") or {}).get("total")}
+            for arm, items in (d.get("curves") or {}).items() if arm not in INITS for it in items if isinstance(it, dict)]
+    if arms:
+        parts.append("<h3>The arms: the dataset's own answers, the recipes</h3>" + html_table(
+            arms, ["arm", "n_samples", "accept_length", "ci_text", "n_seeds", "projected_tok_s", "hours_total"],
+            ["arm", "samples", "τ", f"{lvl}CI", "seeds", "projected tok/s", "device-hours"]))
+    for key, what in (("answers_gain", "regenerated − dataset answers"), ("recipe_gain", "recipe − plain fine-tuning")):
+        rows = [{"of": name, **g, "ci_text": _ci_text(g), "sig": _yes(g.get("significant"))}
+                for name, gs in (d.get(key) or {}).items() for g in gs if isinstance(g, dict)]
+        if rows:
+            parts.append(f"<h3>Gain {html.escape(what)}</h3>" + html_table(
+                rows, ["of", "n_samples", "diff", "ci_text", "sig", "better"],
+                ["arm", "samples", "Δτ", f"{lvl}CI", "significant", "better"]))
     gains = [g for g in d.get("gain") or [] if isinstance(g, dict)]
     if gains:
         grows = [{**g, "ci_text": _ci_text(g), "sig": _yes(g.get("significant"))} for g in gains]

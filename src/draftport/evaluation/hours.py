@@ -1,0 +1,67 @@
+"""What the port costs in hours: the rates the pipeline's own steps measured (seconds of
+regeneration and capture per sample, seconds of each training) turned into device-hours per
+learning-curve point and per phase, and the payback of a chosen drafter at a serving volume.
+
+Device-hours = wall hours x max(1, the step's resources.gpu): on the CPU (the embedded world) one
+process is one device. Hours are measured, so they vary from run to run (every other figure of the
+decision reruns exactly). Torch-free."""
+
+from __future__ import annotations
+
+from draftport.errors import DraftportError
+
+
+def devices(resources: dict | None, step: str) -> int:
+    if not resources:
+        return 1
+    return max(1, int({**resources.get("default", {}), **(resources.get(step) or {})}.get("gpu", 0)))
+
+
+def _seconds(metrics: dict | None, where: str) -> tuple[int, float, float]:
+    """(samples, regenerate s, capture s) of a features step's metrics (its `train` set)."""
+    if not metrics:
+        return 0, 0.0, 0.0
+    t = metrics.get("train") if isinstance(metrics, dict) else None
+    sec = t.get("seconds") if isinstance(t, dict) else None
+    if not isinstance(sec, dict):
+        raise DraftportError(where, "no train.seconds (regenerate, capture): rerun the features step")
+    return int(t["samples"]), float(sec.get("regenerate", 0.0)), float(sec.get("capture", 0.0))
+
+
+def rates(data: dict, resources: dict | None = None) -> dict:
+    """Device-seconds per sample: regenerating an answer, capturing a regenerated sample, capturing
+    a dataset sample (prefill of the dataset's answer), from the features steps' metrics
+    (data: {"features_new": metrics, "features_phase2": ..., "features_dataset": ... or None})."""
+    n = reg = cap = 0.0
+    for step in ("features_new", "features_phase2"):
+        k, r, c = _seconds(data.get(step), f"{step}/metrics.json")
+        dev = devices(resources, step)
+        n, reg, cap = n + k, reg + r * dev, cap + c * dev
+    if n == 0:
+        raise DraftportError("features_new/metrics.json", "no samples: the data rates are unknown")
+    out = {"regenerate_s_per_sample": reg / n, "capture_s_per_sample": cap / n, "capture_dataset_s_per_sample": None}
+    k, _, c = _seconds(data.get("features_dataset"), "features_dataset/metrics.json")
+    if k:
+        out["capture_dataset_s_per_sample"] = c * devices(resources, "features_dataset") / k
+    return out
+
+
+def split(n: int, train_s: float, r: dict, answers: str = "regenerated") -> dict:
+    """Device-hours of a drafter trained on n samples: regenerate (0 for the dataset's answers),
+    capture, train (train_s: its training's device-seconds)."""
+    dataset = answers == "dataset"
+    cap = r["capture_dataset_s_per_sample"] if dataset and r["capture_dataset_s_per_sample"] is not None \
+        else r["capture_s_per_sample"]
+    h = {"regenerate": 0.0 if dataset else n * r["regenerate_s_per_sample"] / 3600, "capture": n * cap / 3600,
+         "train": train_s / 3600}
+    return {**h, "total": sum(h.values())}
+
+
+def payback(port_hours: float, tok_s_chosen: float, tok_s_break_even: float, tokens_per_day: float) -> dict:
+    """Days of serving tokens_per_day until port_hours are recovered: each day the chosen drafter
+    saves tokens_per_day x (1 / tok_s at break-even - 1 / tok_s chosen) seconds of the deployment the
+    cost model describes (one of its hours counted as one device-hour: conservative for a deployment of
+    several GPUs). None when the drafter is not faster than break-even."""
+    saved_h = tokens_per_day * (1.0 / tok_s_break_even - 1.0 / tok_s_chosen) / 3600
+    return {"tokens_per_day": tokens_per_day, "saved_hours_per_day": saved_h, "port_hours": port_hours,
+            "days": port_hours / saved_h if saved_h > 0 else None}
