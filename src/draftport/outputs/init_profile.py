@@ -223,7 +223,7 @@ def check_pair(src: Model, new: Model, old: Model | None, f: Findings) -> dict:
 
 def check_prompts(train: Path | None, heldout: Path | None, f: Findings) -> dict:
     """Format, count, duplicates; the held-out set disjoint from training."""
-    out: dict[str, Any] = {"train": 0, "heldout": 0}
+    out: dict[str, Any] = {"train": 0, "heldout": 0, "train_answers": 0}
     recs = {}
     for key, path in (("targets.prompts_train", train), ("targets.prompts_eval_new", heldout)):
         if path is None:
@@ -245,6 +245,8 @@ def check_prompts(train: Path | None, heldout: Path | None, f: Findings) -> dict
                     f.problem(f"{path}:{lineno}", "each line needs a non-empty string 'user' field")
                     return out
                 rows.append((lineno, rec["user"]))
+                if key == "targets.prompts_train" and isinstance(rec.get("assistant"), str):
+                    out["train_answers"] += 1
         seen: dict[str, int] = {}
         dups = []
         for lineno, u in rows:
@@ -329,9 +331,9 @@ def nice(x: float) -> int:
     return int(min((m * k for m in (1, 2, 2.5, 5, 10)), key=lambda v: abs(v - x)))
 
 
-def real_scale(n1: int, n2: int, gpus: int, tp: int) -> list[Line]:
+def real_scale(n1: int, n2: int, gpus: int, tp: int, counts: dict | None = None) -> list[Line]:
     """Batch sizes, training, monitor, curves, the online check and publish for a GPU node (what
-    the Kimi profile runs)."""
+    the Kimi profile runs). counts: check_prompts' (whether the prompts carry their own answers)."""
     per = "one process per GPU under torchrun; 8 samples per GPU at seq 2048"
     train = lambda steps, lr, every, ck: {   # noqa: E731  (one place the three groups share)
         "steps": steps, "batch_size": BATCH, "lr": lr, "warmup_steps": 60, "ttt_steps": 7, "dtype": "bfloat16",
@@ -352,6 +354,12 @@ def real_scale(n1: int, n2: int, gpus: int, tp: int) -> list[Line]:
         Line("curves.seeds", [0, 1, 2], "three seeds per point: the decision's CIs"),
         Line("curves.epochs", EPOCHS, "the budget rule: the same epochs at every n"),
         Line("curves.min_steps", 100, "at least this many steps at the smallest n"),
+        Line("curves.arms_n_samples", [curve_ns[1], n1] if curve_ns[1] < n1 else [n1],
+             "the arms (dataset answers, recipes) at a quarter of Phase 1's n and at Phase 1's"),
+        _answers_line(counts or {}),
+        Line("curves.recipes", {"l2sp": {"l2sp_lambda": 0.0001}, "lr_low": {"lr": 0.000025},
+                                "frozen": {"freeze": ["fc", "input_norms"]}},
+             "port recipes beside plain fine-tuning: an L2-SP anchor, a quarter of the lr, fc + input norms kept"),
         Line("curves.train", train(math.ceil(EPOCHS * n2 / BATCH), 0.0001, 250, 200),
              "as phase1.train; steps: the budget rule's at the largest n"),
         Line("online", {"n_prompts": 256, "max_new_tokens": 512, "max_num_seqs": 64, "dtype": "bfloat16",
@@ -359,6 +367,18 @@ def real_scale(n1: int, n2: int, gpus: int, tp: int) -> list[Line]:
              "vLLM serving the drafter next to the offline evaluator (steps online_*; opt-in: online.enabled)"),
         Line("publish.k", [1, 2, 3, 4, 5, 6, 7], "the model card's accept lengths, up to the TTT depth"),
     ]
+
+
+def _answers_line(counts: dict) -> Line:
+    """curves.answers: on unless the training prompts are there without their own answers."""
+    n, with_answers = counts.get("train", 0), counts.get("train_answers", 0)
+    if not n:
+        return Line("curves.answers", True, "regenerate or not (R7): needs an 'assistant' answer per training "
+                                            "prompt, the dataset's own (set false when the prompts have none)")
+    if with_answers < n:
+        return Line("curves.answers", False, f"only {with_answers:,} of the {n:,} training prompts carry an "
+                                             "'assistant' answer: no regenerate-or-not arm")
+    return Line("curves.answers", True, f"regenerate or not (R7): the {n:,} prompts carry their own answers")
 
 
 def resources(tp: int, gpus: int) -> list[Line]:
@@ -374,6 +394,7 @@ def resources(tp: int, gpus: int) -> list[Line]:
         Line("resources.features_eval", {**feat, "runtime": 600}, ""),
         Line("resources.features_monitor", {**feat, "runtime": 120}, ""),
         Line("resources.features_phase2", {**feat, "runtime": 10080}, ""),
+        Line("resources.features_dataset", {**feat, "runtime": 600}, "the dataset's answers: a prefill each"),
         Line("resources.vocab_new", {"mem_mb": 64000, "runtime": 600, "threads": 8}, ""),
         Line("resources.eval_phase0", ev, "one GPU evaluates a drafter"),
         Line("resources.train_phase1_scratch", {**train, "runtime": 720}, node),
@@ -382,7 +403,7 @@ def resources(tp: int, gpus: int) -> list[Line]:
         Line("resources.eval_phase1", ev, ""),
         Line("resources.train_phase2", {**train, "runtime": 2880}, node),
         Line("resources.eval_phase2", ev, ""),
-        Line("resources.train_curves", {**train, "runtime": 20160}, node + ": 30 trainings"),
+        Line("resources.train_curves", {**train, "runtime": 20160}, node + ": one point at a time"),
         Line("resources.eval_curves", {**ev, "runtime": 600}, ""),
         Line("resources.online_phase0", {"gpu": tp, "mem_mb": 800000, "runtime": 240, "threads": 16},
              "vLLM holds the target's GPUs"),
@@ -399,6 +420,7 @@ def like_lines(like: Path, n1: int, n2: int) -> list[Line]:
     excepted (they come from the prompts)."""
     raw = P.read_yaml(like)
     out = []
+    kept = P.load(like)["curves"]["n_samples"]
     for g in LIKE_GROUPS:
         v = raw.get(g)
         if not isinstance(v, dict):
@@ -408,6 +430,9 @@ def like_lines(like: Path, n1: int, n2: int) -> list[Line]:
                 continue
             if g == "curves" and k == "n_samples":
                 x = [n for n in x if n <= n2] or [n1]
+                kept = x
+            if g == "curves" and k == "arms_n_samples":  # the arms' n must stay among the curves' n
+                x = [n for n in x if n in kept]
             out.append(Line(f"{g}.{k}", x, f"as {like}"))
     f = P.load(like)["features"]  # with params.yaml's defaults under it: where the capture runs
     for k in ("max_new_tokens", "eval_samples", "batch_size", "dtype", "device", "engine", "tensor_parallel_size"):
@@ -557,7 +582,7 @@ def build(name: str, *, source: str, target_new: str, target_old: str | None = N
             lines = [Line(ln.key, min(ln.value, n_eval), f"{ln.why}, at most the {n_eval} held-out prompts")
                      if ln.key == "features.eval_samples" else ln for ln in lines]
     else:
-        lines += real_scale(n1, n2, gpus, tp) + resources(tp, gpus)
+        lines += real_scale(n1, n2, gpus, tp, counts) + resources(tp, gpus)
     if not (baseline_tok_s and verify_ms):
         f.gap("costmodel", "baseline_tok_s / verify_ms are placeholders: measure them on your deployment "
                            "(docs: your own model pair) or pass --baseline-tok-s / --verify-ms")

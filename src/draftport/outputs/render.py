@@ -245,7 +245,13 @@ def estimate_renderables(rep: dict) -> list:
                         ("Phase 2: ", "bold"), f"{rep['phase2_hours']:.2f} h (training only)",
                         *(("\n", ("learning curves: ", "bold"),
                            f"{rep['curves_hours']:.2f} h ({next(r['points'] for r in rep['rows'] if r['rule'] == 'curves')} "
-                           "trainings under the budget rule; training only)") if rep.get("curves_hours") else ()))
+                           "trainings under the budget rule, the arms included; training only)"
+                           + (f" + {rep['curves_data_hours']:.2f} h capturing the dataset's own answers"
+                              if rep.get("curves_data_hours") else "")) if rep.get("curves_hours") else ()),
+                        *(("\n", ("regenerate or not (R7): ", "bold"),
+                           f"not regenerating saves {sum(rep['regenerate_hours'].values()):.2f} h (Phase 1 "
+                           f"{rep['regenerate_hours']['phase1']:.2f} h, Phase 2 {rep['regenerate_hours']['phase2']:.2f} h"
+                           " of the answers above)") if rep.get("curves_data_hours") else ()))
     d = Table(box=box.SIMPLE_HEAD, padding=0)
     d.add_column("data step", no_wrap=True)
     for col in ("samples", "answer tok", "regen h", "capture tok", "GPUs", "capture h"):
