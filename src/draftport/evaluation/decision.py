@@ -641,8 +641,9 @@ def _payback_text(pay: dict) -> str:
     more = "" if not plan or plan["days"] is None else f"; the whole plan's {plan['port_hours']:.3g} h in " \
                                                       f"{plan['days']:.3g} days"
     return (f"Payback: at {pay['tokens_per_day']:.3g} tokens a day the drafter saves {pay['saved_hours_per_day']:.3g} "
-            f"hours of serving a day against the break-even: its {pay['port_hours']:.3g} device-hours are recovered "
-            f"in {pay['days']:.3g} days{more}.")
+            "hours of decoding a day against the break-even (the cost model's per-request speed); an hour of "
+            f"decoding counted as a device-hour, its {pay['port_hours']:.3g} device-hours are recovered in "
+            f"{pay['days']:.3g} days{more}.")
 
 
 # ---------------------------------------------------------------- reading and rendering

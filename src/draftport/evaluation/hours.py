@@ -59,9 +59,10 @@ def split(n: int, train_s: float, r: dict, answers: str = "regenerated") -> dict
 
 def payback(port_hours: float, tok_s_chosen: float, tok_s_break_even: float, tokens_per_day: float) -> dict:
     """Days of serving tokens_per_day until port_hours are recovered: each day the chosen drafter
-    saves tokens_per_day x (1 / tok_s at break-even - 1 / tok_s chosen) seconds of the deployment the
-    cost model describes (one of its hours counted as one device-hour: conservative for a deployment of
-    several GPUs). None when the drafter is not faster than break-even."""
+    saves tokens_per_day x (1 / tok_s at break-even - 1 / tok_s chosen) seconds of decoding at the
+    cost model's per-request speed, an hour of decoding counted as one device-hour (a deployment of
+    G GPUs decoding c requests at once spends G / c device-hours on one: scale by that). None when
+    the drafter is not faster than break-even."""
     saved_h = tokens_per_day * (1.0 / tok_s_break_even - 1.0 / tok_s_chosen) / 3600
     return {"tokens_per_day": tokens_per_day, "saved_hours_per_day": saved_h, "port_hours": port_hours,
             "days": port_hours / saved_h if saved_h > 0 else None}
