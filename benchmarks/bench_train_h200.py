@@ -1,5 +1,14 @@
-"""Training-step throughput of our EAGLE-3 drafter at Kimi-K2 size, against speculators 0.9.0 and
-SpecForge 0.2.0, measured side by side in one call.
+"""Training-step throughput of our EAGLE-3 drafter at a drafter's shape, against speculators 0.9.0
+and SpecForge 0.2.0, measured side by side in one call (or a pair of calls: --peers-only, then
+--peers-from).
+
+The shape: --shape NAME (SIZES: kimi, Kimi-K2's drafter, the default on CUDA; llama70b,
+Llama-3.x-70B's; qwen3-30b-a3b, Qwen3-30B-A3B's) or --shape H,I,heads,kv,head_dim,Vd,V for any
+other; the peers' runners build the same shape, the results say its name (config.shape) and a
+--json/--log path may hold {date} and {shape} (benchmarks/results/{date}-h200-train-{shape}.json:
+the files draftport estimate reads per shape). Goals, per shape: the peer ratios, peak memory,
+the length mix, and the MFU: at H >= 4096 an absolute one (75% at 2048, 80% at 4096), below it 90%
+of the ceiling the step's own GEMMs reach alone through cuBLAS (gemm_ceiling, timed per length).
 
 One full training step as train.py runs it (TTT loss over `--ttt` unrolled steps, combine,
 backward, grad clipping, fused AdamW), on synthetic bf16 aux/final target states already on the
@@ -36,6 +45,7 @@ ours and speculators' anchor; SpecForge keeps its fp32 masters (its default). A 
 faster peer" is only given when every peer asked for was measured at that shape (score()).
 
     python benchmarks/bench_train_h200.py                      # kimi on CUDA: ours + both peers
+    python benchmarks/bench_train_h200.py --shape qwen3-30b-a3b --peers-only --json PEERS.json
     python benchmarks/bench_train_h200.py --size toy --no-peers --json /tmp/x.json   # CPU
     python benchmarks/bench_train_h200.py --ladder             # what each lever gives
     python benchmarks/bench_train_h200.py --rescore RESULTS.json   # ratios/goals from its records
@@ -91,16 +101,71 @@ from draftport.data.packing import ROW_MULTIPLE, pack, plan_rows  # noqa: E402
 from draftport.training.loop import TrainConfig, train_step  # noqa: E402
 from draftport.training.ttt import combine, counted_rows, stats_to_float, ttt_terms  # noqa: E402
 
+# a drafter's shape, in the order --shape H,I,heads,kv,head_dim,Vd,V takes it
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "draft_vocab_size", "vocab_size")
 SIZES = {
     # H, I, heads, kv heads, head_dim, draft vocab, vocab
+    # Kimi-K2's drafter (AQ-MedAI/Kimi-K2-Instruct-eagle3)
     "kimi": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
                  num_key_value_heads=64, head_dim=128, draft_vocab_size=32000, vocab_size=163840),
+    # Llama-3.x-70B's drafter: SpecForge's configs/llama3-70B-ealge3.json (the shape of
+    # yuhuili/EAGLE3-LLaMA3.3-Instruct-70B): grouped-query attention, 8 KV heads
+    "llama70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                     num_key_value_heads=8, head_dim=128, draft_vocab_size=32000, vocab_size=128256),
+    # the drafter of a 2048-wide MoE target, Qwen3-30B-A3B: SpecForge's
+    # configs/qwen3-30B-A3B-eagle3.json (and its eagle3.1 variant): H 2048, I 12288, 32/4 heads
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=12288, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, draft_vocab_size=32000, vocab_size=151936),
     "small": dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
                   num_key_value_heads=8, head_dim=128, draft_vocab_size=4096, vocab_size=32768),
     # the anchor script's --toy shapes
     "toy": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=4, head_dim=16, draft_vocab_size=256, vocab_size=1024),
 }
+
+
+def shape_name(shape: dict) -> str:
+    """The name of a shape: a named one's (SIZES), else its sizes (h2048-i12288-a32-kv4-d128-vd32000-v151936)."""
+    for name, s in SIZES.items():
+        if s == shape:
+            return name
+    return "h{}-i{}-a{}-kv{}-d{}-vd{}-v{}".format(*(shape[k] for k in SHAPE_KEYS))
+
+
+def parse_shape(text: str) -> tuple[str, dict]:
+    """--shape NAME (a key of SIZES) or H,I,heads,kv,head_dim,Vd,V -> (name, shape); ValueError
+    saying why for anything else."""
+    text = text.strip()
+    if text in SIZES:
+        return text, dict(SIZES[text])
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != len(SHAPE_KEYS):
+        raise ValueError(f"{text!r}: a name ({', '.join(SIZES)}) or {len(SHAPE_KEYS)} integers "
+                         "H,I,heads,kv,head_dim,Vd,V")
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{text!r}: H,I,heads,kv,head_dim,Vd,V must be integers") from None
+    if min(vals) < 1:
+        raise ValueError(f"{text!r}: every size must be >= 1")
+    shape = dict(zip(SHAPE_KEYS, vals))
+    if shape["num_attention_heads"] % shape["num_key_value_heads"]:
+        raise ValueError(f"{text!r}: heads ({shape['num_attention_heads']}) must be a multiple of the "
+                         f"key/value heads ({shape['num_key_value_heads']})")
+    if shape["draft_vocab_size"] > shape["vocab_size"]:
+        raise ValueError(f"{text!r}: the draft vocab ({shape['draft_vocab_size']}) exceeds the vocab "
+                         f"({shape['vocab_size']})")
+    if shape["head_dim"] % 2:
+        raise ValueError(f"{text!r}: head_dim must be even (the rope)")
+    return shape_name(shape), shape
+
+
+def shape_arg(shape: dict) -> str:
+    """A shape as --shape takes it (the peers' runners too): H,I,heads,kv,head_dim,Vd,V."""
+    return ",".join(str(shape[k]) for k in SHAPE_KEYS)
+
+
 # each peer runs in a process of its own per shape (run_peers); files of peers measured several
 # shapes per process lack the key and are refused by --peers-from
 PEER_PROCESS = "per-shape"
@@ -159,11 +224,12 @@ def flops_per_token(cfg: DrafterConfig, T: int, steps: int, lm_head_trainable: b
 OFF_DRAFT_SCALE = 0.5
 
 
-def build(size: str, dev, dtype, seed: int = 0, draft_argmax: bool = True):
-    """(config, drafter, target head). draft_argmax: the head makes the greedy choice a draft id
-    at nearly every row (the timing runs); off, an unbiased random head (the correctness checks:
-    many rows masked)."""
-    cfg = DrafterConfig(**SIZES[size], aux_layer_ids=[2, 30, 58], max_position_embeddings=131072,
+def build(size, dev, dtype, seed: int = 0, draft_argmax: bool = True):
+    """(config, drafter, target head) of a shape (a SIZES name or a shape dict). draft_argmax: the
+    head makes the greedy choice a draft id at nearly every row (the timing runs); off, an unbiased
+    random head (the correctness checks: many rows masked)."""
+    shape = SIZES[size] if isinstance(size, str) else size
+    cfg = DrafterConfig(**shape, aux_layer_ids=[2, 30, 58], max_position_embeddings=131072,
                         rope_theta=1e6, rms_norm_eps=1e-5)
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
@@ -504,6 +570,88 @@ def gemm_probe(cfg, T, log):
     return out
 
 
+def gemm_set(cfg, T: int, steps: int, lm_head_trainable: bool) -> list[tuple]:
+    """The step's GEMMs as the model count has them (flops_per_token without the attention):
+    (name, kind, M, K, N, count) with kind fwd (x[M,K] w^T), dgrad (dy[M,N] w) or wgrad
+    (dy^T x: [N,M] x [M,K]), M the T rows of one sample. Per TTT step: q, k, v (over the
+    [embed | hidden] input), o, gate, up, down, lm_head (its weight gradient when trained); once:
+    fc (no input gradient: the target states) and the target's draft rows (forward only)."""
+    H, I, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = []
+    for name, K, N in (("q", 2 * H, q), ("k", 2 * H, kv), ("v", 2 * H, kv), ("o", q, H), ("gate", H, I),
+                       ("up", H, I), ("down", I, H), ("lm_head", H, Vd)):
+        kinds = ("fwd", "dgrad") + (("wgrad",) if name != "lm_head" or lm_head_trainable else ())
+        out += [(name, kind, T, K, N, steps) for kind in kinds]
+    out += [("fc", "fwd", T, cfg.fc_in, H, 1), ("fc", "wgrad", T, cfg.fc_in, H, 1), ("target", "fwd", T, H, Vd, 1)]
+    return out
+
+
+def gemm_ceiling(cfg, T: int, steps: int, peak_tflops: float, log, reps: int = 10, dev=None) -> dict:
+    """The step's GEMMs alone through cuBLAS (bf16, torch.mm, each shape timed apart: CUDA events
+    around each of `reps` runs after 3 warm-ups, the median): per trainable set, the time they
+    take summed over the step, their rate, and that rate over the peak: the MFU a step would
+    reach if every model FLOP ran at cuBLAS's rate for these GEMMs (`mfu_ceiling`; the
+    attention's FLOPs are not in the set). dev cpu (the tests): fp32, host clock. -> dict."""
+    dev = torch.device(dev or "cuda")
+    cuda = dev.type == "cuda"
+    dt = torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator(device=dev).manual_seed(11)
+    times = {}
+
+    def rand(*size):
+        return torch.randn(*size, device=dev, dtype=dt, generator=g)
+
+    def time_one(kind, M, K, N):
+        if kind == "fwd":        # x [M, K] @ w[N, K]^T
+            a, b = rand(M, K), rand(N, K).t()
+        elif kind == "dgrad":    # dy [M, N] @ w [N, K]
+            a, b = rand(M, N), rand(N, K)
+        else:                    # dy^T [N, M] @ x [M, K]
+            a, b = rand(M, N).t(), rand(M, K)
+        for _ in range(3):
+            torch.mm(a, b)
+        if not cuda:
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                torch.mm(a, b)
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 * reps)]
+        for i in range(reps):
+            ev[2 * i].record()
+            torch.mm(a, b)
+            ev[2 * i + 1].record()
+        torch.cuda.synchronize()
+        return statistics.median(ev[2 * i].elapsed_time(ev[2 * i + 1]) / 1e3 for i in range(reps))
+
+    out = {"rows": T, "how": f"each GEMM shape alone, torch.mm {str(dt)[6:]}, the median of {reps} timings",
+           "sets": {}}
+    for trained in (False, True):
+        total_s = total_f = 0.0
+        rows = []
+        for name, kind, M, K, N, count in gemm_set(cfg, T, steps, trained):
+            key = (kind, M, K, N)
+            if key not in times:
+                times[key] = time_one(*key)
+            f = 2 * M * K * N
+            total_s += count * times[key]
+            total_f += count * f
+            rows.append({"gemm": name, "kind": kind, "M": M, "K": K, "N": N, "count": count, "s": times[key],
+                         "tflops": f / times[key] / 1e12})
+        rate = total_f / total_s
+        out["sets"]["trainable" if trained else "frozen"] = {
+            "gemm_s": total_s, "gemm_flop": total_f, "tflops": rate / 1e12, "mfu_ceiling": rate / (peak_tflops * 1e12),
+            "gemm_only_tokens_per_s": T / total_s, "gemms": rows}
+    fr, tr = out["sets"]["frozen"], out["sets"]["trainable"]
+    log(f"[ceiling] T {T}: the step's GEMMs alone through cuBLAS: lm_head frozen {fr['gemm_s'] * 1e3:.1f} ms at "
+        f"{fr['tflops']:.0f} TFLOP/s (MFU ceiling {fr['mfu_ceiling']:.3f}), trained {tr['gemm_s'] * 1e3:.1f} ms at "
+        f"{tr['tflops']:.0f} TFLOP/s ({tr['mfu_ceiling']:.3f}); slowest per FLOP: " + ", ".join(
+            f"{r['gemm']} {r['kind']} {r['tflops']:.0f}" for r in sorted(tr["gemms"], key=lambda r: r["tflops"])[:4]))
+    return out
+
+
 def check_equivalence(a, dev, log):
     """Fused path vs reference on one small problem: loss and gradients.
 
@@ -680,7 +828,8 @@ class _HeadDim:
 
 def attention_probe(seqs, dev, log, h=64, hd=128, n_diag=3, reps=5):
     """The dense causal part's kernel: flash vs cuDNN, TTT attention fwd+bwd with n_diag diagonal
-    keys at each length (bf16), and each one's error against fp32 at 512 rows. -> dict."""
+    keys at each length (bf16), h heads of hd (the shape's), and each one's error against fp32
+    at 512 rows. -> dict."""
     out = {}
     if dev.type != "cuda":
         return out
@@ -864,8 +1013,11 @@ def versions():
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default=None, help="kimi on CUDA, toy on CPU")
-    ap.add_argument("--seqs", type=int, nargs="*", default=None, help="2048 4096 (kimi/small), 64 (toy)")
+    ap.add_argument("--shape", default=None, metavar="NAME|H,I,heads,kv,head_dim,Vd,V",
+                    help="the drafter's shape: a name (" + ", ".join(SIZES) + ") or its sizes; default kimi on "
+                         "CUDA, toy on CPU; the peers' runners get the same")
+    ap.add_argument("--size", choices=sorted(SIZES), default=None, help="a named shape (--shape NAME)")
+    ap.add_argument("--seqs", type=int, nargs="*", default=None, help="2048 4096 on CUDA, 64 on CPU")
     ap.add_argument("--seq", type=int, default=None, help="one length only (--seqs T)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt", type=int, default=7)
@@ -885,8 +1037,8 @@ def parse(argv=None):
                     help="packed rows' causal part on CUDA: the varlen kernel (flash's, or fa4's under fa4) or "
                          "the dense kernel (--attn-backend's) once per segment; auto (draftport's default): "
                          "segments under cudnn")
-    ap.add_argument("--mix", type=int, default=None, help="samples in the length mix (0: none; 20 on CUDA, 8 toy)")
-    ap.add_argument("--mix-max", type=int, default=None, help="longest sample (2048; toy 64)")
+    ap.add_argument("--mix", type=int, default=None, help="samples in the length mix (0: none; 20 on CUDA, 8 on CPU)")
+    ap.add_argument("--mix-max", type=int, default=None, help="longest sample (2048; 64 on CPU)")
     ap.add_argument("--mix-seed", type=int, default=1)
     ap.add_argument("--mix-prompt-share", type=float, default=0.0,
                     help="each mix sample's first share of tokens a prompt, no loss there, ours and the peers' "
@@ -894,7 +1046,7 @@ def parse(argv=None):
     ap.add_argument("--mix-passes", type=int, default=3, help="timed passes over the mix, ours and the peers' "
                     "(each figure: real tokens over its median pass)")
     ap.add_argument("--pack-len", type=int, default=None, help="tokens per packed step (8192 as speculators' "
-                    "default total_seq_len; toy 128)")
+                    "default total_seq_len; 128 on CPU)")
     ap.add_argument("--pad-batch", type=int, default=4, help="samples per padded step on the mix")
     ap.add_argument("--graphs", action="store_true", help="also time the CUDA-graph lever")
     ap.add_argument("--levers-all", action="store_true", help="levers at every length (default: the first)")
@@ -908,7 +1060,8 @@ def parse(argv=None):
     ap.add_argument("--ladder", action="store_true", help="also time each lever on and off")
     ap.add_argument("--check", action="store_true", help="fused vs reference (and packed vs padded) first")
     ap.add_argument("--profile-dir", default=None)
-    ap.add_argument("--gemm-probe", action="store_true", help="time cuBLAS at the model's GEMM shapes")
+    ap.add_argument("--gemm-probe", action="store_true", help="also time cuBLAS at a few of the model's GEMM "
+                    "shapes and 8192^3 (the GEMM ceiling of the whole step is timed on CUDA whatever this says)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-speculators", action="store_true")
     ap.add_argument("--no-specforge", action="store_true")
@@ -925,22 +1078,32 @@ def parse(argv=None):
                     "peers' records in FILE (from --peers-only, or a full results file) as if they had run here")
     ap.add_argument("--speculators-share", type=float, default=0.55, help="--peers-only: the part of the "
                     "budget left that speculators (run first) may use when SpecForge runs after it")
-    ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--json", default=None, help="write the result here ({date} and {shape} in it are "
+                    "filled in: benchmarks/results/{date}-h200-train-{shape}.json)")
     ap.add_argument("--merge-peers", nargs="+", default=None, metavar="FILE", help="merge the peer files of "
                     "several calls on one machine (each peer from the last file that measured it) into --json; "
                     "nothing runs")
     ap.add_argument("--rescore", default=None, help="recompute the ratios and goals of this results file "
                     "from its records, in place (no run); with --peers-from, against that file's peers")
-    ap.add_argument("--log", default=None, help="also write the printed lines here")
+    ap.add_argument("--log", default=None, help="also write the printed lines here ({date}, {shape} as --json)")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
-    a.size = a.size or ("kimi" if cuda else "toy")
-    toy = a.size == "toy"
-    a.seqs = [a.seq] if a.seq else (a.seqs or ([64] if toy else [2048, 4096]))
+    if a.shape and a.size:
+        ap.error("--shape and --size name the same thing: give one")
+    try:
+        a.size, a.shape = parse_shape(a.shape or a.size or ("kimi" if cuda else "toy"))
+    except ValueError as e:
+        ap.error(f"--shape {e}")
+    # the lengths follow the device: a CPU runs toy lengths whatever the shape
+    small = not cuda
+    a.seqs = [a.seq] if a.seq else (a.seqs or ([64] if small else [2048, 4096]))
     a.impl = a.impl or ("compiled" if cuda else "fused")
-    a.mix = (8 if toy else 20) if a.mix is None else a.mix
-    a.mix_max = a.mix_max or (64 if toy else 2048)
-    a.pack_len = a.pack_len or (128 if toy else 8192)
+    a.mix = (8 if small else 20) if a.mix is None else a.mix
+    a.mix_max = a.mix_max or (64 if small else 2048)
+    a.pack_len = a.pack_len or (128 if small else 8192)
+    stamp = {"date": time.strftime("%Y-%m-%d"), "shape": a.size}
+    a.json = a.json.format(**stamp) if a.json else a.json
+    a.log = a.log.format(**stamp) if a.log else a.log
     a.budget_s = a.budget_s or (560.0 if cuda else 3600.0)
     if a.no_peers:
         a.no_speculators = a.no_specforge = True
@@ -961,14 +1124,15 @@ def run_key(a) -> dict:
     if a.mix:
         mix = {"lengths": mix_lengths(a.mix, a.mix_max, a.mix_seed), "pack_len": a.pack_len,
                "timed_passes": a.mix_passes, "prompt_share": a.mix_prompt_share}
-    return {"hidden_size": SIZES[a.size]["hidden_size"], "seqs": [int(t) for t in a.seqs], "ttt_steps": a.ttt,
+    return {"shape": {k: a.shape[k] for k in SHAPE_KEYS}, "seqs": [int(t) for t in a.seqs], "ttt_steps": a.ttt,
             "mix": mix, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS}
 
 
 def file_key(res: dict) -> dict:
     """run_key() of a results file (--peers-only or a full run): its config and mix."""
     c, m = res.get("config") or {}, res.get("mix")
-    return {"hidden_size": c.get("hidden_size"), "seqs": [int(t) for t in (c.get("seqs") or [])],
+    # every file's config holds the shape's sizes (those of SIZES[config.size] before --shape)
+    return {"shape": {k: c.get(k) for k in SHAPE_KEYS}, "seqs": [int(t) for t in (c.get("seqs") or [])],
             "ttt_steps": c.get("ttt_steps"),
             "mix": None if not m else {"lengths": m.get("lengths"), "pack_len": m.get("pack_len"),
                                        "timed_passes": m.get("timed_passes", 1),
@@ -1066,6 +1230,10 @@ def rescore(path: str, peers_path: str | None = None) -> dict:
         out["peers_raw"] = src["peers_raw"]
         note_peers_from(out, src, peers_path, src.get("peers_requested") or list(src["peers_raw"]))
         note += f"; the peers' records replaced by those of {Path(peers_path).name}"
+    c = out.get("config") or {}
+    if "shape" not in c and all(k in c for k in SHAPE_KEYS):   # a file from before --shape: its shape named
+        c["shape"] = shape_name({k: c[k] for k in SHAPE_KEYS})
+        note += f"; config.shape {c['shape']} added (named from its sizes)"
     goals = score(out)
     out["rescored"] = note
     for gl in goals:
@@ -1115,12 +1283,14 @@ def main(argv=None) -> dict:
 
     out["check"] = check_equivalence(a, dev, log) if a.check else None
     out["check_packed"] = check_packed(a, dev, log) if a.check else None
-    probe = attention_probe(a.seqs, dev, log) if (cuda and a.attn_backend == "auto") else {}
+    # at the shape's heads: the step's attention sees every query head (key/value heads repeated)
+    probe = (attention_probe(a.seqs, dev, log, h=a.shape["num_attention_heads"], hd=a.shape["head_dim"])
+             if (cuda and a.attn_backend == "auto") else {})
     attn = probe.get("chosen", a.attn_backend if a.attn_backend != "auto" else "flash")
     out["attention_probe"] = probe
     save()
 
-    cfg, d, head = build(a.size, dev, dtype)
+    cfg, d, head = build(a.shape, dev, dtype)
     hot = d.hot_ids
     out["target_argmax_in_draft"] = argmax_in_draft_share(head, hot, [make_batch(cfg, 1, 2048, dev, dtype, seed=3)])
     out["skip_uncounted"] = {"on": fast_of(a).skip_uncounted, "min_share": fast_loss.SKIP_MIN}
@@ -1130,7 +1300,7 @@ def main(argv=None) -> dict:
     comp = a.impl == "compiled"
     fused = a.impl in ("compiled", "fused")
     heads = ["frozen", "trainable"] if a.lm_head == "both" else [a.lm_head]
-    log(f"size {a.size}: H {cfg.hidden_size} I {cfg.intermediate_size} heads {cfg.num_attention_heads}x{cfg.head_dim} "
+    log(f"shape {a.size}: H {cfg.hidden_size} I {cfg.intermediate_size} heads {cfg.num_attention_heads}x{cfg.head_dim} "
         f"kv {cfg.num_key_value_heads} Vd {cfg.draft_vocab_size} V {cfg.vocab_size}; B {a.batch} T {a.seqs} "
         f"TTT {a.ttt} {dtype}; attention {attn}")
     for T in a.seqs:
@@ -1185,6 +1355,12 @@ def main(argv=None) -> dict:
     for i, T in enumerate(a.seqs):
         batch = make_batch(cfg, a.batch, T, dev, dtype)
         rec = by_len.setdefault(str(T), {"ours": {}})
+        if cuda:   # what the step's GEMMs alone reach at this shape (the MFU goal below H 4096)
+            try:
+                rec["gemm_ceiling"] = gemm_ceiling(cfg, T * a.batch, a.ttt, a.peak_tflops, log)
+            except Exception as e:   # a probe's failure must not cost the run
+                log(f"[ceiling] T {T}: FAILED {e!r}")
+            torch.cuda.empty_cache()
         lv = levers.setdefault(str(T), {})
         lever_here = cuda and fused and (a.levers_all or i == 0)
         for lh in heads:
@@ -1221,7 +1397,10 @@ def main(argv=None) -> dict:
                 lv["cuda_graph_stored"] = run(V(f"T{T} lm_head frozen, mask stored, CUDA graph", mask="stored",
                                                 graph=True), [batch], rows)
             if a.profile_dir and cuda:
-                for lh, once in (("frozen", True), ("frozen", False), ("trainable", True)):
+                # the embedding half at every step beside the lever's own timing only (--no-levers: its
+                # regions would compile for one profile)
+                for lh, once in (("frozen", True), ("frozen", False), ("trainable", True)) if a.levers else (
+                        ("frozen", True), ("trainable", True)):
                     tag = f"{lh}_stored" + ("" if once else "_embed_every_step")
                     bd = profile_fixed(d, rows, batch, a, cfg, Path(a.profile_dir) / f"profile_T{T}_{tag}.txt",
                                        log, V("profile", embed_once=once).fast(a), lm_head=lh)
@@ -1291,6 +1470,7 @@ def main(argv=None) -> dict:
         r.setdefault("seq", None)
 
     out.update(by_length=by_len, mix=mix, mix_results=mix_res, peers_raw=peers, peers_requested=requested)
+    out["config"] = {"hidden_size": cfg.hidden_size}   # what score() reads of it (the whole config below)
     goals = score(out)
     mix_ratios = out.get("mix_ratios", {})
 
@@ -1298,7 +1478,7 @@ def main(argv=None) -> dict:
     first = by_len.get(str(a.seqs[0]), {"ours": {}})["ours"]
     ours = first.get("frozen_computed") or next(iter(first.values()), {})
     out.update({
-        "config": {"size": a.size, **SIZES[a.size], "fc_in": cfg.fc_in, "batch": a.batch, "seqs": a.seqs,
+        "config": {"size": a.size, "shape": a.size, **a.shape, "fc_in": cfg.fc_in, "batch": a.batch, "seqs": a.seqs,
                    "seq": a.seqs[0], "ttt_steps": a.ttt, "gamma": a.gamma, "dtype": str(dtype).replace("torch.", ""),
                    "params_dtype": str(dtype).replace("torch.", ""), "impl": a.impl, "chunk": a.chunk,
                    "attention": attn, "optimizer": "AdamW: draftport.training.optim (CUDA; torch's fused AdamW as a lever), betas (0.9, 0.95)", "grad_clip": 1.0,
@@ -1391,8 +1571,10 @@ def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
             json.dump(spec, f)
     try:
         env_py = sys.executable
-        toy = ["--toy"] if a.size == "toy" else []
-        common = ["--ttt", str(a.ttt), "--iters", str(a.peer_iters), "--warmup", str(a.peer_warmup)] + toy
+        # the peers build the same shape (a namespace without one: a named --size)
+        shape = getattr(a, "shape", None) or SIZES[a.size]
+        common = ["--ttt", str(a.ttt), "--iters", str(a.peer_iters), "--warmup", str(a.peer_warmup),
+                  "--shape", shape_arg(shape)]
         # one process per shape: after 2,048 in the same process, speculators' step ran 6% slower at
         # 4,096 and 3% on the mix than in a process of its own (H200, 2026-12-02: results/*-peers-5
         # against *-peers-6-speculators); likely cause: torch.compile recompiles with dynamic sizes
@@ -1472,18 +1654,18 @@ def use_peers(src: dict, a, out: dict, log) -> tuple[dict, list[str]]:
 def peers_only(a, out, cuda, left, log, save, t_start) -> dict:
     """--peers-only: the peers alone, the whole budget theirs; their records, versions, device,
     config, mix and wall time to --json (what --peers-from reads)."""
-    cfg = DrafterConfig(**SIZES[a.size], aux_layer_ids=[2, 30, 58])
+    cfg = DrafterConfig(**a.shape, aux_layer_ids=[2, 30, 58])
     requested = requested_peers(a)
     out.update({
         "mode": "peers-only",
-        "config": {"size": a.size, **SIZES[a.size], "fc_in": cfg.fc_in, "seqs": a.seqs, "seq": a.seqs[0],
+        "config": {"size": a.size, "shape": a.size, **a.shape, "fc_in": cfg.fc_in, "seqs": a.seqs, "seq": a.seqs[0],
                    "ttt_steps": a.ttt, "dtype": "bfloat16" if cuda else "float32", "peer_iters": a.peer_iters,
                    "peer_warmup": a.peer_warmup, "pack_len": a.pack_len, "spec_loss": a.spec_loss,
                    "spec_attn": a.spec_attn, "sf_attn": a.sf_attn, "budget_s": a.budget_s,
                    "speculators_share": a.speculators_share, "target_off_draft_scale": OFF_DRAFT_SCALE,
                    "peer_process": PEER_PROCESS},
         "peers_requested": requested, "peers_raw": {}, "peer_runs": {}})
-    log(f"peers only: {', '.join(requested)}; size {a.size}, T {a.seqs}, TTT {a.ttt}; budget {a.budget_s:.0f}s")
+    log(f"peers only: {', '.join(requested)}; shape {a.size} ({shape_arg(a.shape)}), T {a.seqs}, TTT {a.ttt}; budget {a.budget_s:.0f}s")
     mix = mix_spec(a, log)
     out["mix"] = mix
     save()
@@ -1505,6 +1687,17 @@ def peers_only(a, out, cuda, left, log, save, t_start) -> dict:
     return out
 
 
+# model-FLOPs MFU goals: at H >= MFU_GOAL_MIN_H an absolute one by length; below it the step's
+# GEMMs are small and the goal is CEILING_GOAL of what they alone reach through cuBLAS (gemm_ceiling)
+MFU_GOAL_MIN_H = 4096
+CEILING_GOAL = 0.9
+
+
+def mfu_goal(T: int) -> float:
+    """The MFU goal at length T (H >= MFU_GOAL_MIN_H): 80% at 4096 and longer, 75% below."""
+    return 0.80 if int(T) >= 4096 else 0.75
+
+
 def _tps(r):
     return None if (r is None or "failed" in r) else r["real_tokens_per_s"]
 
@@ -1524,6 +1717,7 @@ def score(out: dict) -> list[dict]:
     never chosen among the ones that happened to finish."""
     by_len, mix, mix_res = out.get("by_length") or {}, out.get("mix"), out.get("mix_results") or {}
     peers = out.get("peers_raw") or {}
+    hidden = (out.get("config") or {}).get("hidden_size")
     requested = out.get("peers_requested") or list(peers)
 
     def peer_rec(name, config, which=None):
@@ -1591,8 +1785,21 @@ def score(out: dict) -> list[dict]:
                  f"faster peer: {best}" + (f"; not measured: {', '.join(missing)}" if missing else ""))
             goal(f"T{T} vs SpecForge, lm_head trained, mask {mode}", r[f"vs_specforge_lm_head_trained_{mode}"], 1.6)
             hf = r.get(f"hfu_frozen_{mode}")
-            goal(f"T{T} MFU, lm_head frozen, mask {mode}", r.get(f"mfu_frozen_{mode}"), 0.78,
-                 "model FLOPs; " + (f"hardware FLOPs executed: {hf:.3f}" if hf is not None else ""))
+            ceil = (rec.get("gemm_ceiling") or {}).get("sets", {})
+            for k in ("frozen", "trainable"):
+                c = (ceil.get(k) or {}).get("mfu_ceiling")
+                if c and r.get(f"mfu_{k}_{mode}") is not None:
+                    r[f"mfu_over_gemm_ceiling_{k}_{mode}"] = r[f"mfu_{k}_{mode}"] / c
+            if hidden is not None and hidden < MFU_GOAL_MIN_H:
+                # small GEMMs: the goal is a share of what the step's GEMMs alone reach through cuBLAS
+                c = (ceil.get("frozen") or {}).get("mfu_ceiling")
+                goal(f"T{T} MFU over the step's cuBLAS GEMM ceiling, lm_head frozen, mask {mode}",
+                     r.get(f"mfu_over_gemm_ceiling_frozen_{mode}"), CEILING_GOAL,
+                     (f"ceiling {c:.3f} (the step's GEMMs alone at cuBLAS's rate); " if c else "no ceiling timed; ")
+                     + f"MFU {r.get(f'mfu_frozen_{mode}') or 0:.3f}")
+            else:
+                goal(f"T{T} MFU, lm_head frozen, mask {mode}", r.get(f"mfu_frozen_{mode}"), mfu_goal(T),
+                     "model FLOPs; " + (f"hardware FLOPs executed: {hf:.3f}" if hf is not None else ""))
             dflt = r[f"lm_head_trainable_vs_best_peer_default_sets_{mode}"]
             goal(f"T{T} lm_head trainable vs the faster peer with lm_head trained, mask {mode}",
                  r[f"lm_head_trainable_vs_best_peer_{mode}"], 1.25,

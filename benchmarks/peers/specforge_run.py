@@ -3,7 +3,8 @@
 The draft model, wrapper, target head, optimizer and trainer core are wired exactly as the anchor
 wires them (../shared/anchors/specforge_train_bench.py, --wrap none: SpecForge's own
 LlamaForCausalLMEagle3, OnlineEagle3Model with flex attention, TargetHead, Eagle3TrainStrategy,
-TrainerCore, BF16Optimizer with fp32 masters, clip 0.5), built once per trainable set:
+TrainerCore, BF16Optimizer with fp32 masters, clip 0.5), at the drafter's shape --shape
+H,I,heads,kv,head_dim,Vd,V (Kimi-K2's by default), built once per trainable set:
   --sets trained frozen   trained: its default (lm_head trained); frozen: lm_head frozen, as
                           speculators and draftport train it (the optimizer is rebuilt over that set)
   --seqs T ...            one sample of T tokens per step (all masks ones), as the anchor
@@ -25,7 +26,9 @@ import tempfile
 import time
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--toy", action="store_true")
+ap.add_argument("--toy", action="store_true", help="the toy shape (--shape 64,128,4,4,16,256,1024)")
+ap.add_argument("--shape", default=None, metavar="H,I,heads,kv,head_dim,Vd,V",
+                help="the drafter's sizes (bench_train_h200.py passes its --shape); default Kimi-K2's")
 ap.add_argument("--seqs", type=int, nargs="*", default=[2048])
 ap.add_argument("--mix", default=None)
 ap.add_argument("--mix-passes", type=int, default=1, help="timed passes over the mix (the figure: its "
@@ -86,7 +89,9 @@ if a.cpu_test:
             return _l._compute_loss(logits, target_p, position_mask)
     _m.LogSoftmaxLoss = _RefLoss
 
-if a.toy:
+if a.shape:
+    H, I, NH, KV, HD, DV, V = (int(x) for x in a.shape.split(","))
+elif a.toy:
     H, I, NH, KV, HD, DV, V = 64, 128, 4, 4, 16, 256, 1024
 else:
     H, I, NH, KV, HD, DV, V = 7168, 18432, 64, 64, 128, 32000, 163840
@@ -99,7 +104,7 @@ t0 = time.perf_counter()
 draft_cfg = LlamaConfig(
     architectures=["LlamaForCausalLMEagle3"], hidden_size=H, intermediate_size=I,
     num_attention_heads=NH, num_key_value_heads=KV, head_dim=HD, vocab_size=V, draft_vocab_size=DV,
-    max_position_embeddings=131072 if not a.toy else 4096, rope_theta=1e6, rms_norm_eps=1e-5,
+    max_position_embeddings=4096 if (a.toy or a.cpu_test) else 131072, rope_theta=1e6, rms_norm_eps=1e-5,
     hidden_act="silu", num_hidden_layers=1, tie_word_embeddings=False, pad_token_id=0,
     torch_dtype="bfloat16")
 draft_cfg.draft_vocab_size = DV
@@ -184,7 +189,7 @@ for which in a.sets:
     draft.lm_head.weight.requires_grad_(which == "trained")
     core, backend = make_core()
     n_train = sum(p.numel() for p in model.draft_model.parameters() if p.requires_grad)
-    common = dict(impl="specforge-0.2.0", attn=a.attn, attn_class=type(draft.midlayer.self_attn).__name__,
+    common = dict(impl="specforge-0.2.0", shape=[H, I, NH, KV, HD, DV, V], attn=a.attn, attn_class=type(draft.midlayer.self_attn).__name__,
                   wrapper_kind=backend._wrapper_kind, trainable_params=n_train,
                   lm_head_trainable=bool(draft.lm_head.weight.requires_grad), set=which,
                   optimizer="specforge BF16Optimizer: fp32 masters + torch.optim.AdamW, clip 0.5",

@@ -2,7 +2,9 @@
 
 The model, vocab map, optimizer and step are the anchor's (benchmarks/anchors/
 speculators_train_bench.py: bf16 parameters, fused AdamW, eager KL loss, flex attention, TTT 7,
-decay 0.8), built once; then each configuration runs its warmup and timed steps:
+decay 0.8), at the drafter's shape --shape H,I,heads,kv,head_dim,Vd,V (the anchor's Kimi-K2 size
+by default; key/value heads as given: grouped-query attention in speculators' own layer), built
+once; then each configuration runs its warmup and timed steps:
   --seqs T ...   one sample of T tokens per step (document ids all 0), as the anchor;
   --mix FILE     a length mix (JSON {"lengths": [...], optional "prompts": [...] rows without loss
                  at each sample's head}) as speculators trains on it by default:
@@ -39,7 +41,9 @@ from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig  
 from speculators.proposals.greedy import GreedyTokenProposalConfig  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--toy", action="store_true")
+ap.add_argument("--toy", action="store_true", help="the toy shape (--shape 64,128,4,4,16,256,1024)")
+ap.add_argument("--shape", default=None, metavar="H,I,heads,kv,head_dim,Vd,V",
+                help="the drafter's sizes (bench_train_h200.py passes its --shape); default Kimi-K2's")
 ap.add_argument("--seqs", type=int, nargs="*", default=[2048])
 ap.add_argument("--mix", default=None)
 ap.add_argument("--mix-passes", type=int, default=1, help="timed passes over the mix (the figure: its "
@@ -53,18 +57,20 @@ ap.add_argument("--loss-impl", default="eager")
 ap.add_argument("--sets", nargs="*", default=["frozen"], choices=["frozen", "trained"])
 a = ap.parse_args()
 
-if a.toy:
-    H, I, NH, HD, DV, V = 64, 128, 4, 16, 256, 1024
+if a.shape:
+    H, I, NH, KV, HD, DV, V = (int(x) for x in a.shape.split(","))
+elif a.toy:
+    H, I, NH, KV, HD, DV, V = 64, 128, 4, 4, 16, 256, 1024
 else:
-    H, I, NH, HD, DV, V = 7168, 18432, 64, 128, 32000, 163840
+    H, I, NH, KV, HD, DV, V = 7168, 18432, 64, 64, 128, 32000, 163840
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 dt = torch.bfloat16 if dev == "cuda" else torch.float32
 cuda = dev == "cuda"
 sync = torch.cuda.synchronize if cuda else (lambda: None)
 t_build = time.perf_counter()
 
-# ---- the anchor's model, unchanged ----
-lc = LlamaConfig(hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=NH,
+# ---- the anchor's model, at the shape asked for (the anchor's: Kimi-K2's, 64 key/value heads) ----
+lc = LlamaConfig(hidden_size=H, intermediate_size=I, num_attention_heads=NH, num_key_value_heads=KV,
                  head_dim=HD, vocab_size=V, max_position_embeddings=131072, rms_norm_eps=1e-5,
                  rope_theta=1e6, num_hidden_layers=1)
 lc._attn_implementation = a.attn
@@ -123,7 +129,8 @@ def step(b):
 
 
 def emit(rec):
-    rec.update(impl="speculators-0.9.0", attn=a.attn, loss_impl=a.loss_impl, ttt=a.ttt, trainable_params=n_train,
+    rec.update(impl="speculators-0.9.0", shape=[H, I, NH, KV, HD, DV, V], attn=a.attn, loss_impl=a.loss_impl,
+               ttt=a.ttt, trainable_params=n_train,
                lm_head_trainable=lm_trainable, set=which,
                lm_head_changed=bool((model.lm_head.weight.detach() != lm_head_at_start[0]).any()),
                torch=torch.__version__, build_s=build_s,
