@@ -60,7 +60,7 @@ def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     rows = {r["rule"]: r for r in E.estimate(padded, capture_eff=0.42)["rows"]}
     assert (rows["phase1"]["rows"], rows["phase1"]["tok_s_per_gpu"]) == ("padded", round(bench["padded_real_tokens_per_s"]))
     assert (rows["phase2"]["rows"], rows["phase2"]["tok_s_per_gpu"]) == (
-        "padded", round(bench["mix_results"]["padded_frozen_stored"]["tokens_per_s"]))
+        "padded", round(bench["mix_results"]["padded_frozen_stored"]["real_tokens_per_s"]))
     assert rows["phase1_scratch"]["rows"] == "padded"   # the control trains as phase1.train says
     assert bench["padded_real_tokens_per_s"] < bench["packed_real_tokens_per_s"]
     # a result without a length mix: its full-row figures, for either layout

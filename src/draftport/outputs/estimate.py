@@ -41,7 +41,9 @@ from draftport.model.config import target_text_config
 from draftport.outputs.render import estimate_renderables
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/estimate.py)
-DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-12-03-h200-train-9.json"
+# the default: the training figures of the profile's own drafter shape (draftport.outputs.train_rates:
+# measured, interpolated or nearest); this file (Kimi-K2's drafter) when a caller reads one file
+DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-12-03-h200-train-kimi.json"
 RESULTS = ROOT / "benchmarks" / "results"
 PHASES = (("phase1_scratch", "phase1"), ("phase1", "phase1"), ("phase2", "phase2"))
 
@@ -88,13 +90,20 @@ def _read_json(path: Path, missing: str):
         raise DraftportError(path, f"not JSON ({e.msg}, line {e.lineno})") from None
 
 
-def bench_throughput(path=DEFAULT_BENCH) -> dict:
-    """The one-GPU training rates of a bench_train_h200 result. A result with a length mix gives
-    its real-token rates for the two row layouts train.packing picks from: packed
-    (`packed_real_tokens_per_s`, lm_head trained; `..._lm_head_frozen`) and padded
-    (`padded_real_tokens_per_s`; frozen: `mix_results.padded_frozen_stored`), the greedy choice
-    stored as the pipeline stores it. An older one gives its full-row rates for both
+def bench_throughput(path=DEFAULT_BENCH, cfg: dict | None = None) -> dict:
+    """The one-GPU training rates of a bench_train_h200 result. With a profile (cfg) and the
+    default path: those of the profile's own drafter shape (train_rates.for_profile: measured,
+    interpolated or nearest, said in `rate` and `shape_source`); a path given: that file's.
+    A result with a length mix gives its real-token rates for the two row layouts
+    train.packing picks from: packed (`packed_real_tokens_per_s`, lm_head trained;
+    `..._lm_head_frozen`) and padded (`padded_real_tokens_per_s`; frozen:
+    `mix_results.padded_frozen_stored`), the greedy choice stored as the pipeline stores it.
+    An older one gives its full-row rates for both
     (`tokens_per_s_lm_head_trainable`, `tokens_per_s_mask_precomputed`)."""
+    if cfg is not None and path is DEFAULT_BENCH:   # not given (the CLI passes this very object)
+        from draftport.outputs.train_rates import for_profile   # lazy: estimate's other callers pass a file
+
+        return for_profile(cfg)
     path = Path(path)
     d = _read_json(path, "no such benchmark result")
     try:
@@ -105,7 +114,7 @@ def bench_throughput(path=DEFAULT_BENCH) -> dict:
             out.update(lm_head_trainable=float(d["packed_real_tokens_per_s"]),
                        lm_head_frozen=float(d["packed_real_tokens_per_s_lm_head_frozen"]),
                        padded_lm_head_trainable=float(d["padded_real_tokens_per_s"]),
-                       padded_lm_head_frozen=float(d["mix_results"]["padded_frozen_stored"]["tokens_per_s"]),
+                       padded_lm_head_frozen=float(d["mix_results"]["padded_frozen_stored"]["real_tokens_per_s"]),
                        rate=f"real tokens of a length mix ({mix.get('n', '?')} samples, mean "
                             f"{mix.get('mean', '?')}, max {mix.get('max', '?')} tokens), packed rows or "
                             f"padded groups of {mix.get('pad_batch', '?')} as train.packing says")
@@ -285,7 +294,7 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
              peak_tflops: float = PEAK_TFLOPS) -> dict:
     """Per training rule: tokens, throughput used, hours. Per feature step: the answers'
     regeneration and the capture. Per phase and storage mode: hours (data + training) and disk."""
-    b = bench_throughput(bench)
+    b = bench_throughput(bench, cfg)
     tps = tokens_per_sample if tokens_per_sample is not None else b["seq"]
     _positive("--tokens-per-sample", tps)
     _positive("--serve-tok-s", serve_tok_s)
@@ -404,7 +413,9 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
                        "disk_bytes": need["need_bytes"] + held_bytes["need_bytes"],
                        "profile": storage in ("online", "hybrid")})
 
-    return {"bench": {k: b[k] for k in ("device", "date", "seq", "ttt_steps", "rate")}, "tokens_per_sample": tps,
+    return {"bench": {**{k: b[k] for k in ("device", "date", "seq", "ttt_steps", "rate")},
+                      "shape_source": b.get("shape_source", "given file"), "drafter": b.get("drafter"),
+                      "files": b.get("files", [str(bench)])}, "tokens_per_sample": tps,
             "efficiency": efficiency, "rows": rows,
             "phase1_hours": sum(r["hours"] for r in rows if r["rule"] in ("phase1_scratch", "phase1")),
             "phase2_hours": sum(r["hours"] for r in rows if r["rule"] == "phase2"),

@@ -1,0 +1,209 @@
+"""The one-GPU training rate of a profile's own drafter shape, from the training benchmark's results
+(benchmarks/results/<date>-h200-train-<shape>.json of bench_train_h200.py --shape): measured when
+a result of that shape exists, else interpolated between the measured shapes around it, or the
+nearest one's outside their range; each figure says which (draftport.outputs.estimate bills the
+trainings with it).
+
+The drafter's shape of a profile (`drafter_shape`): the embedded world's source drafter
+(world.source_drafter.arch on world.model, derived as the world builds it) when world.build;
+else the source drafter's config.json when source.repo_id is a folder; else the published shape
+of a known hub id (KNOWN_DRAFTERS); else unknown, and the Kimi-K2 result stands in, said so.
+
+The rule (`rates_for`), per figure (packed or padded rows, lm_head trained or frozen, the
+greedy choice stored, real tokens of the benchmark's length mix):
+- measured: a result whose drafter has the profile's H, I, heads, kv heads, head_dim and draft
+  vocab (the newest date when several): its figures as they are;
+- interpolated: the model-FLOPs MFU of the measured shapes on either side in hidden size,
+  linear in log H, turned into tokens/s by the profile's drafter's own FLOPs per token on the
+  same length mix (bench_train_h200.flops_per_token's count);
+- nearest: below the smallest or above the largest measured H, that shape's MFU (never
+  extrapolated), turned into tokens/s the same way.
+No torch here: `draftport estimate` reads headers and JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from draftport.errors import DraftportError
+
+ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/train_rates.py)
+RESULTS = ROOT / "benchmarks" / "results"
+# the sizes that set a drafter's training rate (the full vocab only matters to a mask computed
+# in the step; the pipeline stores it with the features)
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "draft_vocab_size")
+# estimate's figure name -> the benchmark's mix result it reads
+FIGURES = {"lm_head_trainable": "packed_trainable_stored", "lm_head_frozen": "packed_frozen_stored",
+           "padded_lm_head_trainable": "padded_trainable_stored", "padded_lm_head_frozen": "padded_frozen_stored"}
+NAMED = re.compile(r"^(?P<date>\d{4}-\d{2}-\d{2})-h200-train-(?P<shape>.+)\.json$")
+
+# The published drafters a profile may name as source.repo_id, with their config.json's sizes.
+KIMI_K2_DRAFTER = {"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
+                   "num_key_value_heads": 64, "head_dim": 128, "draft_vocab_size": 32000, "vocab_size": 163840}
+KNOWN_DRAFTERS = {"AQ-MedAI/Kimi-K2-Instruct-eagle3": KIMI_K2_DRAFTER, "AQ-MedAI/Kimi-K25-eagle3": KIMI_K2_DRAFTER}
+DEFAULT_SHAPE = "kimi"   # the result that stands in when the drafter's shape is not known
+
+
+def describe(shape: dict) -> str:
+    return (f"H {shape['hidden_size']}, I {shape['intermediate_size']}, {shape['num_attention_heads']}/"
+            f"{shape['num_key_value_heads']} heads of {shape['head_dim']}, draft vocab {shape['draft_vocab_size']}")
+
+
+# ---- the profile's drafter ------------------------------------------------------------------------
+def drafter_shape(cfg: dict, root: Path = ROOT) -> tuple[dict | None, str]:
+    """(the profile's source drafter's sizes, where they came from); (None, why) when not known."""
+    w = cfg.get("world") or {}
+    if w.get("build"):
+        m, sd = w["model"], w["source_drafter"]
+        arch, H, V = sd.get("arch") or {}, int(m["hidden_size"]), int(w["vocab_size"])
+        heads = int(arch.get("num_attention_heads") or 4)   # draftport.model.bind.new_drafter_config
+        return ({"hidden_size": H, "intermediate_size": int(arch.get("intermediate_size") or 3 * H),
+                 "num_attention_heads": heads, "num_key_value_heads": int(arch.get("num_key_value_heads") or heads),
+                 "head_dim": int(arch.get("head_dim") or H // heads),
+                 "draft_vocab_size": max(8, int(round(V * float(sd["draft_vocab_ratio"])))), "vocab_size": V},
+                "the embedded world's source drafter (world.source_drafter.arch on world.model)")
+    repo = str((cfg.get("source") or {}).get("repo_id") or "")
+    folder = Path(repo) if Path(repo).is_absolute() else root / repo
+    if repo and (folder / "config.json").is_file():
+        from draftport.model.config import read_config   # torch-free; the folder's own config
+
+        c, _ = read_config(folder)
+        return ({k: getattr(c, k) for k in (*SHAPE_KEYS, "vocab_size")}, f"{repo}/config.json")
+    if repo in KNOWN_DRAFTERS:
+        return dict(KNOWN_DRAFTERS[repo]), f"{repo}: its published config.json (built in)"
+    return None, f"source.repo_id {repo or '?'}: no config.json here and no built-in shape"
+
+
+# ---- the benchmark's results ----------------------------------------------------------------------
+def flops_per_token(shape: dict, T: int, steps: int, lm_head_trainable: bool, fc_in: int | None = None) -> float:
+    """Model FLOPs per trained token at length T: bench_train_h200.flops_per_token's "train" count
+    (tests/outputs/test_train_rates.py checks that they agree)."""
+    H, I = shape["hidden_size"], shape["intermediate_size"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    Vd = shape["draft_vocab_size"]
+    qkv, o, mlp, head = 2 * 2 * H * (q + 2 * kv), 2 * q * H, 2 * 3 * H * I, 2 * H * Vd
+    attn = sum(2 * 2 * q * ((T + 1) / 2 + j) for j in range(steps))
+    fc = 2 * (fc_in or 3 * H) * H
+    return (steps * 3 * (qkv + o + mlp) + 3 * attn + steps * (3 if lm_head_trainable else 2) * head
+            + 2 * fc + head)
+
+
+def mix_flops_per_token(shape: dict, lengths: list[int], steps: int, lm_head_trainable: bool) -> float:
+    """Model FLOPs per real token over a length mix (each sample at its own length's count)."""
+    return sum(L * flops_per_token(shape, L, steps, lm_head_trainable) for L in lengths) / sum(lengths)
+
+
+def read_result(path: Path) -> dict | None:
+    """A result named by its shape with the four mix figures: its sizes, MFUs and rates; None for
+    any other file (numbered rounds, probes, results without a length mix)."""
+    m = NAMED.match(path.name)
+    if not m:
+        return None
+    try:
+        d = json.loads(path.read_text())
+        c, mix, res = d["config"], d["mix"], d["mix_results"]
+        if c.get("shape") != m["shape"]:
+            return None
+        figs = {k: {"rate": float(res[v]["real_tokens_per_s"]), "mfu": float(res[v]["mfu"])}
+                for k, v in FIGURES.items()}
+        return {"file": path, "date": d["date"], "device": d["device"], "seq": c["seq"],
+                "ttt_steps": int(c["ttt_steps"]), "peak_tflops": float(c.get("peak_tflops") or 790.0), "name": m["shape"],
+                "shape": {k: int(c[k]) for k in SHAPE_KEYS}, "lengths": [int(x) for x in mix["lengths"]],
+                "mix": {k: mix.get(k) for k in ("n", "mean", "max", "pad_batch")}, "figures": figs}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def measured(results: Path = RESULTS) -> list[dict]:
+    """Per drafter shape, its newest result (read_result), ordered by hidden size."""
+    best: dict[tuple, dict] = {}
+    for p in sorted(Path(results).glob("*-h200-train-*.json")):
+        r = read_result(p)
+        if r is None:
+            continue
+        key = tuple(r["shape"][k] for k in SHAPE_KEYS)
+        if key not in best or r["date"] >= best[key]["date"]:
+            best[key] = r
+    return sorted(best.values(), key=lambda r: (r["shape"]["hidden_size"], r["name"]))
+
+
+def _shown(path: Path) -> str:
+    path = Path(path)
+    return str(path.relative_to(ROOT)) if path.is_absolute() and path.is_relative_to(ROOT) else str(path)
+
+
+def rates_for(shape: dict, results: Path = RESULTS) -> dict:
+    """The training figures of a drafter of this shape (the module's rule): each estimate figure
+    (FIGURES) in real tokens/s, with how it was found (`source`: measured / interpolated /
+    nearest) and from which results."""
+    rs = measured(results)
+    if not rs:
+        raise DraftportError(results, "no training benchmark result named by its shape "
+                             "(<date>-h200-train-<shape>.json of bench_train_h200.py --shape)")
+    key = tuple(shape[k] for k in SHAPE_KEYS)
+    same = [r for r in rs if tuple(r["shape"][k] for k in SHAPE_KEYS) == key]
+    if same:
+        r = same[0]
+        return {"source": "measured", "from": [r], "weights": [1.0],
+                "figures": {k: v["rate"] for k, v in r["figures"].items()}}
+    H = shape["hidden_size"]
+    below = [r for r in rs if r["shape"]["hidden_size"] <= H]
+    above = [r for r in rs if r["shape"]["hidden_size"] > H]
+    if below and above:
+        lo, hi = below[-1], above[0]
+        x = ((math.log(H) - math.log(lo["shape"]["hidden_size"]))
+             / (math.log(hi["shape"]["hidden_size"]) - math.log(lo["shape"]["hidden_size"])))
+        src, used, weights = "interpolated", [lo, hi], [1 - x, x]
+    else:
+        src, used, weights = "nearest", [below[-1] if below else above[0]], [1.0]
+    ref = max(zip(weights, used), key=lambda t: t[0])[1]   # the nearer result's mix and TTT depth
+    figures = {}
+    for k in FIGURES:
+        mfu = sum(w * r["figures"][k]["mfu"] for w, r in zip(weights, used))
+        fpt = mix_flops_per_token(shape, ref["lengths"], ref["ttt_steps"], k.endswith("trainable"))
+        figures[k] = mfu * ref["peak_tflops"] * 1e12 / fpt
+    return {"source": src, "from": used, "weights": weights, "figures": figures}
+
+
+def for_profile(cfg: dict, results: Path = RESULTS, root: Path = ROOT) -> dict:
+    """What bench_throughput returns (device, date, seq, ttt_steps, the four rates, rate: how
+    they were measured), for the profile's own drafter shape, plus `drafter` (its sizes and where
+    they came from) and `shape_source` (measured / interpolated / nearest / default) with
+    `shape_note` saying from which results."""
+    shape, where = drafter_shape(cfg, root)
+    if shape is None:
+        rs = [r for r in measured(results) if r["name"] == DEFAULT_SHAPE]
+        if not rs:
+            raise DraftportError("source.repo_id", f"{where}, and no {DEFAULT_SHAPE} result to stand in")
+        got = {"source": "default", "from": rs, "weights": [1.0],
+               "figures": {k: v["rate"] for k, v in rs[0]["figures"].items()}}
+    else:
+        got = rates_for(shape, results)
+    used = got["from"]
+    files = ", ".join(_shown(r["file"]) for r in used)
+    if got["source"] == "measured":
+        note = f"measured: {files}"
+    elif got["source"] == "interpolated":
+        note = ("interpolated in log H between " + " and ".join(f"{r['name']} (H {r['shape']['hidden_size']}, "
+                f"weight {w:.2f})" for r, w in zip(used, got["weights"])) + f": model-FLOPs MFU of {files}, "
+                "at this drafter's FLOPs per token")
+    elif got["source"] == "nearest":
+        note = (f"nearest measured shape {used[0]['name']} (H {used[0]['shape']['hidden_size']}): its model-FLOPs MFU "
+                f"({files}) at this drafter's FLOPs per token, not extrapolated")
+    else:
+        note = f"the drafter's shape is not known ({where}): the {DEFAULT_SHAPE} result stands in ({files})"
+    first = used[0]
+    mix = first["mix"]
+    drafter = f"{describe(shape)} ({where})" if shape else where
+    return {"device": first["device"], "date": " / ".join(dict.fromkeys(r["date"] for r in used)),
+            "seq": first["seq"], "ttt_steps": first["ttt_steps"],
+            **got["figures"],
+            "rate": (f"real tokens of a length mix ({mix.get('n', '?')} samples, mean {mix.get('mean', '?')}, max "
+                     f"{mix.get('max', '?')} tokens), packed rows or padded groups of {mix.get('pad_batch', '?')} as "
+                     f"train.packing says; drafter {drafter}: {note}"),
+            "drafter": {"shape": shape, "from": where}, "shape_source": got["source"], "shape_note": note,
+            "files": [_shown(r["file"]) for r in used]}
