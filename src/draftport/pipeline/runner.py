@@ -158,7 +158,8 @@ def main(step: str, argv: list[str] | None = None) -> int:
     log_fh = None
     if a.log:
         Path(a.log).parent.mkdir(parents=True, exist_ok=True)
-        log_fh = open(a.log, "w")
+        open(a.log, "w").close()
+        log_fh = open(a.log, "a")  # appended: a step's worker processes add their lines (train_curves)
         log = LogWriter(log_fh)
         sys.stdout, sys.stderr = Tee(sys.__stdout__, log), Tee(sys.__stderr__, log)
     t0 = time.time()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,15 +58,23 @@ def _train_point(job: dict) -> dict:
             "train_seconds": seconds, "run_id": child.run_id if child else None}
 
 
-def _worker_init() -> None:
-    """A worker trains on one thread (a point's floats as in one process) and dies with the step
-    (kill -9 of the step leaves no orphan writing checkpoints that a resumed step reads)."""
+def _worker_init(log_path: str | None) -> None:
+    """A worker trains on one thread (a point's floats as in one process), writes its lines to the
+    step's log too, and dies with the step (kill -9 of the step leaves no orphan writing
+    checkpoints that a resumed step reads)."""
     import ctypes
     import signal
+    import sys
 
     import torch
 
+    from draftport.pipeline.runner import Tee
+    from draftport.progress import LogWriter
+
     torch.set_num_threads(1)
+    if log_path:  # appended line by line beside the step's own (the runner opened it)
+        log = LogWriter(open(log_path, "a", buffering=1))
+        sys.stdout, sys.stderr = Tee(sys.__stdout__, log), Tee(sys.__stderr__, log)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -119,7 +128,9 @@ def train_curves(s: StepContext) -> dict:
     else:  # the longest points first: the workers finish together
         print(f"curves: {len(jobs)} points, {n_workers} at a time (one thread each)", flush=True)
         by_cost = sorted(jobs, key=lambda j: -j["train"]["steps"])
-        with mp.get_context("spawn").Pool(n_workers, initializer=_worker_init) as pool:
+        log_fh = getattr(getattr(sys.stdout, "log", None), "fh", None)  # the runner's Tee to logs/<step>.log
+        with mp.get_context("spawn").Pool(n_workers, initializer=_worker_init,
+                                          initargs=(getattr(log_fh, "name", None),)) as pool:
             done = dict(zip((j["point"]["name"] for j in by_cost),
                             pool.map(_train_point, by_cost, chunksize=1)))
         out = [done[j["point"]["name"]] for j in jobs]
