@@ -48,7 +48,7 @@ def _train_point(job: dict) -> dict:
                           "n_samples": pt["n_samples"], "seed": pt["seed"], "train_steps": cfg.steps,
                           **{f"train.{k}": v for k, v in cfg.model_dump().items()}})
     t0 = time.perf_counter()
-    rep = train_phase(job["out"], logger=child.background() if child else None, progress=job["progress"], **kw)
+    rep = train_phase(job["out"], logger=child.background() if child else None, progress=True, **kw)
     seconds = round(time.perf_counter() - t0, 3)
     print(f"curves: point {job['i']}/{job['of']} ({pt['name']}) done in {seconds:.1f} s", flush=True)
     if child is not None:
@@ -64,7 +64,6 @@ def _worker_init(log_path: str | None) -> None:
     checkpoints that a resumed step reads)."""
     import ctypes
     import signal
-    import sys
 
     import torch
 
@@ -119,7 +118,7 @@ def train_curves(s: StepContext) -> dict:
             continue
         jobs.append({"i": i, "of": len(pts), "point": pt, "kw": kw, "train": tc,
                      "out": str(s.path("points", pt["name"])), "profile": s.p["profile"],
-                     "parent": s.run.run_id if s.run is not None else None, "step": s.name, "progress": True})
+                     "parent": s.run.run_id if s.run is not None else None, "step": s.name})
     if rank > 0:
         return {}
     n_workers = _workers(len(jobs), world)
