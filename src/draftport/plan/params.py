@@ -93,11 +93,12 @@ def _hub_ids(v: Any) -> Any:
     return v
 
 
-def _int_list(min_entry: int | None = None, max_len: int | None = None):
+def _int_list(min_entry: int | None = None, max_len: int | None = None, empty: bool = False):
     def check(v: Any) -> Any:
-        if not isinstance(v, list) or not v or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
-            raise _problem(f"expected a non-empty list of integers, got {_show(v)}")
-        if min_entry is not None and min(v) < min_entry:
+        if not isinstance(v, list) or (not v and not empty) or any(isinstance(x, bool) or not isinstance(x, int)
+                                                                 for x in v):
+            raise _problem(f"expected a {'' if empty else 'non-empty '}list of integers, got {_show(v)}")
+        if min_entry is not None and v and min(v) < min_entry:
             raise _problem(f"every entry must be >= {_num(min_entry)}, got {v}")
         if max_len is not None and len(v) > max_len:
             raise _problem(f"expected at most {_num(max_len)} entries, got {len(v)}")
@@ -620,7 +621,7 @@ class CurvesParams(Group):
     epochs: float = F(..., "the budget rule: steps = min(train.steps, max(min_steps, ceil(epochs * n / "
                       "train.batch_size))): the same epochs at every n", ge=0.01)
     min_steps: int = F(..., "fewest steps of a point", ge=1)
-    arms_n_samples: Annotated[list[int], _int_list(1, 16)] = F(
+    arms_n_samples: Annotated[list[int], _int_list(1, 16, empty=True)] = F(
         ..., "the n at which the arms below train (each among n_samples: an arm is compared with plain "
         "fine-tuning at the same n and seeds): arms x len(arms_n_samples) x len(seeds) trainings more; "
         "[]: no arms (answers and recipes unused)")
