@@ -111,9 +111,10 @@ def test_data_and_mode_rows_recomputed_from_the_printed_inputs(kimi):
     assert rep["capture_tok_s"]["capture_write"] == pytest.approx(rate)
     assert rep["capture_efficiency"]["source"] == "stated"
     data = {r["step"]: r for r in rep["data"]}
-    assert [r["samples"] for r in rep["data"]] == [37000, 1000 + 512, 200000 - 37000]
+    assert [r["samples"] for r in rep["data"]] == [37000, 1000 + 512, 200000 - 37000, 37000]  # + the dataset's
     for r in rep["data"]:
-        assert r["regenerate_hours"] == pytest.approx(r["samples"] * answer / serve / 3600)
+        assert r["regenerate_hours"] == pytest.approx(0 if r["step"] == "features_dataset" else
+                                                      r["samples"] * answer / serve / 3600)
         assert r["capture_hours"] == pytest.approx(r["samples"] * tps / rate / 3600)
     rows = {r["rule"]: r for r in rep["rows"]}
     modes = {(r["phase"], r["mode"], r["dtype"]): r for r in rep["phases"]}
@@ -276,7 +277,9 @@ def test_estimate_command_prints_the_readme_figures():
     r = run_cli()
     assert r.returncode == 0, r.stderr
     line = re.search(r"Phase 1 \(control \+ fine-tune\): [0-9.]+ h;  Phase 2: [0-9.]+ h \(training only\)\n"
-                     r"learning curves: [0-9.]+ h \(30 trainings under the budget rule; training only\)", r.stdout)
+                     r"learning curves: [0-9.]+ h \(60 trainings, the arms included; training only\)\n"
+                     r"  \+ [0-9.]+ h capturing the dataset's own answers\n"
+                     r"not regenerating \(R7\) saves: [0-9.]+ h \(Phase 1 [0-9.]+, Phase 2 [0-9.]+\)", r.stdout)
     assert line, r.stdout
     assert line.group(0) in (ROOT / "docs" / "estimate.md").read_text(), "docs/estimate.md quotes this output"
     for label in ("measured: ", "target: ", "capture FLOPs/token: ", "capture rate: ", "regenerate: ", "assumed: "):
@@ -285,15 +288,22 @@ def test_estimate_command_prints_the_readme_figures():
 
 def test_estimate_bills_the_learning_curves():
     """The curves are trainings too: 5 n x 2 inits x 3 seeds, each ceil(epochs x n / batch) steps
-    (at least min_steps, at most train.steps), at the training rate of their own rows."""
+    (at least min_steps, at most train.steps), at the training rate of their own rows; the arms
+    (2 inits on the dataset's answers + 3 recipes) x 2 n x 3 seeds beside them, and the dataset's
+    answers captured once (a prefill: nothing regenerated)."""
     cfg = P.load(KIMI)
     c = cfg["curves"]
-    per_seed = sum(min(c["train"]["steps"], max(c["min_steps"], -(-c["epochs"] * n // c["train"]["batch_size"])))
-                   for n in c["n_samples"])
+    steps = lambda ns: sum(min(c["train"]["steps"], max(c["min_steps"], -(-c["epochs"] * n // c["train"]["batch_size"])))  # noqa: E731
+                           for n in ns)
     rep = E.estimate(cfg)
     row = next(r for r in rep["rows"] if r["rule"] == "curves")
-    assert row["points"] == len(c["n_samples"]) * len(c["inits"]) * len(c["seeds"]) == 30
-    assert row["steps"] == per_seed * 6
+    assert row["points"] == len(c["n_samples"]) * len(c["inits"]) * len(c["seeds"]) + 5 * 2 * 3 == 60
+    assert row["steps"] == steps(c["n_samples"]) * 6 + steps(c["arms_n_samples"]) * 5 * 3
+    ds = next(r for r in rep["data"] if r["step"] == "features_dataset")
+    assert (ds["samples"], ds["regenerate_hours"]) == (max(c["arms_n_samples"]), 0) and rep["curves_data_hours"] > 0
+    regen = {ph: sum(r["regenerate_hours"] for r in rep["data"] if r["step"] in steps_) for ph, steps_ in
+             (("phase1", ("features_new",)), ("phase2", ("features_phase2",)))}
+    assert rep["regenerate_hours"] == pytest.approx(regen)
     assert rep["curves_hours"] == pytest.approx(row["hours"]) and rep["curves_hours"] > rep["phase2_hours"]
     cfg["curves"]["enabled"] = False
     assert "curves" not in [r["rule"] for r in E.estimate(cfg)["rows"]]

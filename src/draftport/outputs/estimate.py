@@ -368,14 +368,19 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
     n_eval = int(f["eval_samples"]) * (2 if t.get("old") and t.get("prompts_eval_old") else 1)
     n_mon = int(cfg["monitor"]["n_samples"]) if any(cfg[g]["train"].get("eval_every", 0) > 0
                                                     for g in ("phase1", "phase2")) else 0
-    data_steps = (("features_new", "phase1", n1), ("features_eval+monitor", "phase1", n_eval + n_mon),
-                  ("features_phase2", "phase2", n2 - n1))
+    data_steps = [("features_new", "phase1", n1), ("features_eval+monitor", "phase1", n_eval + n_mon),
+                  ("features_phase2", "phase2", n2 - n1)]
+    # the regenerate-or-not arm's data: the dataset's own answers, a prefill each (nothing regenerated)
+    dataset_n = max(c["arms_n_samples"]) if c.get("enabled") and c.get("answers") and c.get("arms_n_samples") else 0
+    if dataset_n:
+        data_steps.append(("features_dataset", "curves", dataset_n))
     data = []
     for step, phase, n in data_steps:
         n_gpu = _gpus(cfg, "features_eval" if step.startswith("features_eval") else step, gpus)
         cap = capture_s(n * tps, n_gpu, "capture_write")
-        data.append({"step": step, "phase": phase, "samples": n, "answer_tokens": n * answer,
-                     "regenerate_hours": n * answer / serve_tok_s / 3600, "capture_tokens": n * tps, "gpus": n_gpu,
+        regen = 0 if step == "features_dataset" else n * answer
+        data.append({"step": step, "phase": phase, "samples": n, "answer_tokens": regen,
+                     "regenerate_hours": regen / serve_tok_s / 3600, "capture_tokens": n * tps, "gpus": n_gpu,
                      "capture_hours": cap / 3600})
     held = data[1]["samples"]
 
@@ -420,6 +425,10 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
             "phase1_hours": sum(r["hours"] for r in rows if r["rule"] in ("phase1_scratch", "phase1")),
             "phase2_hours": sum(r["hours"] for r in rows if r["rule"] == "phase2"),
             "curves_hours": sum(r["hours"] for r in rows if r["rule"] == "curves"),
+            "curves_data_hours": sum(r["capture_hours"] for r in data if r["phase"] == "curves"),
+            # what R7 saves when it says the dataset's answers do: Phase 1's and Phase 2's regeneration
+            "regenerate_hours": {ph: sum(r["regenerate_hours"] for r in data if r["phase"] == ph
+                                         and r["step"] != "features_eval+monitor") for ph in ("phase1", "phase2")},
             "bytes_per_token": per_tok[f["dtype"]][0], "hidden_size": hidden,
             "target": {"id": t["new"], "config": shape_from, **shape}, "flops_per_token": flops,
             "peak_tflops": peak_tflops, "capture_efficiency": eff,

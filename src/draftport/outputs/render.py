@@ -236,7 +236,7 @@ def estimate_renderables(rep: dict) -> list:
     for col in ("steps", "batch", "epochs", "tokens", "lm_head", "tok/s/GPU", "GPUs", "hours"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rep["rows"]:
-        t.add_row(r["rule"], str(r["steps"]), str(r["batch_size"]), f"{r['epochs']:.2f}", f"{r['tokens']:,}",
+        t.add_row(r["rule"], str(r["steps"]), str(r["batch_size"]), f"{r['epochs']:.2f}", _si(r["tokens"]),
                   r["lm_head"], f"{r['tok_s_per_gpu']:,}", str(r["gpus"]), f"{r['hours']:.2f}")
     layout = {k: [r["rule"] for r in rep["rows"] if r["rows"] == k] for k in ("packed", "padded")}
     rows_line = Text.assemble(("rows: ", "bold"), ";  ".join(
@@ -245,13 +245,13 @@ def estimate_renderables(rep: dict) -> list:
                         ("Phase 2: ", "bold"), f"{rep['phase2_hours']:.2f} h (training only)",
                         *(("\n", ("learning curves: ", "bold"),
                            f"{rep['curves_hours']:.2f} h ({next(r['points'] for r in rep['rows'] if r['rule'] == 'curves')} "
-                           "trainings under the budget rule, the arms included; training only)"
-                           + (f" + {rep['curves_data_hours']:.2f} h capturing the dataset's own answers"
+                           "trainings, the arms included; training only)"
+                           + (f"\n  + {rep['curves_data_hours']:.2f} h capturing the dataset's own answers"
                               if rep.get("curves_data_hours") else "")) if rep.get("curves_hours") else ()),
-                        *(("\n", ("regenerate or not (R7): ", "bold"),
-                           f"not regenerating saves {sum(rep['regenerate_hours'].values()):.2f} h (Phase 1 "
-                           f"{rep['regenerate_hours']['phase1']:.2f} h, Phase 2 {rep['regenerate_hours']['phase2']:.2f} h"
-                           " of the answers above)") if rep.get("curves_data_hours") else ()))
+                        *(("\n", ("not regenerating (R7) saves: ", "bold"),
+                           f"{sum(rep['regenerate_hours'].values()):.2f} h (Phase 1 "
+                           f"{rep['regenerate_hours']['phase1']:.2f}, Phase 2 {rep['regenerate_hours']['phase2']:.2f})")
+                          if rep.get("curves_data_hours") else ()))
     d = Table(box=box.SIMPLE_HEAD, padding=0)
     d.add_column("data step", no_wrap=True)
     for col in ("samples", "answer tok", "regen h", "capture tok", "GPUs", "capture h"):
@@ -287,6 +287,14 @@ def estimate_renderables(rep: dict) -> list:
         ("not estimated: ", "bold"), "the learning curves' evaluations, the drift probe, the online steps, "
         "fetching the target's weights")
     return [head, t, mid, d, p, foot]
+
+
+def _si(n: int) -> str:
+    """A count in at most 7 characters (157.3M, 11.54B): the rule table fits 80 columns."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.4g}{unit}"
+    return str(n)
 
 
 def show(renderables: list) -> None:
