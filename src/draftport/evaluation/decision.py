@@ -569,7 +569,8 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
             text.append(_payback_text(pay))
     if (hours or {}).get("plan"):
         ph = hours["plan"]
-        text.append(f"This plan took {ph['total']:.3g} device-hours: regenerate {ph['regenerate']:.3g}, capture "
+        text.append(f"This plan's training data and trainings took {ph['total']:.3g} device-hours: regenerate "
+                    f"{ph['regenerate']:.3g}, capture "
                     f"{ph['capture']:.3g}, train {ph['train']:.3g} (the learning curves {ph.get('curves', 0):.3g}); "
                     f"measured ({hours['rates'].get('source', 'this run')}).")
     if p1 is not None:

@@ -12,7 +12,9 @@ PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
 
 
 def _hours(s: StepContext, curves: dict | None) -> dict:
-    """The measured device-hours: the rates per sample, each phase's split, the whole plan's."""
+    """The measured device-hours: the rates per sample, each phase's split (the control: its
+    training; Phase 1's data counted in phase1), the plan's (its training data, every training,
+    the curves; the held-out sets and the evaluations not counted)."""
     res = s.p["resources"]
     data = {st: read_json(s.input(f"data_{st}")) for st in ("features_new", "features_phase2", "features_dataset")
             if f"data_{st}" in s.inputs}
@@ -21,7 +23,7 @@ def _hours(s: StepContext, curves: dict | None) -> dict:
              for ph in ("phase1_scratch", "phase1", "phase2")}
     n1 = data["features_new"]["train"]["samples"]
     n2 = n1 + (data["features_phase2"]["train"]["samples"] if "features_phase2" in data else 0)
-    phases = {"phase1": split(n1, train["phase1"], r), "phase1_scratch": {**split(0, train["phase1_scratch"], r)},
+    phases = {"phase1": split(n1, train["phase1"], r), "phase1_scratch": split(0, train["phase1_scratch"], r),
               "phase2": split(n2 - n1, train["phase2"], r)}
     curve_train = sum(float(p.get("train_seconds") or 0.0) for p in (curves or {}).get("points", [])) \
         * devices(res, "train_curves")
