@@ -481,3 +481,16 @@ def test_bad_input_params_files(tmp_path, micro):
     r = subprocess.run([sys.executable, "-m", "draftport.plan.params", "--params", str(f), "--configfile",
                         "configs/nope.yaml"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr == "error: configs/nope.yaml: no such parameter file\n"
+
+
+def test_no_arms_is_an_empty_list(base):
+    """curves.arms_n_samples: [] turns the arms off (answers and recipes then unused): the plain
+    points alone, named as before the arms existed."""
+    from draftport.plan.curves import points
+
+    cfg = copy.deepcopy(base)
+    cfg["curves"]["arms_n_samples"] = []
+    c = P.validate(cfg)["curves"]
+    names = [p["name"] for p in points(c)]
+    assert len(names) == len(c["n_samples"]) * len(c["inits"]) * len(c["seeds"]) and names[0] == "source_n50_s0"
+    assert len(points(base["curves"])) == len(names) + 5 * 2 * 3
