@@ -100,14 +100,14 @@ def test_payback_by_hand():
 
 
 def test_rates_from_the_steps_metrics():
-    m = lambda n, r, c: {"train": {"samples": n, "seconds": {"regenerate": r, "capture": c}}}  # noqa: E731
+    m = lambda n, r, c: {"samples": n, "regenerate": r, "capture": c}  # noqa: E731
     r = H.rates({"features_new": m(100, 30.0, 5.0), "features_phase2": m(300, 90.0, 15.0),
                  "features_dataset": m(200, 0.0, 4.0)},
                 {"default": {"gpu": 0}, "features_phase2": {"gpu": 2}})
     assert r == {"regenerate_s_per_sample": (30 + 180) / 400, "capture_s_per_sample": (5 + 30) / 400,
                  "capture_dataset_s_per_sample": 4 / 200}
-    with pytest.raises(DraftportError, match="features_new/metrics.json: no train.seconds"):
-        H.rates({"features_new": {"train": {"samples": 3}}})
+    with pytest.raises(DraftportError, match="logs/features_new.json: no samples / regenerate / capture seconds"):
+        H.rates({"features_new": {"samples": 3}})
 
 
 def test_the_pipeline_tests_checker_catches_a_wrong_field():

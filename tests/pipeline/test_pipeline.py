@@ -68,6 +68,7 @@ class Repo:
 
 def _online_and_reference(micro: dict) -> None:
     micro["online"]["enabled"] = HAVE_VLLM  # `all` and the report then include the online steps
+    micro["curves"]["arms_n_samples"] = [32]  # the arms (params.yaml's answers and 3 recipes): rules R7, R8
     # a reference row (the upper bound Phase 0 reports): here the source itself, fetched again
     micro["reference"] = {"repo_id": micro["source"]["repo_id"], "revision": "main", "note": "the source (test)"}
 
@@ -253,10 +254,12 @@ def test_all_and_the_report(repo):
     assert len(parent) == 1
     kids = [r for r in runs if {t["key"]: t["value"] for t in r["data"].get("tags", [])}.get("mlflow.parentRunId")
             == parent[0]["info"]["run_id"]]
-    tags = sorted((t["init"], int(t["n_samples"]), int(t["seed"])) for t in
+    tags = sorted((t["arm"], t["init"], int(t["n_samples"]), int(t["seed"])) for t in
                   ({x["key"]: x["value"] for x in k["data"]["tags"]} for k in kids))
-    plain = sorted((i, n, sd) for i in ("source", "scratch") for n in (32, 128) for sd in (0, 1))
-    assert [t for t in tags if t in plain] == plain and len(tags) == len(plain) + 5 * 2   # + 5 arms x 2 seeds
+    plain = sorted((i, i, n, sd) for i in ("source", "scratch") for n in (32, 128) for sd in (0, 1))
+    arms = sorted((a, a.split("-")[0], 32, sd) for a in ("source-dataset", "scratch-dataset", "source-l2sp",
+                                                         "source-lr_low", "source-frozen") for sd in (0, 1))
+    assert tags == sorted(plain + arms)
     assert all("accept_length" in {m["key"] for m in k["data"]["metrics"]} for k in kids)
     # the world's source drafter: teacher-forced on the old corpus, its held-out tau on the old
     # target traced every eval_every steps (the plateau curve), plotted in the report
@@ -605,7 +608,8 @@ def test_mlflow_ui_in_a_browser(repo):
         # the runs table: phases and the curves parent; its nested runs under it once expanded
         kids = rep["curves"]["children"]
         c = yaml.safe_load((repo.path / "params.yaml").read_text())["curves"]
-        assert len(kids) == len(c["n_samples"]) * len(c["seeds"]) * len(c["inits"]), kids  # one per point
+        from draftport.plan.curves import points
+        assert len(kids) == len(points(c)), kids  # one per point, the arms' included
         table = U.runs_table(U.new_page(b, 1600, 1400), rep["urls"]["runs"], "curves", expect={*phases, "curves"})
         assert {*phases, "curves"} <= set(table["before"]) and not set(kids) & set(table["before"]), table
         after = table["after"]

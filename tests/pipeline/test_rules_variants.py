@@ -26,7 +26,7 @@ def weak_source_far_target(cfg: dict) -> None:
     cfg["drift"]["enabled"] = False                       # not this test's subject
     c = cfg["curves"]
     c["recipes"] = {"lr_low": {"lr": 0.0005}}            # one recipe, R7's arm, at n=32: the rules' branches
-    c["n_samples"] = [32, 128]
+    c["n_samples"], c["arms_n_samples"], c["seeds"] = [32, 128], [32], [0]   # one seed: the CIs are over prompts
 
 
 def test_a_weak_source_on_a_far_target(tmp_path):

@@ -17,30 +17,30 @@ def devices(resources: dict | None, step: str) -> int:
     return max(1, int({**resources.get("default", {}), **(resources.get(step) or {})}.get("gpu", 0)))
 
 
-def _seconds(metrics: dict | None, where: str) -> tuple[int, float, float]:
-    """(samples, regenerate s, capture s) of a features step's metrics (its `train` set)."""
-    if not metrics:
+def _seconds(t: dict | None, where: str) -> tuple[int, float, float]:
+    """(samples, regenerate s, capture s) of a features step's training set, as it measured it."""
+    if not t:
         return 0, 0.0, 0.0
-    t = metrics.get("train") if isinstance(metrics, dict) else None
-    sec = t.get("seconds") if isinstance(t, dict) else None
-    if not isinstance(sec, dict):
-        raise DraftportError(where, "no train.seconds (regenerate, capture): rerun the features step")
-    return int(t["samples"]), float(sec.get("regenerate", 0.0)), float(sec.get("capture", 0.0))
+    try:
+        return int(t["samples"]), float(t["regenerate"]), float(t["capture"])
+    except (KeyError, TypeError, ValueError):
+        raise DraftportError(where, "no samples / regenerate / capture seconds: rerun the features step") from None
 
 
 def rates(data: dict, resources: dict | None = None) -> dict:
     """Device-seconds per sample: regenerating an answer, capturing a regenerated sample, capturing
-    a dataset sample (prefill of the dataset's answer), from the features steps' metrics
-    (data: {"features_new": metrics, "features_phase2": ..., "features_dataset": ... or None})."""
+    a dataset sample (prefill of the dataset's answer), from what the features steps measured
+    (data: {"features_new": {"samples", "regenerate", "capture"}, "features_phase2": ...,
+    "features_dataset": ... or None}: their timing["train"], logs/<step>.json)."""
     n = reg = cap = 0.0
     for step in ("features_new", "features_phase2"):
-        k, r, c = _seconds(data.get(step), f"{step}/metrics.json")
+        k, r, c = _seconds(data.get(step), f"logs/{step}.json")
         dev = devices(resources, step)
         n, reg, cap = n + k, reg + r * dev, cap + c * dev
     if n == 0:
-        raise DraftportError("features_new/metrics.json", "no samples: the data rates are unknown")
+        raise DraftportError("logs/features_new.json", "no samples: the data rates are unknown")
     out = {"regenerate_s_per_sample": reg / n, "capture_s_per_sample": cap / n, "capture_dataset_s_per_sample": None}
-    k, _, c = _seconds(data.get("features_dataset"), "features_dataset/metrics.json")
+    k, _, c = _seconds(data.get("features_dataset"), "logs/features_dataset.json")
     if k:
         out["capture_dataset_s_per_sample"] = c * devices(resources, "features_dataset") / k
     return out

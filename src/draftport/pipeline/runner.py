@@ -78,6 +78,9 @@ class StepContext:
     def __init__(self, row: R.Step, params: dict, inputs: dict[str, Path], folder: Path):
         self.row, self.name, self.p, self.inputs, self.dir = row, row.name, params, inputs, folder
         self.run = None  # tracking.PhaseRun for the phases
+        # measured seconds the step reports (the decision's hours): logs/<step>.json, never
+        # artifacts/ (two runs of the same plan differ in them, their outputs must not)
+        self.timing: dict = {}
 
     def path(self, *parts) -> Path:
         return self.dir.joinpath(*parts)
@@ -194,7 +197,8 @@ def main(step: str, argv: list[str] | None = None) -> int:
         _publish(folder, final)
         folder = s.dir = final
         write_json(Path("logs", f"{step}.json"), {"seconds": seconds, "finished": time.time(),
-                                                  "modules": sorted(loaded_modules())})
+                                                  "modules": sorted(loaded_modules()),
+                                                  **({"timing": s.timing} if s.timing else {})})
         if checkpoints(step).is_dir():  # finished: the step's outputs replace its resume state
             shutil.rmtree(checkpoints(step), ignore_errors=True)
         if os.environ.get("DVC_STAGE") and Path(".snakemake").is_dir():
@@ -297,6 +301,16 @@ def _log_params_once(run, params: dict) -> None:
         run.log_params(new)
     if changed:
         run.set_tags(changed)
+
+
+def timing_of(step: str) -> dict | None:
+    """What a finished step measured (StepContext.timing, in logs/<step>.json); None when its
+    record is missing or older than timings."""
+    f = Path("logs", f"{step}.json")
+    try:
+        return json.loads(f.read_text()).get("timing")
+    except (OSError, ValueError):
+        return None
 
 
 def _record_run(step: str, run) -> None:

@@ -134,6 +134,7 @@ def train_curves(s: StepContext) -> dict:
                             pool.map(_train_point, by_cost, chunksize=1)))
         out = [done[j["point"]["name"]] for j in jobs]
     runs = {r["name"]: r.pop("run_id") for r in out}
+    s.timing["points"] = {r["name"]: r.pop("train_seconds") for r in out}  # the decision's hours
     if s.run is not None:
         write_json(POINT_RUNS, {"uri": s.run.uri, "runs": runs})
     write_json(s.path("points.json"), {"budget": {"rule": "same epochs", "epochs": c["epochs"],
@@ -141,8 +142,7 @@ def train_curves(s: StepContext) -> dict:
                                                   "patience": c["train"]["patience"]},
                                        "points": out})
     return {"points": len(out), "steps_total": sum(p["train_steps"] for p in out),
-            "stopped_early": sum(bool(p["stopped_early"]) for p in out), "workers": n_workers,
-            "seconds": round(sum(p["train_seconds"] for p in out), 3)}
+            "stopped_early": sum(bool(p["stopped_early"]) for p in out), "workers": n_workers}
 
 
 def _point_run(s: StepContext, pt: dict, recorded: dict):
@@ -178,7 +178,7 @@ def eval_curves(s: StepContext) -> dict:
                              "acceptance_rate": res["acceptance_rate"]}, step=pt["train_steps"])
             run.finish(ok=True)
         res_points.append({k: pt[k] for k in ("arm", "init", "answers", "recipe", "n_samples", "seed", "train_steps",
-                                              "train_seconds", "stopped_early", "curve") if k in pt}
+                                              "stopped_early", "curve") if k in pt}
                           | {"accept_length": res["accept_length"], "ci": ci, "per_sample": res["per_sample"]})
     c = s.p["curves"]
     write_json(s.path("curves.json"), {"n_samples": c["n_samples"], "seeds": c["seeds"], "inits": c["inits"],

@@ -116,7 +116,8 @@ def _features(s: StepContext, out_dir, target, prompts, *, n: int, offset: int =
                          regenerate_via=f["regenerate"], base_url=f["base_url"],
                          served_model=f["served_model"], storage=storage, compile=f["compile"])
     out = {"samples": idx["samples"], "tokens": idx["tokens"],
-           "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2), "seconds": idx["seconds"]}
+           "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2)}
+    s.timing[Path(out_dir).name] = {"samples": idx["samples"], **idx["seconds"]}
     if storage != "disk":  # mb: what the states would take on disk; stored: the answers alone
         out.update(storage=storage, stored_mb=round(sum(p.stat().st_size for p in Path(out_dir).iterdir()) / 1e6, 3))
     return out

@@ -6,28 +6,40 @@ from __future__ import annotations
 
 from draftport.evaluation.decision import decide, render_text
 from draftport.evaluation.hours import devices, rates, split
-from draftport.pipeline.runner import StepContext, read_json, write_json
+from draftport.pipeline.runner import StepContext, read_json, timing_of, write_json
 
 PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
 
 
-def _hours(s: StepContext, curves: dict | None) -> dict:
-    """The measured device-hours: the rates per sample, each phase's split (the control: its
-    training; Phase 1's data counted in phase1), the plan's (its training data, every training,
-    the curves; the held-out sets and the evaluations not counted)."""
+def _hours(s: StepContext, curves: dict | None) -> dict | None:
+    """The measured device-hours (the steps' timings, logs/<step>.json): the rates per sample,
+    each phase's split (the control: its training; Phase 1's data counted in phase1), the plan's
+    (its training data, every training, the curves; the held-out sets and the evaluations not
+    counted). None, said in the log, when a step's timing is missing (logs/ deleted, an older run).
+    The curve points get their training seconds (train_seconds) for the decision's rows."""
     res = s.p["resources"]
-    data = {st: read_json(s.input(f"data_{st}")) for st in ("features_new", "features_phase2", "features_dataset")
-            if f"data_{st}" in s.inputs}
+    steps = ["features_new", "features_phase2", *(["features_dataset"] if "data_features_dataset" in s.inputs else []),
+             "train_phase1_scratch", "train_phase1", "train_phase2", *(["train_curves"] if curves else [])]
+    rec = {st: timing_of(st) for st in steps}
+    missing = [st for st, t in rec.items() if not t]
+    if missing:
+        print(f"decision: no hours (no timing in logs/{missing[0]}.json: rerun that step to measure them)")
+        return None
+    data = {st: rec[st]["train"] for st in ("features_new", "features_phase2", "features_dataset") if st in rec}
     r = {**rates(data, res), "source": "wall seconds of this run's steps x GPUs"}
-    train = {ph: float(read_json(s.input(f"train_{ph}")).get("seconds") or 0.0) * devices(res, f"train_{ph}")
+    train = {ph: float(rec[f"train_{ph}"]["train_seconds"]) * devices(res, f"train_{ph}")
              for ph in ("phase1_scratch", "phase1", "phase2")}
-    n1 = data["features_new"]["train"]["samples"]
-    n2 = n1 + (data["features_phase2"]["train"]["samples"] if "features_phase2" in data else 0)
+    point_s = rec["train_curves"]["points"] if curves else {}
+    for p in (curves or {}).get("points", []):
+        name = f"{p.get('arm', p['init'])}_n{p['n_samples']}_s{p['seed']}"
+        if name in point_s:
+            p["train_seconds"] = point_s[name] * devices(res, "train_curves")
+    n1 = data["features_new"]["samples"]
+    n2 = n1 + data["features_phase2"]["samples"]
     phases = {"phase1": split(n1, train["phase1"], r), "phase1_scratch": split(0, train["phase1_scratch"], r),
               "phase2": split(n2 - n1, train["phase2"], r)}
-    curve_train = sum(float(p.get("train_seconds") or 0.0) for p in (curves or {}).get("points", [])) \
-        * devices(res, "train_curves")
-    dataset = split(data["features_dataset"]["train"]["samples"], 0.0, r, "dataset") if "features_dataset" in data \
+    curve_train = sum(float(p.get("train_seconds") or 0.0) for p in (curves or {}).get("points", []))
+    dataset = split(data["features_dataset"]["samples"], 0.0, r, "dataset") if "features_dataset" in data \
         else {"regenerate": 0.0, "capture": 0.0, "train": 0.0, "total": 0.0}
     plan = {key: sum(h[key] for h in phases.values()) + dataset[key] for key in ("regenerate", "capture", "train")}
     plan["train"] += curve_train / 3600

@@ -44,8 +44,8 @@ def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> 
     fin = rep.get("final", {})
     out = {"train_processes": dist_info()[1],  # > 1 under torchrun (resources.<rule>.torchrun)
            "train_steps": rep["train_steps"], "final_loss": fin.get("loss"), "final_acc_0": fin.get("acc_0"),
-           "resumed_from_step": rep["resumed_from_step"],
-           "seconds": seconds}  # wall seconds of this run (after a resume: its own part); the decision's hours
+           "resumed_from_step": rep["resumed_from_step"]}
+    s.timing["train_seconds"] = seconds  # this run's own part after a resume; the decision's hours
     if rep["curve"]:  # the held-out tau by step (DVC plots read curve.csv)
         out.update(held_out_accept_length=rep["curve"][-1]["accept_length"],
                    best_held_out_accept_length=max(c["accept_length"] for c in rep["curve"]),
