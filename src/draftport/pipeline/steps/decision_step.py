@@ -39,8 +39,7 @@ def _hours(s: StepContext, curves: dict | None) -> dict | None:
     phases = {"phase1": split(n1, train["phase1"], r), "phase1_scratch": split(0, train["phase1_scratch"], r),
               "phase2": split(n2 - n1, train["phase2"], r)}
     curve_train = sum(float(p.get("train_seconds") or 0.0) for p in (curves or {}).get("points", []))
-    dataset = split(data["features_dataset"]["samples"], 0.0, r, "dataset") if "features_dataset" in data \
-        else {"regenerate": 0.0, "capture": 0.0, "train": 0.0, "total": 0.0}
+    dataset = split(data.get("features_dataset", {}).get("samples", 0), 0.0, r, "dataset")  # no arm: zeros
     plan = {key: sum(h[key] for h in phases.values()) + dataset[key] for key in ("regenerate", "capture", "train")}
     plan["train"] += curve_train / 3600
     plan["curves"] = curve_train / 3600 + dataset["total"]
