@@ -139,7 +139,8 @@ def test_step_keys_exist_in_the_schema(base):
             P.get(cfg, k)
         for inp in step.inputs.values():
             for k in inp.when:
-                P.get(cfg, k)
+                R.holds(cfg, k)  # its key exists (a KeyError names one that does not)
+        R.enabled(step, cfg)
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):

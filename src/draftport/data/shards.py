@@ -665,6 +665,29 @@ def open_set(folder: str | Path, verify: bool = True):
     return SequenceSet(folder, verify) if is_sequences(folder) else FeatureSet(folder, verify)
 
 
+CHAIN_FILE = "chain.json"  # a folder of feature folders captured one after another (the adaptive budget's rounds)
+
+
+def chain_parts(folder) -> list[Path]:
+    """A feature folder as the list of folders it reads: itself, or, for a chain folder (chain.json
+    lists its parts, in order), those parts."""
+    folder = Path(folder)
+    f = folder / CHAIN_FILE
+    if not f.is_file():
+        return [folder]
+    try:
+        parts = json.loads(f.read_text())["parts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DraftportError(f, "not a chain of feature folders (no readable \"parts\" list)") from None
+    return [folder / p for p in parts]
+
+
+def write_chain(folder, parts: list[str], summary: dict) -> None:
+    """folder/chain.json: its parts (subfolders, in capture order) and a summary of them (samples,
+    tokens, prompt file, offset: what a feature folder's index.json says of its samples)."""
+    atomic_write_text(Path(folder) / CHAIN_FILE, json.dumps({"parts": parts, **summary}, indent=2) + "\n")
+
+
 class FeatureChain:
     """The first `n` samples of several feature folders read one after another (a prefix of one
     capture split over steps: Phase 1's samples, then Phase 2's), as one FeatureSet. The folders

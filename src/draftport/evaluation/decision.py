@@ -714,4 +714,12 @@ def render_text(decision: dict) -> str:
         if g is not None:
             out.append(f"{label}: {g['diff']:+.3f} {_fmt_ci(g['ci'])}  "
                        f"{'significant' if g['significant'] else 'not significant'}")
+    b = decision.get("data_budget")
+    if b:
+        out.append(f"Adaptive data budget: Phase 2's data {b['why']} ({len(b['rounds'])} rounds, x{b['factor']:g} each):")
+        for row in b["rounds"]:
+            proj = (f", gain {row['gain']:+.3f}; next round projected {row['projected_gain']:+.3f} "
+                    f"[{row['projected_gain_ci_low']:+.3f}, {row['projected_gain_ci_high']:+.3f}]"
+                    if "gain" in row else "")
+            out.append(f"  round {row['round']}: n={row['n_samples']:<8} tau {row['accept_length']:.3f}{proj}")
     return "\n".join(out) + "\n"

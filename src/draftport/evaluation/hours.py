@@ -30,10 +30,10 @@ def _seconds(t: dict | None, where: str) -> tuple[int, float, float]:
 def rates(data: dict, resources: dict | None = None) -> dict:
     """Device-seconds per sample: regenerating an answer, capturing a regenerated sample, capturing
     a dataset sample (prefill of the dataset's answer), from what the features steps measured
-    (data: {"features_new": {"samples", "regenerate", "capture"}, "features_phase2": ...,
-    "features_dataset": ... or None}: their timing["train"], logs/<step>.json)."""
+    (data: {"features_new": {"samples", "regenerate", "capture"}, "features_phase2" (or "budget": the
+    adaptive rounds'): ..., "features_dataset": ... or None}: their timing["train"], logs/<step>.json)."""
     n = reg = cap = 0.0
-    for step in ("features_new", "features_phase2"):
+    for step in (st for st in data if st != "features_dataset"):
         k, r, c = _seconds(data.get(step), f"logs/{step}.json")
         dev = devices(resources, step)
         n, reg, cap = n + k, reg + r * dev, cap + c * dev

@@ -342,7 +342,8 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
     datas, training = [], []
     chain = {"phase1_scratch": ["phase1_scratch"], "phase1": ["phase1"], "phase2": ["phase1", "phase2"]}[ph]
     for step in chain:
-        ix = _index(inp("data_phase2" if step == "phase2" else "data_phase1"))
+        data = "data_phase1" if step != "phase2" else "data_phase2" if "data_phase2" in inputs else "data_phase2_chain"
+        ix = _index(inp(data))
         datas.append({"phase": step, "samples": ix["samples"], "tokens": ix["tokens"], "prompts": ix.get("samples_file"),
                       "offset": ix.get("offset", 0), "regenerated": ix.get("regenerated")})
         tm = load_json(inp(f"train_{step}"), "missing (has the training step run?)")

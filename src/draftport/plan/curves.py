@@ -39,6 +39,11 @@ def arms(c: dict) -> list[dict]:
     return [{"arm": arm_name(a["init"], a["answers"], a["recipe"]), **a} for a in out]
 
 
+def point_name(pt: dict) -> str:
+    """A point's name (its checkpoints, its MLflow run, its timing): `<arm>_n<n>_s<seed>`."""
+    return f"{pt.get('arm', pt['init'])}_n{pt['n_samples']}_s{pt['seed']}"
+
+
 def points(c: dict) -> list[dict]:
     """Every point of the curves group c: name, arm, init, answers, recipe, n_samples, seed (the
     plain arms' names are `<init>_n<n>_s<seed>`, as before arms existed)."""
@@ -46,8 +51,9 @@ def points(c: dict) -> list[dict]:
     for a in arms(c):
         for n in a["n_samples"]:
             for seed in c["seeds"]:
-                out.append({"name": f"{a['arm']}_n{n}_s{seed}", "arm": a["arm"], "init": a["init"],
-                            "answers": a["answers"], "recipe": a["recipe"], "n_samples": n, "seed": seed})
+                pt = {"arm": a["arm"], "init": a["init"], "answers": a["answers"], "recipe": a["recipe"],
+                      "n_samples": n, "seed": seed}
+                out.append({"name": point_name(pt), **pt})
     order = {(a["arm"]): i for i, a in enumerate(arms(c))}
     # the plain arms interleaved by n as before (n, then init, then seed); the other arms after them
     return sorted(out, key=lambda p: (p["recipe"] != "plain" or p["answers"] != "regenerated",

@@ -635,6 +635,21 @@ class CurvesParams(Group):
                            "seed: replaced by each point's; patience > 0: stop at a plateau)")
 
 
+class DataParams(Group):
+    """How much of Phase 2's data to make: all of phase2.n_samples at once (step features_phase2), or
+    in rounds that stop when more data stops paying (step budget, draftport.evaluation.budget)."""
+
+    budget: Literal["fixed", "adaptive"] = F(
+        "fixed", "fixed: phase2.n_samples captured at once; adaptive: rounds of n x factor from phase1.n_samples, "
+        "each trained (the source, `seeds`, the curves' budget rule and curves.train) and scored, until the next "
+        "round's projected gain's upper CI bound < decision.min_gain, phase2.n_samples (the cap) or max_hours; "
+        "Phase 2 trains on what was captured")
+    factor: float = F(2.0, "adaptive: each round's n = the last one's x factor", gt=1.0, le=16.0)
+    seeds: Annotated[list[int], _int_list(0, 16)] = F([0, 1, 2], "adaptive: seeds trained per round")
+    max_hours: Optional[float] = F(None, "adaptive: the rounds' device-hours (capture and training) may not pass "
+                                   "this; null: no cap but phase2.n_samples", gt=0)
+
+
 class DecisionParams(Group):
     """Step decision: bootstrap CIs over prompts and the rules of draftport.evaluation.decision."""
 
@@ -664,6 +679,7 @@ class Params(Group):
     phase2: Phase2Params = F(..., "Phase 2: scaled data, continued")
     monitor: MonitorParams = F(..., "step features_monitor: the held-out set of tau during training")
     curves: CurvesParams = F(..., "the learning curves: fine-tune and scratch by sample count and seed")
+    data: DataParams = F(..., "Phase 2's data: all at once, or an adaptive budget in rounds")
     decision: DecisionParams = F(..., "step decision: the recommendation and its confidence")
     reference: Optional[ReferenceParams] = F(..., "a published drafter for the new target (an upper bound); "
                                              "null: none")
@@ -870,6 +886,8 @@ def _cross_checks(cfg: dict) -> None:
                           "must be set when features.regenerate is openai")
     if cfg["drift"]["enabled"] and not cfg["targets"]["old"]:
         raise ParamsError("drift.enabled", "needs targets.old (the probe runs the old target on the new one's tokens)")
+    if len(set(cfg["data"]["seeds"])) != len(cfg["data"]["seeds"]):
+        raise ParamsError("data.seeds", f"{cfg['data']['seeds']}: a seed twice")
     c = cfg["curves"]
     if c["enabled"]:
         ns = c["n_samples"]

@@ -22,7 +22,7 @@ ARTIFACTS = "artifacts"
 class Input:
     """A path inside an upstream step's folder (`step/rel`), or a target (`@new`, `@old`: the
     fetch step's copy when targets.<which> is a hub id, else the folder the param names).
-    when: dotted keys that must all be set (truthy) for the input to exist."""
+    when: dotted keys that must all hold (true, or `key=value`) for the input to exist."""
     path: str
     when: tuple[str, ...] = ()
 
@@ -41,7 +41,11 @@ class Step:
     trains: bool = False                      # makes a drafter: torchrun-able, checkpoints
     dvc: bool = True                          # has a DVC stage (online steps need the vLLM venv)
     cache: bool = True                        # DVC caches its outs (features: too big, not cached)
-    enabled: str | tuple[str, ...] | None = None  # dotted bool key(s): the step exists only when all are true
+    # dotted key(s), each true or `key=value`: the step exists only when all hold
+    enabled: str | tuple[str, ...] | None = None
+    # a step it stands in for, with the same outputs: inputs in that step's folder read this one's
+    # when this one exists (budget, adaptive, for features_phase2)
+    replaces: str | None = None
 
 
 # Library modules every step runs (the runner and what it imports): a change reruns every step.
@@ -122,7 +126,18 @@ STEPS: tuple[Step, ...] = (
     Step("features_phase2", "Phase 2's scaled data: the next prompts after Phase 1's, answered by the new target",
          "data_steps:features_phase2", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples",
                                   "phase2.n_samples"),
-         FEATURE_MODULES, {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
+         FEATURE_MODULES, {"source": SOURCE, "target": TARGET}, after=("world",), cache=False,
+         enabled="data.budget=fixed"),
+    Step("budget", "the adaptive data budget: Phase 2's data in rounds of n x data.factor, each trained and scored, "
+         "until more data stops paying", "budget_step:budget",
+         (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples", "phase2.n_samples", "data",
+          "curves.epochs", "curves.min_steps", "curves.train", "eval", "decision.n_boot", "decision.level",
+          "decision.seed", "decision.min_gain", "resources", "profile", *MONITOR_KEYS, *SPOOL_KEYS),
+         (*TRAIN_MODULES, *FEATURE_MODULES, "evaluation.budget", "evaluation.decision", "evaluation.hours", "plan.curves",
+          "pipeline.steps.curve_steps", "pipeline.steps.budget_step"),
+         {"features": Input("features_new/train"), "eval": EVAL_SET, "vocab": VOCAB, "source": SOURCE,
+          "target": TARGET, "monitor": monitor_input("curves")},
+         after=("world",), run="budget", cache=False, enabled="data.budget=adaptive", replaces="features_phase2"),
     Step("features_dataset", "the regenerate-or-not arm's data: the prompts' own answers, teacher-forced through the new target",
          "data_steps:features_dataset", (*FEATURE_KEYS, "features.storage", "targets.prompts_train",
                                          "curves.arms_n_samples"),
@@ -185,13 +200,14 @@ STEPS: tuple[Step, ...] = (
          run="curves", run_from="train_curves", enabled="curves.enabled"),
     Step("decision", "the recommendation with evidence: init, recipe, answers, data, Phase 2, hours; bootstrap CIs, rules R1-R8",
          "decision_step:decision", ("costmodel", "eval.k", "decision", "resources"),
-         ("evaluation.decision", "evaluation.hours", "evaluation.costmodel", "pipeline.steps.decision_step"),
+         ("evaluation.decision", "evaluation.hours", "evaluation.costmodel", "plan.curves", "pipeline.steps.decision_step"),
          {"curves": Input("eval_curves/curves.json", ("curves.enabled",)),
           **{ph: Input(f"eval_{ph}/eval.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
           **{f"data_{st}": Input(f"{st}/metrics.json") for st in ("features_new", "features_phase2")},
           "data_features_dataset": Input("features_dataset/metrics.json", ("curves.enabled", "curves.answers", "curves.arms_n_samples")),
           **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
-          "drift": Input("drift/metrics.json", ("drift.enabled",))}),
+          "drift": Input("drift/metrics.json", ("drift.enabled",)),
+          "budget": Input("budget/budget.json", ("data.budget=adaptive",))}),
     Step("report", "plots and tables: tau per phase vs projected tok/s, per-position acceptance, loss, comparison",
          "report_step:report", ("profile", "costmodel", "eval.k", "online.enabled"),
          ("outputs.report", "outputs.tables", "pipeline.steps.report_step"),
@@ -218,7 +234,9 @@ STEPS: tuple[Step, ...] = (
           "evaluation.decision", *DRAFTING_MODULES, "evaluation.costmodel", "pipeline.steps.publish_step"),
          {"decision": Input("decision/decision.json"), "target": TARGET, "features": EVAL_SET,
           "source": Input("fetch/source/fetch.lock.json"),
-          "data_phase1": Input("features_new/train/index.json"), "data_phase2": Input("features_phase2/train/index.json"),
+          "data_phase1": Input("features_new/train/index.json"),
+          "data_phase2": Input("features_phase2/train/index.json", ("data.budget=fixed",)),
+          "data_phase2_chain": Input("budget/train/chain.json", ("data.budget=adaptive",)),
           **{f"drafter_{ph}": Input(f"train_{ph}/drafter") for ph in ("phase1_scratch", "phase1", "phase2")},
           **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
           **{f"eval_{ph}": Input(f"eval_{ph}/eval.json") for ph in ("phase1_scratch", "phase1", "phase2")},
@@ -265,9 +283,24 @@ def get(cfg: dict, dotted: str):
     return cur
 
 
+def holds(cfg: dict, cond: str) -> bool:
+    """A condition of the table: `key` (its value is true) or `key=value` (its value, as text, is value)."""
+    key, eq, value = cond.partition("=")
+    return str(get(cfg, key)) == value if eq else bool(get(cfg, key))
+
+
 def enabled(step: Step, cfg: dict) -> bool:
-    keys = (step.enabled,) if isinstance(step.enabled, str) else step.enabled or ()
-    return all(get(cfg, k) for k in keys)
+    conds = (step.enabled,) if isinstance(step.enabled, str) else step.enabled or ()
+    return all(holds(cfg, c) for c in conds)
+
+
+def folder_of(step: str, cfg: dict) -> str:
+    """The step whose folder an input in `step`'s folder is read from: a step that replaces it when
+    that one exists under cfg, else step itself."""
+    for s in STEPS:
+        if s.replaces == step and enabled(s, cfg):
+            return s.name
+    return step
 
 
 def active(cfg: dict) -> list[Step]:
@@ -291,9 +324,13 @@ def inputs(step: Step, cfg: dict) -> dict[str, str]:
     """The step's named inputs under these params, as paths (what its script receives)."""
     out = {}
     for name, inp in step.inputs.items():
-        if not all(get(cfg, k) for k in inp.when):
+        if not all(holds(cfg, k) for k in inp.when):
             continue
-        out[name] = target_path(cfg, inp.path[1:]) if inp.path.startswith("@") else f"{ARTIFACTS}/{inp.path}"
+        if inp.path.startswith("@"):
+            out[name] = target_path(cfg, inp.path[1:])
+        else:
+            up, _, rest = inp.path.partition("/")
+            out[name] = f"{ARTIFACTS}/{folder_of(up, cfg)}/{rest}"
     return out
 
 
@@ -347,7 +384,8 @@ def table_markdown() -> str:
         flags = ", ".join(f for f, on in (("trains", s.trains), (f"MLflow run {s.run}", bool(s.run)),
                                           ("no DVC stage", not s.dvc), ("not cached", not s.cache),
                                           (f"only when {' and '.join((s.enabled,) if isinstance(s.enabled, str) else s.enabled or ())}",
-                                           bool(s.enabled))) if on) or "-"
+                                           bool(s.enabled)), (f"stands in for {s.replaces}", bool(s.replaces)))
+                          if on) or "-"
         rows.append(f"| `{s.name}` | {s.doc} | {ins} | {', '.join(f'`{p}`' for p in s.params)} | {flags} |")
     return "\n".join(rows) + "\n"
 

@@ -12,7 +12,7 @@ import torch
 from draftport.model.bind import check_features_fit, drafter_for_target, target_head
 from draftport.model.formats import atomic_write_text, load_drafter_state, save_drafter, sha256
 from draftport.model.config import DrafterConfig, read_config
-from draftport.data.shards import FeatureChain, FeatureSet, check_disjoint, open_set
+from draftport.data.shards import FeatureChain, FeatureSet, chain_parts, check_disjoint, open_set
 from draftport.data.storage import SPOOL_GB
 from draftport.model.draftmap import cfg_d2t, read_vocab
 from draftport.errors import DraftportError
@@ -22,8 +22,9 @@ from draftport.training.loop import train
 
 
 def feature_dirs(features_dir) -> list:
-    """One feature folder or several that continue one another, as a list."""
-    return [features_dir] if isinstance(features_dir, (str, Path)) else list(features_dir)
+    """One feature folder or several that continue one another, as a list (a chain folder: its parts)."""
+    dirs = [features_dir] if isinstance(features_dir, (str, Path)) else list(features_dir)
+    return [part for d in dirs for part in chain_parts(d)]
 
 
 def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, vocab_policy: str = "remap",

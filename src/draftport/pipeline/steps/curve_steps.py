@@ -40,7 +40,8 @@ def _train_point(job: dict) -> dict:
     pt, kw = job["point"], dict(job["kw"])
     cfg = TrainConfig(**job["train"])
     kw["train_cfg"] = cfg
-    print(f"curves: point {job['i']}/{job['of']}: {pt['arm']} n={pt['n_samples']} seed={pt['seed']}, "
+    what = job.get("label", "curves")
+    print(f"{what}: point {job['i']}/{job['of']}: {pt['arm']} n={pt['n_samples']} seed={pt['seed']}, "
           f"{cfg.steps} steps", flush=True)
     child = _child_run(job["profile"], job["parent"], job["step"], pt) if job["parent"] else None
     if child is not None:
@@ -50,7 +51,7 @@ def _train_point(job: dict) -> dict:
     t0 = time.perf_counter()
     rep = train_phase(job["out"], logger=child.background() if child else None, progress=True, **kw)
     seconds = round(time.perf_counter() - t0, 3)
-    print(f"curves: point {job['i']}/{job['of']} ({pt['name']}) done in {seconds:.1f} s", flush=True)
+    print(f"{what}: point {job['i']}/{job['of']} ({pt['name']}) done in {seconds:.1f} s", flush=True)
     if child is not None:
         child.finish(ok=True)
     return {**pt, "dir": f"points/{pt['name']}", "train_steps": rep["train_steps"],
@@ -89,20 +90,41 @@ def _workers(n_points: int, world: int) -> int:
     return max(1, min(torch.get_num_threads(), n_points))
 
 
+def train_jobs(jobs: list[dict], world: int) -> tuple[list[dict], int]:
+    """Train every job (_train_point's), on the CPU as many at once as the step has threads; the
+    results in the jobs' order, and how many trained at once."""
+    n_workers = _workers(len(jobs), world)
+    if n_workers == 1:
+        return [_train_point(j) for j in jobs], 1
+    what = jobs[0].get("label", "curves")
+    print(f"{what}: {len(jobs)} points, {n_workers} at a time (one thread each)", flush=True)
+    by_cost = sorted(jobs, key=lambda j: -j["train"]["steps"])  # the longest first: the workers finish together
+    log_fh = getattr(getattr(sys.stdout, "log", None), "fh", None)  # the runner's Tee to logs/<step>.log
+    with mp.get_context("spawn").Pool(n_workers, initializer=_worker_init,
+                                      initargs=(getattr(log_fh, "name", None),)) as pool:
+        done = dict(zip((j["point"]["name"] for j in by_cost), pool.map(_train_point, by_cost, chunksize=1)))
+    return [done[j["point"]["name"]] for j in jobs], n_workers
+
+
 def train_curves(s: StepContext) -> dict:
     """Train every point (arm x n x seed; draftport.plan.curves) on the first n samples of Phase 1's
     + Phase 2's capture (the dataset arms: of features_dataset); on the CPU the step's threads
     train that many points at once. A killed step resumes: finished points continue from their
     last checkpoint (0 steps left), the interrupted ones from their own."""
     # lazy (registry): eval_curves runs this module and trains nothing
-    from draftport.training.phases import train_phase
+    from draftport.training.phases import feature_dirs, train_phase
     from draftport.training.loop import init_distributed
     from draftport.pipeline.steps.train_steps import monitor_of, online_of
 
     rank, world = init_distributed()  # under torchrun every rank trains each point on its slice of the batch
     c = s.p["curves"]
-    regenerated = [s.input("features"), s.input("features_phase2")]
-    pts = points(c)
+    regenerated = feature_dirs([s.input("features"), s.input("features_phase2")])
+    have = sum(int(read_json(Path(d) / "index.json")["samples"]) for d in regenerated)
+    pts = [p for p in points(c) if p["answers"] == DATASET or p["n_samples"] <= have]
+    beyond = sorted({p["n_samples"] for p in points(c)} - {p["n_samples"] for p in pts})
+    if beyond:  # data.budget adaptive stopped below them
+        print(f"curves: n = {', '.join(map(str, beyond))} not trained: beyond the {have:,} samples captured "
+              "(the adaptive data budget stopped there)", flush=True)
     jobs = []
     for i, pt in enumerate(pts, 1):
         tc = train_config(c, pt)
@@ -121,18 +143,7 @@ def train_curves(s: StepContext) -> dict:
                      "parent": s.run.run_id if s.run is not None else None, "step": s.name})
     if rank > 0:
         return {}
-    n_workers = _workers(len(jobs), world)
-    if n_workers == 1:
-        out = [_train_point(j) for j in jobs]
-    else:  # the longest points first: the workers finish together
-        print(f"curves: {len(jobs)} points, {n_workers} at a time (one thread each)", flush=True)
-        by_cost = sorted(jobs, key=lambda j: -j["train"]["steps"])
-        log_fh = getattr(getattr(sys.stdout, "log", None), "fh", None)  # the runner's Tee to logs/<step>.log
-        with mp.get_context("spawn").Pool(n_workers, initializer=_worker_init,
-                                          initargs=(getattr(log_fh, "name", None),)) as pool:
-            done = dict(zip((j["point"]["name"] for j in by_cost),
-                            pool.map(_train_point, by_cost, chunksize=1)))
-        out = [done[j["point"]["name"]] for j in jobs]
+    out, n_workers = train_jobs(jobs, world)
     runs = {r["name"]: r.pop("run_id") for r in out}
     s.timing["points"] = {r["name"]: r.pop("train_seconds") for r in out}  # the decision's hours
     if s.run is not None:
@@ -140,7 +151,7 @@ def train_curves(s: StepContext) -> dict:
     write_json(s.path("points.json"), {"budget": {"rule": "same epochs", "epochs": c["epochs"],
                                                   "min_steps": c["min_steps"], "max_steps": c["train"]["steps"],
                                                   "patience": c["train"]["patience"]},
-                                       "points": out})
+                                       "points": out, **({"beyond_data": beyond} if beyond else {})})
     return {"points": len(out), "steps_total": sum(p["train_steps"] for p in out),
             "stopped_early": sum(bool(p["stopped_early"]) for p in out), "workers": n_workers}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from draftport.evaluation.decision import decide, render_text
 from draftport.evaluation.hours import devices, rates, split
 from draftport.pipeline.runner import StepContext, read_json, timing_of, write_json
+from draftport.plan.curves import point_name
 
 PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
 
@@ -18,24 +19,24 @@ def _hours(s: StepContext, curves: dict | None) -> dict | None:
     counted). None, said in the log, when a step's timing is missing (logs/ deleted, an older run).
     The curve points get their training seconds (train_seconds) for the decision's rows."""
     res = s.p["resources"]
-    steps = ["features_new", "features_phase2", *(["features_dataset"] if "data_features_dataset" in s.inputs else []),
+    phase2_data = "budget" if "budget" in s.inputs else "features_phase2"  # data.budget adaptive: the rounds'
+    steps = ["features_new", phase2_data, *(["features_dataset"] if "data_features_dataset" in s.inputs else []),
              "train_phase1_scratch", "train_phase1", "train_phase2", *(["train_curves"] if curves else [])]
     rec = {st: timing_of(st) for st in steps}
     missing = [st for st, t in rec.items() if not t]
     if missing:
         print(f"decision: no hours (no timing in logs/{missing[0]}.json: rerun that step to measure them)")
         return None
-    data = {st: rec[st]["train"] for st in ("features_new", "features_phase2", "features_dataset") if st in rec}
+    data = {st: rec[st]["train"] for st in ("features_new", phase2_data, "features_dataset") if st in rec}
     r = {**rates(data, res), "source": "wall seconds of this run's steps x GPUs"}
     train = {ph: float(rec[f"train_{ph}"]["train_seconds"]) * devices(res, f"train_{ph}")
              for ph in ("phase1_scratch", "phase1", "phase2")}
     point_s = rec["train_curves"]["points"] if curves else {}
     for p in (curves or {}).get("points", []):
-        name = f"{p.get('arm', p['init'])}_n{p['n_samples']}_s{p['seed']}"
-        if name in point_s:
-            p["train_seconds"] = point_s[name] * devices(res, "train_curves")
+        if point_name(p) in point_s:
+            p["train_seconds"] = point_s[point_name(p)] * devices(res, "train_curves")
     n1 = data["features_new"]["samples"]
-    n2 = n1 + data["features_phase2"]["samples"]
+    n2 = n1 + data[phase2_data]["samples"]
     phases = {"phase1": split(n1, train["phase1"], r), "phase1_scratch": split(0, train["phase1_scratch"], r),
               "phase2": split(n2 - n1, train["phase2"], r)}
     curve_train = sum(float(p.get("train_seconds") or 0.0) for p in (curves or {}).get("points", []))
@@ -43,6 +44,10 @@ def _hours(s: StepContext, curves: dict | None) -> dict | None:
     plan = {key: sum(h[key] for h in phases.values()) + dataset[key] for key in ("regenerate", "capture", "train")}
     plan["train"] += curve_train / 3600
     plan["curves"] = curve_train / 3600 + dataset["total"]
+    if phase2_data == "budget":  # the rounds' own trainings (their data is Phase 2's, counted there)
+        rounds_h = float(rec["budget"]["rounds_train_seconds"]) / 3600
+        plan["train"] += rounds_h
+        plan["budget_rounds"] = rounds_h
     plan["total"] = plan["regenerate"] + plan["capture"] + plan["train"]
     return {"rates": r, "phases": phases, "plan": plan}
 
@@ -55,6 +60,11 @@ def decision(s: StepContext) -> dict:
     out = decide(curves, phases, costmodel=s.p["costmodel"], k=s.p["eval"]["k"], drift=drift,
                  n_boot=d["n_boot"], level=d["level"], seed=d["seed"], min_gain=d["min_gain"],
                  hours=_hours(s, curves), serving_tokens_per_day=d["serving_tokens_per_day"])
+    if "budget" in s.inputs:  # data.budget adaptive: where the rounds stopped, and why
+        b = read_json(s.input("budget"))
+        out["data_budget"] = {**{key: b[key] for key in ("stop", "why", "n_samples", "factor", "min_gain", "cap")},
+                              "rounds": [{key: v for key, v in row.items() if key != "per_sample"}
+                                         for row in b["rounds"]]}
     write_json(s.path("decision.json"), out)
     text = render_text(out)
     s.path("decision.txt").write_text(text + ("" if text.endswith("\n") else "\n"))
