@@ -279,6 +279,10 @@ CASES = [
     Case("params-phase2-not-larger", "params.yaml: `phase2.n_samples` below `phase1.n_samples`",
          set_key("phase2.n_samples", 10), step("features_phase2"), "phase2.n_samples",
          "must exceed phase1.n_samples", ("artifacts/features_phase2",)),
+    Case("step-not-in-plan", "params.yaml: `data.budget: adaptive`, then the fixed plan's step `features_phase2` "
+         "run (a dvc.yaml made before the edit)", set_key("data.budget", "adaptive"), step("features_phase2"),
+         "data.budget", "adaptive: step features_phase2 is not part of this plan (it needs data.budget=fixed; "
+         "step budget stands in for it): regenerate dvc.yaml", ("artifacts/features_phase2",)),
     # profiles
     Case("profile-unknown", "`snakemake --configfile configs/nope.yaml` (no such profile)", lambda repo: None,
          [str(BIN / "snakemake"), "-n", "phase1", "--configfile", "configs/nope.yaml"], "configs/nope.yaml",

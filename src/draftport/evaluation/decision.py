@@ -571,7 +571,9 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
         ph = hours["plan"]
         text.append(f"This plan's training data and trainings took {ph['total']:.3g} device-hours: regenerate "
                     f"{ph['regenerate']:.3g}, capture "
-                    f"{ph['capture']:.3g}, train {ph['train']:.3g} (the learning curves {ph.get('curves', 0):.3g}); "
+                    f"{ph['capture']:.3g}, train {ph['train']:.3g} (the learning curves {ph.get('curves', 0):.3g}"
+                    + (f"; the adaptive budget's rounds {ph['budget_rounds']:.3g}" if "budget_rounds" in ph else "")
+                    + "); "
                     f"measured ({hours['rates'].get('source', 'this run')}).")
     if p1 is not None:
         text.append(f"Phase 1 (fine-tuned source) - Phase 1 scratch control: {p1['diff']:+.3f} (CI "

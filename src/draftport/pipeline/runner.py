@@ -111,11 +111,22 @@ def _jsonable(o):
 def load_step_params(step: str, params_file: str | None) -> dict:
     """The step's values: params.yaml's, or the --params file's (a profile's, written and fully
     validated by the Snakefile: here only each value is checked, the profile's other values are
-    not in the file)."""
+    not in the file). Under params.yaml alone (DVC, a step run by hand) a step that these params
+    leave out of the plan is refused: dvc.yaml was made under other values."""
     base = P.read_yaml(P.PARAMS_FILE)
     if params_file:
         base = P.merge(base, P.read_yaml(params_file))
-    return R.step_params(P.validate(base, cross=not params_file), step)
+    cfg = P.validate(base, cross=not params_file)
+    row = R.BY_NAME[step]
+    if not params_file and not R.enabled(row, cfg):
+        conds = (row.enabled,) if isinstance(row.enabled, str) else row.enabled
+        off = next(c for c in conds if not R.holds(cfg, c))
+        key = off.partition("=")[0]
+        instead = [s.name for s in R.STEPS if s.replaces == step and R.enabled(s, cfg)]
+        raise P.ParamsError(key, f"{R.get(cfg, key)}: step {step} is not part of this plan (it needs {off}"
+                            + (f"; step {instead[0]} stands in for it" if instead else "")
+                            + "): regenerate dvc.yaml (python -m draftport.pipeline.bridge dvc-yaml)")
+    return R.step_params(cfg, step)
 
 
 def default_inputs(row: R.Step) -> dict[str, Path]:
