@@ -309,6 +309,31 @@ def test_estimate_bills_the_learning_curves():
     assert "curves" not in [r["rule"] for r in E.estimate(cfg)["rows"]]
 
 
+def test_estimate_bills_the_adaptive_budget_at_the_embedded_worlds_stop():
+    """data.budget adaptive, the curve flattening where the embedded world's did (EMBEDDED_STOP_ROUND
+    rounds of x2): the rounds' trainings (data.seeds x the curves' budget rule, round 0 included, one
+    GPU) against Phase 2's regeneration and capture past the stop. On the kimi profile the cap comes
+    first; with a larger cap the samples past the stop are saved."""
+    cfg = P.load(KIMI)
+    c = cfg["curves"]
+    n1 = cfg["phase1"]["n_samples"]
+    a = E.estimate(cfg)["adaptive"]
+    ns = [n1 * 2 ** k for k in range(E.EMBEDDED_STOP_ROUND + 1)]
+    assert a["rounds_n"] == [n for n in ns if n < cfg["phase2"]["n_samples"]] + [cfg["phase2"]["n_samples"]]
+    assert a["cap_first"] and a["data_hours_saved"] == 0
+    assert a["rounds_steps"] == 3 * sum(min(c["train"]["steps"], max(c["min_steps"], -(-c["epochs"] * n //
+                                        c["train"]["batch_size"]))) for n in a["rounds_n"])
+    assert a["net_hours_saved"] == pytest.approx(-a["rounds_train_hours"]) and a["rounds_train_hours"] > 0
+    big = P.merge(cfg, {"phase2": {"n_samples": 1_000_000}})
+    rep = E.estimate(big)
+    a = rep["adaptive"]
+    p2 = next(r for r in rep["data"] if r["step"] == "features_phase2")
+    assert a["rounds_n"] == ns and not a["cap_first"]
+    assert a["data_hours_saved"] == pytest.approx((1_000_000 - ns[-1]) * (p2["regenerate_hours"] + p2["capture_hours"])
+                                                  / p2["samples"])
+    assert "adaptive data budget" in E.render(rep)
+
+
 def test_estimate_command_json_and_bad_input():
     r = run_cli("--json", "--capture-efficiency", "0.42", "--serve-tok-s", "3600")
     assert r.returncode == 0, r.stderr

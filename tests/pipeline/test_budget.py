@@ -18,6 +18,8 @@ import pytest
 import yaml
 
 from draftport.data.shards import FeatureChain, open_set
+from draftport.plan import cluster
+from draftport.plan import params as P
 from draftport.training.phases import feature_dirs
 from repo import BIN, micro_copy
 from resume_copy import Copy
@@ -67,11 +69,32 @@ def test_a_flattening_curve_stops_before_the_cap(copy):
     assert steps == list(range(len(b["rounds"])))
 
 
-def test_a_rising_curve_goes_to_the_cap_and_a_killed_round_resumes(copy):
-    params = copy.path / "params.yaml"
+def edit(c: Copy, fn) -> None:
+    params = c.path / "params.yaml"
     cfg = yaml.safe_load(params.read_text())
-    rising(cfg)
+    fn(cfg)
     params.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def test_under_torchrun_the_rounds_train_over_two_processes_to_the_same_stop(copy):
+    """resources.budget.torchrun: each round's trainings under torchrun (2 gloo processes on the
+    CPU: every batch split, the gradients reduced), the step itself one process."""
+    flat = budget_json(copy)
+    edit(copy, lambda cfg: cfg["resources"].update(budget={"gpu": 2, "torchrun": True}))
+    cfg = P.load(base=copy.path / "params.yaml")
+    assert cluster.launcher(cfg, "budget") == "python"  # the step itself: one process
+    copy.run(BIN / "snakemake", "--cores", "2", "budget")
+    b = budget_json(copy)
+    assert {p for r in b["rounds"] for p in r["train_processes"]} == {2}
+    assert {p for r in flat["rounds"] for p in r["train_processes"]} == {1}
+    assert (b["stop"], b["n_samples"]) == (flat["stop"], flat["n_samples"])
+    for one, two in zip(flat["rounds"], b["rounds"]):
+        assert abs(one["accept_length"] - two["accept_length"]) < 0.01, (one, two)
+    edit(copy, lambda cfg: cfg["resources"].pop("budget"))
+
+
+def test_a_rising_curve_goes_to_the_cap_and_a_killed_round_resumes(copy):
+    edit(copy, rising)
     cmd = (BIN / "snakemake", "--cores", "2", "budget")
     copy.run(*cmd)
     ref = (copy.path / "artifacts/budget/budget.json").read_bytes()

@@ -256,7 +256,7 @@ def test_world_model_defaults_are_the_embedded_world(base):
 
 
 def test_resource_rules_come_from_the_step_registry():
-    assert P.RESOURCE_RULES == ("default", *STEP_NAMES) and P.TRAINING_RULES == TRAINING_STEPS
+    assert P.RESOURCE_RULES == ("default", *STEP_NAMES) and P.TRAINING_RULES == (*TRAINING_STEPS, "budget")
     assert list(P.ResourcesParams.model_fields) == list(P.RESOURCE_RULES)
 
 
@@ -385,7 +385,7 @@ def test_cross_false_skips_only_the_cross_checks(base):
 def test_cross_checks_name_the_training_steps(base):
     cfg = P.merge(base, {"resources": {"compare": {"torchrun": True, "gpu": 1}}})
     assert error_of(cfg) == ("resources.compare.torchrun: only training rules run under torchrun "
-                             "(train_phase1_scratch, train_phase1, train_phase2, train_curves)")
+                             "(train_phase1_scratch, train_phase1, train_phase2, train_curves, budget)")
     cfg = P.merge(base, {"resources": {"train_phase1": {"torchrun": True}}})
     assert error_of(cfg) == "resources.train_phase1.torchrun: needs gpu >= 1 (one process per GPU)"
     ok = P.merge(base, {"resources": {"train_phase1": {"torchrun": True, "gpu": 2}}})

@@ -34,6 +34,7 @@ from pathlib import Path
 from rich.console import Console, Group
 
 from draftport.errors import DraftportError
+from draftport.evaluation.budget import schedule
 from draftport.plan.curves import budget_steps, points
 from draftport.data.storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive, bytes_per_token,
     check_storage, storage_need)
@@ -56,6 +57,10 @@ CAPTURE_STATED_SOURCE = ("H200 2026-12-01, 32B dense bf16 random weights, B x T 
 # Stated: output tok/s of one 8 x H200 node serving the target for the answers (SERVE_SOURCE: a
 # published DeepSeek-R1 FP8 figure, the DeepSeek-V3 shape Kimi-K2 shares); decode is memory-bound
 # and a batch job runs at more concurrency, so this is on the low side.
+# The adaptive data budget (data.budget adaptive) on the embedded world stopped after this many rounds
+# of x2 from Phase 1's n, its curve flattened (benchmarks/results/2026-12-04-embedded-adaptive.md): the
+# estimate bills a real pair's rounds as if its curve had that shape.
+EMBEDDED_STOP_ROUND = 3
 SERVE_TOK_S = 1800.0
 SERVE_SOURCE = ("DeepSeek-R1 FP8 on 8 x H200, SGLang TP8, 1K/1K, 64 concurrent: 223.6 output tok/s/GPU x 8 "
                 "(SemiAnalysisAI/InferenceX#870)")
@@ -287,6 +292,37 @@ def _gpus(cfg: dict, step: str, override: int | None) -> int:
     return override or max(1, int({**res["default"], **(res.get(step) or {})}["gpu"]))
 
 
+def _adaptive(cfg: dict, data: list[dict], b: dict, tps: int, gpus: int | None, efficiency: float) -> dict:
+    """What data.budget adaptive would cost and save if the pair's curve flattened where the embedded
+    world's did (EMBEDDED_STOP_ROUND rounds of x data.factor): Phase 2's regeneration and capture of
+    the samples past the stop saved; every round's trainings (data.seeds x the curves' budget rule,
+    round 0 at Phase 1's n included) added. Phase 2's own training is the same either way."""
+    d, c = cfg.get("data") or {}, cfg["curves"]
+    n1, n2 = int(cfg["phase1"]["n_samples"]), int(cfg["phase2"]["n_samples"])
+    factor, seeds = float(d.get("factor", 2.0)), len(d.get("seeds", [0, 1, 2]))
+    full = schedule(n1, factor, n2)
+    ns = full[: EMBEDDED_STOP_ROUND + 1]
+    tr = c["train"]
+    rate = b[("" if tr.get("packing") else "padded_") + ("lm_head_trainable" if tr.get("train_lm_head", True)
+                                                         else "lm_head_frozen")]
+    steps = seeds * sum(budget_steps(n, c) for n in ns)
+    # the rounds' trainings: under torchrun over the step's GPUs (resources.budget.torchrun), else
+    # in the step's own process on one of them
+    held = _gpus(cfg, "budget", gpus)
+    res = {**cfg["resources"]["default"], **(cfg["resources"].get("budget") or {})}
+    on = held if res.get("torchrun") else 1
+    train_h = train_seconds(steps=steps, batch_size=int(tr["batch_size"]), tokens_per_sample=tps, tok_s_per_gpu=rate,
+                            gpus=on, efficiency=efficiency) / 3600
+    p2 = next(r for r in data if r["step"] == "features_phase2")
+    per_sample = (p2["regenerate_hours"] + p2["capture_hours"]) / max(1, p2["samples"])
+    saved = (n2 - ns[-1]) * per_sample
+    return {"stop_round": EMBEDDED_STOP_ROUND, "factor": factor, "rounds_n": ns, "n_samples": ns[-1],
+            "instead_of": n2, "seeds": seeds, "rounds_steps": steps, "data_hours_saved": saved,
+            "rounds_train_hours": train_h, "gpus_held": held, "gpus_training": on, "net_hours_saved": saved - train_h,
+            "cap_first": ns[-1] >= n2,
+            "profile_mode": d.get("budget", "fixed")}
+
+
 def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | None = None,
              efficiency: float = 0.9, bench=DEFAULT_BENCH, capture_bench_path=None,
              capture_eff: float | None = None, serve_tok_s: float = SERVE_TOK_S,
@@ -383,6 +419,7 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
                      "regenerate_hours": regen / serve_tok_s / 3600, "capture_tokens": n * tps, "gpus": n_gpu,
                      "capture_hours": cap / 3600})
     held = data[1]["samples"]
+    adaptive = _adaptive(cfg, data, b, tps, gpus, efficiency)
 
     # per phase and mode: hours = regenerate + capture (+ online's recompute) + train; disk at the
     # phase's end (Phase 2 trains on Phase 1's samples too: both folders stay)
@@ -429,6 +466,7 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
             # what R7 saves when it says the dataset's answers do: Phase 1's and Phase 2's regeneration
             "regenerate_hours": {ph: sum(r["regenerate_hours"] for r in data if r["phase"] == ph
                                          and r["step"] != "features_eval+monitor") for ph in ("phase1", "phase2")},
+            "adaptive": adaptive,
             "bytes_per_token": per_tok[f["dtype"]][0], "hidden_size": hidden,
             "target": {"id": t["new"], "config": shape_from, **shape}, "flops_per_token": flops,
             "peak_tflops": peak_tflops, "capture_efficiency": eff,

@@ -395,6 +395,8 @@ def resources(tp: int, gpus: int) -> list[Line]:
         Line("resources.features_monitor", {**feat, "runtime": 120}, ""),
         Line("resources.features_phase2", {**feat, "runtime": 10080}, ""),
         Line("resources.features_dataset", {**feat, "runtime": 600}, "the dataset's answers: a prefill each"),
+        Line("resources.budget", {**feat, "torchrun": True, "runtime": 20160}, "data.budget adaptive: the "
+             "capture's GPUs; each round's trainings under torchrun over them"),
         Line("resources.vocab_new", {"mem_mb": 64000, "runtime": 600, "threads": 8}, ""),
         Line("resources.eval_phase0", ev, "one GPU evaluates a drafter"),
         Line("resources.train_phase1_scratch", {**train, "runtime": 720}, node),

@@ -193,6 +193,18 @@ def inspect_renderables(rep: dict) -> list:
     return out
 
 
+def _adaptive_line(a: dict) -> tuple:
+    """The adaptive data budget's saving, if the curve flattened as the embedded world's did."""
+    where = (f"the cap phase2.n_samples {a['instead_of']:,} comes first: nothing saved" if a["cap_first"] else
+             f"Phase 2's data {a['n_samples']:,} samples in all instead of {a['instead_of']:,}: saves "
+             f"{a['data_hours_saved']:.2f} h of regeneration and capture")
+    return ("\n", ("adaptive data budget", "bold"), f" ({'the profile' if a['profile_mode'] == 'adaptive' else 'data.budget: adaptive'}; "
+            f"if the curve flattens as the embedded world's, after {a['stop_round']} rounds of x{a['factor']:g}): "
+            f"{where}; costs {a['rounds_train_hours']:.2f} h of the "
+            f"rounds' trainings ({a['seeds']} seeds x {len(a['rounds_n'])} rounds, {a['rounds_steps']:,} steps on "
+            f"{a['gpus_training']} of the step's {a['gpus_held']} GPUs): net {a['net_hours_saved']:+.2f} h")
+
+
 def estimate_renderables(rep: dict) -> list:
     """`draftport estimate`: the inputs, the per-rule training table, the data steps, and per
     phase and storage mode the hours (data + training) and the disk."""
@@ -251,7 +263,8 @@ def estimate_renderables(rep: dict) -> list:
                         *(("\n", ("not regenerating (R7) saves: ", "bold"),
                            f"{sum(rep['regenerate_hours'].values()):.2f} h (Phase 1 "
                            f"{rep['regenerate_hours']['phase1']:.2f}, Phase 2 {rep['regenerate_hours']['phase2']:.2f})")
-                          if rep.get("curves_data_hours") else ()))
+                          if rep.get("curves_data_hours") else ()),
+                        *(_adaptive_line(rep["adaptive"]) if rep.get("adaptive") else ()))
     d = Table(box=box.SIMPLE_HEAD, padding=0)
     d.add_column("data step", no_wrap=True)
     for col in ("samples", "answer tok", "regen h", "capture tok", "GPUs", "capture h"):

@@ -34,8 +34,11 @@ def rule_resources(cfg: dict, rule: str) -> dict:
 
 
 def launcher(cfg: dict, rule: str) -> str:
+    # lazy: the registry is torch-free too; a step that launches its own trainings runs as one process
+    from draftport.plan.registry import TORCHRUN_INSIDE
+
     r = rule_resources(cfg, rule)
-    if not r["torchrun"]:
+    if not r["torchrun"] or rule in TORCHRUN_INSIDE:
         return "python"
     return f"torchrun --standalone --nproc_per_node {r['gpu']}"
 

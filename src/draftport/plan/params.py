@@ -35,7 +35,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from pydantic_core import PydanticCustomError
 
 from draftport.errors import DraftportError
-from draftport.plan.registry import STEP_NAMES, TRAINING_STEPS, get  # get: the dotted-key lookup both use
+from draftport.plan.registry import STEP_NAMES, TORCHRUN_INSIDE, TRAINING_STEPS, get  # get: the dotted-key lookup both use
 
 PARAMS_FILE = "params.yaml"
 
@@ -496,7 +496,7 @@ class ReferenceParams(Group):
 
 
 _RESOURCE_DOCS = {"gpu": "GPUs", "mem_mb": "memory, MB", "runtime": "minutes", "threads": "threads (cores)",
-                  "torchrun": "training steps only: one process per GPU (torchrun --nproc_per_node <gpu>)"}
+                  "torchrun": "training steps only (and budget: its trainings): one process per GPU (torchrun --nproc_per_node <gpu>)"}
 
 
 class ResourceDefault(Group):
@@ -522,7 +522,7 @@ class ResourceOverride(Group):
 
 
 RESOURCE_RULES = ("default", *STEP_NAMES)
-TRAINING_RULES = TRAINING_STEPS
+TRAINING_RULES = (*TRAINING_STEPS, *TORCHRUN_INSIDE)
 
 
 class _ResourcesGroup(Group):

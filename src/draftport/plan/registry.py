@@ -246,6 +246,9 @@ STEPS: tuple[Step, ...] = (
 BY_NAME: dict[str, Step] = {s.name: s for s in STEPS}
 STEP_NAMES: tuple[str, ...] = tuple(BY_NAME)
 TRAINING_STEPS: tuple[str, ...] = tuple(s.name for s in STEPS if s.trains)
+# steps that launch their own trainings under torchrun (resources.<step>.torchrun: one process per
+# GPU for each training) while the step itself stays one process (budget: it holds the capture too)
+TORCHRUN_INSIDE: tuple[str, ...] = ("budget",)
 
 # Named targets (Snakemake rules without a command): the steps each one asks for.
 TARGETS: dict[str, tuple[str, ...]] = {

@@ -45,7 +45,7 @@ def _link_tree(src: Path, dst: Path) -> None:
 def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root: Path) -> dict:
     """Round k: capture prompts [n_prev, n) (k > 0), train every seed at n, score each one."""
     # lazy (registry): the features step's capture and the training run only here
-    from draftport.pipeline.steps.curve_steps import train_jobs
+    from draftport.pipeline.steps.curve_steps import train_jobs, train_jobs_torchrun
     from draftport.pipeline.steps.data_steps import _features
     from draftport.pipeline.steps.train_steps import monitor_of, online_of
     from draftport.training.loop import init_distributed
@@ -91,7 +91,8 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
         jobs.append({"i": i, "of": len(d["seeds"]), "point": pt, "kw": kw, "train": tc, "label": f"budget round {k}",
                      "out": str(rdir / "drafters" / f"s{seed}"), "profile": s.p["profile"], "parent": None,
                      "step": s.name})
-    trained, _ = train_jobs(jobs, world)
+    res = {**s.p["resources"]["default"], **(s.p["resources"].get(s.name) or {})}
+    trained = train_jobs_torchrun(jobs, res["gpu"]) if res["torchrun"] else train_jobs(jobs, world)[0]
     acc, cyc, taus = [], [], []
     for j in jobs:
         res = evaluate_drafter(Path(j["out"]) / "drafter", s.input("target"), s.input("eval"), k=e["k"],
@@ -101,6 +102,7 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
         taus.append(res["accept_length"])
     rec = {"spec": _fingerprint(spec), "round": k, "n_samples": n, "offset": n_prev, "seeds": d["seeds"],
            "seed_taus": taus, "train_steps": [t["train_steps"] for t in trained],
+           "train_processes": [t.get("processes", 1) for t in trained],
            "accepted": acc, "cycles": cyc,
            "seconds": {**timing, "train": sum(t["train_seconds"] for t in trained)}}
     shutil.rmtree(rdir / "drafters", ignore_errors=True)  # the round's figures are what it keeps
@@ -171,5 +173,6 @@ def budget(s: StepContext) -> dict:
         "factor": d["factor"], "seeds": d["seeds"], "min_gain": dec["min_gain"], "cap": cap,
         "max_hours": d["max_hours"], "level": dec["level"], "stop": reason, "why": why, "n_samples": n,
         "rounds": [{**r["row"], "seed_taus": r["seed_taus"], "train_steps": r["train_steps"],
+                    "train_processes": r["train_processes"],
                     "per_sample": {"accepted": r["accepted"], "cycles": r["cycles"]}} for r in rounds]})
     return {"n_samples": n, "rounds": len(rounds), "stopped_flattened": int(reason == "flattened")}

@@ -106,6 +106,64 @@ def train_jobs(jobs: list[dict], world: int) -> tuple[list[dict], int]:
     return [done[j["point"]["name"]] for j in jobs], n_workers
 
 
+JOB_PATHS = ("target_dir", "vocab_path", "source_dir", "ckpt_dir")  # a job's kw entries that are paths
+
+
+def train_jobs_torchrun(jobs: list[dict], nproc: int) -> list[dict]:
+    """Each job trained by torchrun over nproc processes (one per GPU, every batch split), one job
+    after another: the trainings of a step that is itself one process (budget: it holds the
+    capture). A job's file (<out>.job.json) is what the processes read; rank 0 writes the result."""
+    import subprocess
+
+    from draftport.errors import DraftportError
+
+    out = []
+    for j in jobs:
+        f = Path(f"{j['out']}.job.json")
+        f.parent.mkdir(parents=True, exist_ok=True)
+        write_json(f, j)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "draftport.pipeline.steps.curve_steps", str(f)]
+        # the agent dies with the step (kill -9 of the step leaves no training writing checkpoints)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
+        for line in p.stdout:  # through the step's own stdout: its log gets them
+            print(line, end="", flush=True)
+        if p.wait() != 0:
+            raise DraftportError(f"training {j['point']['name']}", f"torchrun over {nproc} processes exited {p.returncode} "
+                                 "(its lines are above in the step's log)")
+        out.append(read_json(f"{j['out']}.result.json"))
+    return out
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _run_job_file(path: str) -> int:
+    """`python -m draftport.pipeline.steps.curve_steps JOB.json` under torchrun: one job, every rank
+    training on its slice of each batch; rank 0 writes <out>.result.json."""
+    from draftport.training.loop import init_distributed
+    from draftport.training.phases import train_phase
+
+    job = read_json(path)
+    kw = {k: (Path(v) if k in JOB_PATHS and v is not None else v) for k, v in job["kw"].items()}
+    if kw.get("monitor"):
+        kw["monitor"] = {**kw["monitor"], "features": Path(kw["monitor"]["features"])}
+    rank, world = init_distributed()
+    if rank > 0:
+        with tempfile.TemporaryDirectory(prefix=f".curves-rank{rank}-") as scratch:
+            train_phase(scratch, logger=None, progress=False, train_cfg=TrainConfig(**job["train"]), **kw)
+        return 0
+    write_json(f"{job['out']}.result.json", {**_train_point({**job, "kw": kw}), "processes": world})
+    return 0
+
+
 def train_curves(s: StepContext) -> dict:
     """Train every point (arm x n x seed; draftport.plan.curves) on the first n samples of Phase 1's
     + Phase 2's capture (the dataset arms: of features_dataset); on the CPU the step's threads
@@ -200,3 +258,7 @@ def eval_curves(s: StepContext) -> dict:
     for pt in res_points:  # the seeds' mean per (init, n): MLflow's compare view and DVC metrics
         out.setdefault(pt.get("arm", pt["init"]), {}).setdefault(f"n{pt['n_samples']}", []).append(pt["accept_length"])
     return {init: {n: sum(v) / len(v) for n, v in d.items()} for init, d in out.items()}
+
+
+if __name__ == "__main__":
+    raise SystemExit(_run_job_file(sys.argv[1]))
