@@ -203,6 +203,7 @@ STEPS: tuple[Step, ...] = (
          ("evaluation.decision", "evaluation.hours", "evaluation.costmodel", "plan.curves", "pipeline.steps.decision_step"),
          {"curves": Input("eval_curves/curves.json", ("curves.enabled",)),
           **{ph: Input(f"eval_{ph}/eval.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
+          # data_* / train_*: only that those steps ran first (their measured seconds are read from logs/)
           **{f"data_{st}": Input(f"{st}/metrics.json") for st in ("features_new", "features_phase2")},
           "data_features_dataset": Input("features_dataset/metrics.json", ("curves.enabled", "curves.answers", "curves.arms_n_samples")),
           **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
