@@ -90,6 +90,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from draftport.training import optim  # noqa: E402
+from draftport.training.graph import StepGraph  # noqa: E402
 from draftport.model.fast import loss as fast_loss  # noqa: E402
 from draftport.model.config import DrafterConfig  # noqa: E402
 from draftport.data.shards import Batch, collate  # noqa: E402
@@ -361,22 +362,17 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     graph = None
     t_c = time.perf_counter()
     if v.graph:
-        # the whole step (forward, backward, clipping, AdamW) captured once and replayed: no
-        # launch gaps, no CPU work per step; the batch is the graph's static input
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(max(a.warmup, 2)):
-                step(batches[0])
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            loss, stats = step(batches[0])
-        graph.replay()
-
-        def run(_b):
-            graph.replay()
-            return loss, stats
+        # the whole step (forward, backward, clipping, AdamW) captured once and replayed, as
+        # draftport.training.graph.StepGraph runs it: the first step eager (warm-up), the second
+        # captured, every later one a copy of the batch into the graph's inputs and one replay
+        graph = StepGraph(step, opt)
+        if cuda:   # the peak from here: the capture allocates the graph's pool, which replays reuse
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(max(a.warmup, 2) if fixed else 2):
+            for b in batches:
+                loss, stats = graph(b)
+        run = graph
     else:
         run = step
         for _ in range(a.warmup if fixed else 1):
@@ -387,7 +383,8 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     passes = 1 if fixed else max(1, getattr(a, "mix_passes", 1))
     order = batches * a.iters if fixed else list(batches) * passes
     if cuda:
-        torch.cuda.reset_peak_memory_stats()
+        if not v.graph:   # a graph's peak counts its capture (above): its replays allocate nothing
+            torch.cuda.reset_peak_memory_stats()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)]
     t0 = time.perf_counter()
     for i, b in enumerate(order):
@@ -1048,7 +1045,12 @@ def parse(argv=None):
     ap.add_argument("--pack-len", type=int, default=None, help="tokens per packed step (8192 as speculators' "
                     "default total_seq_len; 128 on CPU)")
     ap.add_argument("--pad-batch", type=int, default=4, help="samples per padded step on the mix")
-    ap.add_argument("--graphs", action="store_true", help="also time the CUDA-graph lever")
+    ap.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
+                    help="the fixed-length rows' step as one CUDA graph (FastPath.cuda_graph; auto: by the "
+                         "shape, FastPath.graphs_step: below H 4096); the length mix never (its rows change shape)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time the other CUDA-graph choice than --graph's for every set (lm_head frozen / "
+                         "trained, mask computed / stored) at the lever lengths")
     ap.add_argument("--levers-all", action="store_true", help="levers at every length (default: the first)")
     ap.add_argument("--no-levers", dest="levers", action="store_false", help="skip the levers timed at every "
                     "length (the embedding half at every step, torch's fused AdamW)")
@@ -1321,6 +1323,13 @@ def main(argv=None) -> dict:
         return Variant(name, attn_fused=fused, loss_fused=fused, compiled=comp, attn=attn, **kw)
 
     main_fast = V("main").fast(a)   # how the main variant computes its step (the config records it)
+    # the fixed-length rows' step as one CUDA graph: a choice of the shape (FastPath.graphs_step)
+    main_graph = main_fast.replace(cuda_graph=a.graph).graphs_step(cfg.hidden_size, dev.type) and fused
+    log(f"fixed-length rows: the step {'as one CUDA graph' if main_graph else 'eager (no CUDA graph)'} "
+        f"(--graph {a.graph}, H {cfg.hidden_size})")
+
+    def G(name, graph):
+        return f"{name}, CUDA graph" if graph else f"{name}, no CUDA graph"
 
     # ---- the ladder: each lever on and off (first length) ----
     if a.ladder:
@@ -1364,16 +1373,18 @@ def main(argv=None) -> dict:
         lv = levers.setdefault(str(T), {})
         lever_here = cuda and fused and (a.levers_all or i == 0)
         for lh in heads:
-            r = run(V(f"T{T} lm_head {lh}, mask computed", lm_head=lh), [batch], head)
+            r = run(V(f"T{T} lm_head {lh}, mask computed", lm_head=lh, graph=main_graph), [batch], head)
             r["seq"] = T
             rec["ours"][f"{lh}_computed"] = r
         if cuda and fused and other_ok:
             v = Variant(f"T{T} lm_head frozen, mask computed, attention {other}", attn_fused=fused,
-                        loss_fused=fused, compiled=comp, attn=other)
+                        loss_fused=fused, compiled=comp, attn=other, graph=main_graph)
             lv[f"attention_{other}_computed"] = run(v, [batch], head)
-        if lever_here and a.graphs:
-            lv["cuda_graph_computed"] = run(V(f"T{T} lm_head frozen, mask computed, CUDA graph", graph=True),
-                                            [batch], head)
+        if lever_here and a.graphs:   # the other graph choice, each set
+            for lh in heads:
+                lv[f"{'no_' if main_graph else ''}cuda_graph_{lh}_computed"] = run(
+                    V(G(f"T{T} lm_head {lh}, mask computed", not main_graph), lm_head=lh, graph=not main_graph),
+                    [batch], head)
         if fused:
             # the greedy choice captured with the features: the full-vocab head leaves the GPU
             batch = with_stored_mask([batch], head, hot, a.chunk)[0]
@@ -1383,19 +1394,22 @@ def main(argv=None) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
             for lh in heads:
-                r = run(V(f"T{T} lm_head {lh}, mask stored", lm_head=lh, mask="stored"), [batch], rows)
+                r = run(V(f"T{T} lm_head {lh}, mask stored", lm_head=lh, mask="stored", graph=main_graph), [batch],
+                        rows)
                 r["seq"] = T
                 rec["ours"][f"{lh}_stored"] = r
             if cuda and a.levers:   # what the embedding half once per unroll gives, at every length
                 lv["embed_every_step_stored"] = run(V(f"T{T} lm_head frozen, mask stored, embedding half every step",
-                                                      mask="stored", embed_once=False), [batch], rows)
+                                                      mask="stored", embed_once=False, graph=main_graph), [batch], rows)
                 # what draftport's AdamW gives over torch's fused one, where the optimizer is largest
                 lv["torch_fused_adamw_trainable_stored"] = run(
                     V(f"T{T} lm_head trainable, mask stored, torch's fused AdamW", lm_head="trainable",
                       mask="stored", adam="fused"), [batch], rows)
             if lever_here and a.graphs:
-                lv["cuda_graph_stored"] = run(V(f"T{T} lm_head frozen, mask stored, CUDA graph", mask="stored",
-                                                graph=True), [batch], rows)
+                for lh in heads:
+                    lv[f"{'no_' if main_graph else ''}cuda_graph_{lh}_stored"] = run(
+                        V(G(f"T{T} lm_head {lh}, mask stored", not main_graph), lm_head=lh, mask="stored",
+                          graph=not main_graph), [batch], rows)
             if a.profile_dir and cuda:
                 # the embedding half at every step beside the lever's own timing only (--no-levers: its
                 # regions would compile for one profile)
@@ -1487,7 +1501,9 @@ def main(argv=None) -> dict:
                    "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
                    "fast_path": {"kv_grad_sum": main_fast.kv_grad_sum, "skip_uncounted_rows": main_fast.skip_uncounted,
                                  "skip_dead_rows": main_fast.skip_dead_rows, "rope_apart": main_fast.rope_apart,
-                                 "packed_attention": main_fast.packed},
+                                 "packed_attention": main_fast.packed,
+                                 "cuda_graph": a.graph, "fixed_rows_cuda_graph": bool(main_graph),
+                                 "mix_cuda_graph": False},
                    "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS, "pipeline_trains_with": "mask stored (features.build_features "
                    "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing "
                    "(the kimi profile: true), the attention kernel per train.fast.attention (the kimi profile: cudnn)"},
