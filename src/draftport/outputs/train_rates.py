@@ -39,7 +39,9 @@ SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_ke
 # estimate's figure name -> the benchmark's mix result it reads
 FIGURES = {"lm_head_trainable": "packed_trainable_stored", "lm_head_frozen": "packed_frozen_stored",
            "padded_lm_head_trainable": "padded_trainable_stored", "padded_lm_head_frozen": "padded_frozen_stored"}
-NAMED = re.compile(r"^(?P<date>\d{4}-\d{2}-\d{2})-h200-train-(?P<shape>.+)\.json$")
+# <date>-h200-train-<shape>.json, or -<shape>-<round>.json for a later round of the same date (a
+# shape's name never ends in -<digits>: bench_train_h200.shape_name)
+NAMED = re.compile(r"^(?P<date>\d{4}-\d{2}-\d{2})-h200-train-(?P<shape>.+?)(?:-(?P<round>\d+))?\.json$")
 
 # The published drafters a profile may name as source.repo_id, with their config.json's sizes.
 KIMI_K2_DRAFTER = {"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
@@ -110,7 +112,7 @@ def read_result(path: Path) -> dict | None:
             return None
         figs = {k: {"rate": float(res[v]["real_tokens_per_s"]), "mfu": float(res[v]["mfu"])}
                 for k, v in FIGURES.items()}
-        return {"file": path, "date": d["date"], "device": d["device"], "seq": c["seq"],
+        return {"file": path, "date": d["date"], "round": int(m["round"] or 1), "device": d["device"], "seq": c["seq"],
                 "ttt_steps": int(c["ttt_steps"]), "peak_tflops": float(c.get("peak_tflops") or 790.0), "name": m["shape"],
                 "shape": {k: int(c[k]) for k in SHAPE_KEYS}, "lengths": [int(x) for x in mix["lengths"]],
                 "mix": {k: mix.get(k) for k in ("n", "mean", "max", "pad_batch")}, "figures": figs}
@@ -119,14 +121,15 @@ def read_result(path: Path) -> dict | None:
 
 
 def measured(results: Path = RESULTS) -> list[dict]:
-    """Per drafter shape, its newest result (read_result), ordered by hidden size."""
+    """Per drafter shape, its newest result (read_result: the latest date, then the latest round
+    of that date), ordered by hidden size."""
     best: dict[tuple, dict] = {}
     for p in sorted(Path(results).glob("*-h200-train-*.json")):
         r = read_result(p)
         if r is None:
             continue
         key = tuple(r["shape"][k] for k in SHAPE_KEYS)
-        if key not in best or r["date"] >= best[key]["date"]:
+        if key not in best or (r["date"], r["round"]) >= (best[key]["date"], best[key]["round"]):
             best[key] = r
     return sorted(best.values(), key=lambda r: (r["shape"]["hidden_size"], r["name"]))
 
