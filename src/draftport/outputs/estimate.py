@@ -35,6 +35,7 @@ from rich.console import Console, Group
 
 from draftport.errors import DraftportError
 from draftport.evaluation.budget import schedule
+from draftport.plan.cluster import rule_resources
 from draftport.plan.curves import budget_steps, points
 from draftport.data.storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive, bytes_per_token,
     check_storage, storage_need)
@@ -309,8 +310,7 @@ def _adaptive(cfg: dict, data: list[dict], b: dict, tps: int, gpus: int | None, 
     # the rounds' trainings: under torchrun over the step's GPUs (resources.budget.torchrun), else
     # in the step's own process on one of them
     held = _gpus(cfg, "budget", gpus)
-    res = {**cfg["resources"]["default"], **(cfg["resources"].get("budget") or {})}
-    on = held if res.get("torchrun") else 1
+    on = held if rule_resources(cfg, "budget")["torchrun"] else 1
     train_h = train_seconds(steps=steps, batch_size=int(tr["batch_size"]), tokens_per_sample=tps, tok_s_per_gpu=rate,
                             gpus=on, efficiency=efficiency) / 3600
     p2 = next(r for r in data if r["step"] == "features_phase2")

@@ -23,6 +23,7 @@ from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.budget import explain, next_n, project_next_gain, stop_reason
 from draftport.evaluation.hours import devices
 from draftport.pipeline.runner import StepContext, checkpoints, read_json, write_json
+from draftport.plan.cluster import rule_resources
 from draftport.plan.curves import train_config
 from draftport.plan.params import TrainConfig
 
@@ -91,7 +92,7 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
         jobs.append({"i": i, "of": len(d["seeds"]), "point": pt, "kw": kw, "train": tc, "label": f"budget round {k}",
                      "out": str(rdir / "drafters" / f"s{seed}"), "profile": s.p["profile"], "parent": None,
                      "step": s.name})
-    res = {**s.p["resources"]["default"], **(s.p["resources"].get(s.name) or {})}
+    res = rule_resources(s.p, s.name)
     trained = train_jobs_torchrun(jobs, res["gpu"]) if res["torchrun"] else train_jobs(jobs, world)[0]
     acc, cyc, taus = [], [], []
     for j in jobs:
