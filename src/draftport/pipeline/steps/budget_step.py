@@ -72,7 +72,7 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
             print(f"budget: round {k}: regenerating and capturing prompts {n_prev:,}..{n:,}", flush=True)
             _features(s, data, s.input("target"), s.p["targets"]["prompts_train"], n=n - n_prev, offset=n_prev,
                       training=True)
-            timing = dict(s.timing.pop("data"))
+            timing = dict(s.timing.pop("data"))  # _features records the capture's seconds by its folder's name
             (rdir / "capture.json").write_text(json.dumps(timing) + "\n")
         else:
             timing = json.loads((rdir / "capture.json").read_text())
@@ -92,8 +92,8 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
         jobs.append({"i": i, "of": len(d["seeds"]), "point": pt, "kw": kw, "train": tc, "label": f"budget round {k}",
                      "out": str(rdir / "drafters" / f"s{seed}"), "profile": s.p["profile"], "parent": None,
                      "step": s.name})
-    res = rule_resources(s.p, s.name)
-    trained = train_jobs_torchrun(jobs, res["gpu"]) if res["torchrun"] else train_jobs(jobs, world)[0]
+    launch = rule_resources(s.p, s.name)
+    trained = train_jobs_torchrun(jobs, launch["gpu"]) if launch["torchrun"] else train_jobs(jobs, world)[0]
     acc, cyc, taus = [], [], []
     for j in jobs:
         res = evaluate_drafter(Path(j["out"]) / "drafter", s.input("target"), s.input("eval"), k=e["k"],
@@ -101,7 +101,7 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
         acc.append(res["per_sample"]["accepted"])
         cyc.append(res["per_sample"]["cycles"])
         taus.append(res["accept_length"])
-    rec = {"spec": _fingerprint(spec), "round": k, "n_samples": n, "offset": n_prev, "seeds": d["seeds"],
+    rec = {"spec": fp, "round": k, "n_samples": n, "offset": n_prev, "seeds": d["seeds"],
            "seed_taus": taus, "train_steps": [t["train_steps"] for t in trained],
            "train_processes": [t.get("processes", 1) for t in trained],
            "accepted": acc, "cycles": cyc,
