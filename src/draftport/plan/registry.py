@@ -134,7 +134,7 @@ STEPS: tuple[Step, ...] = (
           "curves.epochs", "curves.min_steps", "curves.train", "eval", "decision.n_boot", "decision.level",
           "decision.seed", "decision.min_gain", "resources", "profile", *MONITOR_KEYS, *SPOOL_KEYS),
          (*TRAIN_MODULES, *FEATURE_MODULES, "evaluation.budget", "evaluation.decision", "evaluation.hours", "plan.curves",
-          "plan.cluster", "pipeline.steps.curve_steps", "pipeline.steps.budget_step"),
+          "plan.cluster", "data.fetch", "pipeline.steps.curve_steps", "pipeline.steps.budget_step"),
          {"features": Input("features_new/train"), "eval": EVAL_SET, "vocab": VOCAB, "source": SOURCE,
           "target": TARGET, "monitor": monitor_input("curves")},
          after=("world",), run="budget", cache=False, enabled="data.budget=adaptive", replaces="features_phase2"),

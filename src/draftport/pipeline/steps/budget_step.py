@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
+from draftport.data.fetch import place
 from draftport.data.shards import write_chain
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.budget import explain, next_n, project_next_gain, stop_reason
@@ -35,12 +35,7 @@ def _fingerprint(obj) -> str:
 def _link_tree(src: Path, dst: Path) -> None:
     """dst as src's files hard-linked (a copy across file systems): the round's capture stays in
     checkpoints/ until the step has finished."""
-    def link(a, b):
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-    shutil.copytree(src, dst, copy_function=link)
+    shutil.copytree(src, dst, copy_function=place)
 
 
 def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root: Path) -> dict:

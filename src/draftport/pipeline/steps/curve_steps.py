@@ -63,9 +63,6 @@ def _worker_init(log_path: str | None) -> None:
     """A worker trains on one thread (a point's floats as in one process), writes its lines to the
     step's log too, and dies with the step (kill -9 of the step leaves no orphan writing
     checkpoints that a resumed step reads)."""
-    import ctypes
-    import signal
-
     import torch
 
     from draftport.pipeline.runner import Tee
@@ -75,10 +72,7 @@ def _worker_init(log_path: str | None) -> None:
     if log_path:  # appended line by line beside the step's own (the runner opened it)
         log = LogWriter(open(log_path, "a", buffering=1))
         sys.stdout, sys.stderr = Tee(sys.__stdout__, log), Tee(sys.__stderr__, log)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    _die_with_parent()
 
 
 def _workers(n_points: int, world: int) -> int:
@@ -136,6 +130,7 @@ def train_jobs_torchrun(jobs: list[dict], nproc: int) -> list[dict]:
 
 
 def _die_with_parent() -> None:
+    """This process gets SIGKILL when its parent dies (Linux; elsewhere nothing)."""
     import ctypes
     import signal
 
