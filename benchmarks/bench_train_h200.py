@@ -649,6 +649,24 @@ def gemm_ceiling(cfg, T: int, steps: int, peak_tflops: float, log, reps: int = 1
     return out
 
 
+def mix_gemm_ceiling(cfg, batches, a, log, dev=None) -> dict:
+    """The real-token rate of the mix's packed rows if each step were its GEMMs alone at cuBLAS's
+    rate (gemm_ceiling at each row's token count, stored mask), per trainable set."""
+    by_rows, real, secs = {}, 0, {"frozen": 0.0, "trainable": 0.0}
+    for b in batches:
+        M = b.tokens.numel()
+        if M not in by_rows:
+            by_rows[M] = gemm_ceiling(cfg, M, a.ttt, a.peak_tflops, log, dev=dev)["sets"]
+        for k in secs:
+            secs[k] += by_rows[M][k]["gemm_s"]
+        real += int(b.valid.sum())
+    out = {k: {"gemm_s": v, "real_tokens_per_s": real / v} for k, v in secs.items()}
+    log(f"[ceiling] mix ({len(batches)} packed steps, {real} real tokens): the GEMMs alone at cuBLAS's rate "
+        f"{out['frozen']['real_tokens_per_s']:.0f} real tok/s lm_head frozen, "
+        f"{out['trainable']['real_tokens_per_s']:.0f} trained")
+    return out
+
+
 def check_equivalence(a, dev, log):
     """Fused path vs reference on one small problem: loss and gradients.
 
@@ -1453,6 +1471,12 @@ def main(argv=None) -> dict:
         mix.update(packed_rows=len(pk), padded_steps=len(pd),
                    packed_real_fraction=sum(int(b.valid.sum()) for b in pk) / sum(b.tokens.numel() for b in pk),
                    padded_real_fraction=sum(int(b.valid.sum()) for b in pd) / sum(b.tokens.numel() for b in pd))
+        if cuda:   # the bound of the mix goal: the packed rows' GEMMs alone at cuBLAS's rate
+            try:
+                mix["gemm_ceiling"] = mix_gemm_ceiling(cfg, pk, a, log)
+            except Exception as e:   # a probe's failure must not cost the run
+                log(f"[ceiling] mix: FAILED {e!r}")
+            torch.cuda.empty_cache()
         if a.mix_computed:
             mix_res["packed_frozen_computed"] = run(V("mix packed, lm_head frozen, mask computed", layout="packed"),
                                                     pk, head, lengths=pk_lens)
@@ -1484,7 +1508,8 @@ def main(argv=None) -> dict:
         r.setdefault("seq", None)
 
     out.update(by_length=by_len, mix=mix, mix_results=mix_res, peers_raw=peers, peers_requested=requested)
-    out["config"] = {"hidden_size": cfg.hidden_size}   # what score() reads of it (the whole config below)
+    out["config"] = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,   # what score() reads of it
+                     "draft_vocab_size": cfg.draft_vocab_size}                       # (the whole config below)
     goals = score(out)
     mix_ratios = out.get("mix_ratios", {})
 
@@ -1724,6 +1749,24 @@ def goal_line(gl) -> str:
             f"{'MET' if gl['met'] else ('n/a' if gl['met'] is None else 'missed')} {gl['note']}")
 
 
+def ceiling_tps(rec: dict, k: str, mode: str, cfg: dict) -> float | None:
+    """Tokens/s of a step that were its GEMMs alone at cuBLAS's rate (by_length[T].gemm_ceiling, set
+    k), mask computed adding the target logits' GEMM over the non-draft vocab at that rate; None
+    when no ceiling was timed."""
+    c = ((rec.get("gemm_ceiling") or {}).get("sets") or {}).get(k)
+    if not c or "gemm_s" not in c or "rows" not in rec["gemm_ceiling"]:
+        return None
+    s = c["gemm_s"]
+    if mode == "computed" and cfg.get("vocab_size") and cfg.get("draft_vocab_size"):
+        s += 2 * cfg["hidden_size"] * (cfg["vocab_size"] - cfg["draft_vocab_size"]) * rec["gemm_ceiling"]["rows"] \
+            / (c["tflops"] * 1e12)
+    return rec["gemm_ceiling"]["rows"] / s
+
+
+def at_ceiling(x) -> str:
+    return "" if x is None else f"; at the step's GEMMs alone (cuBLAS ceiling): {x:.3f}"
+
+
 def score(out: dict) -> list[dict]:
     """Ratios and goals from a run's records (out: by_length, mix, mix_results, peers_raw,
     peers_requested); sets by_length[T]["ratios"], mix_ratios, speedup_vs_best_peer and goals.
@@ -1733,7 +1776,8 @@ def score(out: dict) -> list[dict]:
     never chosen among the ones that happened to finish."""
     by_len, mix, mix_res = out.get("by_length") or {}, out.get("mix"), out.get("mix_results") or {}
     peers = out.get("peers_raw") or {}
-    hidden = (out.get("config") or {}).get("hidden_size")
+    cfg_shape = out.get("config") or {}
+    hidden = cfg_shape.get("hidden_size")
     requested = out.get("peers_requested") or list(peers)
 
     def peer_rec(name, config, which=None):
@@ -1797,9 +1841,15 @@ def score(out: dict) -> list[dict]:
                     if o.get("hfu") is not None:
                         r[f"hfu_{k}_{mode}"] = o["hfu"]
                     r[f"peak_mem_gib_{k}_{mode}"] = o["peak_mem_gib"]
+            # the bound: the ratio a step made of its GEMMs alone (at cuBLAS's rate) would reach
+            c_f, c_t = ceiling_tps(rec, "frozen", mode, cfg_shape), ceiling_tps(rec, "trainable", mode, cfg_shape)
+            r[f"speedup_vs_best_peer_{mode}_at_gemm_ceiling"] = ratio(c_f, best_v) if best else None
+            r[f"vs_specforge_lm_head_trained_{mode}_at_gemm_ceiling"] = ratio(c_t, sft)
             goal(f"T{T} vs the faster peer, lm_head frozen, mask {mode}", r[f"speedup_vs_best_peer_{mode}"], 1.3,
-                 f"faster peer: {best}" + (f"; not measured: {', '.join(missing)}" if missing else ""))
-            goal(f"T{T} vs SpecForge, lm_head trained, mask {mode}", r[f"vs_specforge_lm_head_trained_{mode}"], 1.6)
+                 f"faster peer: {best}" + (f"; not measured: {', '.join(missing)}" if missing else "")
+                 + at_ceiling(r[f"speedup_vs_best_peer_{mode}_at_gemm_ceiling"]))
+            goal(f"T{T} vs SpecForge, lm_head trained, mask {mode}", r[f"vs_specforge_lm_head_trained_{mode}"], 1.6,
+                 at_ceiling(r[f"vs_specforge_lm_head_trained_{mode}_at_gemm_ceiling"]).lstrip("; "))
             hf = r.get(f"hfu_frozen_{mode}")
             ceil = (rec.get("gemm_ceiling") or {}).get("sets", {})
             for k in ("frozen", "trainable"):
@@ -1864,6 +1914,14 @@ def score(out: dict) -> list[dict]:
         if any(k in requested for k in ("speculators", "specforge")):
             eq.append(mix_ratios.get("packed_trainable_stored_vs_best_peer_lm_head_trained"))
         mix_ratios["speedup_vs_best_peer"] = min(eq) if eq and all(x is not None for x in eq) else None
+        mc = mix.get("gemm_ceiling") or {}
+        eq_c = []
+        if mc and "speculators" in requested:
+            eq_c.append(ratio(mc["frozen"]["real_tokens_per_s"], spm))
+        if mc and any(k in requested for k in ("speculators", "specforge")):
+            eq_c.append(ratio(mc["trainable"]["real_tokens_per_s"], best_t_v) if best_t else None)
+        mix_ratios["speedup_vs_best_peer_at_gemm_ceiling"] = (min(eq_c) if eq_c and all(x is not None for x in eq_c)
+                                                              else None)
         mix_ratios["missing_peers"] = [label for peer, label, v in (("speculators", "speculators", spm),
                                                                     ("speculators", "speculators lm_head trained", spmt),
                                                                     ("specforge", "specforge", sfm))
@@ -1872,7 +1930,8 @@ def score(out: dict) -> list[dict]:
              mix_ratios["speedup_vs_best_peer"], 1.5,
              "min of ours-frozen/speculators and ours-trainable/the faster peer with lm_head trained"
              + (f" ({best_t})" if best_t else "")
-             + (f"; not measured: {', '.join(mix_ratios['missing_peers'])}" if mix_ratios["missing_peers"] else ""))
+             + (f"; not measured: {', '.join(mix_ratios['missing_peers'])}" if mix_ratios["missing_peers"] else "")
+             + at_ceiling(mix_ratios["speedup_vs_best_peer_at_gemm_ceiling"]))
         out["mix_ratios"] = mix_ratios
     out["goals"] = goals
     out["speedup_vs_best_peer"] = {T: {m: rec.get("ratios", {}).get(f"speedup_vs_best_peer_{m}")

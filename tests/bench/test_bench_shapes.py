@@ -3,6 +3,7 @@ the peers' runners handed the same shape, results named by it, the GEMM ceiling'
 and the MFU goal by hidden size. No step runs here (tests/bench/test_bench_train.py runs one)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -118,3 +119,48 @@ def test_build_takes_a_shape_dict():
     _, s = bench.parse_shape("64,128,4,2,16,256,1024")
     cfg, d, head = bench.build(s, torch.device("cpu"), torch.float32)
     assert d.midlayer.self_attn.k_proj.weight.shape == (2 * 16, 2 * 64) and head.shape == (1024, 64)
+
+
+def test_ratio_goals_state_the_bound_of_a_step_of_gemms_alone():
+    """Each ratio goal's note carries the ratio a step made of its GEMMs alone at cuBLAS's rate
+    would reach: T rows over the set's GEMM time (mask computed: plus the target logits' GEMM over
+    the non-draft vocab at the same rate), over the peer's rate."""
+    H, V, Vd, T = 64, 1000, 200, 2048
+    ceil = {"rows": T, "sets": {"frozen": {"gemm_s": 0.1, "tflops": 100.0, "mfu_ceiling": 0.9},
+                                "trainable": {"gemm_s": 0.2, "tflops": 100.0, "mfu_ceiling": 0.9}}}
+    ours = {f"{k}_{m}": _rec(0.8, 1000.0) for k in ("frozen", "trainable") for m in ("computed", "stored")}
+    peers = {"speculators": [{"config": f"seq{T}", "set": s, "real_tokens_per_s": 500.0, "peak_mem_gib": 1.0,
+                              "impl": "speculators-x", "lm_head_trainable": s == "trained"} for s in ("frozen", "trained")],
+             "specforge": [{"config": f"seq{T}", "set": s, "real_tokens_per_s": 400.0, "peak_mem_gib": 1.0,
+                            "impl": "specforge-x", "lm_head_trainable": s == "trained"} for s in ("frozen", "trained")]}
+    out = {"config": {"hidden_size": H, "vocab_size": V, "draft_vocab_size": Vd},
+           "by_length": {str(T): {"ours": ours, "gemm_ceiling": ceil}}, "peers_raw": peers,
+           "peers_requested": ["speculators", "specforge"]}
+    goals = {g["goal"]: g for g in bench.score(out)}
+    r = out["by_length"][str(T)]["ratios"]
+    assert r["speedup_vs_best_peer_stored_at_gemm_ceiling"] == pytest.approx(T / 0.1 / 500.0)
+    mask_s = 2 * H * (V - Vd) * T / 100e12
+    assert r["speedup_vs_best_peer_computed_at_gemm_ceiling"] == pytest.approx(T / (0.1 + mask_s) / 500.0)
+    assert r["vs_specforge_lm_head_trained_stored_at_gemm_ceiling"] == pytest.approx(T / 0.2 / 400.0)
+    note = goals[f"T{T} vs the faster peer, lm_head frozen, mask stored"]["note"]
+    assert note.endswith(f"at the step's GEMMs alone (cuBLAS ceiling): {T / 0.1 / 500.0:.3f}")
+    del out["by_length"][str(T)]["gemm_ceiling"]
+    bench.score(out)
+    assert out["by_length"][str(T)]["ratios"]["speedup_vs_best_peer_stored_at_gemm_ceiling"] is None
+
+
+def test_mix_ceiling_sums_each_packed_rows_gemms_once_per_row_count(monkeypatch):
+    cfg = DrafterConfig(**bench.SIZES["toy"], aux_layer_ids=[2, 30, 58])
+    batches = [SimpleNamespace(tokens=torch.zeros(1, n), valid=torch.arange(n) < n - 3) for n in (64, 128, 64)]
+    calls = []
+    real = bench.gemm_ceiling
+
+    def spy(cfg_, M, *args, **kw):
+        calls.append(M)
+        return real(cfg_, M, *args, **kw)
+    monkeypatch.setattr(bench, "gemm_ceiling", spy)
+    out = bench.mix_gemm_ceiling(cfg, batches, SimpleNamespace(ttt=3, peak_tflops=790.0), lambda m: None, dev="cpu")
+    assert sorted(calls) == [64, 128]
+    for k in ("frozen", "trainable"):
+        assert out[k]["real_tokens_per_s"] == pytest.approx((61 + 125 + 61) / out[k]["gemm_s"])
+    assert out["trainable"]["gemm_s"] > out["frozen"]["gemm_s"]
