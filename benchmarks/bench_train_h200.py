@@ -1243,6 +1243,15 @@ def rescore(path: str, peers_path: str | None = None) -> dict:
         def refuse(why):
             raise SystemExit(f"bench_train_h200.py: --rescore {path} --peers-from {peers_path}: {why}")
         src = read_peer_file(peers_path, refuse)
+        if "config" not in out:
+            # a call killed at its limit before it wrote its config (bench files before 2026-12-04's
+            # third round): the config of the peer file that call itself checked as the same work
+            used = Path((out.get("peers_from") or {}).get("file", "")).name
+            if used != Path(peers_path).name:
+                refuse("the results file has no config, and it was not scored against this peer file "
+                       f"(its peers_from: {used or 'none'})")
+            out["config"] = dict(src["config"])
+            note += "; config taken from the peer file the call checked as the same work (the call was killed before writing its own)"
         if file_key(src) != file_key(out):
             refuse("its config differs from the results file's (the ratios would compare different work)")
         if src.get("device") != out.get("device"):
@@ -1290,9 +1299,17 @@ def main(argv=None) -> dict:
     log(f"device {out['device']}; {out['versions']}")
 
     def save():
-        if a.json:
-            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
+        """The results so far, scored once the peers are in (a call killed at its limit keeps the
+        rows and goals done), written to a temp name and renamed."""
+        if not a.json:
+            return
+        if "peers_raw" in out and "by_length" in out:
+            score(out)
+        path = Path(a.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
 
     if a.peers_only:
         return peers_only(a, out, cuda, left, log, save, t_start)
@@ -1345,6 +1362,27 @@ def main(argv=None) -> dict:
     main_graph = main_fast.replace(cuda_graph=a.graph).graphs_step(cfg.hidden_size, dev.type) and fused
     log(f"fixed-length rows: the step {'as one CUDA graph' if main_graph else 'eager (no CUDA graph)'} "
         f"(--graph {a.graph}, H {cfg.hidden_size})")
+
+    def run_config() -> dict:
+        """The run's config (set before the first row: a call killed at its limit keeps it, and
+        --rescore / --peers-from read its shape)."""
+        return {"size": a.size, "shape": a.size, **a.shape, "fc_in": cfg.fc_in, "batch": a.batch, "seqs": a.seqs,
+                "seq": a.seqs[0], "ttt_steps": a.ttt, "gamma": a.gamma, "dtype": str(dtype).replace("torch.", ""),
+                "params_dtype": str(dtype).replace("torch.", ""), "impl": a.impl, "chunk": a.chunk,
+                "attention": attn, "optimizer": "AdamW: draftport.training.optim (CUDA; torch's fused AdamW as a lever), betas (0.9, 0.95)", "grad_clip": 1.0,
+                "target": "frozen target lm_head [V, H]: full-vocab argmax mask (computed) or the stored "
+                          "greedy choice + draft rows (stored); draft-vocab softmax",
+                "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
+                "fast_path": {"kv_grad_sum": main_fast.kv_grad_sum, "skip_uncounted_rows": main_fast.skip_uncounted,
+                              "skip_dead_rows": main_fast.skip_dead_rows, "rope_apart": main_fast.rope_apart,
+                              "packed_attention": main_fast.packed,
+                              "cuda_graph": a.graph, "fixed_rows_cuda_graph": bool(main_graph),
+                              "mix_cuda_graph": False},
+                "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS, "pipeline_trains_with": "mask stored (features.build_features "
+                "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing "
+                "(the kimi profile: true), the attention kernel per train.fast.attention (the kimi profile: cudnn)"}
+
+    out["config"] = run_config()
 
     def G(name, graph):
         return f"{name}, CUDA graph" if graph else f"{name}, no CUDA graph"
@@ -1471,17 +1509,23 @@ def main(argv=None) -> dict:
         mix.update(packed_rows=len(pk), padded_steps=len(pd),
                    packed_real_fraction=sum(int(b.valid.sum()) for b in pk) / sum(b.tokens.numel() for b in pk),
                    padded_real_fraction=sum(int(b.valid.sum()) for b in pd) / sum(b.tokens.numel() for b in pd))
+        out["mix_results"] = mix_res
+
+        def run_mix(key, *args, **kw):   # the JSON rewritten after each row: a timeout keeps the rows done
+            mix_res[key] = run(*args, **kw)
+            save()
         if cuda:   # the bound of the mix goal: the packed rows' GEMMs alone at cuBLAS's rate
             try:
                 mix["gemm_ceiling"] = mix_gemm_ceiling(cfg, pk, a, log)
             except Exception as e:   # a probe's failure must not cost the run
                 log(f"[ceiling] mix: FAILED {e!r}")
             torch.cuda.empty_cache()
+            save()
         if a.mix_computed:
-            mix_res["packed_frozen_computed"] = run(V("mix packed, lm_head frozen, mask computed", layout="packed"),
-                                                    pk, head, lengths=pk_lens)
-            mix_res["padded_frozen_computed"] = run(V("mix padded, lm_head frozen, mask computed", layout="padded"),
-                                                    pd, head, lengths=pd_lens)
+            run_mix("packed_frozen_computed", V("mix packed, lm_head frozen, mask computed", layout="packed"),
+                    pk, head, lengths=pk_lens)
+            run_mix("padded_frozen_computed", V("mix padded, lm_head frozen, mask computed", layout="padded"),
+                    pd, head, lengths=pd_lens)
         with_stored_mask(pk, head, hot, a.chunk)
         with_stored_mask(pd, head, hot, a.chunk)
         mix.update(packed_counted_fraction=counted_share(pk, d.t2d, a.ttt),
@@ -1492,10 +1536,10 @@ def main(argv=None) -> dict:
         if cuda:
             torch.cuda.empty_cache()
         for lh in heads:
-            mix_res[f"packed_{lh}_stored"] = run(V(f"mix packed, lm_head {lh}, mask stored", lm_head=lh, mask="stored",
-                                                   layout="packed"), pk, rows, lengths=pk_lens)
-            mix_res[f"padded_{lh}_stored"] = run(V(f"mix padded, lm_head {lh}, mask stored", lm_head=lh, mask="stored",
-                                                   layout="padded"), pd, rows, lengths=pd_lens)
+            run_mix(f"packed_{lh}_stored", V(f"mix packed, lm_head {lh}, mask stored", lm_head=lh, mask="stored",
+                                             layout="packed"), pk, rows, lengths=pk_lens)
+            run_mix(f"padded_{lh}_stored", V(f"mix padded, lm_head {lh}, mask stored", lm_head=lh, mask="stored",
+                                             layout="padded"), pd, rows, lengths=pd_lens)
         del pk, pd, rows
         head = head_cpu.to(dev)
         head_cpu = None
@@ -1508,8 +1552,6 @@ def main(argv=None) -> dict:
         r.setdefault("seq", None)
 
     out.update(by_length=by_len, mix=mix, mix_results=mix_res, peers_raw=peers, peers_requested=requested)
-    out["config"] = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,   # what score() reads of it
-                     "draft_vocab_size": cfg.draft_vocab_size}                       # (the whole config below)
     goals = score(out)
     mix_ratios = out.get("mix_ratios", {})
 
@@ -1517,21 +1559,7 @@ def main(argv=None) -> dict:
     first = by_len.get(str(a.seqs[0]), {"ours": {}})["ours"]
     ours = first.get("frozen_computed") or next(iter(first.values()), {})
     out.update({
-        "config": {"size": a.size, "shape": a.size, **a.shape, "fc_in": cfg.fc_in, "batch": a.batch, "seqs": a.seqs,
-                   "seq": a.seqs[0], "ttt_steps": a.ttt, "gamma": a.gamma, "dtype": str(dtype).replace("torch.", ""),
-                   "params_dtype": str(dtype).replace("torch.", ""), "impl": a.impl, "chunk": a.chunk,
-                   "attention": attn, "optimizer": "AdamW: draftport.training.optim (CUDA; torch's fused AdamW as a lever), betas (0.9, 0.95)", "grad_clip": 1.0,
-                   "target": "frozen target lm_head [V, H]: full-vocab argmax mask (computed) or the stored "
-                             "greedy choice + draft rows (stored); draft-vocab softmax",
-                   "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
-                   "fast_path": {"kv_grad_sum": main_fast.kv_grad_sum, "skip_uncounted_rows": main_fast.skip_uncounted,
-                                 "skip_dead_rows": main_fast.skip_dead_rows, "rope_apart": main_fast.rope_apart,
-                                 "packed_attention": main_fast.packed,
-                                 "cuda_graph": a.graph, "fixed_rows_cuda_graph": bool(main_graph),
-                                 "mix_cuda_graph": False},
-                   "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS, "pipeline_trains_with": "mask stored (features.build_features "
-                   "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing "
-                   "(the kimi profile: true), the attention kernel per train.fast.attention (the kimi profile: cudnn)"},
+        "config": run_config(),
         "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],
                                      "train_lm_head_trainable": flops_per_token(cfg, T, a.ttt, True)["train"],
                                      "mask_extra": flops_per_token(cfg, T, a.ttt, False)["mask_extra"],
@@ -1626,11 +1654,22 @@ def run_peers(a, mix, cuda, left, log, on_peer, peers_only=False) -> dict:
             """The peer once per shape, each with an even share of what is left of t_all."""
             recs, info, t0 = [], {"timeout_s": t_all, "shapes": []}, time.perf_counter()
             runs[name] = info
+            short = None   # the timeout a shape of this peer ran out of
             for i, shape in enumerate(shapes):
                 t = (t_all - (time.perf_counter() - t0)) / (len(shapes) - i)
+                if short is not None and t < 1.25 * short:
+                    # each shape compiles anew: one that ran out of `short` s will again; its time
+                    # is left to the next peer
+                    one = {"timeout_s": t, "status": f"skipped: {shape[-1] if shape[1] != '--mix' else 'mix'} "
+                           f"(a shape before timed out at {short:.0f}s; rerun with a larger --budget-s)"}
+                    log(f"[{name}] {one['status']}")
+                    info["shapes"].append(one)
+                    continue
                 one = {"timeout_s": t}
                 recs += run_peer(name, [*tail[:2], *shape, *common, *tail[2:]], t, log, one)
                 info["shapes"].append(one)
+                if one.get("status") == "timed out":
+                    short = t
             info.update(wall_s=time.perf_counter() - t0, records=len(recs),
                         status="done" if all(s["status"] == "done" for s in info["shapes"]) else
                         "; ".join(sorted({s["status"] for s in info["shapes"] if s["status"] != "done"})))

@@ -164,3 +164,50 @@ def test_mix_ceiling_sums_each_packed_rows_gemms_once_per_row_count(monkeypatch)
     for k in ("frozen", "trainable"):
         assert out[k]["real_tokens_per_s"] == pytest.approx((61 + 125 + 61) / out[k]["gemm_s"])
     assert out["trainable"]["gemm_s"] > out["frozen"]["gemm_s"]
+
+
+def test_rescore_of_a_killed_call_takes_the_config_of_the_peer_file_it_checked(tmp_path):
+    """A call killed at its limit before writing its config is scored with the config of the peer
+    file it was run against (--peers-from named in its own peers_from), and refused with any other."""
+    cfg = {**bench.SIZES["llama70b"], "shape": "llama70b", "seqs": [2048], "ttt_steps": 7,
+           "target_off_draft_scale": 0.5, "peer_process": "per-shape"}
+    peers = {"date": "2026-12-04", "device": "NVIDIA H200", "mode": "peers-only", "config": cfg,
+             "peers_raw": {"speculators": [{"config": "seq2048", "set": "frozen", "real_tokens_per_s": 100.0}]}}
+    pf, other = tmp_path / "peers-a.json", tmp_path / "peers-b.json"
+    pf.write_text(json.dumps(peers))
+    other.write_text(json.dumps(peers))
+    ours = {"ours": {"frozen_stored": _rec(0.8, 125.0)}}
+    res = {"date": "2026-12-04", "device": "NVIDIA H200", "by_length": {"2048": ours},
+           "peers_from": {"file": str(pf)}, "peers_raw": {}}
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(res))
+    with pytest.raises(SystemExit, match="no config"):
+        bench.rescore(str(f), str(other))
+    out = bench.rescore(str(f), str(pf))
+    assert out["config"]["hidden_size"] == 8192 and "config taken from the peer file" in out["rescored"]
+    assert out["by_length"]["2048"]["ratios"]["vs_speculators_stored"] == pytest.approx(1.25)
+
+
+def test_a_peer_whose_shape_timed_out_skips_the_shapes_its_share_cannot_hold(monkeypatch):
+    """Each shape compiles anew: after one ran out of its timeout, a later shape of the same peer
+    with less than 1.25x that time is skipped (its time left to the next peer), and says why."""
+    ran, clock = [], [0.0]
+
+    def fake_run_peer(name, cmd, t, log, one):
+        ran.append((name, cmd[cmd.index("--seqs") + 1]))
+        timed_out = name == "speculators"
+        clock[0] += t if timed_out else 1.0   # a timed-out run used all of its time
+        one.update(status="timed out" if timed_out else "done")
+        return []
+
+    monkeypatch.setattr(bench, "run_peer", fake_run_peer)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    a = bench.argparse.Namespace(size="toy", ttt=7, peer_iters=1, peer_warmup=1, seqs=[2048, 4096], mix_passes=1,
+                                 no_speculators=False, no_specforge=False, pack_len=128, spec_loss="eager",
+                                 spec_attn=None, sf_attn=None, speculators_share=0.5)
+    runs = {}
+    bench.run_peers(a, None, False, lambda: 100.0, lambda m: None, lambda p, r: runs.update(r), peers_only=True)
+    assert ran == [("speculators", "2048"), ("specforge", "2048"), ("specforge", "4096")]
+    skipped = runs["speculators"]["shapes"][1]
+    assert skipped["status"].startswith("skipped: 4096 (a shape before timed out") and "--budget-s" in skipped["status"]
+    assert runs["speculators"]["status"].startswith("skipped") and "timed out" in runs["speculators"]["status"]
