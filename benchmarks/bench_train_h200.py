@@ -1803,7 +1803,12 @@ def ceiling_tps(rec: dict, k: str, mode: str, cfg: dict) -> float | None:
 
 
 def at_ceiling(x) -> str:
-    return "" if x is None else f"; at the step's GEMMs alone (cuBLAS ceiling): {x:.3f}"
+    """A goal's note part: the ratio at the bound ("" when no ceiling was timed)."""
+    return "" if x is None else f"at the step's GEMMs alone (cuBLAS ceiling): {x:.3f}"
+
+
+def join_note(*parts) -> str:
+    return "; ".join(p for p in parts if p)
 
 
 def score(out: dict) -> list[dict]:
@@ -1885,10 +1890,10 @@ def score(out: dict) -> list[dict]:
             r[f"speedup_vs_best_peer_{mode}_at_gemm_ceiling"] = ratio(c_f, best_v) if best else None
             r[f"vs_specforge_lm_head_trained_{mode}_at_gemm_ceiling"] = ratio(c_t, sft)
             goal(f"T{T} vs the faster peer, lm_head frozen, mask {mode}", r[f"speedup_vs_best_peer_{mode}"], 1.3,
-                 f"faster peer: {best}" + (f"; not measured: {', '.join(missing)}" if missing else "")
-                 + at_ceiling(r[f"speedup_vs_best_peer_{mode}_at_gemm_ceiling"]))
+                 join_note(f"faster peer: {best}", f"not measured: {', '.join(missing)}" if missing else "",
+                      at_ceiling(r[f"speedup_vs_best_peer_{mode}_at_gemm_ceiling"])))
             goal(f"T{T} vs SpecForge, lm_head trained, mask {mode}", r[f"vs_specforge_lm_head_trained_{mode}"], 1.6,
-                 at_ceiling(r[f"vs_specforge_lm_head_trained_{mode}_at_gemm_ceiling"]).lstrip("; "))
+                 at_ceiling(r[f"vs_specforge_lm_head_trained_{mode}_at_gemm_ceiling"]))
             hf = r.get(f"hfu_frozen_{mode}")
             ceil = (rec.get("gemm_ceiling") or {}).get("sets", {})
             for k in ("frozen", "trainable"):
@@ -1939,6 +1944,16 @@ def score(out: dict) -> list[dict]:
         # run on the mix: slower than speculators at every fixed length); trained, the faster of both
         best_t, best_t_v, missing_t = faster({"speculators": spmt, "specforge": sfm})
         mix_ratios["best_peer_lm_head_trained"] = best_t
+
+        def mix_speedup(frozen_rate, trainable_rate):
+            """The mix goal's figure: the smaller of frozen / speculators and trainable / the faster
+            peer with lm_head trained (each where those peers were asked for); None if one is missing."""
+            eq = []
+            if "speculators" in requested:
+                eq.append(ratio(frozen_rate, spm))
+            if any(k in requested for k in ("speculators", "specforge")):
+                eq.append(ratio(trainable_rate, best_t_v) if best_t else None)
+            return min(eq) if eq and all(x is not None for x in eq) else None
         for mode in ("computed", "stored"):
             f = tps(mix_res.get(f"packed_frozen_{mode}"))
             t = tps(mix_res.get(f"packed_trainable_{mode}"))
@@ -1947,30 +1962,21 @@ def score(out: dict) -> list[dict]:
             mix_ratios[f"packed_trainable_{mode}_vs_speculators_lm_head_trained"] = ratio(t, spmt)
             mix_ratios[f"packed_trainable_{mode}_vs_best_peer_lm_head_trained"] = ratio(t, best_t_v) if best_t else None
             mix_ratios[f"packed_frozen_{mode}_vs_padded"] = ratio(f, tps(mix_res.get(f"padded_frozen_{mode}")))
-        eq = []
-        if "speculators" in requested:
-            eq.append(mix_ratios.get("packed_frozen_stored_vs_speculators"))
-        if any(k in requested for k in ("speculators", "specforge")):
-            eq.append(mix_ratios.get("packed_trainable_stored_vs_best_peer_lm_head_trained"))
-        mix_ratios["speedup_vs_best_peer"] = min(eq) if eq and all(x is not None for x in eq) else None
+        mix_ratios["speedup_vs_best_peer"] = mix_speedup(tps(mix_res.get("packed_frozen_stored")),
+                                                         tps(mix_res.get("packed_trainable_stored")))
         mc = mix.get("gemm_ceiling") or {}
-        eq_c = []
-        if mc and "speculators" in requested:
-            eq_c.append(ratio(mc["frozen"]["real_tokens_per_s"], spm))
-        if mc and any(k in requested for k in ("speculators", "specforge")):
-            eq_c.append(ratio(mc["trainable"]["real_tokens_per_s"], best_t_v) if best_t else None)
-        mix_ratios["speedup_vs_best_peer_at_gemm_ceiling"] = (min(eq_c) if eq_c and all(x is not None for x in eq_c)
-                                                              else None)
+        mix_ratios["speedup_vs_best_peer_at_gemm_ceiling"] = (
+            mix_speedup(mc["frozen"]["real_tokens_per_s"], mc["trainable"]["real_tokens_per_s"]) if mc else None)
         mix_ratios["missing_peers"] = [label for peer, label, v in (("speculators", "speculators", spm),
                                                                     ("speculators", "speculators lm_head trained", spmt),
                                                                     ("specforge", "specforge", sfm))
                                        if peer in requested and v is None]
         goal("length mix: real-token rate vs the faster peer (same trainable set each, mask stored)",
              mix_ratios["speedup_vs_best_peer"], 1.5,
-             "min of ours-frozen/speculators and ours-trainable/the faster peer with lm_head trained"
-             + (f" ({best_t})" if best_t else "")
-             + (f"; not measured: {', '.join(mix_ratios['missing_peers'])}" if mix_ratios["missing_peers"] else "")
-             + at_ceiling(mix_ratios["speedup_vs_best_peer_at_gemm_ceiling"]))
+             join_note("min of ours-frozen/speculators and ours-trainable/the faster peer with lm_head trained"
+                  + (f" ({best_t})" if best_t else ""),
+                  f"not measured: {', '.join(mix_ratios['missing_peers'])}" if mix_ratios["missing_peers"] else "",
+                  at_ceiling(mix_ratios["speedup_vs_best_peer_at_gemm_ceiling"])))
         out["mix_ratios"] = mix_ratios
     out["goals"] = goals
     out["speedup_vs_best_peer"] = {T: {m: rec.get("ratios", {}).get(f"speedup_vs_best_peer_{m}")

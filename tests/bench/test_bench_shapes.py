@@ -211,3 +211,20 @@ def test_a_peer_whose_shape_timed_out_skips_the_shapes_its_share_cannot_hold(mon
     skipped = runs["speculators"]["shapes"][1]
     assert skipped["status"].startswith("skipped: 4096 (a shape before timed out") and "--budget-s" in skipped["status"]
     assert runs["speculators"]["status"].startswith("skipped") and "timed out" in runs["speculators"]["status"]
+
+
+def test_the_mix_goal_states_its_bound_by_the_same_rule_as_its_figure():
+    """The mix goal's figure is min(frozen / speculators, trainable / the faster peer trained); its
+    bound is the same rule over the packed rows' GEMMs-alone rates."""
+    recs = [{"config": "mix", "set": s, "real_tokens_per_s": v} for s, v in (("frozen", 100.0), ("trained", 90.0))]
+    out = {"config": {"hidden_size": 7168}, "by_length": {},
+           "mix": {"gemm_ceiling": {"frozen": {"real_tokens_per_s": 180.0}, "trainable": {"real_tokens_per_s": 150.0}}},
+           "mix_results": {"packed_frozen_stored": {"real_tokens_per_s": 160.0},
+                           "packed_trainable_stored": {"real_tokens_per_s": 126.0}},
+           "peers_raw": {"speculators": recs, "specforge": [{"config": "mix", "set": "trained", "real_tokens_per_s": 60.0}]},
+           "peers_requested": ["speculators", "specforge"]}
+    goals = {g["goal"]: g for g in bench.score(out)}
+    g = goals["length mix: real-token rate vs the faster peer (same trainable set each, mask stored)"]
+    assert g["value"] == pytest.approx(min(160 / 100, 126 / 90))
+    assert out["mix_ratios"]["speedup_vs_best_peer_at_gemm_ceiling"] == pytest.approx(min(180 / 100, 150 / 90))
+    assert g["note"].endswith(f"(speculators); at the step's GEMMs alone (cuBLAS ceiling): {150 / 90:.3f}")
