@@ -1559,7 +1559,6 @@ def main(argv=None) -> dict:
     first = by_len.get(str(a.seqs[0]), {"ours": {}})["ours"]
     ours = first.get("frozen_computed") or next(iter(first.values()), {})
     out.update({
-        "config": run_config(),
         "flops_per_token": {str(T): {"train_lm_head_frozen": flops_per_token(cfg, T, a.ttt, False)["train"],
                                      "train_lm_head_trainable": flops_per_token(cfg, T, a.ttt, True)["train"],
                                      "mask_extra": flops_per_token(cfg, T, a.ttt, False)["mask_extra"],
