@@ -1706,9 +1706,19 @@ def note_peers_from(out: dict, src: dict, path: str, asked: list[str]) -> None:
                          "wall_s": src.get("wall_s"), "peers_requested": asked,
                          "versions": {k: sv.get(k) for k in ("speculators", "specforge", "torch", "transformers",
                                                              "triton")},
-                         "peer_runs": src.get("peer_runs")}
+                         "peer_runs": src.get("peer_runs"), "gemm_s": peer_gemm_s(src)}
     for k in ("speculators", "specforge"):
         out.setdefault("versions", {})[k] = sv.get(k)
+
+
+def peer_gemm_s(src: dict) -> dict:
+    """{T: seconds} the peers' GPU took for the step's GEMMs alone (gemm_ceiling, lm_head frozen),
+    from a --peers-only file (its own probe) or a full run's (ours, timed on the same GPU)."""
+    by_t = dict(src.get("gemm_ceiling") or {})
+    for T, rec in (src.get("by_length") or {}).items():
+        by_t.setdefault(T, rec.get("gemm_ceiling"))
+    return {T: c["sets"]["frozen"]["gemm_s"] for T, c in by_t.items()
+            if c and "gemm_s" in ((c.get("sets") or {}).get("frozen") or {})}
 
 
 def use_peers(src: dict, a, out: dict, log) -> tuple[dict, list[str]]:
@@ -1747,6 +1757,14 @@ def peers_only(a, out, cuda, left, log, save, t_start) -> dict:
     log(f"peers only: {', '.join(requested)}; shape {a.size} ({shape_arg(a.shape)}), T {a.seqs}, TTT {a.ttt}; budget {a.budget_s:.0f}s")
     mix = mix_spec(a, log)
     out["mix"] = mix
+    if cuda:   # this GPU's rate at the step's GEMMs: a later call scoring ours names the two GPUs' ratio
+        out["gemm_ceiling"] = {}
+        for T in a.seqs:
+            try:
+                out["gemm_ceiling"][str(T)] = gemm_ceiling(cfg, T * a.batch, a.ttt, a.peak_tflops, log)
+            except Exception as e:   # a probe's failure must not cost the peers
+                log(f"[ceiling] T {T}: FAILED {e!r}")
+        torch.cuda.empty_cache()
     save()
 
     def on_peer(peers, runs):
@@ -1861,6 +1879,11 @@ def score(out: dict) -> list[dict]:
         best_t, best_t_v, missing_t = faster({"speculators": spt, "specforge": sft})
         r = {"best_peer_lm_head_frozen": best, "missing_peers": missing,
              "best_peer_lm_head_trained": best_t, "missing_peers_lm_head_trained": missing_t}
+        # peers from another call (another GPU): how its GEMMs ran against this one's, same shapes
+        own_g = ((((rec.get("gemm_ceiling") or {}).get("sets") or {}).get("frozen")) or {}).get("gemm_s")
+        r["peer_gpu_gemm_time_vs_ours"] = ratio(((out.get("peers_from") or {}).get("gemm_s") or {}).get(T), own_g)
+        gpu_note = ("" if r["peer_gpu_gemm_time_vs_ours"] is None else
+                    f"the peers' GPU took {r['peer_gpu_gemm_time_vs_ours']:.3f}x this one's time at the step's GEMMs")
         for mode in ("computed", "stored"):
             o_f, o_t = tps(rec["ours"].get(f"frozen_{mode}")), tps(rec["ours"].get(f"trainable_{mode}"))
             r[f"speedup_vs_best_peer_{mode}"] = ratio(o_f, best_v) if best else None
@@ -1890,9 +1913,9 @@ def score(out: dict) -> list[dict]:
             r[f"vs_specforge_lm_head_trained_{mode}_at_gemm_ceiling"] = ratio(c_t, sft)
             goal(f"T{T} vs the faster peer, lm_head frozen, mask {mode}", r[f"speedup_vs_best_peer_{mode}"], 1.3,
                  join_note(f"faster peer: {best}", f"not measured: {', '.join(missing)}" if missing else "",
-                      at_ceiling(r[f"speedup_vs_best_peer_{mode}_at_gemm_ceiling"])))
+                           at_ceiling(r[f"speedup_vs_best_peer_{mode}_at_gemm_ceiling"]), gpu_note))
             goal(f"T{T} vs SpecForge, lm_head trained, mask {mode}", r[f"vs_specforge_lm_head_trained_{mode}"], 1.6,
-                 at_ceiling(r[f"vs_specforge_lm_head_trained_{mode}_at_gemm_ceiling"]))
+                 join_note(at_ceiling(r[f"vs_specforge_lm_head_trained_{mode}_at_gemm_ceiling"]), gpu_note))
             hf = r.get(f"hfu_frozen_{mode}")
             ceil = (rec.get("gemm_ceiling") or {}).get("sets", {})
             for k in ("frozen", "trainable"):

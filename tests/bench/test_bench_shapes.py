@@ -228,3 +228,33 @@ def test_the_mix_goal_states_its_bound_by_the_same_rule_as_its_figure():
     assert g["value"] == pytest.approx(min(160 / 100, 126 / 90))
     assert out["mix_ratios"]["speedup_vs_best_peer_at_gemm_ceiling"] == pytest.approx(min(180 / 100, 150 / 90))
     assert g["note"].endswith(f"(speculators); at the step's GEMMs alone (cuBLAS ceiling): {150 / 90:.3f}")
+
+
+def test_peers_from_another_gpu_names_its_gemm_time_against_ours():
+    """Peers measured on another GPU (--peers-from, or side_by_side.py's second GPU): the peer
+    file's own GEMM probe (a --peers-only file's gemm_ceiling, or a full run's by_length) against
+    this call's, per length, in the ratio and in the peer goals' notes; none without a probe."""
+    T = 2048
+    ceil = {"rows": T, "sets": {"frozen": {"gemm_s": 0.1, "tflops": 100.0, "mfu_ceiling": 0.9},
+                                "trainable": {"gemm_s": 0.2, "tflops": 100.0, "mfu_ceiling": 0.9}}}
+    peers_only = {"gemm_ceiling": {str(T): json.loads(json.dumps(ceil))}}
+    peers_only["gemm_ceiling"][str(T)]["sets"]["frozen"]["gemm_s"] = 0.102
+    full = {"by_length": {str(T): {"gemm_ceiling": ceil}, "4096": {"ours": {}}}}
+    assert bench.peer_gemm_s(peers_only) == {str(T): 0.102}
+    assert bench.peer_gemm_s(full) == {str(T): 0.1}          # a length with no probe is left out
+    assert bench.peer_gemm_s({"by_length": {}}) == {}
+    ours = {f"{k}_{m}": _rec(0.8, 1000.0) for k in ("frozen", "trainable") for m in ("computed", "stored")}
+    peers = {"speculators": [{"config": f"seq{T}", "set": s, "real_tokens_per_s": 500.0, "peak_mem_gib": 1.0,
+                              "impl": "speculators-x", "lm_head_trainable": s == "trained"} for s in ("frozen", "trained")]}
+    out = {"config": {"hidden_size": 64, "vocab_size": 1000, "draft_vocab_size": 200},
+           "by_length": {str(T): {"ours": ours, "gemm_ceiling": ceil}}, "peers_raw": peers,
+           "peers_requested": ["speculators"], "device": "cpu"}
+    bench.note_peers_from(out, dict(peers_only, device="cpu"), "p.json", ["speculators"])
+    goals = {g["goal"]: g for g in bench.score(out)}
+    assert out["by_length"][str(T)]["ratios"]["peer_gpu_gemm_time_vs_ours"] == pytest.approx(1.02)
+    for name in (f"T{T} vs the faster peer, lm_head frozen, mask stored", f"T{T} vs SpecForge, lm_head trained, mask stored"):
+        assert "the peers' GPU took 1.020x this one's time at the step's GEMMs" in goals[name]["note"]
+    out["peers_from"]["gemm_s"] = {}
+    goals = {g["goal"]: g for g in bench.score(out)}
+    assert out["by_length"][str(T)]["ratios"]["peer_gpu_gemm_time_vs_ours"] is None
+    assert "peers' GPU" not in goals[f"T{T} vs the faster peer, lm_head frozen, mask stored"]["note"]
