@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,15 @@ def tail(path: str, n: int = 15) -> str:
     return "\n".join(lines[-n:])
 
 
+def stop(pr: subprocess.Popen) -> None:
+    """Kill a run and every process it started (its session), if still running."""
+    if pr.poll() is None:
+        try:
+            os.killpg(pr.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
@@ -131,24 +141,32 @@ def main(argv=None) -> int:
     for name, r in p["runs"].items():
         outs[name] = tempfile.NamedTemporaryFile("w+", prefix=f"side-{name}-", suffix=".out", delete=False)
         cores = set(r["cpus"])
+        # a session of its own: stopping a run stops the peer processes it started too
         procs[name] = subprocess.Popen(r["cmd"], env=r["env"], stdout=outs[name], stderr=subprocess.STDOUT,
+                                       start_new_session=True,
                                        preexec_fn=lambda c=cores: os.sched_setaffinity(0, c))
     deadline = a.budget_s + 30.0
     next_note = a.every_s
-    while any(pr.poll() is None for pr in procs.values()):
-        el = time.monotonic() - t0
-        if el > deadline:
-            for name, pr in procs.items():
-                if pr.poll() is None:
-                    print(f"[side] {name}: past its budget by 30 s, stopped (its JSON keeps the rows it saved)", flush=True)
-                    pr.kill()
-            break
-        if el >= next_note:
-            print(f"[side] {el:.0f} s: " + ", ".join(
-                f"{k} {'running' if pr.poll() is None else f'done (exit {pr.returncode})'}" for k, pr in procs.items()),
-                flush=True)
-            next_note += a.every_s
-        time.sleep(1.0)
+    try:
+        while any(pr.poll() is None for pr in procs.values()):
+            el = time.monotonic() - t0
+            if el > deadline:
+                for name, pr in procs.items():
+                    if pr.poll() is None:
+                        print(f"[side] {name}: past its budget by 30 s, stopped (its JSON keeps the rows it saved)",
+                              flush=True)
+                        stop(pr)
+                break
+            if el >= next_note:
+                print(f"[side] {el:.0f} s: " + ", ".join(
+                    f"{k} {'running' if pr.poll() is None else f'done (exit {pr.returncode})'}"
+                    for k, pr in procs.items()), flush=True)
+                next_note += a.every_s
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        for pr in procs.values():
+            stop(pr)
+        raise
     wall = time.monotonic() - t0
     bad = []
     for name, pr in procs.items():

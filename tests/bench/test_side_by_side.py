@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "side_by_side.py"
@@ -50,3 +51,26 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
         r = side(*args, "--dry-run", "--dir", str(tmp_path), cwd=tmp_path)
         assert r.returncode == 2 and why in r.stderr.strip().splitlines()[-1], (args, r.stderr)
         assert not list(tmp_path.iterdir())
+
+
+def test_stopping_a_run_stops_the_processes_it_started():
+    """Past its budget a run is killed with its whole session: a peers-only bench's runner
+    subprocesses must not keep the GPU after it."""
+    import side_by_side
+
+    pr = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
+                          start_new_session=True)
+    child = int(pr.stdout.readline())
+    side_by_side.stop(pr)
+    assert pr.wait(timeout=10) != 0
+    for _ in range(100):   # gone, or a zombie left for init to reap
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the run's child {child} outlived it")
+    side_by_side.stop(pr)   # a second stop of a finished run is a no-op
