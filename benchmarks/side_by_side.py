@@ -34,6 +34,8 @@ BENCH = HERE / "bench_train_h200.py"
 sys.path.insert(0, str(HERE))
 from bench_train_h200 import parse_shape, shape_name  # noqa: E402
 
+from draftport.model.formats import atomic_write_text  # noqa: E402
+
 
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -104,12 +106,6 @@ def stop(pr: subprocess.Popen) -> None:
             os.killpg(pr.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -194,7 +190,7 @@ def main(argv=None) -> int:
                       "ours": {"gpu": p["runs"]["ours"]["gpu"], "cpus": len(p["runs"]["ours"]["cpus"])},
                       "peers": {"gpu": p["runs"]["peers"]["gpu"], "cpus": len(p["runs"]["peers"]["cpus"])},
                       "wall_s": round(wall, 1)}
-    write_json(ours, res)
+    atomic_write_text(ours, json.dumps(res, indent=2, default=str) + "\n")
     print(f"[side] scored {ours} against {p['runs']['peers']['json']} in {wall:.0f} s", flush=True)
     return 1 if bad else 0
 
