@@ -12,8 +12,9 @@ evidence that the two GPUs run the same work at the same rate.
 
 Files: <dir>/<date>-h200-{peers,train}-<shape><suffix>.{json,log}; an existing one is refused.
 Arguments this script does not know go to both runs (lengths, TTT steps, the mix: the work both
-must do alike); --ours="..." holds the ones for ours alone. With no CUDA device both run on the CPU (a check of the orchestration, not a
-measurement); with one GPU it refuses, as two runs on one GPU would disturb each other's times.
+must do alike); --ours="..." holds the ones for ours alone. With no CUDA device both run on the
+CPU (a check of the orchestration, not a measurement); with one GPU it refuses, as two runs on one
+GPU would disturb each other's times.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ def parse(argv):
     ap.add_argument("--every-s", type=float, default=60.0, help="a progress line this often")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     a, common = ap.parse_known_args(argv)
-    gpus = a.gpus.split(",")
-    if len(gpus) != 2 or not all(g.strip().isdigit() for g in gpus) or gpus[0] == gpus[1]:
+    gpus = [g.strip() for g in a.gpus.split(",")]
+    if len(gpus) != 2 or not all(g.isdigit() for g in gpus) or int(gpus[0]) == int(gpus[1]):
         ap.error(f"--gpus {a.gpus}: two different CUDA indices, ours first (e.g. 0,1)")
-    a.gpus = [g.strip() for g in gpus]
+    a.gpus = gpus
     try:   # the bench's own rule, so the file names are the ones it writes
         a.shape_tag = shape_name(parse_shape(a.shape)[1])
     except ValueError as e:
