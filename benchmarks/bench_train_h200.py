@@ -93,6 +93,7 @@ from draftport.training import optim  # noqa: E402
 from draftport.training.graph import StepGraph  # noqa: E402
 from draftport.model.fast import loss as fast_loss  # noqa: E402
 from draftport.model.config import DrafterConfig  # noqa: E402
+from draftport.model.formats import atomic_write_text  # noqa: E402
 from draftport.data.shards import Batch, collate  # noqa: E402
 from draftport.model.drafter import Attention, Eagle3Drafter  # noqa: E402
 from draftport.model.fast.attention import Segments, ttt_attention  # noqa: E402
@@ -1224,8 +1225,24 @@ def merge_peers(files: list[str], dest: str | None) -> dict:
         print(f"[merge] {name}: {len(out['peers_raw'].get(name, []))} records"
               + "".join(f" from {m['file']}" for m in out["merged_from"] if name in m["peers"]))
     if dest:
-        Path(dest).write_text(json.dumps(out, indent=2, default=str) + "\n")
+        write_results(dest, out)
     return out
+
+
+def write_results(path, out: dict) -> None:
+    """A results or peers file, written to a temp name and renamed: a call killed mid-write (or a
+    --rescore in place) never leaves a half-written file where the earlier one was."""
+    atomic_write_text(path, json.dumps(out, indent=2, default=str) + "\n")
+
+
+def try_gemm_ceiling(cfg, T: int, a, log) -> dict | None:
+    """gemm_ceiling at T tokens a sample (the run's batch); None, logged, when the probe fails: a
+    probe's failure must not cost the run."""
+    try:
+        return gemm_ceiling(cfg, T * a.batch, a.ttt, a.peak_tflops, log)
+    except Exception as e:
+        log(f"[ceiling] T {T}: FAILED {e!r}")
+        return None
 
 
 def ratio(x, y):
@@ -1267,7 +1284,7 @@ def rescore(path: str, peers_path: str | None = None) -> dict:
     out["rescored"] = note
     for gl in goals:
         print(goal_line(gl))
-    Path(path).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    write_results(path, out)
     return out
 
 
@@ -1305,11 +1322,7 @@ def main(argv=None) -> dict:
             return
         if "peers_raw" in out and "by_length" in out:
             score(out)
-        path = Path(a.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(out, indent=2, default=str) + "\n")
-        os.replace(tmp, path)
+        write_results(a.json, out)
 
     if a.peers_only:
         return peers_only(a, out, cuda, left, log, save, t_start)
@@ -1421,10 +1434,9 @@ def main(argv=None) -> dict:
         batch = make_batch(cfg, a.batch, T, dev, dtype)
         rec = by_len.setdefault(str(T), {"ours": {}})
         if cuda:   # what the step's GEMMs alone reach at this shape (the MFU goal below H 4096)
-            try:
-                rec["gemm_ceiling"] = gemm_ceiling(cfg, T * a.batch, a.ttt, a.peak_tflops, log)
-            except Exception as e:   # a probe's failure must not cost the run
-                log(f"[ceiling] T {T}: FAILED {e!r}")
+            ceiling = try_gemm_ceiling(cfg, T, a, log)
+            if ceiling:
+                rec["gemm_ceiling"] = ceiling
             torch.cuda.empty_cache()
         lv = levers.setdefault(str(T), {})
         lever_here = cuda and fused and (a.levers_all or i == 0)
@@ -1758,12 +1770,7 @@ def peers_only(a, out, cuda, left, log, save, t_start) -> dict:
     mix = mix_spec(a, log)
     out["mix"] = mix
     if cuda:   # this GPU's rate at the step's GEMMs: a later call scoring ours names the two GPUs' ratio
-        out["gemm_ceiling"] = {}
-        for T in a.seqs:
-            try:
-                out["gemm_ceiling"][str(T)] = gemm_ceiling(cfg, T * a.batch, a.ttt, a.peak_tflops, log)
-            except Exception as e:   # a probe's failure must not cost the peers
-                log(f"[ceiling] T {T}: FAILED {e!r}")
+        out["gemm_ceiling"] = {str(T): c for T in a.seqs if (c := try_gemm_ceiling(cfg, T, a, log))}
         torch.cuda.empty_cache()
     save()
 

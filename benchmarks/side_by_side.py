@@ -20,7 +20,6 @@ GPU would disturb each other's times.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -33,9 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BENCH = HERE / "bench_train_h200.py"
 sys.path.insert(0, str(HERE))
-from bench_train_h200 import parse_shape, shape_name  # noqa: E402
-
-from draftport.model.formats import atomic_write_text  # noqa: E402
+from bench_train_h200 import parse_shape, rescore, shape_name, write_results  # noqa: E402
 
 
 def parse(argv):
@@ -90,9 +87,9 @@ def plan(a, cuda: bool) -> dict:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         runs[name] = {"cmd": base + extra + ["--json", f"{f}.json", "--log", f"{f}.log"], "env": env,
                       "cpus": cores, "gpu": gpu if cuda else "cpu", "json": Path(f"{f}.json")}
-    rescore = [sys.executable, str(BENCH), "--rescore", str(runs["ours"]["json"]), "--peers-from",
-               str(runs["peers"]["json"])]
-    return {"runs": runs, "rescore": rescore}
+    then = [sys.executable, str(BENCH), "--rescore", str(runs["ours"]["json"]), "--peers-from",
+            str(runs["peers"]["json"])]
+    return {"runs": runs, "rescore": then}
 
 
 def tail(path: str, n: int = 15) -> str:
@@ -178,20 +175,18 @@ def main(argv=None) -> int:
     if missing:
         print(f"side_by_side.py: no results file from {', '.join(missing)}; nothing scored", file=sys.stderr)
         return 1
-    r = subprocess.run(p["rescore"], capture_output=True, text=True)
-    print(r.stdout, end="", flush=True)
-    if r.returncode != 0:
-        print(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "side_by_side.py: the rescore failed",
-              file=sys.stderr)
-        return 1
     ours = p["runs"]["ours"]["json"]
-    res = json.loads(ours.read_text())
+    try:   # the bench's own --rescore, in this process; a refusal is its one line
+        res = rescore(str(ours), str(p["runs"]["peers"]["json"]))
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        return 1
     res["pairing"] = {"how": "side by side: one call, ours and the peers at once on two GPUs of one host, "
                              "each on half of its CPU cores",
                       "ours": {"gpu": p["runs"]["ours"]["gpu"], "cpus": len(p["runs"]["ours"]["cpus"])},
                       "peers": {"gpu": p["runs"]["peers"]["gpu"], "cpus": len(p["runs"]["peers"]["cpus"])},
                       "wall_s": round(wall, 1)}
-    atomic_write_text(ours, json.dumps(res, indent=2, default=str) + "\n")
+    write_results(ours, res)
     print(f"[side] scored {ours} against {p['runs']['peers']['json']} in {wall:.0f} s", flush=True)
     return 1 if bad else 0
 
