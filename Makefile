@@ -95,3 +95,26 @@ $(SPEC_STAMP):
 
 .PHONY: speculators-venv
 speculators-venv: $(SPEC_STAMP)
+
+# ---- air-gapped GPU nodes: a wheelhouse of the pinned binary wheels, and its offline install --------
+# `make wheelhouse` (network) downloads requirements.lock's pins as binary wheels for the cluster's
+# interpreter (WHEEL_PY) and platform into $(WHEELHOUSE)/ with MANIFEST.json; WHEEL_SET=core is the
+# library's steps alone (no snakemake/dvc/mlflow), full adds the pipeline. Torch only with
+# WHEEL_TORCH=1: a cluster's torch is a CUDA build matched to its driver. `make install-offline`
+# (no network) verifies the manifest, then installs draftport from the wheelhouse alone into
+# $(PYTHON)'s environment, or into OFFLINE_VENV (made with --system-site-packages if missing).
+WHEELHOUSE ?= wheelhouse
+WHEEL_PY ?= 3.12
+WHEEL_PLATFORM ?= manylinux_2_28_x86_64
+WHEEL_SET ?= full
+WHEEL_TORCH ?= 0
+PYTHON ?= python3
+OFFLINE_VENV ?=
+
+.PHONY: wheelhouse install-offline
+wheelhouse:
+	$(PY) tools/wheelhouse.py build --out $(WHEELHOUSE) --python-version $(WHEEL_PY) \
+		--platform $(WHEEL_PLATFORM) --set $(WHEEL_SET) --torch $(WHEEL_TORCH)
+
+install-offline:
+	$(PYTHON) tools/wheelhouse.py install --wheelhouse $(WHEELHOUSE) $(if $(OFFLINE_VENV),--venv $(OFFLINE_VENV))
