@@ -35,7 +35,7 @@ step), peak memory, and writes one JSON with every figure, the ratios and the go
 Order (one device call): the attention probe (flash vs cuDNN for the dense causal part, the faster
 one is used), ours at each length (with the embedding half at every step beside it, at each
 length) and the levers at the first one (the other attention kernel, fused q/k/v and gate/up
-GEMMs, --graphs: the whole step as one CUDA graph), the peers in
+GEMMs), the peers in
 subprocesses (benchmarks/peers/*_run.py: each peer's own model, loss, trainer core and optimizer,
 wired as the anchors wire them, a process of its own per shape (after 2,048 in the same process,
 speculators ran 3-6% slower at 4,096 and on the mix than in a process of its own; likely cause:
@@ -90,7 +90,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from draftport.training import optim  # noqa: E402
-from draftport.training.graph import StepGraph  # noqa: E402
 from draftport.model.fast import loss as fast_loss  # noqa: E402
 from draftport.model.config import DrafterConfig  # noqa: E402
 from draftport.model.formats import atomic_write_text  # noqa: E402
@@ -294,11 +293,11 @@ class Variant:
 
     def __init__(self, name, attn_fused=True, loss_fused=True, compiled=True, accumulate=True,
                  adam="draftport", clip_in_adam=True, sync_each_step=False, lm_head="frozen", mask="computed",
-                 graph=False, attn="flash", layout="seq", embed_once=True):
+                 attn="flash", layout="seq", embed_once=True):
         self.name, self.attn_fused, self.loss_fused, self.compiled = name, attn_fused, loss_fused, compiled
         self.accumulate, self.adam, self.clip_in_adam = accumulate, adam, clip_in_adam
         self.sync_each_step, self.lm_head, self.mask = sync_each_step, lm_head, mask
-        self.graph, self.attn, self.layout, self.embed_once = graph, attn, layout, embed_once
+        self.attn, self.layout, self.embed_once = attn, layout, embed_once
 
     def fast(self, a) -> FastPath:
         """How this variant computes the fast parts of its step (the fused unroll, and with
@@ -310,7 +309,7 @@ class Variant:
         return dict(name=self.name, attn_fused=self.attn_fused, loss_fused=self.loss_fused,
                     compiled=self.compiled, accumulate_wgrad=self.accumulate, adam=self.adam,
                     clip_in_adam=self.clip_in_adam, host_sync_each_step=self.sync_each_step,
-                    lm_head=self.lm_head, mask=self.mask, cuda_graph=self.graph, attention=self.attn,
+                    lm_head=self.lm_head, mask=self.mask, attention=self.attn,
                     layout=self.layout, embed_once=self.embed_once)
 
 
@@ -338,8 +337,6 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
         opt = optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95))
     else:
         kw = {"fused": True} if (v.adam in ("fused", "draftport") and cuda) else {"foreach": True}
-        if v.graph:
-            kw["capturable"] = True
         opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), **kw)
     # both fused AdamWs divide the gradients by grad_scale as they read them: clipping goes there
     clip_inside = v.clip_in_adam and (isinstance(opt, optim.AdamW) or bool(opt.defaults.get("fused")))
@@ -360,32 +357,17 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
         return loss, stats
 
     fixed = len(batches) == 1
-    graph = None
     t_c = time.perf_counter()
-    if v.graph:
-        # the whole step (forward, backward, clipping, AdamW) captured once and replayed, as
-        # draftport.training.graph.StepGraph runs it: the first step eager (warm-up), the second
-        # captured, every later one a copy of the batch into the graph's inputs and one replay
-        graph = StepGraph(step, opt)
-        if cuda:   # the peak from here: the capture allocates the graph's pool, which replays reuse
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        for _ in range(max(a.warmup, 2) if fixed else 2):
-            for b in batches:
-                loss, stats = graph(b)
-        run = graph
-    else:
-        run = step
-        for _ in range(a.warmup if fixed else 1):
-            for b in batches:
-                loss, stats = step(b)
+    run = step
+    for _ in range(a.warmup if fixed else 1):
+        for b in batches:
+            loss, stats = step(b)
     sync()
     warm_s = time.perf_counter() - t_c
     passes = 1 if fixed else max(1, getattr(a, "mix_passes", 1))
     order = batches * a.iters if fixed else list(batches) * passes
     if cuda:
-        if not v.graph:   # a graph's peak counts its capture (above): its replays allocate nothing
-            torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)]
     t0 = time.perf_counter()
     for i, b in enumerate(order):
@@ -442,12 +424,12 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
         f"step {res['step_s_median'] * 1e3:7.1f} ms  mfu {res['mfu']:.3f} (with mask {res['mfu_with_mask']:.3f}, "
         f"hardware {res['hfu']:.3f})  "
         f"peak {res['peak_mem_gib'] or 0:.2f} GiB  warmup {warm_s:.1f}s  loss {loss:.4f}")
-    if a.profile_dir and cuda and profile_name and not v.graph:
+    if a.profile_dir and cuda and profile_name:
         try:
             profile(lambda: step(batches[0]), Path(a.profile_dir) / f"profile_{profile_name}.txt", log)
         except Exception as e:  # a profiler problem must not cost the run
             log(f"[profile] failed: {e!r}")
-    del opt, graph
+    del opt
     d.zero_grad(set_to_none=True)
     d.__dict__.pop("unroll", None)
     if cuda:
@@ -1064,12 +1046,6 @@ def parse(argv=None):
     ap.add_argument("--pack-len", type=int, default=None, help="tokens per packed step (8192 as speculators' "
                     "default total_seq_len; 128 on CPU)")
     ap.add_argument("--pad-batch", type=int, default=4, help="samples per padded step on the mix")
-    ap.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
-                    help="the fixed-length rows' step as one CUDA graph (FastPath.cuda_graph; auto: by the "
-                         "shape, FastPath.graphs_step: below H 4096); the length mix never (its rows change shape)")
-    ap.add_argument("--graphs", action="store_true",
-                    help="also time the other CUDA-graph choice than --graph's for every set (lm_head frozen / "
-                         "trained, mask computed / stored) at the lever lengths")
     ap.add_argument("--levers-all", action="store_true", help="levers at every length (default: the first)")
     ap.add_argument("--no-levers", dest="levers", action="store_false", help="skip the levers timed at every "
                     "length (the embedding half at every step, torch's fused AdamW)")
@@ -1371,10 +1347,6 @@ def main(argv=None) -> dict:
         return Variant(name, attn_fused=fused, loss_fused=fused, compiled=comp, attn=attn, **kw)
 
     main_fast = V("main").fast(a)   # how the main variant computes its step (the config records it)
-    # the fixed-length rows' step as one CUDA graph: a choice of the shape (FastPath.graphs_step)
-    main_graph = main_fast.replace(cuda_graph=a.graph).graphs_step(cfg.hidden_size, dev.type) and fused
-    log(f"fixed-length rows: the step {'as one CUDA graph' if main_graph else 'eager (no CUDA graph)'} "
-        f"(--graph {a.graph}, H {cfg.hidden_size})")
 
     def run_config() -> dict:
         """The run's config (set before the first row: a call killed at its limit keeps it, and
@@ -1388,17 +1360,12 @@ def main(argv=None) -> dict:
                 "iters": a.iters, "warmup": a.warmup, "peer_iters": a.peer_iters, "peer_warmup": a.peer_warmup,
                 "fast_path": {"kv_grad_sum": main_fast.kv_grad_sum, "skip_uncounted_rows": main_fast.skip_uncounted,
                               "skip_dead_rows": main_fast.skip_dead_rows, "rope_apart": main_fast.rope_apart,
-                              "packed_attention": main_fast.packed,
-                              "cuda_graph": a.graph, "fixed_rows_cuda_graph": bool(main_graph),
-                              "mix_cuda_graph": False},
+                              "packed_attention": main_fast.packed},
                 "peak_tflops": a.peak_tflops, "target_off_draft_scale": OFF_DRAFT_SCALE, "peer_process": PEER_PROCESS, "pipeline_trains_with": "mask stored (features.build_features "
                 "stores the greedy choice), lm_head trained (train.train_lm_head true), packing per train.packing "
                 "(the kimi profile: true), the attention kernel per train.fast.attention (the kimi profile: cudnn)"}
 
     out["config"] = run_config()
-
-    def G(name, graph):
-        return f"{name}, CUDA graph" if graph else f"{name}, no CUDA graph"
 
     # ---- the ladder: each lever on and off (first length) ----
     if a.ladder:
@@ -1424,7 +1391,7 @@ def main(argv=None) -> dict:
         del batch
 
     # ---- fixed lengths: lm_head frozen / trainable x mask computed / stored, and the levers
-    # (the other attention kernel, the embedding half at every step, CUDA graphs) at the same
+    # (the other attention kernel, the embedding half at every step) at the same
     # shape ----
     by_len, levers = {}, {}
     head_cpu = None
@@ -1439,20 +1406,14 @@ def main(argv=None) -> dict:
                 rec["gemm_ceiling"] = ceiling
             torch.cuda.empty_cache()
         lv = levers.setdefault(str(T), {})
-        lever_here = cuda and fused and (a.levers_all or i == 0)
         for lh in heads:
-            r = run(V(f"T{T} lm_head {lh}, mask computed", lm_head=lh, graph=main_graph), [batch], head)
+            r = run(V(f"T{T} lm_head {lh}, mask computed", lm_head=lh), [batch], head)
             r["seq"] = T
             rec["ours"][f"{lh}_computed"] = r
         if cuda and fused and other_ok:
             v = Variant(f"T{T} lm_head frozen, mask computed, attention {other}", attn_fused=fused,
-                        loss_fused=fused, compiled=comp, attn=other, graph=main_graph)
+                        loss_fused=fused, compiled=comp, attn=other)
             lv[f"attention_{other}_computed"] = run(v, [batch], head)
-        if lever_here and a.graphs:   # the other graph choice, each set
-            for lh in heads:
-                lv[f"{'no_' if main_graph else ''}cuda_graph_{lh}_computed"] = run(
-                    V(G(f"T{T} lm_head {lh}, mask computed", not main_graph), lm_head=lh, graph=not main_graph),
-                    [batch], head)
         if fused:
             # the greedy choice captured with the features: the full-vocab head leaves the GPU
             batch = with_stored_mask([batch], head, hot, a.chunk)[0]
@@ -1462,22 +1423,16 @@ def main(argv=None) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
             for lh in heads:
-                r = run(V(f"T{T} lm_head {lh}, mask stored", lm_head=lh, mask="stored", graph=main_graph), [batch],
-                        rows)
+                r = run(V(f"T{T} lm_head {lh}, mask stored", lm_head=lh, mask="stored"), [batch], rows)
                 r["seq"] = T
                 rec["ours"][f"{lh}_stored"] = r
             if cuda and a.levers:   # what the embedding half once per unroll gives, at every length
                 lv["embed_every_step_stored"] = run(V(f"T{T} lm_head frozen, mask stored, embedding half every step",
-                                                      mask="stored", embed_once=False, graph=main_graph), [batch], rows)
+                                                      mask="stored", embed_once=False), [batch], rows)
                 # what draftport's AdamW gives over torch's fused one, where the optimizer is largest
                 lv["torch_fused_adamw_trainable_stored"] = run(
                     V(f"T{T} lm_head trainable, mask stored, torch's fused AdamW", lm_head="trainable",
                       mask="stored", adam="fused"), [batch], rows)
-            if lever_here and a.graphs:
-                for lh in heads:
-                    lv[f"{'no_' if main_graph else ''}cuda_graph_{lh}_stored"] = run(
-                        V(G(f"T{T} lm_head {lh}, mask stored", not main_graph), lm_head=lh, mask="stored",
-                          graph=not main_graph), [batch], rows)
             if a.profile_dir and cuda:
                 # the embedding half at every step beside the lever's own timing only (--no-levers: its
                 # regions would compile for one profile)

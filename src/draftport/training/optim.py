@@ -130,15 +130,6 @@ class AdamW(torch.optim.Optimizer):
             t = self._lr[key] = (buf, group["lr"])
         return t[0]
 
-    def refresh_lr(self) -> None:
-        """Each group's learning-rate tensor set to its current lr, here (outside a captured CUDA
-        graph: a step replayed from one reads these tensors, training.graph.StepGraph)."""
-        for key, (buf, lr) in list(self._lr.items()):
-            i = key[0]
-            if i < len(self.param_groups) and self.param_groups[i]["lr"] != lr:
-                buf.fill_(self.param_groups[i]["lr"])
-                self._lr[key] = (buf, self.param_groups[i]["lr"])
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

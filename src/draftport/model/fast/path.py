@@ -22,13 +22,6 @@ import torch
 
 ATTENTION = ("flash", "cudnn", "fa4")
 PACKED_ATTENTION = ("auto", "varlen", "segments")
-CUDA_GRAPH = ("auto", "on", "off")
-# cuda_graph auto: below this hidden size a fixed-shape step is captured whole as one CUDA graph.
-# There a step is ~850 kernels of a few tens of microseconds and the host, not the GPU, sets its
-# pace (H 2048: the GPU waited on the host 38% of a 2048-token step); at H >= 4096 the kernels are
-# long enough to hide the launches (Kimi size: a graph gave -1.9% / 0%; benchmarks/results/HISTORY.md)
-GRAPH_BELOW_HIDDEN = 4096
-
 # inductor's options with compile_tuning: each Triton kernel's block sizes searched as it compiles
 COMPILE_TUNING = types.MappingProxyType({"coordinate_descent_tuning": True})
 
@@ -68,18 +61,12 @@ class FastPath:
     # draft-vocab logits (whole rows up to this many tokens: one GEMM pair per step)
     target_chunk: int = 1024
     loss_chunk: int = 4096
-    # a fixed-shape step (forward, backward, clipping, AdamW) captured as one CUDA graph and
-    # replayed (draftport.training.graph.StepGraph): on, off, or auto (by the drafter's shape:
-    # graphs_step). Read by whoever runs the steps; the compiled regions compute the same either way
-    cuda_graph: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self):
         if self.attention not in ATTENTION:
             raise ValueError(f"attention {self.attention!r}: flash, cudnn or fa4")
         if self.packed_attention not in PACKED_ATTENTION:
             raise ValueError(f"packed attention {self.packed_attention!r}: auto, varlen or segments")
-        if self.cuda_graph not in CUDA_GRAPH:
-            raise ValueError(f"cuda_graph {self.cuda_graph!r}: auto, on or off")
         if self.target_chunk < 1 or self.loss_chunk < 1:
             raise ValueError(f"chunks must hold a row at least: {self.target_chunk}, {self.loss_chunk}")
 
@@ -89,14 +76,6 @@ class FastPath:
         if self.packed_attention == "auto":
             return "segments" if self.attention == "cudnn" else "varlen"
         return self.packed_attention
-
-    def graphs_step(self, hidden_size: int, device_type: str = "cuda") -> bool:
-        """Whether a fixed-shape step of a drafter of this hidden size runs as one captured CUDA
-        graph: never off CUDA; cuda_graph on / off as set; auto below GRAPH_BELOW_HIDDEN (where the
-        step is launch-bound)."""
-        if device_type != "cuda" or self.cuda_graph == "off":
-            return False
-        return self.cuda_graph == "on" or hidden_size < GRAPH_BELOW_HIDDEN
 
     def kernel(self, fn):
         """fn, or its compiled version when this path compiles."""
