@@ -202,7 +202,8 @@ def estimate(
     capture_efficiency: Annotated[float | None, typer.Option(
         help="Stated fraction of the prefill roofline for the capture (overrides any benchmark file).")] = None,
     serve_tok_s: Annotated[float | None, typer.Option(
-        help="Output tok/s of the deployment serving the target's answers (default stated: docs/estimate.md).")] = None,
+        help="Output tok/s of the deployment serving the target's answers (default: features.serve_tok_s, else "
+             "derived from the target and the GPUs: docs/estimate.md).")] = None,
     answer_tokens: Annotated[int | None, typer.Option(
         help="Answer tokens per sample (default: features.max_new_tokens, at most tokens per sample).")] = None,
     target_config: Annotated[Path | None, typer.Option(
@@ -219,7 +220,7 @@ def estimate(
 
     rep = E.estimate(load(*configfile, base=params), tokens_per_sample=tokens_per_sample, gpus=gpus,
                      efficiency=efficiency, bench=bench or E.DEFAULT_BENCH, capture_bench_path=capture_bench,
-                     capture_eff=capture_efficiency, serve_tok_s=E.SERVE_TOK_S if serve_tok_s is None else serve_tok_s,
+                     capture_eff=capture_efficiency, serve_tok_s=serve_tok_s,
                      answer_tokens=answer_tokens, target_config_path=target_config, spool_gb=spool_gb,
                      peak_tflops=E.PEAK_TFLOPS if peak_tflops is None else peak_tflops)
     if as_json:

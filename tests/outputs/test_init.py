@@ -186,3 +186,24 @@ def test_a_local_pair_profile_plans_the_decision(pair):
                         "-n", "decision"], cwd=repo, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "drift" in r.stdout and "train_phase1" in r.stdout
+
+
+def test_a_dense_target_on_one_gpu_is_estimated_as_dense(tmp_path):
+    """A dense 32B target (Qwen3-32B's sizes) fits one GPU: init shards it over none, and its
+    estimate derives the answers' rate from its own bf16 weights on that GPU, never calling it MoE."""
+    cfg = kimi_k2_config(hidden_size=5120, intermediate_size=25600, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=151936, aux_layer_ids=[1, 31, 60], max_position_embeddings=40960)
+    src = write_header_only_drafter(tmp_path / "drafter", cfg, *frequency_maps(cfg))
+    tgt = tmp_path / "qwen3-32b"
+    tgt.mkdir()
+    (tgt / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 25600,
+        "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}))
+    out = tmp_path / "dense.yaml"
+    r = init("dense", "--source", src, "--target-new", tgt, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert P.load(out)["features"]["tensor_parallel_size"] == 1
+    est = r.stdout.split("still missing")[0]
+    assert "regenerate: " in est and "MoE" not in est
+    assert "derived for the dense target: 1 instance(s) of TP1 on H200" in " ".join(est.split())

@@ -10,7 +10,11 @@ benchmarks/bench_train_h200.py): its rate with lm_head trained when the phase tr
 phase's train.packing is true, else padded (bench_throughput).
 
 Data (per feature step; docs/estimate.md has the formulas and the kimi table):
-    regenerate: samples x answer tokens / the serving deployment's output tok/s (stated)
+    regenerate: samples x answer tokens / the serving deployment's output tok/s: --serve-tok-s, else
+                the measured features.serve_tok_s, else derived (`serve_rate`): decode is memory-bound,
+                tok/s = instances x C / max(bytes a step reads / (TP x HBM x utilisation),
+                FLOPs of a step / (TP x peak x fraction)), a step reading the weights its C tokens touch
+                (a MoE: the routed experts C tokens reach) and their KV caches
     capture:    samples x tokens per sample x FLOPs/token / (peak x GPUs x fraction of roofline)
     FLOPs/token = 2 x active params without the input embedding (lm_head included: the capture
                   runs it for the greedy choice; MoE: the experts a token is routed to + shared)
@@ -55,16 +59,49 @@ PEAK_TFLOPS = 790.0  # H200 dense bf16, the roofline of the training and capture
 CAPTURE_STATED = {"capture_write": 0.42, "capture": 0.42}
 CAPTURE_STATED_SOURCE = ("H200 2026-12-01, 32B dense bf16 random weights, B x T 16 x 2048: capture+write "
                          "42% of roofline (forward alone 65%), quoted, no result file")
-# Stated: output tok/s of one 8 x H200 node serving the target for the answers (SERVE_SOURCE: a
-# published DeepSeek-R1 FP8 figure, the DeepSeek-V3 shape Kimi-K2 shares); decode is memory-bound
-# and a batch job runs at more concurrency, so this is on the low side.
 # The adaptive data budget (data.budget adaptive) on the embedded world stopped after this many rounds
 # of x2 from Phase 1's n, its curve flattened (benchmarks/results/2026-12-04-embedded-adaptive.md): the
 # estimate bills a real pair's rounds as if its curve had that shape.
 EMBEDDED_STOP_ROUND = 3
-SERVE_TOK_S = 1800.0
-SERVE_SOURCE = ("DeepSeek-R1 FP8 on 8 x H200, SGLang TP8, 1K/1K, 64 concurrent: 223.6 output tok/s/GPU x 8 "
-                "(SemiAnalysisAI/InferenceX#870)")
+
+# ---- the regeneration's serving rate: every assumption of `serve_rate`, in one place ---------------
+# per GPU: HBM bandwidth and memory (NVIDIA's datasheets: H100 SXM 3.35 TB/s, 80 GB; H200 4.8 TB/s,
+# 141 GB); both are the same GH100 compute die, so PEAK_TFLOPS (the measured H200 roofline) serves both
+GPUS = {"H100": {"hbm_bytes_s": 3.35e12, "memory_bytes": 80e9},
+        "H200": {"hbm_bytes_s": 4.8e12, "memory_bytes": 141e9}}
+SERVE_GPU = "H200"            # the estimate's device throughout (its benchmarks ran on H200; no params key names one)
+SERVE_CONCURRENCY = 64        # requests in flight per serving instance: the published figure's; a batch job can run
+                              # more (more tokens per weight read), so the rate is on the low side
+SERVE_HBM_UTIL = 0.43         # the fraction of HBM bandwidth a decode step gets end to end (prefills, TP all-reduces,
+                              # scheduling included): fitted to SERVE_REFERENCE's 64-concurrent point, checked on its
+                              # 16 and 32 (tests/outputs/test_estimate.py); dense kernels do better: low side for dense
+SERVE_COMPUTE_FRACTION = 0.5  # of PEAK_TFLOPS in decode's skinny matmuls (assumed): binds only when the bytes are few
+KV_CACHE_BYTES = 2            # bytes per cached element: bf16, SGLang's and vLLM's default (kv_cache_dtype auto)
+# bytes per parameter read per decode step, by the target's weight format (weight_format): decoder layers,
+# routed experts, lm_head. The input embedding is not read at decode (C rows of it only).
+WEIGHT_BYTES = {
+    "bf16": {"layers": 2.0, "experts": 2.0, "lm_head": 2.0},    # no quantization_config: served as published
+    "fp8": {"layers": 1.0, "experts": 1.0, "lm_head": 2.0},     # DeepSeek-V3/R1, Kimi-K2: fp8 blocks (scales ~0)
+    # compressed-tensors 4-bit, a bf16 scale per 32 weights (Kimi-K2-Thinking, K2.5): a MoE's routed experts only
+    "int4_experts": {"layers": 2.0, "experts": 0.5 + 2 / 32, "lm_head": 2.0},
+    "int4": {"layers": 0.5 + 2 / 32, "experts": 0.5 + 2 / 32, "lm_head": 2.0},   # a dense model's 4-bit layers
+}
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+INT4_EXPERTS = {"quant_method": "compressed-tensors",   # abridged: its config_groups' weights (Kimi-K2.5's release)
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32,
+                                                                                 "type": "int", "symmetric": True}}}}
+# The one published figure the rate is checked against: DeepSeek-R1-0528 FP8 (the DeepSeek-V3 shape
+# Kimi-K2 shares) on 8 x H200, SGLang v0.5.7 TP8, 1K in / 1K out, output tok/s per GPU by concurrency
+# (SemiAnalysisAI/InferenceX#870, 2026-03-05)
+SERVE_REFERENCE = {"source": "DeepSeek-R1 FP8 on 8 x H200, SGLang TP8, 1K/1K (SemiAnalysisAI/InferenceX#870)",
+                   "gpu": "H200", "gpus": 8, "tp": 8, "input": 1024, "output": 1024,
+                   "tok_s_per_gpu": {8: 74.6, 16: 111.9, 32: 151.1, 64: 223.6}}
+DEEPSEEK_R1_TEXT = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                    "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536,
+                    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "tie_word_embeddings": False, "quantization_config": FP8_BLOCKS}
 
 # The text decoder of the targets the real profile names, as published in their config.json
 # (Kimi-K2.5: the `text_config` of its multimodal wrapper; the DeepseekV3 shape of Kimi-K2).
@@ -75,7 +112,9 @@ KIMI_K2_TEXT = {"model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 71
                 "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": 1536,
                 "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                 "tie_word_embeddings": False}
-KNOWN_TARGETS = {"moonshotai/Kimi-K2.5": KIMI_K2_TEXT, "moonshotai/Kimi-K2-Instruct": KIMI_K2_TEXT}
+# with the weight format each repo publishes (K2.5: int4 routed experts; K2-Instruct: fp8 blocks)
+KNOWN_TARGETS = {"moonshotai/Kimi-K2.5": {**KIMI_K2_TEXT, "quantization_config": INT4_EXPERTS},
+                 "moonshotai/Kimi-K2-Instruct": {**KIMI_K2_TEXT, "quantization_config": FP8_BLOCKS}}
 
 
 def train_seconds(*, steps: int, batch_size: int, tokens_per_sample: int, tok_s_per_gpu: float, gpus: int,
@@ -136,15 +175,19 @@ def bench_throughput(path=DEFAULT_BENCH, cfg: dict | None = None) -> dict:
 
 # ---- the target's shape: active parameters and capture FLOPs ------------------------------------
 def _read_text_config(path: Path) -> dict:
+    """The text decoder's config; a multimodal wrapper's quantization_config carried into it (the
+    weights' format sets the serving rate)."""
     path = Path(path)
     if path.is_dir():
-        return target_text_config(path)
-    cfg = _read_json(path, "no such target config (a model folder or its config.json)")
-    if not isinstance(cfg, dict):
-        raise DraftportError(path, "config is not a JSON object")
-    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
-        return cfg["text_config"]
-    return cfg
+        tc, cfg = target_text_config(path), _read_json(path / "config.json", "not a model folder (no config.json)")
+    else:
+        cfg = _read_json(path, "no such target config (a model folder or its config.json)")
+        if not isinstance(cfg, dict):
+            raise DraftportError(path, "config is not a JSON object")
+        tc = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg else cfg
+    if tc is not cfg and isinstance(cfg.get("quantization_config"), dict) and "quantization_config" not in tc:
+        tc = {**tc, "quantization_config": cfg["quantization_config"]}
+    return tc
 
 
 def target_config(cfg: dict, path=None) -> tuple[dict, str]:
@@ -179,11 +222,13 @@ def target_shape(tc: dict, where: str = "target config") -> dict:
         q = h * int(qr) + int(qr) * heads * (nope + rope) if qr else h * heads * (nope + rope)
         attn = q + h * (kvr + rope) + kvr * heads * (nope + v) + heads * v * h
         qk_dim, v_dim = nope + rope, v
+        kv_cached = kvr + rope   # MLA caches the latent and the rope key per layer
     else:
         hd = int(tc.get("head_dim") or h // heads)
         kv = int(tc.get("num_key_value_heads") or heads)
         attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
         qk_dim = v_dim = hd
+        kv_cached = 2 * kv * hd
     experts = tc.get("n_routed_experts") or tc.get("num_local_experts") or tc.get("num_experts") or 0
     if experts:
         odd = [k for k in ("shared_expert_intermediate_size", "mlp_only_layers") if tc.get(k)] + [
@@ -197,14 +242,16 @@ def target_shape(tc: dict, where: str = "target config") -> dict:
         moe_layers = n_layers - dense_layers
         mlp_active = dense_layers * 3 * h * inter + moe_layers * ((top_k + shared) * expert + router)
         mlp_total = dense_layers * 3 * h * inter + moe_layers * ((int(experts) + shared) * expert + router)
-        moe = {"experts": int(experts), "top_k": top_k, "shared": shared, "dense_layers": dense_layers}
+        moe = {"experts": int(experts), "top_k": top_k, "shared": shared, "dense_layers": dense_layers,
+               "expert_params": expert, "router_params": router}
     else:
         mlp_active = mlp_total = n_layers * 3 * h * inter
         moe = None
     embed = lm_head = vocab * h
     active_no_embed = n_layers * attn + mlp_active + lm_head
     return {"layers": n_layers, "hidden_size": h, "heads": heads, "qk_head_dim": qk_dim, "v_head_dim": v_dim,
-            "vocab_size": vocab, "moe": moe, "attention_per_layer": attn,
+            "vocab_size": vocab, "moe": moe, "attention_per_layer": attn, "dense_mlp_params": 3 * h * inter,
+            "kv_cache_per_token": n_layers * kv_cached, "lm_head_params": lm_head,
             "active_params": active_no_embed + embed, "active_params_no_embed": active_no_embed,
             "total_params": n_layers * attn + mlp_total + lm_head + embed}
 
@@ -287,6 +334,103 @@ def capture_efficiency(bench=None, stated: float | None = None) -> dict:
     return {"source": "stated", "note": CAPTURE_STATED_SOURCE, **CAPTURE_STATED}
 
 
+# ---- the regeneration's serving rate: measured, or derived from the target and the GPUs -----------
+def weight_format(tc: dict, moe: bool) -> tuple[str, str]:
+    """(the WEIGHT_BYTES key, why) from the config's quantization_config."""
+    q = tc.get("quantization_config")
+    if not isinstance(q, dict) or not q:
+        return "bf16", "no quantization_config: bf16 weights"
+    method = str(q.get("quant_method") or "?").lower()
+    if method == "fp8":
+        return "fp8", "quantization_config fp8"
+    groups = q.get("config_groups") if isinstance(q.get("config_groups"), dict) else {}
+    bits = {(g.get("weights") or {}).get("num_bits") for g in groups.values() if isinstance(g, dict)}
+    if method == "compressed-tensors" and bits == {8}:
+        return "fp8", "quantization_config compressed-tensors, 8-bit"
+    if method == "compressed-tensors" and bits == {4}:
+        return (("int4_experts", "quantization_config compressed-tensors, 4-bit routed experts") if moe
+                else ("int4", "quantization_config compressed-tensors, 4-bit"))
+    return "bf16", f"quantization_config {method} not modelled: bf16 bytes assumed (an upper bound on the bytes)"
+
+
+def serve_rate(tc: dict, *, gpus: int, tp: int, context: float, gpu: str = SERVE_GPU,
+               concurrency: int = SERVE_CONCURRENCY, util: float = SERVE_HBM_UTIL,
+               where: str = "target config") -> dict:
+    """Output tok/s of `gpus` GPUs serving the target: gpus // tp instances (data parallel) of `tp`
+    GPUs each (tensor parallel), `concurrency` requests in flight per instance at a mean context of
+    `context` tokens. A decode step emits one token per request and reads the weights its tokens
+    touch (a MoE: the distinct routed experts `concurrency` tokens of top-k reach, routing taken as
+    uniform) and their KV caches, at `util` of the HBM bandwidth; its matmuls at
+    SERVE_COMPUTE_FRACTION of PEAK_TFLOPS bound it from below."""
+    if gpu not in GPUS:
+        raise DraftportError("gpu", f"{gpu!r}: expected one of {', '.join(GPUS)}")
+    for name, v in (("gpus", gpus), ("tp", tp), ("concurrency", concurrency), ("context", context)):
+        _positive(name, v)
+    _positive("util", util, at_most=1)
+    shape = target_shape(tc, where)
+    tp = min(int(tp), int(gpus))   # fewer GPUs than the TP size: one instance over all of them
+    instances = int(gpus) // tp
+    moe = shape["moe"]
+    fmt, fmt_why = weight_format(tc, moe is not None)
+    wb = WEIGHT_BYTES[fmt]
+    L = shape["layers"]
+    layers = L * shape["attention_per_layer"]
+    if moe:
+        n_moe, E, k = L - moe["dense_layers"], moe["experts"], moe["top_k"]
+        touched = E * (1 - (1 - k / E) ** concurrency)   # expected distinct experts of C x k uniform draws
+        experts_read, experts_all = n_moe * touched * moe["expert_params"], n_moe * E * moe["expert_params"]
+        layers += moe["dense_layers"] * shape["dense_mlp_params"] + n_moe * (
+            moe["shared"] * moe["expert_params"] + moe["router_params"])
+    else:
+        touched, experts_read, experts_all = None, 0, 0
+        layers += L * shape["dense_mlp_params"]
+    rest = layers * wb["layers"] + shape["lm_head_params"] * wb["lm_head"]
+    weight_bytes = rest + experts_read * wb["experts"]
+    # all of them, the input embedding (bf16) too: whether an instance's GPUs hold them and the KV caches
+    total_bytes = rest + experts_all * wb["experts"] + shape["vocab_size"] * shape["hidden_size"] * 2
+    kv_bytes = concurrency * context * shape["kv_cache_per_token"] * KV_CACHE_BYTES
+    hbm = GPUS[gpu]["hbm_bytes_s"]
+    memory_s = (weight_bytes + kv_bytes) / (tp * hbm * util)
+    flops = concurrency * (2 * shape["active_params_no_embed"]
+                           + 2 * L * shape["heads"] * (shape["qk_head_dim"] + shape["v_head_dim"]) * context)
+    compute_s = flops / (tp * PEAK_TFLOPS * 1e12 * SERVE_COMPUTE_FRACTION)
+    step = max(memory_s, compute_s)
+    per_instance = concurrency / step
+    return {"tok_s": per_instance * instances, "tok_s_per_gpu": per_instance / tp, "gpu": gpu, "gpus": int(gpus),
+            "tp": tp, "instances": instances, "concurrency": concurrency, "context": context, "util": util,
+            "hbm_bytes_s": hbm, "format": fmt, "format_why": fmt_why, "moe": moe is not None,
+            "experts_read": touched, "experts": moe["experts"] if moe else None,
+            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "step_s": step,
+            "bound": "memory" if memory_s >= compute_s else "compute",
+            "weights_total_bytes": total_bytes, "memory_bytes": GPUS[gpu]["memory_bytes"],
+            "fits": total_bytes + kv_bytes <= tp * GPUS[gpu]["memory_bytes"]}
+
+
+def reference_check(concurrency: int = 64) -> dict:
+    """serve_rate's figure for SERVE_REFERENCE's deployment at one of its published concurrencies."""
+    r = SERVE_REFERENCE
+    got = serve_rate(DEEPSEEK_R1_TEXT, gpus=r["gpus"], tp=r["tp"], gpu=r["gpu"], concurrency=concurrency,
+                     context=r["input"] + r["output"] / 2, where="DEEPSEEK_R1_TEXT")
+    return {"concurrency": concurrency, "model": got["tok_s_per_gpu"], "published": r["tok_s_per_gpu"][concurrency],
+            "source": r["source"]}
+
+
+def serving(cfg: dict, tc: dict, *, gpus: int, context: float, given: float | None, where: str) -> dict:
+    """The regeneration's output tok/s: --serve-tok-s > the profile's measured features.serve_tok_s >
+    derived (serve_rate) for the feature step's GPUs as instances of features.tensor_parallel_size."""
+    if given is not None:
+        _positive("--serve-tok-s", given)
+        return {"tok_s": float(given), "source": "--serve-tok-s"}
+    measured = (cfg.get("features") or {}).get("serve_tok_s")
+    if measured is not None:
+        _positive("features.serve_tok_s", measured)
+        return {"tok_s": float(measured), "source": "features.serve_tok_s"}
+    tp = int((cfg.get("features") or {}).get("tensor_parallel_size") or 1)
+    got = serve_rate(tc, gpus=gpus, tp=tp, context=context, where=where)
+    ref = reference_check()
+    return {**got, "source": "derived", "calibration": ref}
+
+
 # ---- the estimate -------------------------------------------------------------------------------
 def _gpus(cfg: dict, step: str, override: int | None) -> int:
     res = cfg["resources"]
@@ -325,7 +469,7 @@ def _adaptive(cfg: dict, data: list[dict], b: dict, tps: int, gpus: int | None, 
 
 def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | None = None,
              efficiency: float = 0.9, bench=DEFAULT_BENCH, capture_bench_path=None,
-             capture_eff: float | None = None, serve_tok_s: float = SERVE_TOK_S,
+             capture_eff: float | None = None, serve_tok_s: float | None = None,
              answer_tokens: int | None = None, target_config_path=None, spool_gb: float | None = None,
              peak_tflops: float = PEAK_TFLOPS) -> dict:
     """Per training rule: tokens, throughput used, hours. Per feature step: the answers'
@@ -333,7 +477,6 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
     b = bench_throughput(bench, cfg)
     tps = tokens_per_sample if tokens_per_sample is not None else b["seq"]
     _positive("--tokens-per-sample", tps)
-    _positive("--serve-tok-s", serve_tok_s)
     _positive("--peak-tflops", peak_tflops)
     _positive("--efficiency", efficiency, at_most=1)
     if gpus is not None:
@@ -389,6 +532,10 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
 
     tc, shape_from = target_config(cfg, target_config_path)
     shape = target_shape(tc, shape_from)
+    # the answers decode after their prompt: a step's mean context is the prompt + half the answer
+    serve = serving(cfg, tc, gpus=_gpus(cfg, "features_new", gpus), context=tps - answer / 2, given=serve_tok_s,
+                    where=shape_from)
+    serve_tok_s = serve["tok_s"]
     hidden = shape["hidden_size"]
     n_aux = len(f["aux_layer_ids"])
     flops = capture_flops_per_token(shape, tps)
@@ -471,7 +618,7 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
             "target": {"id": t["new"], "config": shape_from, **shape}, "flops_per_token": flops,
             "peak_tflops": peak_tflops, "capture_efficiency": eff,
             "capture_tok_s": {k: peak * online_gpus * eff[k] / flops["total"] for k in ("capture_write", "capture")},
-            "serve_tok_s": serve_tok_s, "serve_source": SERVE_SOURCE if serve_tok_s == SERVE_TOK_S else "--serve-tok-s",
+            "serve_tok_s": serve_tok_s, "serve_source": serve["source"], "serve": serve,
             "answer_tokens": answer, "samples": {"phase1": n1, "phase2": n2},
             "held_out": {"eval": n_eval, "monitor": n_mon},
             "storage_mode": storage, "spool_gb": spool, "spool_from": spool_from, "n_aux": n_aux,

@@ -35,7 +35,7 @@ from draftport.plan import params as P
 # a flat config without draftport's marker: SpecForge / SGLang train most flat drafters (AQ-MedAI's
 # too), and SGLang numbers an aux id k as the state leaving layer k
 FLAT_DEFAULT_CONVENTION = "sglang"
-GPU_BYTES = 141e9                 # one H200's memory: how many GPUs the target's weights need
+GPU_BYTES = E.GPUS["H200"]["memory_bytes"]   # one H200's memory: how many GPUs the target's weights need
 BATCH = 64                        # global batch of the real-scale training (8 per GPU on a node)
 EPOCHS = 2                        # passes over the data per phase (the curves' budget rule too)
 HEX40 = re.compile(r"[0-9a-f]{40}")

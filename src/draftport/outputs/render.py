@@ -205,6 +205,28 @@ def _adaptive_line(a: dict) -> tuple:
             f"{a['gpus_training']} of the step's {a['gpus_held']} GPUs): net {a['net_hours_saved']:+.2f} h")
 
 
+def _serve_source(rep: dict) -> str:
+    """Where the regeneration's tok/s comes from: an option, the profile's measured figure, or
+    estimate.serve_rate's derivation with its inputs and its check on the published figure."""
+    s = rep.get("serve") or {"source": rep["serve_source"]}
+    if s["source"] == "features.serve_tok_s":
+        return "measured: features.serve_tok_s"
+    if s["source"] != "derived":
+        return f"stated: {s['source']}"
+    experts = (f" ({s['experts_read']:.0f} of {s['experts']} routed experts per layer at that concurrency)"
+               if s["moe"] else "")
+    c = s["calibration"]
+    fits = "" if s["fits"] else (f"; NOT reachable: weights + KV {(s['weights_total_bytes'] + s['kv_bytes']) / 1e9:,.0f} "
+                                 f"GB exceed {s['tp']} x {s['memory_bytes'] / 1e9:.0f} GB")
+    return (f"derived for the {'MoE' if s['moe'] else 'dense'} target: {s['instances']} instance(s) of TP{s['tp']} on "
+            f"{s['gpu']}, {s['concurrency']} requests in flight each at a mean context of {s['context']:,.0f} tokens; "
+            f"a decode step reads {s['weight_bytes'] / 1e9:,.1f} GB of {s['format']} weights{experts} + "
+            f"{s['kv_bytes'] / 1e9:,.1f} GB of KV cache at {s['util']:g} of {s['hbm_bytes_s'] / 1e12:g} TB/s per GPU: "
+            f"{s['bound']}-bound, {s['tok_s_per_gpu']:,.0f} tok/s/GPU{fits}; the same model gives "
+            f"{c['model']:.1f} tok/s/GPU at {c['concurrency']} concurrent where {c['source']} measured "
+            f"{c['published']}; features.serve_tok_s or --serve-tok-s overrides")
+
+
 def estimate_renderables(rep: dict) -> list:
     """`draftport estimate`: the inputs, the per-rule training table, the data steps, and per
     phase and storage mode the hours (data + training) and the disk."""
@@ -236,11 +258,13 @@ def estimate_renderables(rep: dict) -> list:
         + (f" ({rep['capture_tok_s']['capture']:,.0f} online)" if ce["capture_write"] != ce["capture"] else "")
         + f"; fraction {eff_src}\n",
         ("regenerate: ", "bold"), f"{rep['serve_tok_s']:,.0f} output tok/s of the serving deployment "
-        f"(stated: {rep['serve_source']}), {rep['answer_tokens']} answer tokens per sample\n",
+        f"({_serve_source(rep)}), {rep['answer_tokens']} answer tokens per sample\n",
         ("assumed: ", "bold"), f"{tps} tokens per sample (every sample a full sequence, every answer at "
         f"{rep['answer_tokens']} tokens), scaling efficiency {rep['efficiency']:.2f} over the training GPUs; the "
-        f"one-GPU dense capture fraction holds for the MoE target over {g} GPUs (tensor parallel, "
-        "active params per token)")
+        + (f"one-GPU dense capture fraction holds for the MoE target over {g} GPUs (tensor parallel, "
+           "active params per token)" if moe else
+           f"one-GPU capture fraction (a dense target's) holds for this dense target on {g} GPU{'s' if g > 1 else ''}"
+           + (" (tensor parallel)" if g > 1 else "")))
     # no cell padding (the box's column divider is a space): the nine columns fit an 80-column
     # terminal without cutting a figure (the rows' layout goes on the line below the table)
     t = Table(box=box.SIMPLE_HEAD, padding=0)

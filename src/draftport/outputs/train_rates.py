@@ -6,8 +6,11 @@ trainings with it).
 
 The drafter's shape of a profile (`drafter_shape`): the embedded world's source drafter
 (world.source_drafter.arch on world.model, derived as the world builds it) when world.build;
-else the source drafter's config.json when source.repo_id is a folder; else the published shape
-of a known hub id (KNOWN_DRAFTERS); else unknown, and the Kimi-K2 result stands in, said so.
+else the source drafter's config.json when source.repo_id is a folder; else its config.json in the
+hub cache the params name (source.cache_dir; source.revision), found offline by the pipeline's own
+resolution (draftport.data.fetch.resolve: config.json and *.safetensors only, no code, no pickle);
+else the published shape of a known hub id (KNOWN_DRAFTERS); else unknown, and the Kimi-K2 result
+stands in, said so.
 
 The rule (`rates_for`), per figure (packed or padded rows, lm_head trained or frozen, the
 greedy choice stored, real tokens of the benchmark's length mix):
@@ -18,7 +21,8 @@ greedy choice stored, real tokens of the benchmark's length mix):
   same length mix (bench_train_h200.flops_per_token's count);
 - nearest: below the smallest or above the largest measured H, that shape's MFU (never
   extrapolated), turned into tokens/s the same way.
-No torch here: `draftport estimate` reads headers and JSON only.
+`draftport estimate` reads headers and JSON only (a hub id's lookup imports the fetch module, which
+imports torch; no weights are read).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import re
 from pathlib import Path
 
 from draftport.errors import DraftportError
+from draftport.model.flops import flops_per_token  # the benchmark's count (tests/outputs/test_train_rates.py)
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/train_rates.py)
 RESULTS = ROOT / "benchmarks" / "results"
@@ -68,32 +73,46 @@ def drafter_shape(cfg: dict, root: Path = ROOT) -> tuple[dict | None, str]:
                  "head_dim": int(arch.get("head_dim") or H // heads),
                  "draft_vocab_size": max(8, int(round(V * float(sd["draft_vocab_ratio"])))), "vocab_size": V},
                 "the embedded world's source drafter (world.source_drafter.arch on world.model)")
-    repo = str((cfg.get("source") or {}).get("repo_id") or "")
+    from draftport.model.config import read_config   # torch-free; the drafter's own config
+
+    src = cfg.get("source") or {}
+    repo = str(src.get("repo_id") or "")
     folder = Path(repo) if Path(repo).is_absolute() else root / repo
     if repo and (folder / "config.json").is_file():
-        from draftport.model.config import read_config   # torch-free; the folder's own config
-
         c, _ = read_config(folder)
         return ({k: getattr(c, k) for k in (*SHAPE_KEYS, "vocab_size")}, f"{repo}/config.json")
+    cached, where = hub_cached(src, root) if repo else (None, "")
+    if cached is not None:
+        c, _ = read_config(cached)
+        return {k: getattr(c, k) for k in (*SHAPE_KEYS, "vocab_size")}, where
     if repo in KNOWN_DRAFTERS:
         return dict(KNOWN_DRAFTERS[repo]), f"{repo}: its published config.json (built in)"
-    return None, f"source.repo_id {repo or '?'}: no config.json here and no built-in shape"
+    return None, f"source.repo_id {repo or '?'}: no config.json here, {where} and no built-in shape"
+
+
+def hub_cached(src: dict, root: Path = ROOT) -> tuple[Path | None, str]:
+    """(the snapshot folder holding the source drafter's config.json, where) in the hub cache
+    source.cache_dir names (relative: to the repository, where the pipeline runs; null: HF's
+    default), at source.revision, resolved offline as the pipeline's fetch resolves it; (None, why
+    not) when it is not there."""
+    # lazy: fetch imports torch (for allow_pickle's conversion, never run here)
+    from draftport.data.fetch import DRAFTER_PATTERNS, resolve
+
+    repo, rev, cache = str(src["repo_id"]), src.get("revision"), src.get("cache_dir")
+    cache_dir = None if not cache else Path(cache) if Path(cache).is_absolute() else root / cache
+    shown = f"the hub cache {cache or '(default)'}"
+    try:
+        folder, commit = resolve(repo, rev, cache_dir, DRAFTER_PATTERNS, offline=True)
+    except DraftportError:   # not there (or not a hub id): the built-in shapes come next
+        return None, f"not in {shown} at {rev or 'main'}"
+    if not (folder / "config.json").is_file():
+        return None, f"no config.json in {shown} at {rev or 'main'}"
+    if commit == "local":   # a folder where the command runs (fetch takes it as it is)
+        return folder, f"{repo}/config.json"
+    return folder, f"{repo}@{commit[:12]} in {shown}: its config.json"
 
 
 # ---- the benchmark's results ----------------------------------------------------------------------
-def flops_per_token(shape: dict, T: int, steps: int, lm_head_trainable: bool, fc_in: int | None = None) -> float:
-    """Model FLOPs per trained token at length T: bench_train_h200.flops_per_token's "train" count
-    (tests/outputs/test_train_rates.py checks that they agree)."""
-    H, I = shape["hidden_size"], shape["intermediate_size"]
-    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
-    Vd = shape["draft_vocab_size"]
-    qkv, o, mlp, head = 2 * 2 * H * (q + 2 * kv), 2 * q * H, 2 * 3 * H * I, 2 * H * Vd
-    attn = sum(2 * 2 * q * ((T + 1) / 2 + j) for j in range(steps))
-    fc = 2 * (fc_in or 3 * H) * H
-    return (steps * 3 * (qkv + o + mlp) + 3 * attn + steps * (3 if lm_head_trainable else 2) * head
-            + 2 * fc + head)
-
-
 def mix_flops_per_token(shape: dict, lengths: list[int], steps: int, lm_head_trainable: bool) -> float:
     """Model FLOPs per real token over a length mix (each sample at its own length's count)."""
     return sum(L * flops_per_token(shape, L, steps, lm_head_trainable) for L in lengths) / sum(lengths)
