@@ -219,7 +219,7 @@ def test_every_field_has_a_description():
 OLD_TRAIN_DEFAULTS = {"steps": 200, "batch_size": 8, "lr": 1e-3, "min_lr_ratio": 0.1, "warmup_steps": 20,
                       "weight_decay": 0.0, "grad_clip": 1.0, "ttt_steps": 3, "gamma": 0.8, "seed": 0,
                       "checkpoint_every": 50, "keep_checkpoints": 2, "log_every": 10, "dtype": "auto",
-                      "train_lm_head": True, "impl": "auto", "parallel": "ddp", "eval_every": 0, "patience": 0,
+                      "device": "auto", "train_lm_head": True, "impl": "auto", "parallel": "ddp", "eval_every": 0, "patience": 0,
                       "packing": False, "l2sp_lambda": 0.0, "freeze": [],
                       "fast": {"attention": "flash", "packed_attention": "auto", "compile_tuning": True}}
 OLD_EXPLICIT = {  # the keys each train group sets apart from the defaults

@@ -30,6 +30,8 @@ import torch
 from draftport.model.drafter import Eagle3Drafter
 from draftport.data.shards import Batch, FeatureSet, iter_batches
 from draftport.model.bind import check_features_fit, drafter_for_target, target_head
+from draftport.model.device import describe as describe_device, out_of_memory
+from draftport.model.device import pick as pick_device
 from draftport.model.formats import load_drafter_state
 from draftport.progress import progress
 from draftport.training.ttt import target_logits
@@ -127,8 +129,9 @@ def offline_accept_length(drafter: Eagle3Drafter, batches: Iterable[tuple[Batch,
     all_rows: list[int] = []
     per_acc: list[int] = []
     per_cyc: list[int] = []
+    dev = target_head.device
     for batch, starts in batches:
-        acc, chk = accepted_counts(drafter, batch, target_head, k)
+        acc, chk = accepted_counts(drafter, batch.to(dev), target_head, k)
         lengths = batch.valid.long().sum(-1).tolist()
         for b, r in enumerate(starts):
             a, c = acc[b].tolist(), chk[b].tolist()
@@ -157,18 +160,32 @@ def held_out_monitor(fs, target_head: torch.Tensor, *, k: int, batch_size: int =
 
 
 def evaluate_drafter(drafter_dir, target_dir, features_dir, *, k: int, batch_size: int = 16,
-             max_samples: int | None = None) -> dict:
-    """Offline accept length of a saved drafter on held-out features of a target."""
+                     max_samples: int | None = None, device: str = "auto") -> dict:
+    """Offline accept length of a saved drafter on held-out features of a target, drafted on
+    `device` (eval.device: draftport.model.device's rule). `run` in the result says where it ran
+    and at what rate (tokens evaluated per second); the caller keeps it out of artifacts."""
+    dev = pick_device(device, "eval.device")
     cfg, state = load_drafter_state(drafter_dir)
     fs = FeatureSet(features_dir)
     check_features_fit(cfg, fs, drafter_dir)
-    d = drafter_for_target(cfg, target_dir, state)
-    head = target_head(target_dir)
+    d = drafter_for_target(cfg, target_dir, state).to(dev)
+    head = target_head(target_dir).to(dev)
     ids = list(range(len(fs) if max_samples is None else min(len(fs), max_samples)))
-    t0 = time.time()
+    tokens = 0
 
-    with progress(len(ids), "evaluate", "sample") as bar:
-        res = offline_accept_length(d, iter_batches(fs, ids, batch_size), head, k, progress=bar.update)
+    def batches():
+        nonlocal tokens
+        for batch, starts in iter_batches(fs, ids, batch_size):
+            tokens += int(batch.valid.sum())   # real tokens, on the host before the batch moves
+            yield batch, starts
+
+    t0 = time.time()
+    with progress(len(ids), "evaluate", "sample") as bar, out_of_memory("evaluation", "eval.batch_size"):
+        res = offline_accept_length(d, batches(), head, k, progress=bar.update)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     res["eval_seconds"] = time.time() - t0
     res["eval_samples"] = len(ids)
+    res["run"] = {**describe_device(dev), "tokens": tokens,
+                  "tokens_per_s": tokens / res["eval_seconds"] if res["eval_seconds"] > 0 else None}
     return res

@@ -41,6 +41,7 @@ from draftport.data.features import featurizer, on_gpu
 from draftport.engines.vllm.hidden_states import capture_features_vllm
 from draftport.evaluation.accept import evaluate_drafter, offline_accept_length
 from draftport.model.bind import check_features_fit, drafter_for_target, target_head
+from draftport.model.device import pick as pick_device
 from draftport.model.formats import atomic_write_text, load_drafter_state
 from draftport.progress import progress
 
@@ -343,13 +344,13 @@ def _greedy(sample: dict, head: torch.Tensor | None, fs: FeatureSet) -> torch.Te
 
 # ---- 3. the probe ------------------------------------------------------------------------------
 def _eval_json(path: Path, res: dict) -> None:
-    res = {k: v for k, v in res.items() if k != "eval_seconds"}  # identical runs, identical bytes
+    res = {k: v for k, v in res.items() if k not in ("eval_seconds", "run")}  # identical runs, identical bytes
     atomic_write_text(path, json.dumps(res, indent=2, sort_keys=True) + "\n")
 
 
 @torch.no_grad()
 def tau_with_choices(drafter_dir, target_dir, features_dir, choices_dir, *, k: int, batch_size: int = 16,
-                     max_samples: int | None = None) -> dict:
+                     max_samples: int | None = None, device: str = "auto") -> dict:
     """evaluate_drafter's offline accept length with the drafter bound to target_dir and reading
     features_dir's states, its drafts checked against another folder's greedy choices (choices_dir:
     the same sequences, captured from another target)."""
@@ -357,8 +358,9 @@ def tau_with_choices(drafter_dir, target_dir, features_dir, choices_dir, *, k: i
     fs, fc = _open(features_dir), _open(choices_dir)
     check_features_fit(cfg, fs, drafter_dir)
     n = _check_pair(fs, fc, max_samples)
-    d = drafter_for_target(cfg, target_dir, state)
-    head = target_head(target_dir)
+    dev = pick_device(device, "eval.device")
+    d = drafter_for_target(cfg, target_dir, state).to(dev)
+    head = target_head(target_dir).to(dev)
 
     def batches():
         buf = []
@@ -383,7 +385,7 @@ def drift_probe(source_drafter, target_old, target_new, features_new, out_dir, *
                 max_samples: int | None = None, feature_batch_size: int = 16, dtype: str = "bfloat16",
                 device: str = "cpu", trust_remote_code: bool = False, engine: str = "transformers",
                 tensor_parallel_size: int = 1, max_tokens: int = DEFAULT_MAX_TOKENS,
-                keep_features: bool = True) -> dict:
+                keep_features: bool = True, eval_device: str = "auto") -> dict:
     """The drift probe. features_new: the new target's features on its own answers to the eval
     prompts (features_eval/eval_new). Writes out_dir/features_old (the old target over the same
     tokens, capture_same_tokens; removed at the end unless keep_features) and
@@ -412,7 +414,8 @@ def drift_probe(source_drafter, target_old, target_new, features_new, out_dir, *
                               (One order of an order-dependent split: the two parts sum to tau_gap.)
 
     k, batch_size, max_samples: as eval.* (the evaluator); feature_batch_size, dtype, device,
-    engine, tensor_parallel_size: as features.* (the capture); max_tokens: CKA's token sample."""
+    engine, tensor_parallel_size: as features.* (the capture); max_tokens: CKA's token sample;
+    eval_device: eval.device (where the source drafter drafts)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     old_dir = out_dir / "features_old"
@@ -423,10 +426,10 @@ def drift_probe(source_drafter, target_old, target_new, features_new, out_dir, *
     n = int(idx["samples"])
     fs_old = FeatureSet(old_dir)
     stats = drift_stats(fs_old, fs_new, max_tokens=max_tokens, max_samples=n)
-    ev_old = evaluate_drafter(source_drafter, target_old, old_dir, k=k, batch_size=batch_size, max_samples=n)
-    ev_new = evaluate_drafter(source_drafter, target_new, features_new, k=k, batch_size=batch_size, max_samples=n)
-    ev_cross = tau_with_choices(source_drafter, target_new, fs_new, fs_old, k=k, batch_size=batch_size,
-                                max_samples=n)
+    ev = dict(k=k, batch_size=batch_size, max_samples=n, device=eval_device)
+    ev_old = evaluate_drafter(source_drafter, target_old, old_dir, **ev)
+    ev_new = evaluate_drafter(source_drafter, target_new, features_new, **ev)
+    ev_cross = tau_with_choices(source_drafter, target_new, fs_new, fs_old, **ev)
     for name, res in (("old_features", ev_old), ("new_features", ev_new), ("new_features_old_choices", ev_cross)):
         _eval_json(out_dir / f"eval_{name}.json", res)
     t_old, t_new, t_x = ev_old["accept_length"], ev_new["accept_length"], ev_cross["accept_length"]

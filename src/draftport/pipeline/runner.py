@@ -85,6 +85,19 @@ class StepContext:
     def path(self, *parts) -> Path:
         return self.dir.joinpath(*parts)
 
+    def record_run(self, what: str, run: dict | None, step: int = 0) -> None:
+        """Where a computation ran and at what rate (draftport.model.device: device, gpu,
+        processes, tokens_per_s, mfu): logs/<step>.json under `what` (a rate differs between
+        identical runs, so never artifacts/) and, tracked, the run's tags `what.device`,
+        `what.gpu`, `what.processes` and metrics `what_tokens_per_s`, `what_mfu`."""
+        if not run:
+            return
+        self.timing[what] = run
+        if self.run is not None:
+            self.run.set_tags({f"{what}.{k}": run.get(k) or "none" for k in ("device", "gpu", "processes")})
+            self.run.log_metrics({f"{what}_{k}": run[k] for k in ("tokens_per_s", "mfu") if run.get(k) is not None},
+                                 step=step)
+
     def input(self, name: str) -> Path:
         """A named input (the rule passes it). Whoever reads it checks it and names the file."""
         if name not in self.inputs:
@@ -189,7 +202,7 @@ def main(step: str, argv: list[str] | None = None) -> int:
                 print(f"{step}: run by DVC; dropped {n} Snakemake record(s) of {art(step)}/")
         final = Path(art(step))
         s = StepContext(row, p, ins, final)
-        if row.run:
+        if row.run and os.environ.get("DRAFTPORT_TRACKING") != "off":   # off: draftport.pipeline.local --no-tracking
             s.run = _open_run(s)  # before any compute: an unreachable server fails here
         folder = s.dir = building = _prepare_folder(final, p)
         try:

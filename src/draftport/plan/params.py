@@ -167,6 +167,10 @@ class TrainConfig(Group):
     log_every: int = F(10, "steps between logged metrics (MLflow)", ge=1)
     dtype: Literal["auto", "float32", "bfloat16"] = F(
         "auto", "auto: float32 on CPU, bfloat16 autocast on CUDA")
+    device: Literal["auto", "cuda", "cpu"] = F(
+        "auto", "where the training computes (drafter, target head, batches, optimizer state): auto is "
+        "cuda:LOCAL_RANK when torch sees a GPU, else the CPU; cuda without a GPU is refused; a run resumes "
+        "on another device")
     train_lm_head: bool = F(True, "train the drafter's lm_head (false: frozen; Phase 1's vocab remap needs it)")
     impl: Literal["auto", "reference", "fused", "compiled"] = F(
         "auto", "reference: dense-mask attention and whole-tensor loss (the readable definition); "
@@ -371,8 +375,13 @@ class WorldParams(Group):
     n_old: int = F(6000, "samples of the old corpus (target_old's training data)", ge=1)
     n_new: int = F(6000, "samples of the new corpus (target_new's; bounds phase2.n_samples)", ge=1)
     n_heldout: int = F(300, "held-out prompts per corpus (the eval sets; bounds features.eval_samples)", ge=1)
-    vocab_size: int = F(2048, "the tokenizer's vocabulary (bounds vocab_new.draft_vocab_size)", ge=1)
+    vocab_size: int = F(2048, "the targets' vocabulary (bounds vocab_new.draft_vocab_size): the BPE learns up to "
+                        "this many tokens; where the language holds fewer, the rest are rows no text uses, as real "
+                        "models pad theirs (Kimi-K2: 163,840)", ge=1)
     threads: int = F(2, "torch threads while the world is built", ge=0)
+    device: Literal["auto", "cuda", "cpu"] = F(
+        "auto", "where the world's targets train and answer, and its source drafter is captured and trained: "
+        "auto is the GPU when torch sees one, else the CPU; cuda without a GPU is refused")
     model: WorldModel = F(default_factory=WorldModel, doc="the targets' shape")
     target_old: TargetTraining = F(
         default_factory=lambda: TargetTraining(steps=300, lr=0.003, batch_size=16, seq_len=128, warmup=30),
@@ -445,6 +454,10 @@ class FeaturesParams(Group):
     spool_gb: float = F(64.0, "storage online / hybrid: the spool's bound in GB (at least one shard)", gt=0)
     spool_dir: Optional[Str] = F(None, "storage online / hybrid: where the spool lives (a shared filesystem on "
                                  "a cluster); null: beside the training step's checkpoints")
+    serve_tok_s: Optional[float] = F(None, "the serving deployment's measured output tok/s (all requests, all "
+                                     "its GPUs) that regenerates the answers: `draftport estimate` bills the "
+                                     "regeneration at it; null: derived from the target's size and the GPUs "
+                                     "(docs/estimate.md)", gt=0)
 
 
 class VocabNewParams(Group):
@@ -459,6 +472,9 @@ class EvalParams(Group):
     k: int = F(..., "draft tokens per verify cycle", ge=1, le=16)
     batch_size: int = F(..., "eval batch", ge=1)
     max_samples: Optional[int] = F(..., "held-out samples evaluated; null: all of them", ge=1)
+    device: Literal["auto", "cuda", "cpu"] = F(
+        ..., "where the evaluation drafts (also the drift probe's): auto is the GPU when torch sees one, "
+        "else the CPU; cuda without a GPU is refused")
 
 
 class CostModelParams(Group):

@@ -59,16 +59,17 @@ FEATURE_KEYS = ("targets.new", "targets.trust_remote_code", "features.aux_layer_
                 "features.engine", "features.tensor_parallel_size", "features.regenerate", "features.base_url",
                 "features.served_model", "features.compile")
 FEATURE_MODULES = ("data.features", "data.shards", "data.capture", "engines.vllm.hidden_states", "engines.vllm.venv",
-                   "engines.vllm.runners.features_vllm", "engines.openai", "data.storage", "pipeline.steps.data_steps")
+                   "engines.vllm.runners.features_vllm", "engines.openai", "data.storage", "model.device",
+                   "pipeline.steps.data_steps")
 EVAL_KEYS = ("eval", "costmodel")
 # the drafter's fast path (training.ttt dispatches to it, so every step that imports ttt runs it)
 FAST_MODULES = ("model.fast.path", "model.fast.attention", "model.fast.linear", "model.fast.unroll", "model.fast.loss")
 # what drafting with a drafter bound to a target runs (the offline evaluator and everything below it)
 DRAFTING_MODULES = ("evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt",
-                    "data.capture", "model.vocab")
+                    "data.capture", "model.vocab", "model.device")
 EVAL_MODULES = (*DRAFTING_MODULES, "evaluation.costmodel", "pipeline.tracking", "pipeline.steps.eval_steps")
 # spool on: the capture runs in training, hence the features and vLLM modules
-TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "model.draftmap", *DRAFTING_MODULES,
+TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "model.draftmap", "model.flops", *DRAFTING_MODULES,
                  "pipeline.tracking", "pipeline.steps.train_steps", "data.packing", "training.spool", "data.features",
                  "data.storage", "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm")
 # the points of the learning curves (draftport.plan.curves.points)
@@ -100,8 +101,8 @@ STEPS: tuple[Step, ...] = (
     Step("world", "the embedded K2 -> K2.5 analog: corpus, tokenizer, two targets, the source drafter in a hub cache",
          "data_steps:world", ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
          ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "data.features",
-          "model.draftmap", "training.phases", "training.loop", "training.optim", *DRAFTING_MODULES,
-          "data.fetch", "data.storage", "pipeline.steps.data_steps"),
+          "model.draftmap", "training.phases", "training.loop", "training.optim", "model.flops", *DRAFTING_MODULES,
+          "data.fetch", "data.storage", "data.packing", "pipeline.steps.data_steps"),
          enabled="world.build"),
     Step("fetch", "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
          "data_steps:fetch",
@@ -157,7 +158,7 @@ STEPS: tuple[Step, ...] = (
           "reference": Input("fetch/reference", ("reference",))}, run="phase0"),
     Step("drift", "beside Phase 0: the old and the new target on the same tokens, how far the states moved",
          "eval_steps:drift", ("targets.new", "targets.old", "targets.trust_remote_code", "eval.k", "eval.batch_size",
-                            "eval.max_samples", "features.batch_size", "features.dtype", "features.device",
+                            "eval.max_samples", "eval.device", "features.batch_size", "features.dtype", "features.device",
                             "features.engine", "features.tensor_parallel_size", "drift"),
          ("evaluation.drift", "data.features", *DRAFTING_MODULES, "pipeline.tracking", "pipeline.steps.eval_steps",
           "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm"),

@@ -42,8 +42,11 @@ import torch.distributed as dist
 
 from draftport.model.formats import atomic_dir
 from draftport.data.shards import FeatureSet, collate
+from draftport.model.device import describe as describe_device, out_of_memory, peak_tflops
+from draftport.model.device import pick as pick_device
 from draftport.model.drafter import Eagle3Drafter
 from draftport.model.fast.path import FastPath
+from draftport.model.flops import sample_flops, shape_of as flops_shape
 from draftport.errors import DraftportError
 from draftport.progress import Logger
 from draftport.training.optim import AdamW
@@ -87,13 +90,15 @@ def dist_info():
     return 0, 1
 
 
-def init_distributed():
-    """Join the torchrun group when launched by torchrun (WORLD_SIZE > 1)."""
+def init_distributed(device: str = "auto"):
+    """Join the torchrun group when launched by torchrun (WORLD_SIZE > 1): NCCL when this
+    process trains on its GPU (the device rule of `device`, a train.device value), gloo on the
+    CPU (DDP over CPU tensors cannot run on NCCL)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dev = pick_device(device, "train.device")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return dist_info()
 
 
@@ -214,9 +219,9 @@ def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None, anchor: 
     saved = {"eval_every": 0, "patience": 0, "packing": False, "l2sp_lambda": 0.0, "freeze": [],
              **state.get("config", {})}  # older checkpoints predate them
     # parallel: ddp and fsdp make the same updates, and so does the fast path under any of its
-    # params (up to the kernels' rounding); older checkpoints predate those keys (or name
-    # the attention kernel `attention`)
-    cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel", "fast", "attention"}
+    # params or another device (up to the kernels' rounding); older checkpoints predate those
+    # keys (or name the attention kernel `attention`)
+    cadence = {"log_every", "checkpoint_every", "keep_checkpoints", "parallel", "fast", "attention", "device"}
     now = cfg.model_dump()
     return {k: v for k, v in saved.items() if k not in cadence} == {k: v for k, v in now.items() if k not in cadence}
 
@@ -379,7 +384,9 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     rank, world = dist_info()
     if cfg.batch_size % world:
         raise DraftportError("train.batch_size", f"{cfg.batch_size} is not divisible by {world} processes")
-    device = target_head.device
+    device = pick_device(cfg.device, "train.device")
+    drafter.to(device)        # the drafter, its frozen embedding and maps; the optimizer's state follows
+    target_head = target_head.to(device)
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     impl = cfg.impl if cfg.impl != "auto" else ("compiled" if device.type == "cuda" else "reference")
     if impl not in ("reference", "fused", "compiled"):
@@ -464,6 +471,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     n = len(features)
     done_this_call = 0
     t0 = time.time()
+    rate = _Rate(drafter, cfg, device, world)
     # The host reads the device only at log / checkpoint steps, so the CPU can queue the next
     # step while the GPU runs this one; a non-finite loss is remembered and raised there,
     # before any checkpoint could save it.
@@ -475,11 +483,13 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         # packing: the same samples end to end in one row (rounded up to ROW_MULTIPLE
         # tokens: fewer shapes for the compiled regions), the same loss as the padded batch
         batch, _ = pack(samples, multiple=ROW_MULTIPLE) if cfg.packing else collate(samples)
+        rate.count(samples)
         batch = batch.to(device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        loss, terms, counts, stats_t, gnorm = train_step(net, batch, target_head, opt, list(params.values()),
-                                                         cfg, fast=fast, use_bf16=use_bf16, world=world, l2sp=l2sp)
+        with out_of_memory(f"train step {step + 1}", OOM_KNOB):
+            loss, terms, counts, stats_t, gnorm = train_step(net, batch, target_head, opt, list(params.values()), cfg,
+                                                             fast=fast, use_bf16=use_bf16, world=world, l2sp=l2sp)
         bad |= ~torch.isfinite(loss.detach())
         step += 1
         done_this_call += 1
@@ -492,6 +502,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
                 raise DraftportError(f"train step {step}", f"loss is not finite (at or before this step); "
                                      f"last good checkpoint kept in {ckpt_root}")
             stats = _reduce_stats(terms, counts) if world > 1 else stats_to_float(stats_t)
+            rate.sync_point(step)
             if l2sp is not None:
                 sq = stats_t["anchor_sq"].float()
                 if fsdp:   # each rank holds its shards' part
@@ -503,7 +514,10 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
             stats.update(loss=sum(cfg.gamma ** j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
                          lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm))
             if eval_now:  # every rank: the same drafter, the same set, the same stop
-                tau = float(monitor(drafter))
+                rate.pause()
+                with out_of_memory(f"train step {step}: held-out tau", "monitor.batch_size"):
+                    tau = float(monitor(drafter))
+                rate.resume()
                 stats["accept_length"] = tau
                 scores.append(tau)
                 p = cfg.patience
@@ -525,8 +539,10 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         if bar is not None:
             bar.update(1)
         if ckpt_now and (rank == 0 or fsdp):   # under FSDP every rank joins the gather
+            rate.pause()
             save_checkpoint(ckpt_root, step, drafter, opt, history, cfg, sharded=net if fsdp else None,
                             inputs=inputs, data_position=getattr(features, "position", None), anchor=anchor)
+            rate.resume()
         if world > 1:
             dist.barrier()
         if last:
@@ -537,7 +553,69 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         unshard_fsdp(drafter)
     curve = [{"step": r["step"], "accept_length": r["accept_length"]} for r in history if "accept_length" in r]
     return {"history": history, "final": history[-1] if history else {}, "steps": step,
-            "seconds": time.time() - t0, "resumed_from": resumed_from, "curve": curve, "stopped_early": stopped}
+            "seconds": time.time() - t0, "resumed_from": resumed_from, "curve": curve, "stopped_early": stopped,
+            "run": rate.summary()}
+
+
+# what lowers a training step's memory, named when the GPU runs out of it
+OOM_KNOB = "train.batch_size (with train.packing: the samples, hence the tokens, a row packs)"
+
+
+class _Rate:
+    """The loop's own throughput: real (unpadded) tokens per second of step time, the time spent in
+    held-out evaluations and checkpoints left out, and MFU by the training benchmark's FLOP count
+    (draftport.model.flops) against the GPU's peak (None on the CPU). The clock is read at the
+    host's sync points only (log and checkpoint steps), so the rate costs the GPU nothing."""
+
+    def __init__(self, drafter, cfg: TrainConfig, device: torch.device, world: int):
+        self.shape = flops_shape(drafter.cfg)
+        self.cfg, self.device, self.world = cfg, device, world
+        self.tokens, self.flops, self.seconds, self.steps = 0, 0.0, 0.0, 0
+        self.t = None
+        # the steady rate: from the first sync point past the warm-up (compiles, allocator growth)
+        self.warm, self.mark = min(10, cfg.steps // 5), None
+
+    def _active(self) -> float:
+        return self.seconds + (time.perf_counter() - self.t if self.t is not None else 0.0)
+
+    def sync_point(self, step: int) -> None:
+        """At a step where the host has just read the device: start the steady clock past the warm-up."""
+        if self.mark is None and step >= self.warm and self.steps:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.mark = (self._active(), self.tokens, self.flops)
+
+    def count(self, samples) -> None:
+        if self.t is None:
+            self.resume()
+        lengths = [int(s["tokens"].shape[0]) for s in samples]   # a sample is its real tokens (unpadded)
+        self.tokens += sum(lengths) * self.world    # every rank takes an equal share of the global batch
+        self.flops += sample_flops(self.shape, lengths, self.cfg.ttt_steps, self.cfg.train_lm_head) * self.world
+        self.steps += 1
+
+    def pause(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.t is not None:
+            self.seconds += time.perf_counter() - self.t
+            self.t = None
+
+    def resume(self) -> None:
+        self.t = time.perf_counter()
+
+    def summary(self) -> dict:
+        self.pause()
+        info = describe_device(self.device, self.world)
+        peak = peak_tflops(info["gpu"])
+        tok_s = self.tokens / self.seconds if self.seconds > 0 else None
+        mfu = self.flops / self.seconds / (peak * 1e12 * self.world) if peak and self.seconds > 0 else None
+        out = {**info, "steps": self.steps, "tokens": self.tokens, "step_seconds": round(self.seconds, 3),
+               "tokens_per_s": tok_s, "mfu": mfu}
+        if self.mark is not None and self.seconds > self.mark[0]:   # past the warm-up: what the bench compares with
+            dt = self.seconds - self.mark[0]
+            out["steady_tokens_per_s"] = (self.tokens - self.mark[1]) / dt
+            out["steady_mfu"] = (self.flops - self.mark[2]) / dt / (peak * 1e12 * self.world) if peak else None
+        return out
 
 
 def fast_path(cfg: TrainConfig, impl: str, accumulate_wgrad: bool) -> FastPath | None:

@@ -12,6 +12,7 @@ import torch
 from draftport.model.bind import check_features_fit, drafter_for_target, target_head
 from draftport.model.formats import atomic_write_text, load_drafter_state, save_drafter, sha256
 from draftport.model.config import DrafterConfig, read_config
+from draftport.model.device import pick as pick_device
 from draftport.data.shards import FeatureChain, FeatureSet, chain_parts, check_disjoint, open_set
 from draftport.data.storage import SPOOL_GB
 from draftport.model.draftmap import cfg_d2t, read_vocab
@@ -86,11 +87,12 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     if init == "scratch" and train_cfg.l2sp_lambda:
         raise DraftportError("train.l2sp_lambda", f"{train_cfg.l2sp_lambda}: the L2-SP anchor holds a training near "
                              "the weights it starts from, and init scratch starts from random ones (set 0)")
+    device = pick_device(train_cfg.device, "train.device")   # before any load: cuda without a GPU fails here
     out_dir = Path(out_dir)
     dirs = feature_dirs(features_dir)
     sets = [open_set(d) for d in dirs]
     fs = sets[0] if len(sets) == 1 and n_samples is None else FeatureChain(sets, n_samples)
-    head = target_head(target_dir)
+    head = target_head(target_dir).to(device)   # the monitor's held-out batches are placed beside it
     d2t_new, t2d_new = read_vocab(vocab_path, vocab_size=head.shape[0])
     report: dict = {"init": init}
     if init == "scratch":
@@ -148,10 +150,11 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
             fs.close()
     if hasattr(fs, "discard_cache"):  # trained to the end: hybrid's first-epoch cache has served
         fs.discard_cache()
+    d.to("cpu")   # saved from host memory, as every caller reads it
     save_drafter(out_dir / "drafter", cfg, d.export_state(),
                  metadata={"draftport_phase_init": init})
     report.update(train_steps=res["steps"], train_seconds=res["seconds"], final=res["final"],
                   resumed_from_step=res["resumed_from"], curve=res["curve"], stopped_early=res["stopped_early"],
-                  train_samples=len(fs))
+                  train_samples=len(fs), run=res["run"])
     atomic_write_text(out_dir / "train_history.json", json.dumps(res["history"]) + "\n")
     return report

@@ -35,7 +35,7 @@ from draftport.world.source import build_source_drafter
 from draftport.world.targets import measure_targets, train_target
 from draftport.world.tokenizer import load_world_tokenizer, train_tokenizer
 
-__all__ = ["PIPELINE_KEYS", "base_params", "build_source_drafter", "build_world_base"]
+__all__ = ["PIPELINE_KEYS", "base_params", "build_source_drafter", "build_world_base", "world_device"]
 
 # keys of the params' world group that are the pipeline's, not the base world's
 PIPELINE_KEYS = ("build", "source_drafter")
@@ -43,6 +43,13 @@ PIPELINE_KEYS = ("build", "source_drafter")
 
 def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def world_device(world: dict) -> str:
+    """"cuda" or "cpu": where a world group's targets train (world.device, draftport.model.device's rule)."""
+    from draftport.model.device import pick
+
+    return pick(world.get("device", "auto"), "world.device").type
 
 
 def base_params(world: dict | None = None) -> dict:
@@ -90,21 +97,22 @@ def build_world_base(out_dir: str | Path, params: dict | None = None, progress: 
     timings["tokenizer"] = time.time() - t
 
     threads = p.get("threads")
+    device = world_device(p)
     t = time.time()
     meta_old = train_target(out / "target_old", tok_dir, old, config=p["model"], seed=seed,
                             name="target_old", trained_on="corpus/old.jsonl", threads=threads,
-                            progress=progress, **p["target_old"])
+                            progress=progress, device=device, vocab_size=p["vocab_size"], **p["target_old"])
     timings["target_old"] = time.time() - t
     t = time.time()
     meta_new = train_target(out / "target_new", tok_dir, new, init_from=out / "target_old",
                             seed=seed + 1, name="target_new", trained_on="corpus/new.jsonl",
-                            threads=threads, progress=progress, **p["target_new"])
+                            threads=threads, progress=progress, device=device, **p["target_new"])
     timings["target_new"] = time.time() - t
 
     t = time.time()
     n_m = p.get("measure_samples", p["n_heldout"])
     metrics = measure_targets(out / "target_old", out / "target_new",
-                              {k: v[:n_m] for k, v in heldout.items()}, threads=threads)
+                              {k: v[:n_m] for k, v in heldout.items()}, threads=threads, device=device)
     timings["measure"] = time.time() - t
     timings["total"] = time.time() - t_all
     timings["cpu_total"] = time.process_time() - cpu_all

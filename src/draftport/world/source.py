@@ -21,7 +21,7 @@ from draftport.training.phases import train_phase
 def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draft_vocab_ratio: float,
                          aux_layer_ids, arch: dict, train_cfg, repo_id: str, branch: str = "main",
                          convention: str = "vllm", batch_size: int = 32, answers: str = "regenerated",
-                         monitor_samples: int = 0, progress=True) -> dict:
+                         monitor_samples: int = 0, progress=True, device: str = "cpu") -> dict:
     """Features of target_old on the first n_samples old-corpus prompts, the draft vocab of their
     answers, a drafter trained on them, published as a hub-cache entry under world_dir/hub.
 
@@ -30,7 +30,8 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
     the target's own choice at every position either way). monitor_samples > 0: the last that many
     old-corpus prompts, answered by target_old itself (what it will verify), are the held-out set
     whose tau train_cfg.eval_every steps traces the plateau (`monitor` in the result).
-    Intermediate features are deleted: the world stays small."""
+    device: "cpu" or "cuda", where target_old answers and is captured (world.device); the training's
+    is train_cfg.device. Intermediate features are deleted: the world stays small."""
     world = Path(world_dir)
     target = world / "target_old"
     corpus = world / "corpus" / "old.jsonl"
@@ -41,7 +42,7 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
     world.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".source-build.", dir=world))
     common = dict(aux_layer_ids=aux_layer_ids, convention=convention, max_new_tokens=max_new_tokens,
-                  batch_size=batch_size)
+                  batch_size=batch_size, device=device)
     try:
         build_features(target, corpus, work / "features", n_samples=n_samples, dtype="bfloat16",
                        regenerate_responses=answers == "regenerated", **common)
@@ -61,11 +62,13 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
                           train_cfg=train_cfg, progress=progress, monitor=monitor,
                           verifier="draftport/world-target-old")
         ev = evaluate_drafter(work / "train" / "drafter", target, work / "features", k=train_cfg.ttt_steps,
-                              max_samples=min(n_samples, 200))
+                              max_samples=min(n_samples, 200), device=device)
         commit = publish_to_cache(work / "train" / "drafter", world / "hub", repo_id, branch)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     curve = rep.pop("curve", [])
+    run = rep.pop("run", {})   # a rate: the world's metrics stay byte-identical between runs
+    print(f"world: source drafter trained on {run.get('device')} at {run.get('tokens_per_s') or 0:,.0f} tok/s")
     return {"repo_id": repo_id, "commit": commit, "branch": branch, "draft_vocab_size": dv,
             "n_samples": n_samples, "answers": answers, "monitor_samples": monitor_samples,
             "vocab": vstats, "train": rep, "train_set_accept_length": ev["accept_length"],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -109,15 +110,18 @@ class _Deterministic:
     """Deterministic torch on a fixed thread count, without transformers' own progress bars
     (they would interleave with ours in the Snakemake log); restores the caller's settings."""
 
-    def __init__(self, threads: int | None):
-        self.threads = threads
+    def __init__(self, threads: int | None, cuda: bool = False):
+        self.threads, self.cuda = threads, cuda
 
     def __enter__(self):
         self.prev = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
                      hf_logging.is_progress_bar_enabled())
         if self.threads:
             torch.set_num_threads(self.threads)
-        torch.use_deterministic_algorithms(True)
+        if self.cuda:  # cuBLAS is deterministic only with a fixed workspace (set before its first call)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # CUDA: the ops without a deterministic kernel (MoE scatters) warn instead of failing
+        torch.use_deterministic_algorithms(True, warn_only=self.cuda)
         hf_logging.disable_progress_bar()
 
     def __exit__(self, *exc):
@@ -131,7 +135,8 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
                  init_from: str | Path | None = None, config: dict | None = None,
                  steps: int, lr: float, batch_size: int, seq_len: int, warmup: int,
                  seed: int = 0, name: str = "target", trained_on: str = "",
-                 threads: int | None = None, progress: bool = True) -> dict:
+                 threads: int | None = None, progress: bool = True, device: str = "cpu",
+                 vocab_size: int | None = None) -> dict:
     """Train a small causal LM (target_config: Llama, DeepSeek-V3 or Qwen3) on packed chat samples;
     save an HF model folder.
 
@@ -140,12 +145,13 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
     small budget, and the prompt still conditions the answer either way. `init_from` continues a
     saved target (K2.5 = K2 + more training on the new data); `config` is then ignored (left
     out: the embedded world's model, draftport.plan.params.WorldModel). steps .. warmup: a params
-    world.target_old / target_new group.
+    world.target_old / target_new group. device: "cpu" or "cuda" (the world's device rule);
+    vocab_size: the model's vocabulary, at least the tokenizer's (more: rows no text uses).
     Returns the summary also written to draftport_target.json.
     """
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     t0 = time.time()
-    with _Deterministic(threads):
+    with _Deterministic(threads, cuda=device != "cpu"):
         torch.manual_seed(seed)
         tok = load_world_tokenizer(tokenizer_dir)
         # one long stream of <|bos|>…<|end|> chats; windows are drawn at random offsets
@@ -158,14 +164,15 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
 
         if init_from is not None:
             model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32)
-            if model.config.vocab_size != tok.get_vocab_size():
-                raise ValueError(f"{init_from}: vocab {model.config.vocab_size} != tokenizer "
+            if model.config.vocab_size < tok.get_vocab_size():
+                raise ValueError(f"{init_from}: vocab {model.config.vocab_size} < tokenizer "
                                  f"{tok.get_vocab_size()}")
         else:
-            cfg = target_config(config, vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id(BOS),
+            vocab = max(tok.get_vocab_size(), vocab_size or 0)
+            cfg = target_config(config, vocab_size=vocab, bos_token_id=tok.token_to_id(BOS),
                                 eos_token_id=tok.token_to_id(END), pad_token_id=tok.token_to_id(PAD))
             model = AutoModelForCausalLM.from_config(cfg)
-        model.train()
+        model.to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
         gen = torch.Generator().manual_seed(seed)
 
@@ -179,11 +186,13 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
         with progress_bar(steps, name, "step", enabled=progress, leave=False) as bar:
             for step in range(steps):
                 ix = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
-                batch = torch.stack([data[i:i + seq_len + 1] for i in ix.tolist()])
+                batch = torch.stack([data[i:i + seq_len + 1] for i in ix.tolist()]).to(device)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
-                logits = model(input_ids=batch[:, :-1]).logits
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                # CUDA: bf16 autocast (a GPU world's targets are 1B-scale; the CPU stays float32)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device != "cpu"):
+                    logits = model(input_ids=batch[:, :-1]).logits
+                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
                                                          batch[:, 1:].reshape(-1))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -194,7 +203,7 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
                 bar.update()
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir)
+        model.to("cpu").save_pretrained(out_dir)
     for f in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / f, out_dir / f)
 
@@ -233,7 +242,7 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
 # 4. Measuring the pair: how predictable each target is and how far B moved from A
 # ──────────────────────────────────────────────────────────────────────────────────────────────
 
-def _assistant_predictions(model, tok, samples: list[dict], batch_size: int = 32):
+def _assistant_predictions(model, tok, samples: list[dict], batch_size: int = 32, device: str = "cpu"):
     """Per sample: (logits at positions predicting assistant tokens, those tokens)."""
     pad = tok.token_to_id(PAD)
     out = []
@@ -246,7 +255,7 @@ def _assistant_predictions(model, tok, samples: list[dict], batch_size: int = 32
             ids[i, :len(x)] = torch.tensor(x)
             mask[i, :len(x)] = 1
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.cpu()
         for i, (x, start) in enumerate(enc):
             # position p predicts token p+1: the assistant tokens x[start:] come from p = start-1 ..
             out.append((logits[i, start - 1:len(x) - 1].float(), ids[i, start:len(x)]))
@@ -254,19 +263,19 @@ def _assistant_predictions(model, tok, samples: list[dict], batch_size: int = 32
 
 
 def measure_targets(target_a: str | Path, target_b: str | Path, heldout: dict[str, list[dict]],
-                    threads: int | None = None) -> dict:
+                    threads: int | None = None, device: str = "cpu") -> dict:
     """Loss / top-1 of A and B on each held-out set, and A-B greedy agreement, assistant tokens only.
 
     Agreement is the fraction of assistant positions where argmax A == argmax B: roughly the
     acceptance a perfect imitation of A would get against B, i.e. how far the port has to move.
     """
     res: dict[str, float] = {}
-    with _Deterministic(threads):
-        models = {"A": AutoModelForCausalLM.from_pretrained(target_a, dtype=torch.float32).eval(),
-                  "B": AutoModelForCausalLM.from_pretrained(target_b, dtype=torch.float32).eval()}
+    with _Deterministic(threads, cuda=device != "cpu"):
+        models = {"A": AutoModelForCausalLM.from_pretrained(target_a, dtype=torch.float32).to(device).eval(),
+                  "B": AutoModelForCausalLM.from_pretrained(target_b, dtype=torch.float32).to(device).eval()}
         tok = load_world_tokenizer(target_a)
         for kind, samples in heldout.items():
-            preds = {k: _assistant_predictions(m, tok, samples) for k, m in models.items()}
+            preds = {k: _assistant_predictions(m, tok, samples, device=device) for k, m in models.items()}
             for k in models:
                 logits = torch.cat([lg for lg, _ in preds[k]])
                 tgt = torch.cat([t for _, t in preds[k]])

@@ -72,7 +72,7 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
         else:
             timing = json.loads((rdir / "capture.json").read_text())
         parts = [*parts, data]
-    _, world = init_distributed()
+    _, world = init_distributed(spec["train"][d["seeds"][0]].get("device", "auto"))
     jobs = []
     for i, seed in enumerate(d["seeds"], 1):
         tc = spec["train"][seed]
@@ -92,7 +92,7 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
     acc, cyc, taus = [], [], []
     for j in jobs:
         res = evaluate_drafter(Path(j["out"]) / "drafter", s.input("target"), s.input("eval"), k=e["k"],
-                               batch_size=e["batch_size"], max_samples=e["max_samples"])
+                               batch_size=e["batch_size"], max_samples=e["max_samples"], device=e["device"])
         acc.append(res["per_sample"]["accepted"])
         cyc.append(res["per_sample"]["cycles"])
         taus.append(res["accept_length"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import sys
 import tempfile
 import time
@@ -56,13 +57,16 @@ def _train_point(job: dict) -> dict:
         child.finish(ok=True)
     return {**pt, "dir": f"points/{pt['name']}", "train_steps": rep["train_steps"],
             "stopped_early": rep["stopped_early"], "curve": rep["curve"], "final_loss": rep["final"].get("loss"),
-            "train_seconds": seconds, "run_id": child.run_id if child else None}
+            "train_seconds": seconds, "run_id": child.run_id if child else None, "run": rep["run"]}
 
 
-def _worker_init(log_path: str | None) -> None:
+def _worker_init(log_path: str | None, gpus=None) -> None:
     """A worker trains on one thread (a point's floats as in one process), writes its lines to the
     step's log too, and dies with the step (kill -9 of the step leaves no orphan writing
-    checkpoints that a resumed step reads)."""
+    checkpoints that a resumed step reads). gpus: a queue of GPU ids, one taken per worker before
+    CUDA starts, so each worker trains its points on a GPU of its own."""
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpus.get())
     import torch
 
     from draftport.pipeline.runner import Tee
@@ -75,27 +79,47 @@ def _worker_init(log_path: str | None) -> None:
     _die_with_parent()
 
 
-def _workers(n_points: int, world: int) -> int:
-    """Points trained at once: the step's threads on the CPU (one thread each), else one."""
+def visible_gpus(device: str) -> list[str]:
+    """The GPU ids a step's points spread over under train.device `device` (none: the CPU)."""
     import torch
 
-    if world > 1 or torch.cuda.is_available():
+    if device == "cpu" or not torch.cuda.is_available():
+        return []
+    ids = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return ids[: torch.cuda.device_count()] or [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _workers(n_points: int, world: int, gpus: list[str]) -> int:
+    """Points trained at once: under torchrun one (each point over every rank); on GPUs one per
+    GPU; on the CPU the step's threads (one thread each)."""
+    import torch
+
+    if world > 1:
         return 1
+    if gpus:
+        return max(1, min(len(gpus), n_points))
     return max(1, min(torch.get_num_threads(), n_points))
 
 
 def train_jobs(jobs: list[dict], world: int) -> tuple[list[dict], int]:
-    """Train every job (_train_point's), on the CPU as many at once as the step has threads; the
-    results in the jobs' order, and how many trained at once."""
-    n_workers = _workers(len(jobs), world)
+    """Train every job (_train_point's): on GPUs one at a time per GPU, on the CPU as many at once
+    as the step has threads; the results in the jobs' order, and how many trained at once."""
+    gpus = visible_gpus(jobs[0]["train"].get("device", "auto")) if jobs else []
+    n_workers = _workers(len(jobs), world, gpus)
     if n_workers == 1:
         return [_train_point(j) for j in jobs], 1
     what = jobs[0].get("label", "curves")
-    print(f"{what}: {len(jobs)} points, {n_workers} at a time (one thread each)", flush=True)
+    where = f"one per GPU ({', '.join(gpus[:n_workers])})" if gpus else "one thread each"
+    print(f"{what}: {len(jobs)} points, {n_workers} at a time ({where})", flush=True)
     by_cost = sorted(jobs, key=lambda j: -j["train"]["steps"])  # the longest first: the workers finish together
     log_fh = getattr(getattr(sys.stdout, "log", None), "fh", None)  # the runner's Tee to logs/<step>.log
-    with mp.get_context("spawn").Pool(n_workers, initializer=_worker_init,
-                                      initargs=(getattr(log_fh, "name", None),)) as pool:
+    ctx = mp.get_context("spawn")
+    queue = None
+    if gpus:
+        queue = ctx.Queue()
+        for g in gpus[:n_workers]:
+            queue.put(g)
+    with ctx.Pool(n_workers, initializer=_worker_init, initargs=(getattr(log_fh, "name", None), queue)) as pool:
         done = dict(zip((j["point"]["name"] for j in by_cost), pool.map(_train_point, by_cost, chunksize=1)))
     return [done[j["point"]["name"]] for j in jobs], n_workers
 
@@ -150,7 +174,7 @@ def _run_job_file(path: str) -> int:
     kw = {k: (Path(v) if k in JOB_PATHS and v is not None else v) for k, v in job["kw"].items()}
     if kw.get("monitor"):
         kw["monitor"] = {**kw["monitor"], "features": Path(kw["monitor"]["features"])}
-    rank, world = init_distributed()
+    rank, world = init_distributed(job["train"].get("device", "auto"))
     if rank > 0:
         with tempfile.TemporaryDirectory(prefix=f".curves-rank{rank}-") as scratch:
             train_phase(scratch, logger=None, progress=False, train_cfg=TrainConfig(**job["train"]), **kw)
@@ -169,7 +193,11 @@ def train_curves(s: StepContext) -> dict:
     from draftport.training.loop import init_distributed
     from draftport.pipeline.steps.train_steps import monitor_of, online_of
 
-    rank, world = init_distributed()  # under torchrun every rank trains each point on its slice of the batch
+    from draftport.model.device import pick as pick_device
+
+    pick_device(s.p["curves"]["train"].get("device", "auto"), "curves.train.device")   # before any work
+    # under torchrun every rank trains each point on its slice of the batch
+    rank, world = init_distributed(s.p["curves"]["train"].get("device", "auto"))
     c = s.p["curves"]
     regenerated = feature_dirs([s.input("features"), s.input("features_phase2")])
     have = sum(int(read_json(Path(d) / "index.json")["samples"]) for d in regenerated)
@@ -199,6 +227,7 @@ def train_curves(s: StepContext) -> dict:
     out, n_workers = train_jobs(jobs, world)
     runs = {r["name"]: r.pop("run_id") for r in out}
     s.timing["points"] = {r["name"]: r.pop("train_seconds") for r in out}  # the decision's hours
+    s.timing["points_run"] = {r["name"]: r.pop("run") for r in out}      # device and rate: never artifacts
     if s.run is not None:
         write_json(POINT_RUNS, {"uri": s.run.uri, "runs": runs})
     write_json(s.path("points.json"), {"budget": {"rule": "same epochs", "epochs": c["epochs"],
@@ -231,7 +260,8 @@ def eval_curves(s: StepContext) -> dict:
     res_points = []
     for i, pt in enumerate(trained["points"], 1):
         res = evaluate_drafter(root / pt["dir"] / "drafter", s.input("target"), s.input("features"), k=e["k"],
-                               batch_size=e["batch_size"], max_samples=e["max_samples"])
+                               batch_size=e["batch_size"], max_samples=e["max_samples"], device=e["device"])
+        s.timing.setdefault("points_run", {})[pt["name"]] = res.pop("run")
         ci = tau_ci([res["per_sample"]["accepted"]], [res["per_sample"]["cycles"]], n_boot=1000)["ci"]
         print(f"curves: {i}/{len(trained['points'])} {pt.get('arm', pt['init'])} n={pt['n_samples']} seed={pt['seed']}: "
               f"tau {res['accept_length']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]", flush=True)

@@ -19,7 +19,7 @@ def world(s: StepContext) -> dict:
     """The embedded K2 -> K2.5 analog (corpus, tokenizer, target_old, target_new) and the source
     drafter trained on target_old, published as a hub-cache entry in artifacts/world/hub."""
     # lazy (registry): only the world step runs draftport.world
-    from draftport.world import build_source_drafter, build_world_base
+    from draftport.world import build_source_drafter, build_world_base, world_device
 
     w, f = s.p["world"], s.p["features"]
     manifest = build_world_base(s.dir, w, progress=True)  # on world.threads threads
@@ -30,7 +30,7 @@ def world(s: StepContext) -> dict:
         draft_vocab_ratio=sd["draft_vocab_ratio"], aux_layer_ids=f["aux_layer_ids"],
         convention=f["aux_convention"], arch=sd["arch"], train_cfg=TrainConfig(**sd["train"]),
         repo_id=s.p["source"]["repo_id"], batch_size=sd["batch_size"], answers=sd["answers"],
-        monitor_samples=sd["monitor_samples"])
+        monitor_samples=sd["monitor_samples"], device=world_device(w))
     src["train"].pop("train_seconds", None)  # outputs stay byte-identical between identical runs
     write_json(s.path("source_drafter.json"), src)
     m = manifest["metrics"]
@@ -104,17 +104,19 @@ def _features(s: StepContext, out_dir, target, prompts, *, n: int, offset: int =
     # lazy (registry): fetch and vocab_new run this module without the capture
     from draftport.data.features import build_features
     from draftport.data.capture import trusted
+    from draftport.model.device import out_of_memory
 
     f = s.p["features"]
     storage = f["storage"] if training else "disk"
-    idx = build_features(target, prompts, out_dir, n_samples=n, offset=offset,
-                         trust_remote_code=trusted(target, s.p["targets"]["trust_remote_code"]),
-                         aux_layer_ids=f["aux_layer_ids"], convention=f["aux_convention"],
-                         regenerate_responses=regenerate, max_new_tokens=f["max_new_tokens"],
-                         batch_size=f["batch_size"], dtype=f["dtype"], device=f["device"],
-                         engine=f["engine"], tensor_parallel_size=f["tensor_parallel_size"],
-                         regenerate_via=f["regenerate"], base_url=f["base_url"],
-                         served_model=f["served_model"], storage=storage, compile=f["compile"])
+    with out_of_memory(f"capture {Path(out_dir).name}", "features.batch_size"):
+        idx = build_features(target, prompts, out_dir, n_samples=n, offset=offset,
+                             trust_remote_code=trusted(target, s.p["targets"]["trust_remote_code"]),
+                             aux_layer_ids=f["aux_layer_ids"], convention=f["aux_convention"],
+                             regenerate_responses=regenerate, max_new_tokens=f["max_new_tokens"],
+                             batch_size=f["batch_size"], dtype=f["dtype"], device=f["device"],
+                             engine=f["engine"], tensor_parallel_size=f["tensor_parallel_size"],
+                             regenerate_via=f["regenerate"], base_url=f["base_url"],
+                             served_model=f["served_model"], storage=storage, compile=f["compile"])
     out = {"samples": idx["samples"], "tokens": idx["tokens"],
            "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2)}
     s.timing[Path(out_dir).name] = {"samples": idx["samples"], **idx["seconds"]}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from draftport.data.capture import trusted
 from draftport.evaluation.accept import evaluate_drafter
+from draftport.model.device import describe as describe_device
+from draftport.model.device import pick as pick_device
 from draftport.pipeline.runner import StepContext, read_json, write_json
 
 # tau (bonus token counted, as vLLM and SGLang), SpecForge's simulated_acc_len, vLLM's acceptance rate
@@ -38,9 +40,11 @@ def phase_metrics(res: dict, p: dict) -> dict:
 def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.json") -> dict:
     """Offline accept length of a drafter on a feature set; the full result in <name>."""
     e = s.p["eval"]
+    pick_device(e["device"], "eval.device")   # cuda without a GPU: refused before any work, by its key
     res = evaluate_drafter(drafter, target, features, k=e["k"], batch_size=e["batch_size"],
-                           max_samples=e["max_samples"])
+                           max_samples=e["max_samples"], device=e["device"])
     res.pop("eval_seconds", None)  # outputs stay byte-identical between identical runs
+    s.record_run("eval" if name == "eval.json" else name.removesuffix(".json"), res.pop("run", None))
     write_json(s.path(name), res)
     return res
 
@@ -95,13 +99,14 @@ def drift(s: StepContext) -> dict:
     from draftport.evaluation.drift import drift_probe
 
     e, f = s.p["eval"], s.p["features"]
+    s.record_run("eval", describe_device(pick_device(e["device"], "eval.device")))   # the source drafter's evaluations
     old = s.input("target_old")
     out = drift_probe(s.input("drafter"), old, s.input("target"), s.input("features"), s.dir, k=e["k"],
                       batch_size=e["batch_size"], max_samples=e["max_samples"], feature_batch_size=f["batch_size"],
                       dtype=f["dtype"], device=f["device"],
                       trust_remote_code=trusted(old, s.p["targets"]["trust_remote_code"]),
                       engine=f["engine"], tensor_parallel_size=f["tensor_parallel_size"],
-                      max_tokens=s.p["drift"]["max_tokens"])
+                      max_tokens=s.p["drift"]["max_tokens"], eval_device=e["device"])
     phase0 = read_json(s.input("phase0"))
     if "source_on_old_accept_length" in phase0:  # the source on the old target's own answers
         out["tau_source_on_old_answers"] = phase0["source_on_old_accept_length"]

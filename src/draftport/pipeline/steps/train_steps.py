@@ -11,6 +11,7 @@ import time
 
 from draftport.data.capture import trusted
 from draftport.errors import DraftportError
+from draftport.model.device import pick as pick_device
 from draftport.pipeline.runner import StepContext, checkpoints, read_json
 from draftport.plan.params import TrainConfig
 from draftport.training.loop import dist_info, init_distributed
@@ -20,13 +21,14 @@ from draftport.training.phases import train_phase
 def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> dict:
     """Train, save drafter/ (flat format), train_history.json and history.csv; the metrics."""
     cfg = TrainConfig(**s.p[group]["train"])
+    pick_device(cfg.device, f"{group}.train.device")   # cuda without a GPU: refused before any work
     if init == "scratch":  # the control: the group's budget without its port recipes (no weights to anchor or keep)
         cfg = cfg.model_copy(update={"l2sp_lambda": 0.0, "freeze": []})
     kw = dict(features_dir=s.input("features"), target_dir=s.input("target"), vocab_path=s.input("vocab"),
               init=init, source_dir=s.input("source"), vocab_policy=vocab_policy,
               train_cfg=cfg, ckpt_dir=checkpoints(s.name), monitor=monitor_of(s, cfg),
               verifier=s.p["targets"]["new"], **online_of(s))
-    rank, _ = init_distributed()  # under torchrun: every rank trains on its slice of each batch
+    rank, _ = init_distributed(cfg.device)  # under torchrun: every rank trains on its slice of each batch
     if rank > 0:  # the same run, its files written by rank 0 (checkpoints: shared ckpt_dir)
         with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
             train_phase(scratch, logger=None, progress=False, **kw)
@@ -46,6 +48,7 @@ def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> 
            "train_steps": rep["train_steps"], "final_loss": fin.get("loss"), "final_acc_0": fin.get("acc_0"),
            "resumed_from_step": rep["resumed_from_step"]}
     s.timing["train_seconds"] = seconds  # this run's own part after a resume; the decision's hours
+    s.record_run("train", rep.get("run"), step=rep["train_steps"])
     if rep["curve"]:  # the held-out tau by step (DVC plots read curve.csv)
         out.update(held_out_accept_length=rep["curve"][-1]["accept_length"],
                    best_held_out_accept_length=max(c["accept_length"] for c in rep["curve"]),
