@@ -76,7 +76,7 @@ online: $(STAMP) $(VLLM_STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH DRAFTPORT_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 		$(BIN)/snakemake --cores 8 online
 
-# ---- speculators, in its own venv (tests/test_speculators.py converts the published drafter) ----
+# ---- speculators, in its own venv (tests/outputs/test_speculators.py converts the published drafter) ----
 # speculators 0.9.0 pins transformers<=5.19 and pulls torchvision/torchaudio (which do not import
 # beside the CPU torch and which its convert/model code does not use): kept out of .venv.
 SPEC_VENV := .venv-speculators

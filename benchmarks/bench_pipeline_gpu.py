@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftport.model.formats import atomic_write_text  # noqa: E402
+from draftport.files import atomic_write_text  # noqa: E402
 from draftport.plan import params as P  # noqa: E402
 from draftport.plan import registry as R  # noqa: E402
 

@@ -92,7 +92,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from draftport.training import optim  # noqa: E402
 from draftport.model.fast import loss as fast_loss  # noqa: E402
 from draftport.model.config import DrafterConfig  # noqa: E402
-from draftport.model.formats import atomic_write_text  # noqa: E402
+from draftport.files import atomic_write_text  # noqa: E402
 from draftport.data.shards import Batch, collate  # noqa: E402
 from draftport.model.drafter import Attention, Eagle3Drafter  # noqa: E402
 from draftport.model.fast.attention import Segments, ttt_attention  # noqa: E402
@@ -325,7 +325,7 @@ def run_variant(v: Variant, d, head, batches, a, dev, cfg, log, *, lengths=None,
     fast = v.fast(a)
     # the attention lever without the rest: the fast unroll under the reference loss
     if v.attn_fused and not v.loss_fused:
-        d.unroll = functools.partial(fast_unroll, d, path=fast)
+        d.unroll = functools.partial(fast_unroll, d, fast=fast)
     else:
         d.__dict__.pop("unroll", None)
     params = [p for p in d.parameters() if p.requires_grad]
@@ -701,7 +701,7 @@ def check_equivalence(a, dev, log):
             if name == "fp32":
                 o = d.midlayer.self_attn.attend_core(ts[0], ts[1:5], ts[5:9], bias)
             else:
-                o = ttt_attention(ts[0], ts[1:5], ts[5:9], 1 / math.sqrt(hd), path=fast_of(a))
+                o = ttt_attention(ts[0], ts[1:5], ts[5:9], 1 / math.sqrt(hd), fast=fast_of(a))
             go = torch.ones_like(o) * torch.linspace(-1, 1, o.shape[-1], device=dev, dtype=o.dtype)
             grads = torch.autograd.grad((o * go).sum(), ts)
             outs.append((o.detach().float(), [x.float() for x in grads]))
@@ -805,7 +805,7 @@ def check_packed(a, dev, log):
             o = d.midlayer.self_attn.attend_core(x[0], x[1:4], x[4:7], bias)
         else:
             o = ttt_attention(x[0], x[1:4], x[4:7], 1 / math.sqrt(hd), Segments(cu, max(
-                e - s for s, e in zip(cu[:-1], cu[1:]))), path=fast_of(a))
+                e - s for s, e in zip(cu[:-1], cu[1:]))), fast=fast_of(a))
         go = torch.linspace(-1, 1, o.shape[-1], device=dev, dtype=o.dtype).expand_as(o)
         grads = torch.autograd.grad((o * go).sum(), x)
         outs.append((o.detach().float(), [t.float() for t in grads]))
@@ -833,7 +833,7 @@ def attention_probe(seqs, dev, log, h=64, hd=128, n_diag=3, reps=5):
         return out
     g = torch.Generator(device=dev).manual_seed(5)
     for backend in ("flash", "cudnn"):
-        path = FastPath(attention=backend)
+        fast = FastPath(attention=backend)
         r = {}
         try:
             T = 512
@@ -847,7 +847,7 @@ def attention_probe(seqs, dev, log, h=64, hd=128, n_diag=3, reps=5):
                 if fp:
                     o = Attention.attend_core(_HeadDim(hd), x[0], ks, vs, bias)
                 else:
-                    o = ttt_attention(x[0], ks, vs, 1 / math.sqrt(hd), path=path)
+                    o = ttt_attention(x[0], ks, vs, 1 / math.sqrt(hd), fast=fast)
                 go = torch.linspace(-1, 1, o.shape[-1], device=dev).to(o.dtype).expand_as(o)
                 grads = torch.autograd.grad((o * go).sum(), x)
                 res.append((o.detach().float(), [t.float() for t in grads]))
@@ -861,7 +861,7 @@ def attention_probe(seqs, dev, log, h=64, hd=128, n_diag=3, reps=5):
                 go = torch.randn(1, T, h * hd, device=dev, dtype=torch.bfloat16, generator=g)
 
                 def fb():
-                    o = ttt_attention(xs[0], ks, vs, 1 / math.sqrt(hd), path=path)
+                    o = ttt_attention(xs[0], ks, vs, 1 / math.sqrt(hd), fast=fast)
                     torch.autograd.grad(o, xs, go)
                 for _ in range(2):
                     fb()

@@ -138,7 +138,7 @@ def test_a_sample_sees_nothing_of_its_row_neighbours():
             b = pack(s, dtype=torch.float64)[0]
             with torch.no_grad():
                 if fused:
-                    outs.append(fast_unroll.unroll(d, b.aux, b.tokens, 4, path=FastPath(), valid=b.valid,
+                    outs.append(fast_unroll.unroll(d, b.aux, b.tokens, 4, fast=FastPath(), valid=b.valid,
                                                    return_normed=True, **fast_unroll.packed_args(b)))
                 else:
                     outs.append(d.unroll(b.aux, b.tokens, 4, valid=b.valid, return_normed=True, **packed_args(b)))

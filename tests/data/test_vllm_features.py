@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftport.data.capture import load_target, regenerate
-from draftport.engines.vllm.hidden_states import vllm_layer_ids
+from draftport.data.vllm_capture import vllm_layer_ids
 from draftport.engines.vllm.venv import default_vllm_python, vllm_python
 from draftport.errors import DraftportError
 from draftport.data.features import build_features, encode_prompt, load_tokenizer, read_samples
@@ -23,7 +23,7 @@ from draftport.data.shards import FeatureSet
 from draftport.engines.openai import regenerate_openai
 from draftport.model.bind import new_drafter_config
 from draftport.model.config import target_text_config
-from draftport.model.draftmap import build_vocab
+from draftport.data.draftmap import build_vocab
 from draftport.plan.params import TrainConfig, load
 from draftport.training.phases import train_phase
 from draftport.world import build_world_base

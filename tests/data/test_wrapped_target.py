@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftport.data.capture import (capture_features, load_target, read_target_tensor, read_text_tensor,
-    text_config)
+from draftport.data.capture import capture_features, load_target
+from draftport.model.config import target_text_config as text_config
+from draftport.model.target import read_target_tensor, read_text_tensor
 
 
 @pytest.fixture(scope="module")

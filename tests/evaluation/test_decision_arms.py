@@ -111,7 +111,7 @@ def test_rates_from_the_steps_metrics():
 
 
 def test_the_pipeline_tests_checker_catches_a_wrong_field():
-    """tests/helpers/decision_check (used on pipeline runs) agrees with decide() here and flags a
+    """tests/helpers/decision_check.py (used on pipeline runs) agrees with decide() here and flags a
     field flipped against the numbers."""
     from decision_check import says_what_the_numbers_show as check
 

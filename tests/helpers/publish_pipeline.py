@@ -13,7 +13,7 @@ from draftport.data.shards import Sequence, write_features
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.decision import decide
 from draftport.model.bind import new_drafter_config
-from draftport.model.draftmap import build_vocab
+from draftport.data.draftmap import build_vocab
 from draftport.plan import params as P
 from draftport.plan import registry as R
 from draftport.training.loop import TrainConfig

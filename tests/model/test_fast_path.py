@@ -513,7 +513,7 @@ def test_a_reduced_step_must_be_followed_by_reduced_ones():
             return torch.arange(5) if j == 1 else None
 
     with pytest.raises(ValueError, match="after a reduced one"):
-        fast_unroll.unroll(d, batch.aux, batch.tokens, 3, path=FastPath(), valid=batch.valid, return_normed=True,
+        fast_unroll.unroll(d, batch.aux, batch.tokens, 3, fast=FastPath(), valid=batch.valid, return_normed=True,
                            live=Widening())
     assert FastPath().skip_dead_rows   # the default
 

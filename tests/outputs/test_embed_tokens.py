@@ -23,9 +23,9 @@ from draftport.plan import params as P
 from draftport.model.formats import (copy_tensors_safetensors, find_target_embedding, read_header,
     save_safetensors, tensor_sha256, tensors_equal_values)
 from draftport.outputs.compare import compare_drafters, embedding_check
-from draftport.engines.vllm.serve import for_vllm
+from draftport.evaluation.online import for_vllm
 from draftport.errors import DraftportError
-from draftport.outputs.export import export_problems, validate_export
+from draftport.engines.export import export_problems, validate_export
 
 from tiny_targets import H, STUB_VOCAB, stub_drafter, stub_target
 

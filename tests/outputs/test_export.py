@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftport.engines.vllm.serve import for_vllm
+from draftport.evaluation.online import for_vllm
 from draftport.errors import DraftportError
-from draftport.outputs.export import export_problems, validate_export
+from draftport.engines.export import export_problems, validate_export
 from tiny_targets import H, STUB_CTX, STUB_LAYERS, STUB_VOCAB, stub_drafter, stub_target
 
 

@@ -22,7 +22,7 @@ from draftport.plan import params as P
 from draftport.model.formats import find_target_embedding, load_drafter_state, read_header, tensor_sha256
 from draftport.model.config import read_config
 from draftport.errors import DraftportError
-from draftport.outputs.export import validate_export
+from draftport.engines.export import validate_export
 from draftport.outputs.publish import check_folder, choose_phase, from_pipeline, push
 from publish_pipeline import AUX, build_pipeline
 from repo import ROOT

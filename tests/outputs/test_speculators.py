@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from draftport.engines.speculators import roundtrip as RT
+from draftport.evaluation import roundtrip as RT
 from draftport.errors import DraftportError
 from draftport.model.config import DrafterConfig, parse_config
 from draftport.model.formats import find_target_embedding, load_drafter_state, read_tensor_np, save_drafter

@@ -3,7 +3,7 @@
 Every case starts from a copy of one micro world (the pipeline's steps run once, through their
 scripts, up to Phase 1's from-scratch control), breaks one input, runs one real command
 (`python scripts/<step>.py`, `draftport ...`, `snakemake ...`, `python -m draftport.plan.params`,
-`python -m draftport.engines.vllm.serve`) and checks what a user sees and what is left on disk:
+`python -m draftport.evaluation.online`) and checks what a user sees and what is left on disk:
   - a non-zero exit status;
   - stderr's last non-empty line is the one-line error `<file or dotted key>: <problem>`;
   - no "Traceback" in stdout or stderr;
@@ -245,7 +245,7 @@ class Case:
     keeps: tuple[str, ...] = ()   # earlier outputs that must be there before and unchanged after
 
 
-ONLINE = [PY, "-m", "draftport.engines.vllm.serve", "artifacts/world/target_new", SRC,
+ONLINE = [PY, "-m", "draftport.evaluation.online", "artifacts/world/target_new", SRC,
           "artifacts/world/corpus/heldout_new.jsonl", "online_out", "--n", "4"]
 
 CASES = [
@@ -340,7 +340,7 @@ CASES = [
          step("eval_phase0"), "wide_target", "target embedding [512, 96] does not fit the drafter", ("artifacts/eval_phase0",)),
     Case("drafter-aux-mismatch", "the source drafter's config reads aux layers [0, 1, 7]", edit_json(SRC_CFG, aux_ids([0, 1, 7])),
          step("features_eval"), "features.aux_layer_ids", "but the source drafter reads [0, 1, 7]"),
-    Case("online-aux-out-of-range", "`python -m draftport.engines.vllm.serve` with a drafter whose aux layers are [0, 1, 7]",
+    Case("online-aux-out-of-range", "`python -m draftport.evaluation.online` with a drafter whose aux layers are [0, 1, 7]",
          edit_json(SRC_CFG, aux_ids([0, 1, 7])), ONLINE, SRC, "aux layer ids [0, 1, 7] out of range 0..2",
          ("online_out",)),
     # data
@@ -353,7 +353,7 @@ CASES = [
     Case("prompts-too-long", "`targets.prompts_eval_new`: a prompt longer than the target's context (512)",
          both(long_prompts, set_key("targets.prompts_eval_new", "prompts/long.jsonl")), step("features_eval"),
          "prompts/long.jsonl:1", "does not fit the target's context of 512"),
-    Case("online-prompts-too-long", "`python -m draftport.engines.vllm.serve` with a prompt longer than the context",
+    Case("online-prompts-too-long", "`python -m draftport.evaluation.online` with a prompt longer than the context",
          long_prompts, ONLINE[:5] + ["prompts/long.jsonl", "online_out", "--n", "1"], "prompts/long.jsonl:1",
          "exceeds the target's context of 512", ("online_out",)),
     Case("features-empty", "a features folder whose index.json lists no samples", empty_index,

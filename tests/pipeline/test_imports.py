@@ -82,6 +82,53 @@ def test_no_import_cycle_in_draftport():
     assert cycles(graph) == []
 
 
+BASE = {"errors", "files", "progress"}   # under every folder
+
+
+def layers() -> list[str]:
+    """The folders' order, as docs/architecture.md writes it (the block after `<!-- layers -->`)."""
+    text = (SRC.parent / "docs" / "architecture.md").read_text()
+    block = text.split("<!-- layers -->", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def floor(module: str) -> str:
+    """draftport.model.fast.loss -> model; draftport.cli -> cli; draftport.errors -> base."""
+    top = module.split(".")[1]
+    return "base" if top in BASE else top
+
+
+def against_the_order(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    """Imports from a folder listed after the importer's (the base imports nothing above it)."""
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        if mod == "draftport":
+            continue
+        src = floor(mod)
+        for dep in sorted(deps):
+            dst = floor(dep)
+            if dst == src or dst == "base" or dep == "draftport":
+                continue
+            if src == "base" or order.index(dst) > order.index(src):
+                bad.append(f"{mod} imports {dep}")
+    return bad
+
+
+def test_the_order_finder_finds_an_upward_import():
+    order = ["plan", "model", "data"]
+    assert against_the_order({"draftport.model.x": {"draftport.data.y"}, "draftport.data.y": {"draftport.model.x"}},
+                             order) == ["draftport.model.x imports draftport.data.y"]
+    assert against_the_order({"draftport.errors": {"draftport.plan.p"}}, order) == ["draftport.errors imports draftport.plan.p"]
+
+
+def test_folders_import_one_way_as_the_architecture_page_orders_them():
+    graph = import_graph()
+    order = layers()
+    folders = {floor(m) for m in graph if m != "draftport"} - {"base"}
+    assert folders == set(order), (folders ^ set(order))
+    assert against_the_order(graph, order) == []
+
+
 def test_snakefile_side_and_header_commands_do_not_import_torch():
     code = ("import sys; import draftport.pipeline.bridge, draftport.plan.registry, draftport.plan.params, "
             "draftport.plan.cluster, draftport.outputs.compare, draftport.cli; print('torch' in sys.modules)")

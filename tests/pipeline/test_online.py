@@ -16,13 +16,13 @@ from safetensors.torch import load_file
 
 import draftport
 from draftport.data.features import build_features
-from draftport.engines.vllm import serve
+from draftport.evaluation import online as serve
 from draftport.engines.vllm.venv import default_vllm_python, runner, vllm_python
 from draftport.errors import DraftportError
 from draftport.model.bind import new_drafter_config
-from draftport.model.draftmap import build_vocab
+from draftport.data.draftmap import build_vocab
 from draftport.model.formats import find_target_embedding, read_tensor_np, save_safetensors, tensor_sha256
-from draftport.outputs.export import validate_export
+from draftport.engines.export import validate_export
 from draftport.plan.params import load
 from draftport.training.loop import TrainConfig
 from draftport.training.phases import train_phase

@@ -19,7 +19,7 @@ from draftport.training import phases
 from draftport.model.bind import new_drafter_config
 from draftport.model.config import target_text_config
 from draftport.data.shards import FeatureSet, SequenceSet, open_set
-from draftport.model.draftmap import build_vocab
+from draftport.data.draftmap import build_vocab
 from draftport.errors import DraftportError
 from draftport.data.features import build_features
 from draftport.plan.params import TrainConfig, load

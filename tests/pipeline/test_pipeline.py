@@ -299,7 +299,10 @@ TRAINED = {"train_phase1_scratch", "train_phase1", "train_phase2", "eval_phase1_
 
 
 CURVE_EVAL = {"eval_curves", "decision"}  # the curves' evaluation and the decision reading it
+CAPTURES = {"features_new", "features_eval", "features_monitor", "features_phase2", "features_dataset"}
 ONLINE = {"online_phase0", "online_phase1"} if HAVE_VLLM else set()  # online.enabled when vLLM is here
+ALL = ({"world", "fetch", "vocab_new", "compare", "eval_phase0", "drift", "train_curves", "report"} | CAPTURES | TRAINED
+       | EVALS | CURVE_EVAL | ONLINE)   # the test copy's whole plan (publish is off)
 
 
 @pytest.mark.parametrize("edit,value,smk_plans,dvc_sees", [
@@ -320,6 +323,12 @@ ONLINE = {"online_phase0", "online_phase1"} if HAVE_VLLM else set()  # online.en
     ("src/draftport/evaluation/costmodel.py", None, EVALS | {"drift", "decision", "report"} | ONLINE, EVALS | {"decision"}),
     ("src/draftport/evaluation/drift.py", None, {"drift", "decision", "report"}, {"drift"}),
     ("src/draftport/evaluation/decision.py", None, CURVE_EVAL | {"report"}, CURVE_EVAL),
+    # the plumbing is no step's code: a help text of the params' schema, the runner, the step table
+    ("src/draftport/plan/params.py", None, set(), set()),
+    ("src/draftport/pipeline/runner.py", None, set(), set()),
+    ("src/draftport/plan/registry.py", None, set(), set()),
+    # the capture's serving path: every capture and what reads the captures, never the world or fetch
+    ("src/draftport/engines/openai.py", None, ALL - {"world", "fetch"}, CAPTURES),
     # the compare step's tables: Phase 1's fine-tune reads its verdict, the control does not
     ("src/draftport/outputs/tables.py", None, {"compare", "train_phase1", "eval_phase1", "train_phase2", "eval_phase2",
                                        "decision", "report"} | (ONLINE & {"online_phase1"}), {"compare", "report"}),
@@ -355,7 +364,7 @@ def test_registry_modules_are_the_ones_each_step_ran(repo):
     """Each step's registry row lists the draftport modules it imported (logs/<step>.json records
     them; under DRAFTPORT_STRICT_MODULES an unlisted one fails the step), and lists no module it
     never ran except the engine paths another profile takes (vLLM capture, a served target)."""
-    branch = {"engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm", "engines.openai",
+    branch = {"data.vllm_capture", "engines.vllm.venv", "engines.vllm.runners.features_vllm", "engines.openai",
               "engines.vllm.runners.online_vllm",   # run as a file inside the vLLM venv
               "data.packing",  # imported only by a training with train.packing: true
               # a training step captures (features, its storage check, the spool) only with features.storage
@@ -367,7 +376,7 @@ def test_registry_modules_are_the_ones_each_step_ran(repo):
         if not rec.is_file():
             continue
         ran = set(json.loads(rec.read_text())["modules"])
-        declared = set(R.RUNNER_MODULES) | set(row.modules)
+        declared = set(R.PLUMBING_MODULES) | set(row.modules)
         assert declared - ran <= branch, (row.name, sorted(declared - ran - branch))
         checked += 1
     assert checked >= 15

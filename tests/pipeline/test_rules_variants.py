@@ -2,7 +2,7 @@
 the old target (a weak source, as a port from a drafter trained on a small set) and whose new
 target moved further (more training on the new corpus): the source as fetched is below break-even
 and scratch catches up with fine-tuning early. The whole plan runs to the decision; every field of
-the recommendation must say what its numbers show (tests/helpers/decision_check), including "do
+the recommendation must say what its numbers show (tests/helpers/decision_check.py), including "do
 not deploy the source as fetched". (The micro profile of test_pipeline is the other regime.)"""
 
 import json

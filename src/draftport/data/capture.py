@@ -15,10 +15,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from draftport.model.config import target_text_config
+from draftport.model.target import TEXT_PREFIXES, tensor_names
 from draftport.errors import DraftportError
 
 
@@ -77,35 +76,6 @@ def check_aux_ids(aux_ids, num_layers: int, convention: str, where=None):
 
 # Where a multimodal wrapper keeps its text decoder (Kimi-K2.5: language_model.model.layers.*,
 # language_model.lm_head.weight; newer transformers layouts: model.language_model.*).
-TEXT_PREFIXES = ("", "language_model.", "model.language_model.")
-
-
-text_config = target_text_config  # the text decoder's config (also of a multimodal wrapper)
-
-
-def _tensor_names(path: Path) -> dict[str, Path]:
-    """name -> file, from the safetensors headers (no tensor is read)."""
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            out.update({n: f for n in sf.keys()})
-    return out
-
-
-def read_text_tensor(path: str | Path, name: str, tied_to: str | None = None) -> torch.Tensor:
-    """A tensor of the text decoder by its plain causal-LM name ('model.norm.weight',
-    'lm_head.weight'), found at the top level or under a multimodal wrapper's prefix."""
-    path = Path(path)
-    names = _tensor_names(path)
-    for cand in [name, *(tied_to and [tied_to] or [])]:
-        for pre in TEXT_PREFIXES:
-            full = pre + (cand.removeprefix("model.") if pre == "model.language_model." else cand)
-            if full in names:
-                with safe_open(str(names[full]), framework="pt") as sf:
-                    return sf.get_tensor(full)
-    raise DraftportError(path, f"target has no tensor {name} (nor under {', '.join(p for p in TEXT_PREFIXES if p)})")
-
-
 @contextlib.contextmanager
 def remote_code_refused(path):
     """transformers' refusal to run a repo's own code (trust_remote_code off) as one line."""
@@ -149,7 +119,7 @@ def load_target(path: str | Path, *, dtype=torch.float32, device="cpu", trust_re
         if "model_type" not in tc:
             raise DraftportError(path / "config.json", "text_config has no model_type")
         kw["config"] = AutoConfig.for_model(tc.pop("model_type"), **tc)
-        prefix = next((p for p in TEXT_PREFIXES[1:] if any(n.startswith(p) for n in _tensor_names(path))), None)
+        prefix = next((p for p in TEXT_PREFIXES[1:] if any(n.startswith(p) for n in tensor_names(path))), None)
         if prefix is None:
             raise DraftportError(path, "a multimodal config but no language_model.* weights")
         # the wrapper's names -> the text model's (model.layers.*, lm_head.*)
@@ -263,29 +233,6 @@ def target_identity(path: str | Path) -> dict:
         m = json.loads(meta.read_text())
         return {"id": m.get("name", path.name), "revision": m.get("revision", "local")}
     return {"id": path.name, "revision": "local"}
-
-
-def read_target_tensor(path: str | Path, suffix: str) -> torch.Tensor:
-    """One tensor of a target folder by name suffix (e.g. 'lm_head.weight'), without loading the
-    model: the drafter needs only the target's embedding and lm_head."""
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DraftportError(path, "no *.safetensors weights in the target folder")
-    hits = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                if name == suffix or name.endswith("." + suffix):
-                    hits.append((f, name))
-    if not hits:
-        if suffix == "lm_head.weight":  # tied embeddings
-            return read_target_tensor(path, "embed_tokens.weight")
-        raise DraftportError(path, f"target has no tensor named *{suffix}")
-    hits.sort(key=lambda h: len(h[1]))  # the text model's own tensor over a vision tower's
-    f, name = hits[0]
-    with safe_open(str(f), framework="pt") as sf:
-        return sf.get_tensor(name)
 
 
 def trusted(target, trust_remote_code) -> bool:

@@ -17,7 +17,8 @@ from draftport.data.shards import Sequence, bytes_per_token, capture_meta, to_de
 from draftport.errors import DraftportError
 from draftport.progress import progress
 from draftport.data.capture import (capture_dtype, capture_features, compile_layers, load_target, padded_length,
-    regenerate, remote_code_refused, target_identity, text_config, uncompile_layers)
+    regenerate, remote_code_refused, target_identity, uncompile_layers)
+from draftport.model.config import target_text_config
 
 
 def log(msg: str) -> None:
@@ -88,7 +89,7 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
     target itself (greedy) so the data is what the target will verify.
 
     engine 'transformers': the target in this process (device 'auto': spread over the GPUs);
-    'vllm': vLLM's extract_hidden_states, tensor_parallel_size GPUs (draftport.engines.vllm.hidden_states).
+    'vllm': vLLM's extract_hidden_states, tensor_parallel_size GPUs (draftport.data.vllm_capture).
     regenerate_via 'local': the answers from the model loaded here; 'openai': from the target
     served at base_url (draftport.engines.openai). The storage estimate is checked before either.
     dtype: the storage dtype of the states (fp8_e4m3: half of bf16's bytes, see draftport.data.shards);
@@ -110,7 +111,7 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
             raise DraftportError(f"{samples_path}:{offset + bad + 1}", "no string 'assistant' field: the "
                                  "dataset's own answer is needed when the answers are not regenerated")
     tok = load_tokenizer(target_dir, trust_remote_code)
-    tcfg = text_config(target_dir)
+    tcfg = target_text_config(target_dir)
     ctx = max_len or int(tcfg.get("max_position_embeddings", 4096))
     hidden = int(tcfg["hidden_size"])
     per_tok = bytes_per_token(hidden, dtype)
@@ -173,7 +174,7 @@ def build_features(target_dir, samples_path, out_dir, *, n_samples: int, aux_lay
         return {**index, "seconds": {**seconds, "capture": 0.0}}
     if engine == "vllm":
         # lazy (registry): only features.engine vllm runs this; world's and online_*'s rows do not list it
-        from draftport.engines.vllm.hidden_states import capture_features_vllm
+        from draftport.data.vllm_capture import capture_features_vllm
 
         del model
         with progress(len(seqs), "capture (vLLM)", "sample") as bar:
@@ -199,13 +200,13 @@ def capture_writer(target_dir, index: dict, trust_remote_code: bool = False):
     feature folder, captured as build_features would have captured them (the settings a
     sequences folder records in index['capture']: engine, storage dtype, batch size, device,
     tensor parallel size). engine transformers: the target loaded here once, in the capture
-    dtype; vllm: one extraction run per spool shard (draftport.engines.vllm.hidden_states)."""
+    dtype; vllm: one extraction run per spool shard (draftport.data.vllm_capture)."""
     cap = index["capture"]
     aux, conv, dtype, bs = list(index["aux_layer_ids"]), index["aux_convention"], cap["dtype"], int(cap["batch_size"])
     meta = capture_meta(index)
     if cap["engine"] == "vllm":
         # lazy (registry): only features.engine vllm runs this; world's and online_*'s rows do not list it
-        from draftport.engines.vllm.hidden_states import capture_features_vllm
+        from draftport.data.vllm_capture import capture_features_vllm
 
         def write_vllm(folder, seqs):
             capture_features_vllm(target_dir, seqs, folder, aux_ids=aux, convention=conv, meta=meta,

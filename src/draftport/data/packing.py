@@ -17,7 +17,7 @@ A PackedBatch is a data.Batch (same fields, same meaning of valid / loss_mask / 
 doc [B, T] (a sample's id at each of its rows; each row's padding tail has an id of its own, with
 valid False), positions [B, T], and the segments as host ints: cu_seqlens over the B*T rows taken
 row after row (every sample and every padding tail is one segment) and the longest segment.
-The loss and gradients equal those of the padded batch of the same samples (tests/test_packing.py).
+The loss and gradients equal those of the padded batch of the same samples (tests/data/test_packing.py).
 """
 
 from __future__ import annotations

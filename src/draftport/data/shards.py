@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 # the layout of save_safetensors' files, used to write a shard in place (see _ShardFile)
 from draftport.model.formats import (TORCH_CODES, atomic_dir, atomic_write_text, disk_full_error, layout_header,
     save_safetensors)
-from draftport.model.formats import sha256 as sha256_file
+from draftport.files import sha256 as sha256_file
 from draftport.errors import DraftportError
 
 FP8 = "fp8_e4m3"

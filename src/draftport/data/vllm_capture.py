@@ -1,6 +1,6 @@
 """Hidden states through vLLM (`extract_hidden_states`), for targets that do not fit one device.
 
-runners/features_vllm.py runs in the vLLM venv (as engines.vllm.serve runs runners/online_vllm.py):
+runners/features_vllm.py runs in the vLLM venv (as evaluation.online runs runners/online_vllm.py):
 vLLM shards the target over `tensor_parallel_size` GPUs, prefills every sequence once and writes
 the residual stream entering each requested layer. Here those files become the same shards
 data.write_features writes for the transformers path, so nothing downstream knows which engine
@@ -26,7 +26,9 @@ from safetensors.torch import load_file
 
 from draftport.data.shards import Sequence, write_features
 from draftport.errors import DraftportError
-from draftport.data.capture import check_aux_ids, read_text_tensor, text_config
+from draftport.data.capture import check_aux_ids
+from draftport.model.config import target_text_config
+from draftport.model.target import read_text_tensor
 from draftport.engines.vllm.venv import run_runner, vllm_python
 
 
@@ -71,7 +73,7 @@ def capture_features_vllm(target_dir, seqs: list[Sequence], out_dir, *, aux_ids,
                           engine_dtype: str | None = None, batch_size: int = 16, shard_samples: int = 256,
                           vllm_python_path=None, work_dir=None, progress=None) -> dict:
     """Feature shards (data.write_features' format) of `seqs`, captured by vLLM."""
-    tcfg = text_config(target_dir)
+    tcfg = target_text_config(target_dir)
     L = int(tcfg["num_hidden_layers"])
     ids = vllm_layer_ids(aux_ids, convention, L)
     # vLLM keeps one copy of a repeated id (an aux id L is also the final state): ask each once,

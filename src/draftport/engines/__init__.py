@@ -1,6 +1,8 @@
-"""The serving engines draftport talks to: vLLM in its own venv (`engines.vllm`) and any
-OpenAI-compatible completions server (`engines.openai`); and speculators, in its own venv, that
-peers convert a published drafter with (`engines.speculators`)."""
+"""The programs draftport talks to, and nothing of the plan's: vLLM in its own venv and the scripts
+run there (`engines.vllm`), any OpenAI-compatible completions server (`engines.openai`),
+speculators in its own venv (`engines.speculators`), and the flat folder a serving engine loads
+(`engines.export`). What computes with them lives above: the vLLM capture in data, the serving
+check and the speculators round trip in evaluation."""
 
 from pathlib import Path
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from draftport.data.capture import read_target_tensor
+from draftport.model.target import read_target_tensor
 from draftport.model.formats import (OPTIONAL_KEYS, REQUIRED_KEYS, expected_shapes, find_target_embedding,
     read_header, read_tensor_np, tensor_sha256)
 from draftport.model.config import FLAT_ARCH, parse_config, target_text_config
@@ -58,7 +58,7 @@ def export_problems(drafter_dir, target_dir, *, context: int | None = None,
     max_position_embeddings). convention: the aux-layer convention the serving engine uses
     ("vllm": id k = state entering layer k); a drafter that recorded another one is flagged.
     embed_tokens: what the export was made to carry (params online.embed_tokens, see
-    engines.vllm.serve.for_vllm): "drop" = no embed_tokens at all; "target" = the target's,
+    evaluation.online.for_vllm): "drop" = no embed_tokens at all; "target" = the target's,
     bit for bit (same dtype, shape and bytes); None = either (an embed_tokens present must equal
     the target's at the drafter's precision).
     """

@@ -34,7 +34,7 @@ from draftport.model.device import describe as describe_device, out_of_memory
 from draftport.model.device import pick as pick_device
 from draftport.model.formats import load_drafter_state
 from draftport.progress import progress
-from draftport.training.ttt import target_logits
+from draftport.model.target import target_logits
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from draftport.errors import DraftportError
-from draftport.evaluation.decision import _boot_taus, _check_boot, _counts, _percentile_ci
+from draftport.evaluation.bootstrap import boot_taus, check_boot, percentile_ci, prompt_counts
 
 FLATTENED, CAP_SAMPLES, CAP_HOURS = "flattened", "cap: samples", "cap: hours"
 
@@ -58,22 +58,22 @@ def project_next_gain(rounds: list[dict], n_next: int, *, n_boot: int = 2000, le
     """rounds: [{"n_samples", "accepted": [S][P], "cycles": [S][P]}, ...] in order (at least two,
     every one on the same P prompts). Returns {"taus", "gains" (round over round), "projected_gain",
     "ci": [lo, hi]} for the round at n_next."""
-    _check_boot(n_boot, level)
+    check_boot(n_boot, level)
     if len(rounds) < 2:
         raise DraftportError("budget", "a projection needs at least two rounds (Phase 1's n and one more)")
     ns = [int(r["n_samples"]) for r in rounds]
     if ns != sorted(set(ns)) or n_next <= ns[-1]:
         raise DraftportError("budget", f"rounds' n {ns} and the next {n_next} must be increasing")
-    counts = [_counts(r["accepted"], r["cycles"], f"budget round n={r['n_samples']}") for r in rounds]
+    counts = [prompt_counts(r["accepted"], r["cycles"], f"budget round n={r['n_samples']}") for r in rounds]
     if len({a.shape[1] for a, _ in counts}) != 1:
         raise DraftportError("budget", "every round must be scored on the same prompts")
     taus = [float(1.0 + a.sum() / c.sum()) for a, c in counts]
-    boots = _boot_taus(np.random.default_rng(seed), [(a.sum(axis=0), c.sum(axis=0)) for a, c in counts],
+    boots = boot_taus(np.random.default_rng(seed), [(a.sum(axis=0), c.sum(axis=0)) for a, c in counts],
                        counts[0][0].shape[1], n_boot)
     proj = np.asarray(_projection(boots, ns, n_next)) + 0.0  # + 0.0: no -0.0 (a clipped rho) in the text
     return {"taus": taus, "gains": [taus[j] - taus[j - 1] for j in range(1, len(taus))],
             "projected_gain": float(_projection(taus, ns, n_next)) + 0.0,
-            "ci": [v + 0.0 for v in _percentile_ci(proj, level)]}
+            "ci": [v + 0.0 for v in percentile_ci(proj, level)]}
 
 
 def stop_reason(projection: dict | None, *, n: int, cap: int, min_gain: float, hours_spent: float,

@@ -15,15 +15,13 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
-
 from draftport.errors import DraftportError
+from draftport.evaluation.bootstrap import check_boot, paired_diff_ci, tau_ci
 
 SCHEMA = "draftport.decision/1"  # the file format's name, not a module path: it stays when code moves
 INITS = ("source", "scratch")
 PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
 DEFAULT_PATH = Path("artifacts/decision/decision.json")
-_BOOT_CHUNK = 256  # bootstrap replicates drawn at a time (memory: chunk * P indices)
 
 # The rules, word for word as docs/decision.md states them (a test keeps the two equal).
 RULES = {
@@ -62,111 +60,6 @@ RULES = {
 def _fmt_ci(ci) -> str:
     return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
 
-
-def _counts(accepted, cycles, where: str):
-    """[S, P] float arrays of accepted / cycles, checked (1-D input is one seed row)."""
-    try:
-        a = np.asarray(accepted, dtype=float)
-        c = np.asarray(cycles, dtype=float)
-    except (TypeError, ValueError):
-        raise DraftportError(where, "accepted and cycles must be numbers (arrays of shape [seeds, prompts])") from None
-    if a.ndim == 1:
-        a = a[None, :]
-    if c.ndim == 1:
-        c = c[None, :]
-    if a.ndim != 2 or c.ndim != 2:
-        raise DraftportError(where, f"accepted and cycles must be [prompts] or [seeds, prompts], got shapes "
-                                    f"{list(a.shape)} and {list(c.shape)}")
-    if a.shape != c.shape:
-        raise DraftportError(where, f"accepted and cycles differ in shape: {list(a.shape)} vs {list(c.shape)}")
-    if a.size == 0:
-        raise DraftportError(where, f"no counts (shape {list(a.shape)}): need at least one seed and one prompt")
-    if not (np.isfinite(a).all() and np.isfinite(c).all()):
-        raise DraftportError(where, "accepted and cycles must be finite")
-    if (a < 0).any() or (c < 0).any():
-        raise DraftportError(where, "accepted and cycles must be >= 0 (they are counts)")
-    if c.sum() == 0:
-        raise DraftportError(where, "sum of cycles is 0: no verify cycle was measured, accept length undefined")
-    return a, c
-
-
-def _check_boot(n_boot: int, level: float):
-    if not isinstance(n_boot, int) or n_boot < 1:
-        raise DraftportError("n_boot", f"must be an integer >= 1, got {n_boot!r}")
-    if not 0.0 < float(level) < 1.0:
-        raise DraftportError("level", f"must be in (0, 1), got {level!r}")
-
-
-def _boot_taus(rng, per_prompt_pairs, P: int, n_boot: int):
-    """For each replicate, one draw of P prompt indices; per (A, C) pair (per-prompt sums over that
-    drafter's seeds) the pooled tau of the drawn prompts. Returns one array [n_boot] per pair (nan
-    where the drawn prompts have no cycle at all)."""
-    outs = [np.empty(n_boot) for _ in per_prompt_pairs]
-    done = 0
-    while done < n_boot:
-        m = min(_BOOT_CHUNK, n_boot - done)
-        idx = rng.integers(0, P, size=(m, P))
-        for out, (A, C) in zip(outs, per_prompt_pairs):
-            num = A[idx].sum(axis=1)
-            den = C[idx].sum(axis=1)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                out[done:done + m] = np.where(den > 0, 1.0 + num / np.where(den > 0, den, 1.0), np.nan)
-        done += m
-    return outs
-
-
-def _percentile_ci(samples, level: float) -> list[float]:
-    ok = samples[np.isfinite(samples)]
-    if ok.size == 0:
-        raise DraftportError("bootstrap", "every bootstrap replicate drew prompts without a single cycle")
-    lo, hi = np.percentile(ok, [100.0 * (1.0 - level) / 2.0, 100.0 * (1.0 + level) / 2.0])
-    return [float(lo), float(hi)]
-
-
-def tau_ci(accepted, cycles, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
-           where: str = "tau_ci") -> dict:
-    """Pooled accept length of [S, P] counts (S seeds, P prompts; 1-D = one seed) and its percentile
-    bootstrap CI over prompts (the same drawn prompts for every seed row).
-
-    Returns {"accept_length", "ci": [lo, hi], "seeds": per-row tau, "seed_std" (population std of
-    the rows' tau, 0.0 for one row), "n_prompts"}. Deterministic given `seed`."""
-    _check_boot(n_boot, level)
-    a, c = _counts(accepted, cycles, where)
-    row_cyc = c.sum(axis=1)
-    if (row_cyc == 0).any():
-        bad = [int(i) for i in np.flatnonzero(row_cyc == 0)]
-        raise DraftportError(where, f"seed row(s) {bad} have no cycle: their accept length is undefined")
-    rows = 1.0 + a.sum(axis=1) / row_cyc
-    tau = 1.0 + a.sum() / c.sum()
-    P = a.shape[1]
-    (boot,) = _boot_taus(np.random.default_rng(seed), [(a.sum(axis=0), c.sum(axis=0))], P, n_boot)
-    return {"accept_length": float(tau), "ci": _percentile_ci(boot, level),
-            "seeds": [float(t) for t in rows],
-            "seed_std": float(np.std(rows)) if len(rows) > 1 else 0.0, "n_prompts": int(P)}
-
-
-def paired_diff_ci(a_acc, a_cyc, b_acc, b_cyc, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
-                   where: str = "paired_diff_ci") -> dict:
-    """tau_a - tau_b (each pooled over its own seeds) on the SAME P prompts, with a percentile
-    bootstrap CI from one shared prompt draw per replicate.
-
-    Returns {"diff", "ci": [lo, hi], "significant" (the CI excludes 0), "better": "a" | "b" | None}."""
-    _check_boot(n_boot, level)
-    a, ac = _counts(a_acc, a_cyc, f"{where} (a)")
-    b, bc = _counts(b_acc, b_cyc, f"{where} (b)")
-    if a.shape[1] != b.shape[1]:
-        raise DraftportError(where, f"a and b must be measured on the same prompts: a has {a.shape[1]} "
-                                    f"prompts, b has {b.shape[1]}")
-    diff = (1.0 + a.sum() / ac.sum()) - (1.0 + b.sum() / bc.sum())
-    ta, tb = _boot_taus(np.random.default_rng(seed),
-                        [(a.sum(axis=0), ac.sum(axis=0)), (b.sum(axis=0), bc.sum(axis=0))], a.shape[1], n_boot)
-    ci = _percentile_ci(ta - tb, level)
-    significant = ci[0] > 0.0 or ci[1] < 0.0
-    better = ("a" if ci[0] > 0.0 else "b") if significant else None
-    return {"diff": float(diff), "ci": ci, "significant": bool(significant), "better": better}
-
-
-# ---------------------------------------------------------------- inputs
 
 def _verdict(ci, break_even: float) -> str:
     if ci[0] > break_even:
@@ -471,75 +364,23 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
     rules R1-R8 (RULES; docs/decision.md). hours: {"rates": draftport.evaluation.hours.rates,
     "phases": {phase: device-hours split}, "plan": the whole plan's split} (measured; None: the
     decision states no hours); serving_tokens_per_day: the payback of the chosen drafter's hours."""
-    # lazy (registry): eval_curves runs this module without evaluation.hours
-    from draftport.evaluation.hours import payback, split
-
-    _check_boot(n_boot, level)
+    check_boot(n_boot, level)
     cm = _cost(costmodel, k)
     be = float(cm.break_even_accept_length)
     opts = {"n_boot": n_boot, "level": level, "seed": seed}
     rates = hours["rates"] if hours else None
-
     groups = _curve_groups(curves)
     secs, answers_of = _arm_facts(curves)
-    curves_out: dict = {i: [] for i in INITS}
-    for (arm, n) in sorted(groups, key=lambda key: (_arm_order(key[0]), key[1])):
-        rows = groups[(arm, n)]
-        t = tau_ci([r[1] for r in rows], [r[2] for r in rows], where=f"curves: arm={arm}, n={n}", **opts)
-        row = {"n_samples": n, **_point(t, cm, be), "seeds": t["seeds"], "seed_std": t["seed_std"],
-               "n_seeds": len(rows)}
-        if rates is not None and (arm, n) in secs:
-            row["hours"] = split(n, secs[(arm, n)], rates, answers_of.get(arm, "regenerated"))
-        curves_out.setdefault(arm, []).append(row)
-    for arm in curves_out:
-        curves_out[arm].sort(key=lambda r: r["n_samples"])
-        # Same key order for every row (n_samples first, then the CI, then the seeds, then the verdicts).
-        curves_out[arm] = [{key: r[key] for key in ("n_samples", "accept_length", "ci", "seeds", "seed_std",
-                                                    "n_seeds", "projected_tok_s", "speedup_vs_baseline",
-                                                    "beats_break_even", "hours") if key in r}
-                           for r in curves_out[arm]]
-
-    gain = []
-    for n in sorted({n for (i, n) in groups if i == "source"} & {n for (i, n) in groups if i == "scratch"}):
-        s, c = groups[("source", n)], groups[("scratch", n)]
-        d = paired_diff_ci([r[1] for r in s], [r[2] for r in s], [r[1] for r in c], [r[2] for r in c],
-                           where=f"curves: gain at n={n}", **opts)
-        gain.append({"n_samples": n, "diff": d["diff"], "ci": d["ci"], "significant": d["significant"],
-                     "better": {"a": "source", "b": "scratch", None: None}[d["better"]]})
-
+    curves_out = _curves_table(groups, cm, be, opts, secs, rates, answers_of)
+    gain = _source_gains(groups, opts)
     smallest = {i: next((r["n_samples"] for r in curves_out[i] if r["beats_break_even"] == "yes"), None)
                 for i in INITS}
-
-    if phases is None:
-        phases = {}
-    if not isinstance(phases, dict):
-        raise DraftportError("phases", f"expected a mapping phase name -> evaluation, got {type(phases).__name__}")
-    counts, P_ph = {}, None
-    for name in [*[p for p in PHASES if p in phases], *sorted(p for p in phases if p not in PHASES)]:
-        ps = _per_sample(phases[name], f"phases: {name}")
-        if ps is None:
-            continue
-        if P_ph is None:
-            P_ph, first = len(ps[0]), name
-        elif len(ps[0]) != P_ph:
-            raise DraftportError("phases", f"{name} has {len(ps[0])} prompts but {first} has {P_ph}: the phases "
-                                           "must be evaluated on the same prompts")
-        counts[name] = ps
+    counts = _phase_counts(phases)
     phases_out = {name: _point(tau_ci(*ps, where=f"phases: {name}", **opts), cm, be) for name, ps in counts.items()}
     for name, h in ((hours or {}).get("phases") or {}).items():
         if name in phases_out:
             phases_out[name]["hours"] = h
-
-    def pair(x, y):
-        if x not in counts or y not in counts:
-            return None
-        return paired_diff_ci(*counts[x], *counts[y], where=f"phases: {x} - {y}", **opts)
-
-    p1 = pair("phase1", "phase1_scratch")
-    if p1 is not None:
-        p1["better"] = {"a": "phase1", "b": "phase1_scratch", None: None}[p1["better"]]
-    p2 = pair("phase2", "phase1")
-    p2 = None if p2 is None else {"diff": p2["diff"], "ci": p2["ci"], "significant": p2["significant"]}
+    p1, p2 = _phase_gains(counts, opts)
 
     init, init_sig, f1, s1 = rule_r1_init(gain)
     n_rec, f2, s2 = rule_r2_data(init, smallest, curves_out, be)
@@ -551,39 +392,8 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
     regen_h = None if rates is None or n_rec is None else n_rec * rates["regenerate_s_per_sample"] / 3600
     regenerate, answers_gain, f7, s7 = rule_r7_regenerate(init, groups, opts, regen_h)
     chosen = _chosen(init, recipe, regenerate, n_rec, curves_out, secs, rates)
-    text = [s1, s8, s7, s2, s6, s3, s4]
-    pay = None
-    if chosen is not None:
-        h = chosen.get("hours")
-        text.append(f"The recommended drafter ({chosen['arm']} at n={chosen['n_samples']}"
-                    f"{'' if chosen['measured'] else ', figures of the plain ' + chosen['figures_from'] + ' arm'}): "
-                    f"accept length {chosen['accept_length']:.3f} (CI {_fmt_ci(chosen['ci'])}), "
-                    f"{chosen['projected_tok_s']:.1f} tok/s"
-                    + ("" if h is None else f", {h['total']:.3g} device-hours (regenerate {h['regenerate']:.3g}, "
-                                            f"capture {h['capture']:.3g}, train {h['train']:.3g})") + ".")
-        if serving_tokens_per_day is not None and h is not None:
-            pay = payback(h["total"], chosen["projected_tok_s"], cm.baseline_tok_s, float(serving_tokens_per_day))
-            if (hours or {}).get("plan"):
-                pay["plan"] = payback(hours["plan"]["total"], chosen["projected_tok_s"], cm.baseline_tok_s,
-                                      float(serving_tokens_per_day))
-            text.append(_payback_text(pay))
-    if (hours or {}).get("plan"):
-        ph = hours["plan"]
-        text.append(f"This plan's training data and trainings took {ph['total']:.3g} device-hours: regenerate "
-                    f"{ph['regenerate']:.3g}, capture "
-                    f"{ph['capture']:.3g}, train {ph['train']:.3g} (the learning curves {ph.get('curves', 0):.3g}"
-                    + (f"; the adaptive budget's rounds {ph['budget_rounds']:.3g}" if "budget_rounds" in ph else "")
-                    + "); "
-                    f"measured ({hours['rates'].get('source', 'this run')}).")
-    if p1 is not None:
-        text.append(f"Phase 1 (fine-tuned source) - Phase 1 scratch control: {p1['diff']:+.3f} (CI "
-                    f"{_fmt_ci(p1['ci'])}), {'significant' if p1['significant'] else 'not significant'}.")
-    gap = drift.get("tau_gap") if isinstance(drift, dict) else None
-    if isinstance(gap, (int, float)) and not isinstance(gap, bool) and math.isfinite(gap):
-        text.append(f"Drift probe: the source drafter's accept length on the old target's states minus on the "
-                    f"new target's states of the same tokens is {gap:+.3f} (tau_gap).")
-    text.append(f"Confidence: {conf}.")
-
+    pay = _payback(chosen, cm, hours, serving_tokens_per_day)
+    text = [s1, s8, s7, s2, s6, s3, s4, *_evidence_text(chosen, pay, hours, p1, drift), f"Confidence: {conf}."]
     return {
         "schema": SCHEMA, "level": float(level), "n_boot": n_boot, "k": k, "min_gain": float(min_gain),
         "costmodel": {"baseline_tok_s": cm.baseline_tok_s, "verify_ms": cm.verify_ms, "draft_ms": cm.draft_ms,
@@ -602,12 +412,127 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
         "recommendation": {
             "init": init, "recipe": recipe, "regenerate": regenerate, "n_samples": n_rec, "n_enough": n_enough,
             "phase2": ph2, "deploy_source_now": deploy, "confidence": conf, "chosen": chosen, "payback": pay,
-            "rules": [{"id": "R1", "fired": f1}, {"id": "R2", "fired": f2}, {"id": "R3", "fired": f3},
-                      {"id": "R4", "fired": f4}, {"id": "R5", "fired": f5}, {"id": "R6", "fired": f6},
-                      {"id": "R7", "fired": f7}, {"id": "R8", "fired": f8}],
+            "rules": [{"id": f"R{i}", "fired": f} for i, f in enumerate((f1, f2, f3, f4, f5, f6, f7, f8), 1)],
             "text": text,
         },
     }
+
+
+# Every curve row's keys, in this order (n_samples first, then the CI, then the seeds, then the verdicts)
+CURVE_ROW_KEYS = ("n_samples", "accept_length", "ci", "seeds", "seed_std", "n_seeds", "projected_tok_s",
+                  "speedup_vs_baseline", "beats_break_even", "hours")
+
+
+def _curves_table(groups: dict, cm, be: float, opts: dict, secs: dict, rates, answers_of: dict) -> dict:
+    """arm -> its rows by n: tau with its CI over prompts, the seeds, tok/s, break-even, hours."""
+    # lazy (registry): eval_curves runs this module without evaluation.hours
+    from draftport.evaluation.hours import split
+
+    out: dict = {i: [] for i in INITS}
+    for (arm, n) in sorted(groups, key=lambda key: (_arm_order(key[0]), key[1])):
+        rows = groups[(arm, n)]
+        t = tau_ci([r[1] for r in rows], [r[2] for r in rows], where=f"curves: arm={arm}, n={n}", **opts)
+        row = {"n_samples": n, **_point(t, cm, be), "seeds": t["seeds"], "seed_std": t["seed_std"],
+               "n_seeds": len(rows)}
+        if rates is not None and (arm, n) in secs:
+            row["hours"] = split(n, secs[(arm, n)], rates, answers_of.get(arm, "regenerated"))
+        out.setdefault(arm, []).append(row)
+    return {arm: [{key: r[key] for key in CURVE_ROW_KEYS if key in r} for r in sorted(rows, key=lambda r: r["n_samples"])]
+            for arm, rows in out.items()}
+
+
+def _source_gains(groups: dict, opts: dict) -> list[dict]:
+    """Fine-tuning the source minus scratch, paired over prompts, at every n both measured."""
+    gain = []
+    for n in sorted({n for (i, n) in groups if i == "source"} & {n for (i, n) in groups if i == "scratch"}):
+        s, c = groups[("source", n)], groups[("scratch", n)]
+        d = paired_diff_ci([r[1] for r in s], [r[2] for r in s], [r[1] for r in c], [r[2] for r in c],
+                           where=f"curves: gain at n={n}", **opts)
+        gain.append({"n_samples": n, "diff": d["diff"], "ci": d["ci"], "significant": d["significant"],
+                     "better": {"a": "source", "b": "scratch", None: None}[d["better"]]})
+    return gain
+
+
+def _phase_counts(phases) -> dict:
+    """phase -> its per-prompt counts, the known phases first; every phase on the same prompts."""
+    if phases is None:
+        phases = {}
+    if not isinstance(phases, dict):
+        raise DraftportError("phases", f"expected a mapping phase name -> evaluation, got {type(phases).__name__}")
+    counts, P_ph, first = {}, None, None
+    for name in [*[p for p in PHASES if p in phases], *sorted(p for p in phases if p not in PHASES)]:
+        ps = _per_sample(phases[name], f"phases: {name}")
+        if ps is None:
+            continue
+        if P_ph is None:
+            P_ph, first = len(ps[0]), name
+        elif len(ps[0]) != P_ph:
+            raise DraftportError("phases", f"{name} has {len(ps[0])} prompts but {first} has {P_ph}: the phases "
+                                           "must be evaluated on the same prompts")
+        counts[name] = ps
+    return counts
+
+
+def _phase_gains(counts: dict, opts: dict) -> tuple[dict | None, dict | None]:
+    """(Phase 1 - its scratch control, Phase 2 - Phase 1), paired over prompts; None where a phase is missing."""
+    def pair(x, y):
+        if x not in counts or y not in counts:
+            return None
+        return paired_diff_ci(*counts[x], *counts[y], where=f"phases: {x} - {y}", **opts)
+
+    p1 = pair("phase1", "phase1_scratch")
+    if p1 is not None:
+        p1["better"] = {"a": "phase1", "b": "phase1_scratch", None: None}[p1["better"]]
+    p2 = pair("phase2", "phase1")
+    p2 = None if p2 is None else {"diff": p2["diff"], "ci": p2["ci"], "significant": p2["significant"]}
+    return p1, p2
+
+
+def _payback(chosen, cm, hours, serving_tokens_per_day) -> dict | None:
+    """The chosen drafter's hours paid back by serving (and the whole plan's), when a volume is stated."""
+    # lazy (registry): eval_curves runs this module without evaluation.hours
+    from draftport.evaluation.hours import payback
+
+    h = (chosen or {}).get("hours")
+    if chosen is None or serving_tokens_per_day is None or h is None:
+        return None
+    pay = payback(h["total"], chosen["projected_tok_s"], cm.baseline_tok_s, float(serving_tokens_per_day))
+    if (hours or {}).get("plan"):
+        pay["plan"] = payback(hours["plan"]["total"], chosen["projected_tok_s"], cm.baseline_tok_s,
+                              float(serving_tokens_per_day))
+    return pay
+
+
+def _evidence_text(chosen, pay, hours, p1, drift) -> list[str]:
+    """The sentences after the rules': the chosen drafter, its payback, the plan's hours, Phase 1
+    against its control, the drift probe."""
+    text = []
+    if chosen is not None:
+        h = chosen.get("hours")
+        text.append(f"The recommended drafter ({chosen['arm']} at n={chosen['n_samples']}"
+                    f"{'' if chosen['measured'] else ', figures of the plain ' + chosen['figures_from'] + ' arm'}): "
+                    f"accept length {chosen['accept_length']:.3f} (CI {_fmt_ci(chosen['ci'])}), "
+                    f"{chosen['projected_tok_s']:.1f} tok/s"
+                    + ("" if h is None else f", {h['total']:.3g} device-hours (regenerate {h['regenerate']:.3g}, "
+                                            f"capture {h['capture']:.3g}, train {h['train']:.3g})") + ".")
+        if pay is not None:
+            text.append(_payback_text(pay))
+    if (hours or {}).get("plan"):
+        ph = hours["plan"]
+        text.append(f"This plan's training data and trainings took {ph['total']:.3g} device-hours: regenerate "
+                    f"{ph['regenerate']:.3g}, capture "
+                    f"{ph['capture']:.3g}, train {ph['train']:.3g} (the learning curves {ph.get('curves', 0):.3g}"
+                    + (f"; the adaptive budget's rounds {ph['budget_rounds']:.3g}" if "budget_rounds" in ph else "")
+                    + "); "
+                    f"measured ({hours['rates'].get('source', 'this run')}).")
+    if p1 is not None:
+        text.append(f"Phase 1 (fine-tuned source) - Phase 1 scratch control: {p1['diff']:+.3f} (CI "
+                    f"{_fmt_ci(p1['ci'])}), {'significant' if p1['significant'] else 'not significant'}.")
+    gap = drift.get("tau_gap") if isinstance(drift, dict) else None
+    if isinstance(gap, (int, float)) and not isinstance(gap, bool) and math.isfinite(gap):
+        text.append(f"Drift probe: the source drafter's accept length on the old target's states minus on the "
+                    f"new target's states of the same tokens is {gap:+.3f} (tau_gap).")
+    return text
 
 
 def _chosen(init, recipe, regenerate, n, curves_out, secs, rates) -> dict | None:

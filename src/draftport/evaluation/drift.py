@@ -36,13 +36,15 @@ from safetensors import safe_open
 
 from draftport.data.shards import FeatureSet, Sequence, collate, write_features
 from draftport.errors import DraftportError
-from draftport.data.capture import capture_dtype, check_aux_ids, load_target, target_identity, text_config
+from draftport.data.capture import capture_dtype, check_aux_ids, load_target, target_identity
+from draftport.model.config import target_text_config
 from draftport.data.features import featurizer, on_gpu
-from draftport.engines.vllm.hidden_states import capture_features_vllm
+from draftport.data.vllm_capture import capture_features_vllm
 from draftport.evaluation.accept import evaluate_drafter, offline_accept_length
 from draftport.model.bind import check_features_fit, drafter_for_target, target_head
 from draftport.model.device import pick as pick_device
-from draftport.model.formats import atomic_write_text, load_drafter_state
+from draftport.model.formats import load_drafter_state
+from draftport.files import atomic_write_text
 from draftport.progress import progress
 
 DEFAULT_MAX_TOKENS = 4096  # CKA's token sample: Gram matrices of 4096^2 float64 (128 MB each)
@@ -100,14 +102,14 @@ def check_compatible(target_dir, fs: FeatureSet, *, like_target=None, sequences:
     given), the same vocab size as like_target (the folder's, when it records one), every token id
     in its vocab, the aux layer ids in its range, every sequence in its context. One-line errors
     naming the target folder and the feature folder. Returns the target's text config."""
-    tcfg = text_config(target_dir)
+    tcfg = target_text_config(target_dir)
     hidden, vocab = int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
     fh = int(_index_field(fs, "hidden_size"))
     if hidden != fh:
         raise DraftportError(target_dir, f"hidden size {hidden}, but {fs.folder} holds states of hidden size {fh}: "
                              "the drift probe compares two versions of one target (same hidden and vocab size)")
     if like_target is not None:
-        lcfg = text_config(like_target)
+        lcfg = target_text_config(like_target)
         if int(lcfg["hidden_size"]) != hidden or int(lcfg["vocab_size"]) != vocab:
             raise DraftportError(target_dir, f"hidden {hidden} / vocab {vocab}, but {like_target} (the target of "
                                  f"{fs.folder}) has hidden {lcfg['hidden_size']} / vocab {lcfg['vocab_size']}: "

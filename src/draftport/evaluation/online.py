@@ -22,7 +22,7 @@ of that end effect.
 a bug (aux-layer convention, masks, RoPE positions, d2t handling), not noise: both run greedy
 on identical tokens. `for_vllm` renumbers an SGLang-numbered drafter's aux ids for vLLM and
 drops or replaces a drafter's own embed_tokens (params online.embed_tokens);
-`run_step` is the pipeline's online step (also `python -m draftport.engines.vllm.serve`).
+`run_step` is the pipeline's online step (also `python -m draftport.evaluation.online`).
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ from draftport.errors import DraftportError
 from draftport.engines.vllm.venv import run_in_vllm_venv, runner, vllm_python
 from draftport.evaluation.accept import acceptance_rate, accepted_counts, simulated_acc_len, summarize, walk
 from draftport.model.bind import drafter_for_target, target_head
-from draftport.model.config import load_json, target_text_config
+from draftport.model.config import target_text_config
+from draftport.files import load_json
 from draftport.model.formats import (atomic_dir, atomic_write_text, copy_tensors_safetensors, find_target_embedding,
     load_drafter_state, read_header, tensor_sha256, to_flat_name)
-from draftport.outputs.export import EMBED_CHOICES, validate_export
+from draftport.engines.export import EMBED_CHOICES, validate_export
 
 
 def log(msg: str) -> None:
@@ -137,7 +138,7 @@ def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_n
             tensor_parallel_size: int = 1):
     """Online accept length of an exported drafter served by vLLM next to target_dir.
 
-    Validates the export first (see draftport.outputs.export). Returns the `online_*` metrics (with
+    Validates the export first (see draftport.engines.export). Returns the `online_*` metrics (with
     `online_seconds`, the whole vLLM run); vLLM's raw result (prompt and output tokens,
     per-request cycles) is written to raw_out when given (for `offline_same_prompts`), and
     returned as a second value with return_raw.
@@ -237,12 +238,7 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
     cycles_exact, cycles_plain, rows_all, per_request = [], [], [], []
     for b0 in range(0, len(seqs), batch_size):
         chunk, ext = seqs[b0: b0 + batch_size], extended[b0: b0 + batch_size]
-        T = max(len(x) for x in ext)
-        ids = torch.full((len(ext), T), pad, dtype=torch.long)
-        mask = torch.zeros((len(ext), T), dtype=torch.long)
-        for i, x in enumerate(ext):
-            ids[i, : len(x)] = torch.tensor(x)
-            mask[i, : len(x)] = 1
+        ids, mask = _right_padded(ext, pad)
         t1 = time.time()
         aux, final = capture_features(model, ids.to(device), mask.to(device), cfg.aux_layer_ids, "vllm")
         t_feat += time.time() - t1
@@ -252,17 +248,11 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
         acc_e, chk_e = accepted_counts(drafter, ext_batch, head, k)
         t_eval += time.time() - t1
         for i, s in enumerate(chunk):
-            r, L = s.response_start, len(s.tokens)
-            a, c = acc_e[i].tolist(), chk_e[i].tolist()
-            cyc = walk(a, c, r - 1, L - 2)  # a verify step while fewer than N outputs are verified
+            cyc, plain_cyc, rows = _request_cycles(acc_e[i].tolist(), chk_e[i].tolist(), s, k)
             cycles_exact.extend(cyc)
             per_request.append(cyc)
-            # The plain evaluator on the served sequence alone: row p is causal, so only its
-            # checkable drafts shrink (those whose target position lies inside the sequence).
-            cp = [max(0, min(k, L - 2 - p)) for p in range(len(a))]
-            ap = [min(x, y) for x, y in zip(a, cp)]
-            cycles_plain.extend(walk(ap, cp, r - 1, L - 1))
-            rows_all.extend(ap[p] for p in range(r - 1, L - 1) if cp[p] > 0)
+            cycles_plain.extend(plain_cyc)
+            rows_all.extend(rows)
     res = summarize(cycles_exact, rows_all, k)
     plain = summarize(cycles_plain, rows_all, k)
     res["accept_length_plain"] = plain["accept_length"]
@@ -276,6 +266,29 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
     res["offline_eval_seconds"] = t_eval        # the drafter: the offline evaluator proper
     res["per_request_cycles"] = per_request
     return res
+
+
+def _right_padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of token lists right-padded to the longest."""
+    T = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+    return ids, mask
+
+
+def _request_cycles(a: list[int], c: list[int], s: Sequence, k: int) -> tuple[list[int], list[int], list[int]]:
+    """One served request's cycles as the engine ran them, its cycles under the plain evaluator on
+    the served sequence alone, and that evaluator's accepted count of every response row."""
+    r, L = s.response_start, len(s.tokens)
+    exact = walk(a, c, r - 1, L - 2)  # a verify step while fewer than N outputs are verified
+    # The plain evaluator on the served sequence alone: row p is causal, so only its
+    # checkable drafts shrink (those whose target position lies inside the sequence).
+    cp = [max(0, min(k, L - 2 - p)) for p in range(len(a))]
+    ap = [min(x, y) for x, y in zip(a, cp)]
+    return exact, walk(ap, cp, r - 1, L - 1), [ap[p] for p in range(r - 1, L - 1) if cp[p] > 0]
 
 
 # ---- agreement ----------------------------------------------------------------------------------
@@ -351,24 +364,39 @@ def for_vllm(drafter_dir, out_dir, convention: str | None, embed_tokens: str = "
     raw = load_json(cpath, "no config.json in the drafter folder")
     done: list[str] = []
 
-    # -- aux ids -------------------------------------------------------------------------------
     conv = raw.get("draftport_aux_convention") or convention
-    new_config = None
-    if conv == "sglang":
-        holder = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else raw
-        ids = holder.get("eagle_aux_hidden_state_layer_ids")
-        if not isinstance(ids, list) or not ids:
-            raise DraftportError(cpath, "no eagle_aux_hidden_state_layer_ids to renumber for vLLM")
-        holder["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in ids]
-        raw["draftport_aux_convention"] = "vllm"
-        new_config = raw
-        done.append(f"aux ids {ids} (SGLang numbering) served to vLLM as {[int(i) + 1 for i in ids]}")
+    new_config = _renumbered(raw, conv, cpath, done)
 
-    # -- embed_tokens ----------------------------------------------------------------------------
     files = sorted(drafter_dir.glob("*.safetensors"))
     if not files:
         raise DraftportError(drafter_dir, "no *.safetensors weights in the drafter folder")
     tables = {f: read_header(f) for f in files}  # {file: ({stored name: TensorInfo}, metadata)}
+    rewrite, index_patch = _embed_plan(tables, files, drafter_dir, embed_tokens, target_dir, done)
+    if new_config is None and not rewrite:
+        return drafter_dir, f"served as is ({conv or 'unrecorded'} aux-layer numbering; {done[-1]})"
+    out_dir = Path(out_dir)
+    _write_export(out_dir, drafter_dir, rewrite, tables, new_config, index_patch)
+    return out_dir, "; ".join(done)
+
+
+def _renumbered(raw: dict, conv: str | None, cpath: Path, done: list[str]) -> dict | None:
+    """The config with its aux ids in vLLM's numbering (+1) when the drafter used SGLang's; None: as is."""
+    if conv != "sglang":
+        return None
+    holder = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else raw
+    ids = holder.get("eagle_aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not ids:
+        raise DraftportError(cpath, "no eagle_aux_hidden_state_layer_ids to renumber for vLLM")
+    holder["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in ids]
+    raw["draftport_aux_convention"] = "vllm"
+    done.append(f"aux ids {ids} (SGLang numbering) served to vLLM as {[int(i) + 1 for i in ids]}")
+    return raw
+
+
+def _embed_plan(tables: dict, files: list[Path], drafter_dir: Path, embed_tokens: str, target_dir,
+                done: list[str]) -> tuple[dict, dict]:
+    """(file -> the tensors it will hold, weight-map changes) for online.embed_tokens: embed_tokens
+    dropped, or the target's, bit for bit."""
     holders = [(f, n) for f, (t, _) in tables.items() for n in t if to_flat_name(n) == "embed_tokens.weight"]
     rewrite: dict[Path, dict] = {}  # file -> the tensors it will hold
     index_patch: dict[str, str | None] = {}
@@ -376,35 +404,35 @@ def for_vllm(drafter_dir, out_dir, convention: str | None, embed_tokens: str = "
         for f, n in holders:
             rewrite.setdefault(f, dict(tables[f][0])).pop(n)
             index_patch[n] = None
-        if holders:
-            done.append("embed_tokens dropped (vLLM embeds with the target's, as SGLang does)")
-        else:
-            done.append("no embed_tokens: vLLM and SGLang embed with the target's")
-    else:
-        theirs = find_target_embedding(target_dir)
-        if len(holders) == 1 and holders[0][1] == "embed_tokens.weight":
-            mine = tables[holders[0][0]][0][holders[0][1]]
-            keep = ((tuple(mine.shape), mine.dtype) == (tuple(theirs.shape), theirs.dtype)
-                    and tensor_sha256(mine) == tensor_sha256(theirs))
-        else:
-            keep = False
-        if keep:
-            done.append("embed_tokens kept: it is the target's, bit for bit")
-        else:
-            for f, n in holders:
-                rewrite.setdefault(f, dict(tables[f][0])).pop(n)
-                index_patch[n] = None
-            home = holders[0][0] if holders else (drafter_dir / "model.safetensors"
-                                                  if drafter_dir / "model.safetensors" in tables else files[0])
-            rewrite.setdefault(home, dict(tables[home][0]))["embed_tokens.weight"] = theirs
-            index_patch["embed_tokens.weight"] = home.name
-            done.append(f"embed_tokens {'replaced by' if holders else 'set to'} the target's "
-                        f"({theirs.file.parent.name}/{theirs.file.name}: {theirs.name}, {theirs.dtype}), bit for bit")
+        done.append("embed_tokens dropped (vLLM embeds with the target's, as SGLang does)" if holders
+                    else "no embed_tokens: vLLM and SGLang embed with the target's")
+        return rewrite, index_patch
+    theirs = find_target_embedding(target_dir)
+    keep = False
+    if len(holders) == 1 and holders[0][1] == "embed_tokens.weight":
+        mine = tables[holders[0][0]][0][holders[0][1]]
+        keep = ((tuple(mine.shape), mine.dtype) == (tuple(theirs.shape), theirs.dtype)
+                and tensor_sha256(mine) == tensor_sha256(theirs))
+    if keep:
+        done.append("embed_tokens kept: it is the target's, bit for bit")
+        return rewrite, index_patch
+    for f, n in holders:
+        rewrite.setdefault(f, dict(tables[f][0])).pop(n)
+        index_patch[n] = None
+    home = holders[0][0] if holders else (drafter_dir / "model.safetensors"
+                                          if drafter_dir / "model.safetensors" in tables else files[0])
+    rewrite.setdefault(home, dict(tables[home][0]))["embed_tokens.weight"] = theirs
+    index_patch["embed_tokens.weight"] = home.name
+    done.append(f"embed_tokens {'replaced by' if holders else 'set to'} the target's "
+                f"({theirs.file.parent.name}/{theirs.file.name}: {theirs.name}, {theirs.dtype}), bit for bit")
+    return rewrite, index_patch
 
-    if new_config is None and not rewrite:
-        return drafter_dir, f"served as is ({conv or 'unrecorded'} aux-layer numbering; {done[-1]})"
+
+def _write_export(out_dir: Path, drafter_dir: Path, rewrite: dict, tables: dict, new_config: dict | None,
+                  index_patch: dict) -> None:
+    """The export folder, atomically: rewritten safetensors files (tensors copied bit for bit), the
+    renumbered config, the patched weight map, every other file hard-linked (copied across devices)."""
     index_name = "model.safetensors.index.json"
-    out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         for f in drafter_dir.iterdir():
             if not f.is_file():
@@ -427,7 +455,6 @@ def for_vllm(drafter_dir, out_dir, convention: str | None, embed_tokens: str = "
                     os.link(f, tmp / f.name)
                 except OSError:
                     shutil.copy2(f, tmp / f.name)
-    return out_dir, "; ".join(done)
 
 
 def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, k: int,
@@ -480,7 +507,7 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
 
 
 def main(argv=None) -> int:
-    """python -m draftport.engines.vllm.serve TARGET DRAFTER PROMPTS OUT_DIR --n 100 --k 3 --max-new-tokens 128"""
+    """python -m draftport.evaluation.online TARGET DRAFTER PROMPTS OUT_DIR --n 100 --k 3 --max-new-tokens 128"""
     ap = argparse.ArgumentParser(description="vLLM vs offline accept length on the same prompts")
     ap.add_argument("target")
     ap.add_argument("drafter")

@@ -12,7 +12,7 @@ and its embed_tokens when the drafter carries none.
 `roundtrip` runs the whole check: convert, every tensor bit-identical under its new name, the
 forward of both on the first sequences of a feature set (max |diff| of the logits of each TTT
 step, argmax agreement over the rows whose step input is a real token), and draftport's own
-loader on the converted folder. `python -m draftport.engines.speculators.roundtrip` prints it.
+loader on the converted folder. `python -m draftport.evaluation.roundtrip` prints it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from draftport.data.shards import FeatureSet
 from draftport.engines import require_interpreter
 from draftport.engines.vllm.venv import run_in_vllm_venv
+from draftport.engines.speculators import RUNNERS
 from draftport.errors import DraftportError
 from draftport.model.bind import drafter_for_target
 from draftport.model.config import read_config
@@ -38,7 +39,6 @@ from draftport.model.formats import (find_target_embedding, load_drafter_state, 
     tensor_sha256, to_flat_name)
 
 VENV_DIR = ".venv-speculators"
-RUNNERS = Path(__file__).resolve().parent / "runners"
 
 
 def default_speculators_python() -> Path:
@@ -207,7 +207,7 @@ def _cfg(folder):
 
 
 def main(argv=None) -> int:
-    """python -m draftport.engines.speculators.roundtrip PUBLISHED TARGET FEATURES [--n 8] [--steps 3]"""
+    """python -m draftport.evaluation.roundtrip PUBLISHED TARGET FEATURES [--n 8] [--steps 3]"""
     ap = argparse.ArgumentParser(description="speculators convert + forward next to draftport's")
     ap.add_argument("published")
     ap.add_argument("target")

@@ -3,17 +3,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from draftport.model.config import DrafterConfig
 from draftport.model.drafter import Eagle3Drafter
 from draftport.errors import DraftportError
-from draftport.data.capture import read_target_tensor, text_config
-
-if TYPE_CHECKING:
-    from draftport.data.shards import FeatureSet
+from draftport.model.config import target_text_config
+from draftport.model.target import read_target_tensor
 
 
 def drafter_for_target(cfg: DrafterConfig, target_dir, state: dict | None = None) -> Eagle3Drafter:
@@ -34,7 +30,9 @@ def target_head(target_dir) -> torch.Tensor:
     return read_target_tensor(target_dir, "lm_head.weight").float()
 
 
-def check_features_fit(cfg: DrafterConfig, fs: FeatureSet, where) -> None:
+def check_features_fit(cfg: DrafterConfig, fs, where) -> None:
+    """fs: a feature set (data.shards' FeatureSet or a chain of them): its index must say the features
+    were captured as the drafter reads them."""
     ids = fs.index.get("aux_layer_ids")
     if cfg.aux_layer_ids is not None and ids != list(cfg.aux_layer_ids):
         raise DraftportError(where, f"drafter reads aux layers {cfg.aux_layer_ids} but the features hold {ids}")
@@ -51,7 +49,7 @@ def target_sizes(target_dir) -> dict:
     max_positions (the context), from the text decoder's config; nothing else: the drafter is a
     Llama-style EAGLE-3 layer whatever the target (DeepSeek-V3's head_dim, MLA sizes and RoPE
     keys are its attention's own)."""
-    tcfg = text_config(target_dir)
+    tcfg = target_text_config(target_dir)
     try:
         return {"hidden_size": int(tcfg["hidden_size"]), "vocab_size": int(tcfg["vocab_size"]),
                 "max_positions": int(tcfg.get("max_position_embeddings") or 2048)}

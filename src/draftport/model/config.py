@@ -12,12 +12,12 @@ No torch here: `draftport compare` must start fast.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from draftport.errors import DraftportError
+from draftport.files import load_json  # noqa: F401 - its old home, re-exported
 
 FLAT_ARCH = "LlamaForCausalLMEagle3"
 # Where the aux layer ids point: "vllm" = id k is the state *before* layer k
@@ -214,18 +214,6 @@ def parse_config(raw: dict, path: str | Path = "config.json") -> DrafterConfig:
     if cfg.aux_convention is not None and cfg.aux_convention not in CONVENTIONS:
         raise DraftportError(path, f"draftport_aux_convention must be one of {CONVENTIONS}, got {cfg.aux_convention!r}")
     return cfg
-
-
-def load_json(path: str | Path, missing: str, where=None) -> Any:
-    """A JSON file; one-line errors: `where` (default the file) + `missing` when it is absent,
-    the file + the parser's complaint when it is not JSON."""
-    path = Path(path)
-    if not path.is_file():
-        raise DraftportError(path if where is None else where, missing)
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DraftportError(path, f"not valid JSON ({e.__class__.__name__}: {e})") from None
 
 
 def read_config(folder: str | Path) -> tuple[DrafterConfig, dict]:

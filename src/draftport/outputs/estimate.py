@@ -41,8 +41,8 @@ from draftport.errors import DraftportError
 from draftport.evaluation.budget import schedule
 from draftport.plan.cluster import rule_resources
 from draftport.plan.curves import budget_steps, points
-from draftport.data.storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive, bytes_per_token,
-    check_storage, storage_need)
+from draftport.data.storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive, bytes_per_token,  # noqa: F401
+    check_storage, storage_need)   # DISK_MARGIN, TOKEN_BYTES, check_storage: the estimate's storage terms, read through it
 from draftport.model.config import target_text_config
 from draftport.outputs.render import estimate_renderables
 

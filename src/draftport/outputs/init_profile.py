@@ -27,8 +27,10 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
 from draftport.data.capture import check_aux_ids
 from draftport.errors import DraftportError
-from draftport.model.config import DrafterConfig, load_json, parse_config
-from draftport.model.formats import atomic_write_text, read_header, weight_files
+from draftport.model.config import DrafterConfig, parse_config
+from draftport.files import load_json
+from draftport.model.formats import read_header, weight_files
+from draftport.files import atomic_write_text
 from draftport.outputs import estimate as E
 from draftport.plan import params as P
 

@@ -5,7 +5,7 @@ is written and again before any upload.
 Which drafter (`choose_phase`): a named phase (publish.phase), else the decision's: init scratch
 (R1) -> phase1_scratch; otherwise (source, or either) Phase 2 when it helps (R3), else Phase 1.
 
-The folder (`publish_drafter`): engines.vllm.serve.for_vllm makes the export (SGLang-numbered aux
+The folder (`publish_drafter`): evaluation.online.for_vllm makes the export (SGLang-numbered aux
 ids renumbered for vLLM; embed_tokens the new target's bit for bit, or none: publish.embed_tokens);
 config.json names the new target as its `verifier`; every other tensor is the phase's drafter's,
 bit for bit. It carries the new target's embedding by default because vLLM serves a drafter's own
@@ -13,7 +13,7 @@ embed_tokens (SGLang the target's: with the target's bytes both serve the same) 
 0.9.0 fills a missing one with uninitialized memory, without a warning. Before the folder gets its
 final name, draftport's offline evaluator measures tau on it at every publish.k (the one at eval.k
 must equal the phase's evaluation: same features, same weights), and `check_folder` runs: the
-export checks (draftport.outputs.export), draftport's loader, the card's metadata parsed back by
+export checks (draftport.engines.export), draftport's loader, the card's metadata parsed back by
 huggingface_hub (base_model = the config's verifier), nothing but the hub files. Written to a temp
 folder and renamed: a failed check leaves no folder.
 
@@ -38,15 +38,17 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError
 
 from draftport.data.capture import target_identity
-from draftport.engines.speculators.roundtrip import convert_command
-from draftport.engines.vllm.serve import for_vllm
+from draftport.evaluation.roundtrip import convert_command
+from draftport.evaluation.online import for_vllm
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.costmodel import CostModel
 from draftport.evaluation.decision import load_decision, render_text, tau_ci
-from draftport.model.config import load_json, read_config
-from draftport.model.formats import atomic_dir, find_target_embedding, load_drafter_state, read_header, tensor_sha256
-from draftport.outputs.export import export_problems
+from draftport.model.config import read_config
+from draftport.files import load_json
+from draftport.model.formats import find_target_embedding, load_drafter_state, read_header, tensor_sha256
+from draftport.files import atomic_dir
+from draftport.engines.export import export_problems
 
 PHASES = ("phase1_scratch", "phase1", "phase2")
 HOW = {"phase1_scratch": "trained from a random init on the new target's own answers (Phase 1's control)",

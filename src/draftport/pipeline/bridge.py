@@ -20,7 +20,7 @@ other finds nothing to do (the traps, one per bullet, are below).
   that one rule writes params, input checksums and code without running anything), so a later
   `snakemake` plans nothing, even after `dvc checkout` rewrote the mtimes.
 
-Snakemake internals used here (snakemake 9.x, pinned <10 in pyproject; tests/test_bridge.py
+Snakemake internals used here (snakemake 9.x, pinned <10 in pyproject; tests/pipeline/test_bridge.py
 checks each against the installed version):
   [S1] `workflow.persistence._lockfile` (dict of the lock files this run holds): note_lock_owner
   [S2] the file persistence's record layout under .snakemake/metadata (urlsafe base64 of the
@@ -49,7 +49,7 @@ import yaml
 
 from draftport.plan import params as P
 from draftport.errors import DraftportError
-from draftport.model.formats import atomic_write_text
+from draftport.files import atomic_write_text
 from draftport.plan import registry as R
 from draftport.plan.registry import art, done
 
@@ -268,7 +268,7 @@ DVC_HEADER = """\
 # `python -m draftport.pipeline.bridge dvc-yaml`: do not edit. Each stage runs the command of the
 # Snakemake rule of the same name; params are the dotted keys the step reads; deps are its
 # script, the library modules it runs and its upstream steps' folders; outs its folder.
-# tests/test_pipeline_dvc.py fails when this file and the registry drift apart.
+# tests/pipeline/test_pipeline_dvc.py fails when this file and the registry drift apart.
 """
 
 

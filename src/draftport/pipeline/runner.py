@@ -26,8 +26,7 @@ from typing import Any, Callable
 
 from draftport.plan import params as P
 from draftport.errors import DraftportError
-from draftport.model.config import load_json
-from draftport.model.formats import atomic_write_text
+from draftport.files import atomic_write_text, load_json
 from draftport.pipeline.bridge import drop_snakemake_records, record_for_snakemake
 from draftport.plan import registry as R
 from draftport.progress import LogWriter
@@ -375,7 +374,7 @@ def loaded_modules() -> set[str]:
 def undeclared_modules(row: R.Step) -> list[str]:
     """Modules the step ran that its registry row does not list: a change there would not rerun
     it. Packages count through their modules (draftport.world for world.targets)."""
-    declared = set(R.RUNNER_MODULES) | set(R.RECORD_MODULES) | set(row.modules)
+    declared = set(R.PLUMBING_MODULES) | set(row.modules)
     packages = {".".join(d.split(".")[:i]) for d in declared for i in range(1, d.count(".") + 1)}
     return sorted(m for m in loaded_modules() if m not in declared and m not in packages)
 

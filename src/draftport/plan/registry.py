@@ -48,30 +48,31 @@ class Step:
     replaces: str | None = None
 
 
-# Library modules every step runs (the runner and what it imports): a change reruns every step.
-RUNNER_MODULES = ("errors", "plan.params", "progress", "plan.registry", "pipeline.runner", "model.formats",
-                  "model.config")
-# Run by the runner but no dependency of any step: the tools' records (under DVC), never an output.
-RECORD_MODULES = ("pipeline.bridge",)
+# Library modules every step runs that compute nothing of its outputs: the runner and what it
+# imports (the step's lifecycle, the params' schema, the step table, the tools' records, progress,
+# atomic files). No step's code dependency: rewording a param's help or editing the runner reruns
+# nothing. A step's values are its params (every value a step uses is written in params.yaml:
+# tests/pipeline/test_params.py), its code the modules its row lists.
+PLUMBING_MODULES = ("errors", "files", "plan.params", "progress", "plan.registry", "pipeline.runner", "pipeline.bridge")
 
 FEATURE_KEYS = ("targets.new", "targets.trust_remote_code", "features.aux_layer_ids", "features.aux_convention",
                 "features.max_new_tokens", "features.batch_size", "features.dtype", "features.device",
                 "features.engine", "features.tensor_parallel_size", "features.regenerate", "features.base_url",
                 "features.served_model", "features.compile")
-FEATURE_MODULES = ("data.features", "data.shards", "data.capture", "engines.vllm.hidden_states", "engines.vllm.venv",
+FEATURE_MODULES = ("data.features", "data.shards", "data.capture", "data.vllm_capture", "engines.vllm.venv",
                    "engines.vllm.runners.features_vllm", "engines.openai", "data.storage", "model.device",
-                   "pipeline.steps.data_steps")
+                   "model.formats", "model.config", "model.target", "pipeline.steps.data_steps")
 EVAL_KEYS = ("eval", "costmodel")
 # the drafter's fast path (training.ttt dispatches to it, so every step that imports ttt runs it)
 FAST_MODULES = ("model.fast.path", "model.fast.attention", "model.fast.linear", "model.fast.unroll", "model.fast.loss")
 # what drafting with a drafter bound to a target runs (the offline evaluator and everything below it)
 DRAFTING_MODULES = ("evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt",
-                    "data.capture", "model.vocab", "model.device")
+                    "data.capture", "model.vocab", "model.device", "model.formats", "model.config", "model.target")
 EVAL_MODULES = (*DRAFTING_MODULES, "evaluation.costmodel", "pipeline.tracking", "pipeline.steps.eval_steps")
 # spool on: the capture runs in training, hence the features and vLLM modules
-TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "model.draftmap", "model.flops", *DRAFTING_MODULES,
+TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "data.draftmap", "model.flops", *DRAFTING_MODULES,
                  "pipeline.tracking", "pipeline.steps.train_steps", "data.packing", "training.spool", "data.features",
-                 "data.storage", "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm")
+                 "data.storage", "data.vllm_capture", "engines.vllm.venv", "engines.vllm.runners.features_vllm")
 # the points of the learning curves (draftport.plan.curves.points)
 CURVE_KEYS = ("curves.n_samples", "curves.seeds", "curves.inits", "curves.arms_n_samples", "curves.answers",
               "curves.recipes")
@@ -101,13 +102,13 @@ STEPS: tuple[Step, ...] = (
     Step("world", "the embedded K2 -> K2.5 analog: corpus, tokenizer, two targets, the source drafter in a hub cache",
          "data_steps:world", ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
          ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "data.features",
-          "model.draftmap", "training.phases", "training.loop", "training.optim", "model.flops", *DRAFTING_MODULES,
+          "data.draftmap", "training.phases", "training.loop", "training.optim", "model.flops", *DRAFTING_MODULES,
           "data.fetch", "data.storage", "data.packing", "pipeline.steps.data_steps"),
          enabled="world.build"),
     Step("fetch", "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
          "data_steps:fetch",
          ("source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"),
-         ("data.fetch", "pipeline.steps.data_steps"), after=("world",)),
+         ("data.fetch", "model.formats", "model.config", "pipeline.steps.data_steps"), after=("world",)),
     Step("features_new", "the new target's answers to Phase 1's prompts and its hidden states",
          "data_steps:features_new", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples"),
          FEATURE_MODULES,
@@ -122,7 +123,7 @@ STEPS: tuple[Step, ...] = (
          {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
     Step("vocab_new", "the new target's draft map (top-N ids of its own answers) and its overlap with the source's",
          "data_steps:vocab_new", ("targets.new", "vocab_new"),
-         ("model.draftmap", "data.shards", "model.vocab", "pipeline.steps.data_steps"),
+         ("data.draftmap", "data.shards", "model.vocab", "model.formats", "model.config", "pipeline.steps.data_steps"),
          {"features": Input("features_new/train"), "source": SOURCE, "target": TARGET}),
     Step("features_phase2", "Phase 2's scaled data: the next prompts after Phase 1's, answered by the new target",
          "data_steps:features_phase2", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples",
@@ -134,7 +135,7 @@ STEPS: tuple[Step, ...] = (
          (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples", "phase2.n_samples", "data",
           "curves.epochs", "curves.min_steps", "curves.train", "eval", "decision.n_boot", "decision.level",
           "decision.seed", "decision.min_gain", "resources", "profile", *MONITOR_KEYS, *SPOOL_KEYS),
-         (*TRAIN_MODULES, *FEATURE_MODULES, "evaluation.budget", "evaluation.decision", "evaluation.hours", "plan.curves",
+         (*TRAIN_MODULES, *FEATURE_MODULES, "evaluation.budget", "evaluation.decision", "evaluation.bootstrap", "evaluation.hours", "plan.curves",
           "plan.cluster", "data.fetch", "pipeline.steps.curve_steps", "pipeline.steps.budget_step"),
          {"features": Input("features_new/train"), "eval": EVAL_SET, "vocab": VOCAB, "source": SOURCE,
           "target": TARGET, "monitor": monitor_input("curves")},
@@ -146,8 +147,8 @@ STEPS: tuple[Step, ...] = (
          enabled=("curves.enabled", "curves.answers", "curves.arms_n_samples")),
     Step("compare", "the source drafter against the layout the new target needs: config, weights, vocab, verdict",
          "compare_step:compare", ("targets.new",),
-         ("outputs.compare", "model.draftmap", "model.vocab", "model.fixtures", "outputs.tables",
-          "pipeline.steps.compare_step"),
+         ("outputs.compare", "data.draftmap", "model.vocab", "model.fixtures", "model.formats", "model.config",
+          "outputs.tables", "pipeline.steps.compare_step"),
          {"source": SOURCE, "vocab": VOCAB, "target": TARGET}),
     Step("eval_phase0", "phase0: the source drafter as fetched on the new target (and on the old one; the reference)",
          "eval_steps:eval_phase0", ("profile", "targets.new", "targets.old", "targets.prompts_eval_old", "reference",
@@ -161,7 +162,7 @@ STEPS: tuple[Step, ...] = (
                             "eval.max_samples", "eval.device", "features.batch_size", "features.dtype", "features.device",
                             "features.engine", "features.tensor_parallel_size", "drift"),
          ("evaluation.drift", "data.features", *DRAFTING_MODULES, "pipeline.tracking", "pipeline.steps.eval_steps",
-          "engines.vllm.hidden_states", "engines.vllm.venv", "engines.vllm.runners.features_vllm"),
+          "data.vllm_capture", "engines.vllm.venv", "engines.vllm.runners.features_vllm"),
          {"drafter": SOURCE, "target": TARGET, "target_old": Input("@old"), "features": EVAL_SET,
           "phase0": Input("eval_phase0/metrics.json")},
          run="phase0", run_from="eval_phase0", cache=False, enabled="drift.enabled"),
@@ -196,12 +197,12 @@ STEPS: tuple[Step, ...] = (
          run="curves", trains=True, enabled="curves.enabled"),
     Step("eval_curves", "every learning-curve point's drafter on the new target's held-out set (per-prompt counts)",
          "curve_steps:eval_curves", ("targets.new", "eval", *CURVE_KEYS),
-         (*DRAFTING_MODULES, "pipeline.tracking", "evaluation.decision", "plan.curves", "pipeline.steps.curve_steps"),
+         (*DRAFTING_MODULES, "pipeline.tracking", "evaluation.decision", "evaluation.bootstrap", "plan.curves", "pipeline.steps.curve_steps"),
          {"points": Input("train_curves/points.json"), "target": TARGET, "features": EVAL_SET},
          run="curves", run_from="train_curves", enabled="curves.enabled"),
     Step("decision", "the recommendation with evidence: init, recipe, answers, data, Phase 2, hours; bootstrap CIs, rules R1-R8",
          "decision_step:decision", ("costmodel", "eval.k", "decision", "resources"),
-         ("evaluation.decision", "evaluation.hours", "evaluation.costmodel", "plan.curves", "pipeline.steps.decision_step"),
+         ("evaluation.decision", "evaluation.bootstrap", "evaluation.hours", "evaluation.costmodel", "plan.curves", "pipeline.steps.decision_step"),
          {"curves": Input("eval_curves/curves.json", ("curves.enabled",)),
           **{ph: Input(f"eval_{ph}/eval.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
           # data_* / train_*: only that those steps ran first (their measured seconds are read from logs/)
@@ -225,15 +226,16 @@ STEPS: tuple[Step, ...] = (
                                    "online.n_prompts", "online.max_new_tokens", "online.max_num_seqs",
                                    "online.tolerance", "online.dtype", "online.vllm_python",
                                    "online.tensor_parallel_size", "online.embed_tokens"),
-           ("engines.vllm.serve", "engines.vllm.venv", "engines.vllm.runners.online_vllm", "outputs.export",
+           ("evaluation.online", "engines.vllm.venv", "engines.vllm.runners.online_vllm", "engines.export",
             "data.features", *DRAFTING_MODULES, "pipeline.tracking", "pipeline.steps.online_steps"),
            {"drafter": SOURCE if ph == "phase0" else Input("train_phase1/drafter"), "target": TARGET,
             "phase": Input(f"eval_{ph}/metrics.json")}, dvc=False)
       for ph in ("phase0", "phase1")),
     Step("publish", "the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens, a model card; checked",
          "publish_step:publish", ("targets.new", "eval", "costmodel", "decision", "publish"),
-         ("outputs.publish", "outputs.export", "engines.vllm.serve", "engines.vllm.venv", "engines.speculators.roundtrip",
-          "evaluation.decision", *DRAFTING_MODULES, "evaluation.costmodel", "pipeline.steps.publish_step"),
+         ("outputs.publish", "engines.export", "evaluation.online", "engines.vllm.venv", "evaluation.roundtrip",
+          "engines.speculators",
+          "evaluation.decision", "evaluation.bootstrap", *DRAFTING_MODULES, "evaluation.costmodel", "pipeline.steps.publish_step"),
          {"decision": Input("decision/decision.json"), "target": TARGET, "features": EVAL_SET,
           "source": Input("fetch/source/fetch.lock.json"),
           "data_phase1": Input("features_new/train/index.json"),
@@ -355,7 +357,7 @@ def module_files(step: Step) -> list[str]:
     """Its code dependencies: the step's script and the library modules it runs, as repo paths."""
     root = Path(__file__).resolve().parents[1]
     files = [f"scripts/{step.name}.py"]
-    for m in dict.fromkeys((*RUNNER_MODULES, *step.modules)):
+    for m in dict.fromkeys(step.modules):
         rel = Path(*m.split("."))
         f = rel.with_suffix(".py") if (root / rel.with_suffix(".py")).is_file() else rel / "__init__.py"
         files.append(f"src/draftport/{f}")

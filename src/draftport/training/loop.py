@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from draftport.model.formats import atomic_dir
+from draftport.files import atomic_dir
 from draftport.data.shards import FeatureSet, collate
 from draftport.model.device import describe as describe_device, out_of_memory, peak_tflops
 from draftport.model.device import pick as pick_device
@@ -160,7 +160,8 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
     where their capture restarts; step x batch size). anchor: the digest of the L2-SP anchor
     (anchor_digest; None without one).
     A full disk is a DraftportError; the previous checkpoints stay as they were."""
-    from draftport.model.formats import disk_full_error, save_safetensors
+    from draftport.model.formats import save_safetensors
+    from draftport.files import disk_full_error
 
     if sharded is not None:
         model, moments, steps = _gather_full_state(sharded, opt)
@@ -377,17 +378,155 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
 
     Returns {"history": [...per logged step...], "final": {...last step metrics...},
     "steps", "seconds", "resumed_from" (the checkpoint's step, 0 for a fresh start),
-    "curve" ([{step, accept_length}] of the monitor), "stopped_early"}.
+    "curve" ([{step, accept_length}] of the monitor), "stopped_early", "run" (where it ran, its rate)}.
     stop_after: return after this many steps of this call (tests interrupt a run with it).
     """
     logger = logger or Logger()
-    rank, world = dist_info()
+    run = _setup(drafter, target_head, out_dir, cfg, ckpt_dir, inputs, monitor)
+    step, history = _resume(run, drafter, features, cfg, logger)
+    resumed_from = step
+    stopped = bool(history and history[-1].get("early_stop"))  # a stopped run stays stopped
+    scores = [r["accept_length"] for r in history if "accept_length" in r]
+    bar = _bar(cfg, step) if progress and run.rank == 0 else None
+    if cfg.packing:
+        from draftport.data.packing import ROW_MULTIPLE, pack   # only then: a step that never packs does not run the module
+    n = len(features)
+    done_this_call = 0
+    t0 = time.time()
+    rate = _Rate(drafter, cfg, run.device, run.world)
+    # The host reads the device only at log / checkpoint steps, so the CPU can queue the next
+    # step while the GPU runs this one; a non-finite loss is remembered and raised there,
+    # before any checkpoint could save it.
+    bad = torch.zeros((), dtype=torch.bool, device=run.device)
+    while step < cfg.steps and not stopped:
+        samples = [features.sample(i) for i in batch_ids(step, n, cfg.batch_size, cfg.seed)[run.rank::run.world]]
+        # packing: the same samples end to end in one row (rounded up to ROW_MULTIPLE
+        # tokens: fewer shapes for the compiled regions), the same loss as the padded batch
+        batch, _ = pack(samples, multiple=ROW_MULTIPLE) if cfg.packing else collate(samples)
+        rate.count(samples)
+        out = run.step(batch.to(run.device), step, cfg)
+        bad |= ~torch.isfinite(out[0].detach())
+        step += 1
+        done_this_call += 1
+        last = stop_after is not None and done_this_call >= stop_after
+        eval_now = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
+        log_now = step % cfg.log_every == 0 or step == cfg.steps or eval_now
+        ckpt_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
+        if log_now or ckpt_now or last:
+            if bool(bad):
+                raise DraftportError(f"train step {step}", f"loss is not finite (at or before this step); "
+                                     f"last good checkpoint kept in {run.ckpt_root}")
+            stats = run.stats(out, cfg)
+            rate.sync_point(step)
+            if eval_now:  # every rank: the same drafter, the same set, the same stop
+                stats["accept_length"] = _held_out(monitor, drafter, step, rate)
+                scores.append(stats["accept_length"])
+                stopped = plateaued(scores, cfg.patience)
+            if log_now:
+                ckpt_now = _record(run, logger, history, step, stats, stopped, scores, cfg) or ckpt_now
+            if bar is not None:
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", acc0=f"{stats['acc_0']:.3f}")
+        if bar is not None:
+            bar.update(1)
+        if ckpt_now:
+            run.checkpoint(step, drafter, history, cfg, inputs, getattr(features, "position", None), rate)
+        if run.world > 1:
+            dist.barrier()
+        if last:
+            break
+    if bar is not None:
+        bar.close()
+    if run.fsdp:
+        unshard_fsdp(drafter)
+    curve = [{"step": r["step"], "accept_length": r["accept_length"]} for r in history if "accept_length" in r]
+    return {"history": history, "final": history[-1] if history else {}, "steps": step,
+            "seconds": time.time() - t0, "resumed_from": resumed_from, "curve": curve, "stopped_early": stopped,
+            "run": rate.summary()}
+
+
+def _held_out(monitor, drafter, step: int, rate: "_Rate") -> float:
+    """The monitor's held-out tau, its time kept out of the training's rate."""
+    rate.pause()
+    with out_of_memory(f"train step {step}: held-out tau", "monitor.batch_size"):
+        tau = float(monitor(drafter))
+    rate.resume()
+    return tau
+
+
+def plateaued(scores: list[float], patience: int) -> bool:
+    """cfg.patience > 0: the last `patience` held-out evaluations brought no better tau than the best before."""
+    return bool(patience) and len(scores) > patience and max(scores[-patience:]) <= max(scores[:-patience])
+
+
+def _record(run: "_Run", logger: Logger, history: list, step: int, stats: dict, stopped: bool, scores: list,
+            cfg: TrainConfig) -> bool:
+    """A logged step's record in the history and the logger; -> whether it must checkpoint (a stop)."""
+    rec = {"step": step, **{k: round(v, 6) for k, v in stats.items()}}
+    if stopped:
+        rec["early_stop"] = 1
+    history.append(rec)
+    if run.rank == 0:
+        logger.log_metrics({k: v for k, v in stats.items() if not k.startswith("n_")}, step)
+        if stopped:
+            print(f"early stop at step {step}: held-out tau {stats['accept_length']:.3f}, best "
+                  f"{max(scores):.3f}, none better in the last {cfg.patience} evaluations", flush=True)
+    return stopped
+
+
+def _bar(cfg: TrainConfig, step: int):
+    from draftport.progress import progress as progress_bar
+
+    return progress_bar(cfg.steps, "train", "step", initial=step)
+
+
+class _Run:
+    """What a training's steps run with: the device and its precision, the fast path, the drafter
+    as the step sees it (DDP / FSDP), its trained weights, the optimizer, the L2-SP anchor, the
+    checkpoints' folder and the checkpoint to resume from."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def step(self, batch, step: int, cfg: TrainConfig):
+        """One optimizer step at its scheduled learning rate (train_step's outputs)."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        with out_of_memory(f"train step {step + 1}", OOM_KNOB):
+            return train_step(self.net, batch, self.head, self.opt, self.params, cfg, fast=self.fast,
+                              use_bf16=self.use_bf16, world=self.world, l2sp=self.l2sp)
+
+    def checkpoint(self, step: int, drafter, history: list, cfg: TrainConfig, inputs, data_position, rate) -> None:
+        """The checkpointer: rank 0 writes (under FSDP every rank joins the gather), its time kept
+        out of the training's rate."""
+        if self.rank != 0 and not self.fsdp:
+            return
+        rate.pause()
+        save_checkpoint(self.ckpt_root, step, drafter, self.opt, history, cfg, sharded=self.net if self.fsdp else None,
+                        inputs=inputs, data_position=data_position, anchor=self.anchor)
+        rate.resume()
+
+    def stats(self, out, cfg: TrainConfig) -> dict:
+        """A logged step's figures as floats: per-TTT-step loss and accuracy, the weighted loss,
+        lr, the gradient norm, and with L2-SP the penalty and the distance to the anchor."""
+        loss, terms, counts, stats_t, gnorm = out
+        stats = _reduce_stats(terms, counts) if self.world > 1 else stats_to_float(stats_t)
+        if self.l2sp is not None:
+            sq = stats_t["anchor_sq"].float()
+            if self.fsdp:   # each rank holds its shards' part
+                sq = sq.clone()
+                dist.all_reduce(sq)
+            sq = float(sq)
+            stats.pop("anchor_sq", None)
+            stats.update(l2sp_penalty=cfg.l2sp_lambda * sq, anchor_distance=math.sqrt(sq))
+        stats.update(loss=sum(cfg.gamma ** j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
+                     lr=self.opt.param_groups[0]["lr"], grad_norm=float(gnorm))
+        return stats
+
+
+def _check(cfg: TrainConfig, world: int, monitor, device: torch.device) -> tuple[str, bool]:
+    """A training's settings checked together (one line naming the key); -> (impl, fsdp)."""
     if cfg.batch_size % world:
         raise DraftportError("train.batch_size", f"{cfg.batch_size} is not divisible by {world} processes")
-    device = pick_device(cfg.device, "train.device")
-    drafter.to(device)        # the drafter, its frozen embedding and maps; the optimizer's state follows
-    target_head = target_head.to(device)
-    use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     impl = cfg.impl if cfg.impl != "auto" else ("compiled" if device.type == "cuda" else "reference")
     if impl not in ("reference", "fused", "compiled"):
         raise DraftportError("train.impl", f"{cfg.impl!r} is not one of auto, reference, fused, compiled")
@@ -401,6 +540,18 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     if cfg.eval_every and fsdp:
         raise DraftportError("train.eval_every", "held-out tau during training runs on a whole drafter: "
                              "use parallel ddp (or eval_every 0) under fsdp")
+    return impl, fsdp
+
+
+def _setup(drafter, target_head, out_dir, cfg: TrainConfig, ckpt_dir, inputs, monitor) -> _Run:
+    """The drafter and the head on the device rule's device, the trained parts set, the anchor taken,
+    a stale checkpoint set aside and a resumable one's weights loaded, DDP / FSDP wrapped, the
+    optimizer built."""
+    rank, world = dist_info()
+    device = pick_device(cfg.device, "train.device")
+    drafter.to(device)        # the drafter, its frozen embedding and maps; the optimizer's state follows
+    head = target_head.to(device)
+    impl, fsdp = _check(cfg, world, monitor, device)
     fast = fast_path(cfg, impl, accumulate_wgrad=world == 1 or fsdp)
     set_trained_parts(drafter, cfg)   # before DDP / FSDP see the parameters
     w0, anchor = None, None
@@ -409,152 +560,69 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         # before a checkpoint's weights are loaded
         w0 = {n: p.detach().clone() for n, p in trainable(drafter).items()}
         anchor = anchor_digest(w0)
-
-    out_dir = Path(out_dir)
-    ckpt_root = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
-    step, history = 0, []
-    last = latest_checkpoint(ckpt_root)
-    if last is not None and not resumable(last, cfg, inputs, anchor):
-        # A checkpoint of another configuration (edited params.yaml) or of other inputs (new
-        # features, another init, another anchor) must not be continued: that would mix two runs.
-        # Its folder is set aside, never deleted.
-        aside = ckpt_root.with_name(f"{ckpt_root.name}.stale-{int(time.time())}")
-        if rank == 0:
-            os.replace(ckpt_root, aside)
-            print(f"checkpoints in {ckpt_root} belong to another training configuration or other inputs; "
-                  f"moved to {aside}", flush=True)
-        if world > 1:
-            dist.barrier()
-        last = None
+    ckpt_root = Path(ckpt_dir) if ckpt_dir is not None else Path(out_dir) / "checkpoints"
+    last = _resume_point(ckpt_root, cfg, inputs, anchor, rank, world)
     if last is not None:
         load_model_state(last, drafter)   # before sharding: FSDP shards the saved weights
-
     net = wrap_parallel(drafter, cfg.parallel if world > 1 else "none", device)
     params = trainable(drafter)           # under FSDP: this rank's shards
     l2sp = None
     if w0 is not None:   # (weights, their anchors): under FSDP the anchors' shards of this rank
         l2sp = (list(params.values()), [_like(w0[n], p).to_local() if _is_dtensor(p) else w0[n]
                                         for n, p in params.items()], cfg.l2sp_lambda)
-        del w0
+    return _Run(rank=rank, world=world, device=device, head=head, fsdp=fsdp, fast=fast, net=net,
+                params=list(params.values()), opt=_optimizer(params, cfg, device, fsdp), l2sp=l2sp, anchor=anchor,
+                ckpt_root=ckpt_root, last=last,
+                use_bf16=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda"))
+
+
+def _resume_point(ckpt_root: Path, cfg: TrainConfig, inputs, anchor, rank: int, world: int) -> Path | None:
+    """The last checkpoint if it continues this run. One of another configuration (edited
+    params.yaml) or of other inputs (new features, another init, another anchor) must not be
+    continued: that would mix two runs. Its folder is set aside, never deleted."""
+    last = latest_checkpoint(ckpt_root)
+    if last is None or resumable(last, cfg, inputs, anchor):
+        return last
+    aside = ckpt_root.with_name(f"{ckpt_root.name}.stale-{int(time.time())}")
+    if rank == 0:
+        os.replace(ckpt_root, aside)
+        print(f"checkpoints in {ckpt_root} belong to another training configuration or other inputs; "
+              f"moved to {aside}", flush=True)
+    if world > 1:
+        dist.barrier()
+    return None
+
+
+def _optimizer(params: dict, cfg: TrainConfig, device: torch.device, fsdp: bool):
     decay = [p for p in params.values() if p.ndim >= 2]
     no_decay = [p for p in params.values() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if device.type == "cuda" and not fsdp:
         # torch's AdamW arithmetic as one compiled kernel per parameter (draftport.training.optim): the
         # fused AdamW's pass over ~1B parameters moves 16 bytes each, this one 14
-        opt = AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
-    else:   # CPU (the embedded runs), and FSDP's sharded parameters: torch's own
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    if last is not None:
-        step, history = load_optimizer_state(last, drafter, opt)
-        if rank == 0:
-            print(f"resuming from {last} (step {step})", flush=True)
+        return AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    # CPU (the embedded runs), and FSDP's sharded parameters: torch's own
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def _resume(run: _Run, drafter, features, cfg: TrainConfig, logger: Logger) -> tuple[int, list]:
+    """(step, history) to continue from: the checkpoint's optimizer state and RNG loaded, its
+    curve given to a new tracking run, online features begun at its data position; the seed
+    set for the first step."""
+    step, history = 0, []
+    if run.last is not None:
+        step, history = load_optimizer_state(run.last, drafter, run.opt)
+        if run.rank == 0:
+            print(f"resuming from {run.last} (step {step})", flush=True)
             for rec in history:  # a new tracking run: give it the curve up to the checkpoint
                 logger.log_metrics({k: v for k, v in rec.items() if k != "step" and not k.startswith("n_")},
                                    rec["step"])
-    resumed_from = step
     begin = getattr(features, "begin", None)
     if begin is not None:  # online features (draftport.training.spool): their capture starts at this data position
-        pos = json.loads((last / "state.json").read_text()).get("data_position") if resumed_from else None
+        pos = json.loads((run.last / "state.json").read_text()).get("data_position") if step else None
         begin(step, cfg, pos)
     torch.manual_seed(cfg.seed + step)
-    stopped = bool(history and history[-1].get("early_stop"))  # a stopped run stays stopped
-    scores = [r["accept_length"] for r in history if "accept_length" in r]
-
-    bar = None
-    if progress and rank == 0:
-        from draftport.progress import progress as progress_bar
-
-        bar = progress_bar(cfg.steps, "train", "step", initial=step)
-    if cfg.packing:
-        from draftport.data.packing import ROW_MULTIPLE, pack   # only then: a step that never packs does not run the module
-    n = len(features)
-    done_this_call = 0
-    t0 = time.time()
-    rate = _Rate(drafter, cfg, device, world)
-    # The host reads the device only at log / checkpoint steps, so the CPU can queue the next
-    # step while the GPU runs this one; a non-finite loss is remembered and raised there,
-    # before any checkpoint could save it.
-    bad = torch.zeros((), dtype=torch.bool, device=device)
-    while step < cfg.steps and not stopped:
-        ids = batch_ids(step, n, cfg.batch_size, cfg.seed)
-        mine = ids[rank::world]
-        samples = [features.sample(i) for i in mine]
-        # packing: the same samples end to end in one row (rounded up to ROW_MULTIPLE
-        # tokens: fewer shapes for the compiled regions), the same loss as the padded batch
-        batch, _ = pack(samples, multiple=ROW_MULTIPLE) if cfg.packing else collate(samples)
-        rate.count(samples)
-        batch = batch.to(device)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        with out_of_memory(f"train step {step + 1}", OOM_KNOB):
-            loss, terms, counts, stats_t, gnorm = train_step(net, batch, target_head, opt, list(params.values()), cfg,
-                                                             fast=fast, use_bf16=use_bf16, world=world, l2sp=l2sp)
-        bad |= ~torch.isfinite(loss.detach())
-        step += 1
-        done_this_call += 1
-        last = stop_after is not None and done_this_call >= stop_after
-        eval_now = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
-        log_now = step % cfg.log_every == 0 or step == cfg.steps or eval_now
-        ckpt_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
-        if log_now or ckpt_now or last:
-            if bool(bad):
-                raise DraftportError(f"train step {step}", f"loss is not finite (at or before this step); "
-                                     f"last good checkpoint kept in {ckpt_root}")
-            stats = _reduce_stats(terms, counts) if world > 1 else stats_to_float(stats_t)
-            rate.sync_point(step)
-            if l2sp is not None:
-                sq = stats_t["anchor_sq"].float()
-                if fsdp:   # each rank holds its shards' part
-                    sq = sq.clone()
-                    dist.all_reduce(sq)
-                sq = float(sq)
-                stats.pop("anchor_sq", None)
-                stats.update(l2sp_penalty=cfg.l2sp_lambda * sq, anchor_distance=math.sqrt(sq))
-            stats.update(loss=sum(cfg.gamma ** j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
-                         lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm))
-            if eval_now:  # every rank: the same drafter, the same set, the same stop
-                rate.pause()
-                with out_of_memory(f"train step {step}: held-out tau", "monitor.batch_size"):
-                    tau = float(monitor(drafter))
-                rate.resume()
-                stats["accept_length"] = tau
-                scores.append(tau)
-                p = cfg.patience
-                if p and len(scores) > p and max(scores[-p:]) <= max(scores[:-p]):
-                    stopped = True
-            if log_now:
-                rec = {"step": step, **{k: round(v, 6) for k, v in stats.items()}}
-                if stopped:
-                    rec["early_stop"] = 1
-                    ckpt_now = True
-                history.append(rec)
-                if rank == 0:
-                    logger.log_metrics({k: v for k, v in stats.items() if not k.startswith("n_")}, step)
-                    if stopped:
-                        print(f"early stop at step {step}: held-out tau {tau:.3f}, best "
-                              f"{max(scores):.3f}, none better in the last {cfg.patience} evaluations", flush=True)
-            if bar is not None:
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", acc0=f"{stats['acc_0']:.3f}")
-        if bar is not None:
-            bar.update(1)
-        if ckpt_now and (rank == 0 or fsdp):   # under FSDP every rank joins the gather
-            rate.pause()
-            save_checkpoint(ckpt_root, step, drafter, opt, history, cfg, sharded=net if fsdp else None,
-                            inputs=inputs, data_position=getattr(features, "position", None), anchor=anchor)
-            rate.resume()
-        if world > 1:
-            dist.barrier()
-        if last:
-            break
-    if bar is not None:
-        bar.close()
-    if fsdp:
-        unshard_fsdp(drafter)
-    curve = [{"step": r["step"], "accept_length": r["accept_length"]} for r in history if "accept_length" in r]
-    return {"history": history, "final": history[-1] if history else {}, "steps": step,
-            "seconds": time.time() - t0, "resumed_from": resumed_from, "curve": curve, "stopped_early": stopped,
-            "run": rate.summary()}
+    return step, history
 
 
 # what lowers a training step's memory, named when the GPU runs out of it

@@ -79,7 +79,7 @@ _COMPILED = {}
 def _compiled():
     """The update's two parts and the clipping norm's reduction, compiled. The pointwise part
     is compiled per parameter size (a drafter has about six): with the size a constant it ran at
-    4.2 TB/s on an H200, with sizes dynamic at 3.4 (benchmarks/probe_adamw_h200.py). -> {"scalars",
+    4.2 TB/s on an H200, with sizes dynamic at 3.4 (benchmarks/results/2026-12-02-h200-probe-adamw.json). -> {"scalars",
     "pointwise", "norm"}."""
     if not _COMPILED:
         allow_recompiles()

@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 
 from draftport.model.bind import check_features_fit, drafter_for_target, target_head
-from draftport.model.formats import atomic_write_text, load_drafter_state, save_drafter, sha256
+from draftport.model.formats import load_drafter_state, save_drafter
+from draftport.files import atomic_write_text, sha256
 from draftport.model.config import DrafterConfig, read_config
 from draftport.model.device import pick as pick_device
 from draftport.data.shards import FeatureChain, FeatureSet, chain_parts, check_disjoint, open_set
 from draftport.data.storage import SPOOL_GB
-from draftport.model.draftmap import cfg_d2t, read_vocab
+from draftport.data.draftmap import cfg_d2t, read_vocab
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import held_out_monitor
 from draftport.model.vocab import check_maps, compare_maps, remap_lm_head
@@ -89,39 +90,12 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
                              "the weights it starts from, and init scratch starts from random ones (set 0)")
     device = pick_device(train_cfg.device, "train.device")   # before any load: cuda without a GPU fails here
     out_dir = Path(out_dir)
-    dirs = feature_dirs(features_dir)
-    sets = [open_set(d) for d in dirs]
+    sets = [open_set(d) for d in feature_dirs(features_dir)]
     fs = sets[0] if len(sets) == 1 and n_samples is None else FeatureChain(sets, n_samples)
     head = target_head(target_dir).to(device)   # the monitor's held-out batches are placed beside it
-    d2t_new, t2d_new = read_vocab(vocab_path, vocab_size=head.shape[0])
-    report: dict = {"init": init}
-    if init == "scratch":
-        if source_dir is None and arch is None:
-            raise DraftportError("phase", "a scratch drafter needs the source's architecture or `arch`")
-        if source_dir is not None:
-            src_cfg, _ = read_config(source_dir)
-            cfg = DrafterConfig(**{**src_cfg.__dict__, "draft_vocab_size": int(d2t_new.shape[0])})
-        else:
-            cfg = arch
-        check_features_fit(cfg, fs, features_dir)
-        torch.manual_seed(train_cfg.seed)
-        d = drafter_for_target(cfg, target_dir)
-        d.set_vocab_maps(d2t_new, t2d_new)
-    else:
-        src = Path(source_dir if init == "source" else init)
-        cfg, state = load_drafter_state(src)
-        check_features_fit(cfg, fs, src)
-        if init == "source":
-            lm, d2t, stats = remap_lm_head(state["lm_head.weight"].float(), state["d2t"].numpy(), d2t_new,
-                                           init_rows=head if cfg.hidden_size == head.shape[1] else None,
-                                           policy=vocab_policy)
-            state["lm_head.weight"] = lm
-            t2d = t2d_new if vocab_policy == "remap" else state["t2d"].numpy()
-            check_maps(d2t, t2d, cfg.vocab_size, d2t.shape[0], vocab_path)
-            state["d2t"], state["t2d"] = torch.as_tensor(d2t), torch.as_tensor(t2d)
-            cfg = DrafterConfig(**{**cfg.__dict__, "draft_vocab_size": int(d2t.shape[0])})
-            report["vocab"] = {**stats, **compare_maps(cfg_d2t(source_dir), d2t_new)}
-        d = drafter_for_target(cfg, target_dir, state)
+    d, cfg, report = initial_drafter(init, fs, features_dir, target_dir=target_dir, vocab_path=vocab_path,
+                                     source_dir=source_dir, vocab_policy=vocab_policy, arch=arch, head=head,
+                                     seed=train_cfg.seed)
     cfg = DrafterConfig(**{**cfg.__dict__, "extra": {**cfg.extra, "verifier": str(verifier or target_dir)}})
     watch = None
     if monitor is not None:
@@ -133,15 +107,7 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
                                 source_dir=source_dir, vocab_policy=vocab_policy, arch=arch,
                                 n_samples=n_samples, monitor=monitor)
     if fs.index.get("storage") in ("online", "hybrid"):
-        # lazy (registry): only online / hybrid storage runs training.spool; world's row does not list it
-        from draftport.training.spool import online_features
-
-        sp = spool or {}
-        ck = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
-        sdir = Path(sp.get("dir") or ck.with_name(f"{ck.name}.spool"))
-        fs = online_features(fs, target_dir=target_dir, spool_dir=sdir, spool_gb=sp.get("gb") or SPOOL_GB,
-                             cache_dir=sp.get("cache_dir") or sdir.with_name(f"{sdir.name}-cache"),
-                             trust_remote_code=trust_remote_code, log=print if progress else (lambda _m: None))
+        fs = _online(fs, target_dir, out_dir, ckpt_dir, spool, trust_remote_code, progress)
     try:
         res = train(d, fs, head, out_dir, train_cfg, logger=logger, progress=progress, ckpt_dir=ckpt_dir,
                     inputs=inputs, monitor=watch)
@@ -158,3 +124,52 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
                   train_samples=len(fs), run=res["run"])
     atomic_write_text(out_dir / "train_history.json", json.dumps(res["history"]) + "\n")
     return report
+
+
+def initial_drafter(init: str, fs, features_dir, *, target_dir, vocab_path, source_dir, vocab_policy: str,
+                    arch, head: torch.Tensor, seed: int) -> tuple:
+    """(drafter, its config, the report so far) a training starts from, bound to the target on the
+    new map (train_phase's `init`); head: the target's lm_head, whose rows a remap gives new ids."""
+    d2t_new, t2d_new = read_vocab(vocab_path, vocab_size=head.shape[0])
+    report: dict = {"init": init}
+    if init == "scratch":
+        if source_dir is None and arch is None:
+            raise DraftportError("phase", "a scratch drafter needs the source's architecture or `arch`")
+        if source_dir is not None:
+            src_cfg, _ = read_config(source_dir)
+            cfg = DrafterConfig(**{**src_cfg.__dict__, "draft_vocab_size": int(d2t_new.shape[0])})
+        else:
+            cfg = arch
+        check_features_fit(cfg, fs, features_dir)
+        torch.manual_seed(seed)
+        d = drafter_for_target(cfg, target_dir)
+        d.set_vocab_maps(d2t_new, t2d_new)
+        return d, cfg, report
+    src = Path(source_dir if init == "source" else init)
+    cfg, state = load_drafter_state(src)
+    check_features_fit(cfg, fs, src)
+    if init == "source":
+        lm, d2t, stats = remap_lm_head(state["lm_head.weight"].float(), state["d2t"].numpy(), d2t_new,
+                                       init_rows=head.cpu() if cfg.hidden_size == head.shape[1] else None,
+                                       policy=vocab_policy)
+        state["lm_head.weight"] = lm
+        t2d = t2d_new if vocab_policy == "remap" else state["t2d"].numpy()
+        check_maps(d2t, t2d, cfg.vocab_size, d2t.shape[0], vocab_path)
+        state["d2t"], state["t2d"] = torch.as_tensor(d2t), torch.as_tensor(t2d)
+        cfg = DrafterConfig(**{**cfg.__dict__, "draft_vocab_size": int(d2t.shape[0])})
+        report["vocab"] = {**stats, **compare_maps(cfg_d2t(source_dir), d2t_new)}
+    return drafter_for_target(cfg, target_dir, state), cfg, report
+
+
+def _online(fs, target_dir, out_dir: Path, ckpt_dir, spool: dict | None, trust_remote_code: bool, progress: bool):
+    """Folders of sequences without states: the states captured during training into the bounded
+    spool (draftport.training.spool.online_features)."""
+    # lazy (registry): only online / hybrid storage runs training.spool; world's row does not list it
+    from draftport.training.spool import online_features
+
+    sp = spool or {}
+    ck = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
+    sdir = Path(sp.get("dir") or ck.with_name(f"{ck.name}.spool"))
+    return online_features(fs, target_dir=target_dir, spool_dir=sdir, spool_gb=sp.get("gb") or SPOOL_GB,
+                           cache_dir=sp.get("cache_dir") or sdir.with_name(f"{sdir.name}-cache"),
+                           trust_remote_code=trust_remote_code, log=print if progress else (lambda _m: None))

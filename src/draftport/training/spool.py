@@ -27,7 +27,7 @@ Equality with disk-trained features: the states of a sample are those featurize 
 in its batch. write_features over the whole dataset batches samples in input order; the spool
 batches them in consumption order. With batch_size 1 (or a featurize whose states for a sequence
 do not depend on its batch-mates) the spool's samples are the disk folder's bit for bit, so a
-drafter trained on either with the same seed is the same (tests/test_spool.py). With larger
+drafter trained on either with the same seed is the same (tests/training/test_spool.py). With larger
 batches the batch-mates, and so the padded width, differ: on the CPU the featurizer masks the
 padding, so the states agree to rounding; bit for bit is not guaranteed (it held for the toy
 Llama of the tests on the CPU). A resume at a position that starts a batch of its group (a

@@ -24,11 +24,7 @@ from draftport.data.shards import Batch
 from draftport.model.drafter import Eagle3Drafter, shift
 from draftport.model.fast import loss as fast_loss
 from draftport.model.fast.path import FastPath
-
-
-def target_logits(final: torch.Tensor, target_head: torch.Tensor) -> torch.Tensor:
-    """Full-vocab target logits [B, T, V] in fp32."""
-    return final.float() @ target_head.float().t()
+from draftport.model.target import target_logits
 
 
 def ttt_terms(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, steps: int,

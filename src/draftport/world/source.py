@@ -14,7 +14,7 @@ from draftport.data.fetch import publish_to_cache
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.model.bind import new_drafter_config, target_sizes
-from draftport.model.draftmap import build_vocab
+from draftport.data.draftmap import build_vocab
 from draftport.training.phases import train_phase
 
 

@@ -138,12 +138,12 @@ def _seg_view(t, s: int, e: int):
     return v if t.is_cuda else v.contiguous()
 
 
-def _seg_fwd(q, k, v, seg: Segments, scale, path: FastPath):
+def _seg_fwd(q, k, v, seg: Segments, scale, fast: FastPath):
     """Causal attention inside each segment, token-major: q/k/v [N, h, d] -> (o [N, h, d],
     lse [N, h] fp32, extras)."""
-    if q.is_cuda and path.packed == "varlen":
+    if q.is_cuda and fast.packed == "varlen":
         cu = seg.cu_dev(q.device)
-        if path.attention == "fa4":   # its lse is [h, N]
+        if fast.attention == "fa4":   # its lse is [h, N]
             r = _fa4()[0](q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seg.max_len,
                           max_seqlen_k=seg.max_len, softmax_scale=scale, causal=True, return_lse=True)
             return r[0], r[1].t(), ("fa4",)
@@ -155,7 +155,7 @@ def _seg_fwd(q, k, v, seg: Segments, scale, path: FastPath):
     N, h, d = q.shape
     o, lse, each = torch.empty_like(q), None, []
     for s, e in zip(seg.cu[:-1], seg.cu[1:]):
-        os_, ls, ex = _flash_fwd(_seg_view(q, s, e), _seg_view(k, s, e), _seg_view(v, s, e), scale, path.attention)
+        os_, ls, ex = _flash_fwd(_seg_view(q, s, e), _seg_view(k, s, e), _seg_view(v, s, e), scale, fast.attention)
         if lse is None:
             lse = torch.empty(N, h, dtype=ls.dtype, device=q.device)
         o[s:e] = os_[0].transpose(0, 1)
@@ -276,19 +276,19 @@ class _TTTAttention(torch.autograd.Function):
     1..j adds its part for keys 0..j-1 there and hands autograd the sums for its own keys j only)."""
 
     @staticmethod
-    def forward(ctx, scale, seg, acc, path, q, k0, v0, *kv):
+    def forward(ctx, scale, seg, acc, fast, q, k0, v0, *kv):
         B, h, T, d = q.shape
         ks, vs = kv[0::2], kv[1::2]
         lse_t, q_t = None, _tok(q)
         if seg is not None:
-            o_t, lse_t, extras = _seg_fwd(q_t, _tok(k0), _tok(v0), seg, scale, path)
+            o_t, lse_t, extras = _seg_fwd(q_t, _tok(k0), _tok(v0), seg, scale, fast)
         else:
-            o, lse, extras = _flash_fwd(q, k0, v0, scale, path.attention)
+            o, lse, extras = _flash_fwd(q, k0, v0, scale, fast.attention)
             o_t = _tok(o)
         if ks:
             if lse_t is None:
                 lse_t = lse.transpose(1, 2).reshape(B * T, h)
-            o_t, lse_t = path.kernel(diag_merge)(q_t, o_t, lse_t, [_tok(k) for k in ks], [_tok(v) for v in vs],
+            o_t, lse_t = fast.kernel(diag_merge)(q_t, o_t, lse_t, [_tok(k) for k in ks], [_tok(v) for v in vs],
                                                  scale)
             lse_t = lse_t.contiguous()
             if seg is None:   # the dense backward takes the merged output and lse in its layout
@@ -296,7 +296,7 @@ class _TTTAttention(torch.autograd.Function):
         if seg is not None:
             o, lse = o_t, lse_t
         ctx.save_for_backward(q, k0, v0, o, lse, lse_t, *kv)
-        ctx.scale, ctx.extras, ctx.seg, ctx.shape, ctx.acc, ctx.path = scale, extras, seg, (B, T), acc, path
+        ctx.scale, ctx.extras, ctx.seg, ctx.shape, ctx.acc, ctx.fast = scale, extras, seg, (B, T), acc, fast
         return _untok(o_t, B, T)
 
     @staticmethod
@@ -326,7 +326,7 @@ class _TTTAttention(torch.autograd.Function):
             if have and all(have):   # a later step has run (none has before the last step's backward)
                 aks, avs = [p[0] for p in prior], [p[1] for p in prior]
             o_t = o if seg is not None else _tok(o)
-            dq_t, dks, dvs = ctx.path.kernel(diag_grads)(do_t, q_t, o_t, lse_t, [_tok(k) for k in ks],
+            dq_t, dks, dvs = ctx.fast.kernel(diag_grads)(do_t, q_t, o_t, lse_t, [_tok(k) for k in ks],
                                                          [_tok(v) for v in vs], ctx.scale, dq_t, aks, avs)
             if any(have) and not all(have):   # not from unroll's step order: add what there is
                 dks = [dk if p[0] is None else dk + p[0] for dk, p in zip(dks, prior)]
@@ -353,11 +353,11 @@ def fused_attention_supported(q: torch.Tensor) -> bool:
 
 
 def ttt_attention(q, cache_k, cache_v, scale: float, segments: Segments | None = None,
-                  acc: KVGradSum | None = None, path: FastPath = FastPath()):
+                  acc: KVGradSum | None = None, fast: FastPath = FastPath()):
     """Fused TTT attention: the same function as Attention.attend_core (right padding; with
     segments, none across the segments of packed rows). acc: one KVGradSum shared by the steps
     of one unroll, called in step order (cache_k[j] made by step j). -> [B,T,h*d]"""
     kv = [t for pair in zip(cache_k[1:], cache_v[1:]) for t in pair]
-    o = _TTTAttention.apply(scale, segments, acc, path, q, cache_k[0], cache_v[0], *kv)
+    o = _TTTAttention.apply(scale, segments, acc, fast, q, cache_k[0], cache_v[0], *kv)
     B, h, T, d = o.shape
     return o.transpose(1, 2).reshape(B, T, h * d)

@@ -156,20 +156,20 @@ class _SwiGLUDown(torch.autograd.Function):
     """down(silu(g) * u), keeping g and u only (the product is recomputed in backward)."""
 
     @staticmethod
-    def forward(ctx, g, u, w, accum: bool, path: FastPath):
+    def forward(ctx, g, u, w, accum: bool, fast: FastPath):
         ctx.save_for_backward(g, u, w)
-        ctx.accum, ctx.path = accum, path
-        return F.linear(path.kernel(swiglu)(g, u), w)
+        ctx.accum, ctx.fast = accum, fast
+        return F.linear(fast.kernel(swiglu)(g, u), w)
 
     @staticmethod
     def backward(ctx, dy):
         g, u, w = ctx.saved_tensors
         da = dy @ w.to(dy.dtype)
         if not ctx.needs_input_grad[2]:
-            dg, du = ctx.path.kernel(swiglu_grads)(da, g, u)
+            dg, du = ctx.fast.kernel(swiglu_grads)(da, g, u)
             return dg, du, None, None, None
         # the product recomputed by the kernel that computes dg and du (it reads g and u anyway)
-        dg, du, a = ctx.path.kernel(swiglu_grads_act)(da, g, u)
+        dg, du, a = ctx.fast.kernel(swiglu_grads_act)(da, g, u)
         a2, dy2 = a.reshape(-1, g.shape[-1]).to(dy.dtype), dy.reshape(-1, dy.shape[-1])
         dw = None
         if ctx.accum:
@@ -179,9 +179,9 @@ class _SwiGLUDown(torch.autograd.Function):
         return dg, du, dw, None, None
 
 
-def swiglu_down(g, u, w, accum: bool, path: FastPath):
+def swiglu_down(g, u, w, accum: bool, fast: FastPath):
     """down(silu(g) * u) through _SwiGLUDown (g and u kept, the product recomputed in backward)."""
-    return _SwiGLUDown.apply(g, u, w, accum, path)
+    return _SwiGLUDown.apply(g, u, w, accum, fast)
 
 
 # ---- the embedding half's table: shifted slices --------------------------------------------------
@@ -203,8 +203,8 @@ class _ShiftedSlices(torch.autograd.Function):
     zeroed table-sized buffer, a copy into it and an add into the running sum, seven times."""
 
     @staticmethod
-    def forward(ctx, y, T: int, steps: int, fill: bool, path: FastPath):
-        ctx.steps, ctx.fill, ctx.path = steps, fill, path
+    def forward(ctx, y, T: int, steps: int, fill: bool, fast: FastPath):
+        ctx.steps, ctx.fill, ctx.fast = steps, fill, fast
         outs = [y[:, j:j + T] for j in range(steps)]
         if fill:
             outs.append(y[:, -1:])
@@ -213,13 +213,13 @@ class _ShiftedSlices(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):   # autograd hands zeros for an unused slice (materialize_grads)
         fill_grad = gs[ctx.steps] if ctx.fill else None
-        return ctx.path.kernel(shift_sum)(list(gs[:ctx.steps]), fill_grad), None, None, None, None
+        return ctx.fast.kernel(shift_sum)(list(gs[:ctx.steps]), fill_grad), None, None, None, None
 
 
-def shifted_slices(y, T: int, steps: int, fill: bool = False, path: FastPath = FastPath()) -> tuple:
+def shifted_slices(y, T: int, steps: int, fill: bool = False, fast: FastPath = FastPath()) -> tuple:
     """y[:, j:j+T] for j < steps (and y[:, -1:] with fill): slices of the embedding half's table
     whose gradients are summed in one pass (see _ShiftedSlices)."""
-    return _ShiftedSlices.apply(y, T, steps, fill, path)
+    return _ShiftedSlices.apply(y, T, steps, fill, fast)
 
 
 # ---- rows of a step by index (the unroll's live rows, the loss's counted rows) -----------------

@@ -118,7 +118,7 @@ class LinearSoftCE(torch.autograd.Function):
     of a step, see _step_loss_counted)."""
 
     @staticmethod
-    def forward(ctx, x, w, t, rw, chunk, accum, t_idx, path):
+    def forward(ctx, x, w, t, rw, chunk, accum, t_idx, fast):
         B, T, H = x.shape
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(x.device.type, enabled=False):
@@ -130,7 +130,7 @@ class LinearSoftCE(torch.autograd.Function):
             # kernel's own gradient tensor; several are gathered into one [B, T, V] (a copy each)
             whole = need_w and B == 1 and chunk >= T
             g_all = torch.empty(B, T, w.shape[0], dtype=x.dtype, device=x.device) if need_w and not whole else None
-            kern = path.kernel(softce_rows if t_idx is None else softce_rows_at)
+            kern = fast.kernel(softce_rows if t_idx is None else softce_rows_at)
             for b in range(B):
                 for s in range(0, T, chunk):
                     e = min(T, s + chunk)
@@ -148,7 +148,7 @@ class LinearSoftCE(torch.autograd.Function):
                     elif dx is not None:
                         torch.mm(g, wc, out=dx[b, s:e])
         ctx.mode = "w" if need_w else ("x" if need_x else None)
-        ctx.accum, ctx.path = accum, path
+        ctx.accum, ctx.fast = accum, fast
         if need_w:
             ctx.save_for_backward(x, w, g_all)
         elif need_x:
@@ -172,7 +172,7 @@ class LinearSoftCE(torch.autograd.Function):
         # the loss scale goes on the smaller operand of each GEMM: the input gradient and x (one
         # compiled function for both)
         if ctx.needs_input_grad[0]:
-            dx, xs = ctx.path.kernel(scale_both)(g2 @ wc, x2, gl)
+            dx, xs = ctx.fast.kernel(scale_both)(g2 @ wc, x2, gl)
             dx = dx.view(B, T, H)
         else:
             dx, xs = None, x2 * gl.to(x.dtype)
@@ -182,9 +182,9 @@ class LinearSoftCE(torch.autograd.Function):
         return (dx, (g2.t() @ xs).to(w.dtype)) + none
 
 
-def linear_softce(x, w, t, rw, chunk: int, accum: bool, path: FastPath, t_idx=None):
+def linear_softce(x, w, t, rw, chunk: int, accum: bool, fast: FastPath, t_idx=None):
     """LinearSoftCE.apply with its arguments named: -> (loss fp32 scalar, argmax [B, T])."""
-    return LinearSoftCE.apply(x, w, t, rw, chunk, accum, t_idx, path)
+    return LinearSoftCE.apply(x, w, t, rw, chunk, accum, t_idx, fast)
 
 
 # ---- which rows run: the counted ones (the lm_head), the live ones (the unroll) ------------------
@@ -291,7 +291,7 @@ def live_rows(oks: list[torch.Tensor], share: float | None) -> LiveRows | None:
     return LiveRows(oks)
 
 
-def _step_loss_counted(xn, w, t_prob, ok, idx, j: int, path: FastPath):
+def _step_loss_counted(xn, w, t_prob, ok, idx, j: int, fast: FastPath):
     """LinearSoftCE of step j on the rows idx of xn [B, T, H] only -> (loss, argmax [B, T]; rows
     not counted hold 0). t_prob [B, T + pad, V]: row p of sample b is scored against
     t_prob[b, p + j + 1]."""
@@ -299,15 +299,15 @@ def _step_loss_counted(xn, w, t_prob, ok, idx, j: int, path: FastPath):
     pad = t_prob.shape[1] - T
     t_idx = idx + (idx // T) * pad + (j + 1)
     rw = ok.reshape(1, -1).index_select(1, idx).float()
-    loss, a = linear_softce(select_rows(xn, idx), w, t_prob.view(-1, t_prob.shape[-1]), rw, path.loss_chunk,
-                            path.accumulate_wgrad, path, t_idx)
+    loss, a = linear_softce(select_rows(xn, idx), w, t_prob.view(-1, t_prob.shape[-1]), rw, fast.loss_chunk,
+                            fast.accumulate_wgrad, fast, t_idx)
     arg = torch.zeros(B * T, dtype=a.dtype, device=a.device)
     arg.index_copy_(0, idx, a.reshape(-1))
     return loss, arg.view(B, T)
 
 
 # ---- the terms ---------------------------------------------------------------------------------
-def ttt_terms(drafter, batch, target_head: torch.Tensor, steps: int, path: FastPath, counted_rows):
+def ttt_terms(drafter, batch, target_head: torch.Tensor, steps: int, fast: FastPath, counted_rows):
     """draftport.training.ttt.ttt_terms' terms on the fast path: per step (summed soft-CE, rows
     counted, rows where the argmax agrees), unnormalized.
 
@@ -317,7 +317,7 @@ def ttt_terms(drafter, batch, target_head: torch.Tensor, steps: int, path: FastP
     base = getattr(drafter, "module", drafter)
     hot, t2d = drafter.hot_ids, drafter.t2d
     T = batch.tokens.shape[1]
-    t_prob, t_arg = target_stats(batch.final, target_head, hot, path.target_chunk, pad=steps,
+    t_prob, t_arg = target_stats(batch.final, target_head, hot, fast.target_chunk, pad=steps,
                                  target_arg=batch.target_arg)
     in_draft = t2d[t_arg]
     # which rows count is known before the drafter runs: counted here, read back once its
@@ -325,18 +325,18 @@ def ttt_terms(drafter, batch, target_head: torch.Tensor, steps: int, path: FastP
     oks = [counted_rows(batch, in_draft, j + 1) for j in range(steps)]
     share = getattr(batch, "loss_share", None)
     few_out = share is not None and share > 1 - SKIP_MIN   # known on the host: nothing to wait for
-    counted = count_rows(oks) if (path.skip_uncounted and not few_out) else None
-    live = live_rows(oks, share) if path.skip_dead_rows else None
-    normed = drafter(batch.aux, batch.tokens, steps, impl=unroll, path=path, teacher_tokens=True,
+    counted = count_rows(oks) if (fast.skip_uncounted and not few_out) else None
+    live = live_rows(oks, share) if fast.skip_dead_rows else None
+    normed = drafter(batch.aux, batch.tokens, steps, impl=unroll, fast=fast, teacher_tokens=True,
                      valid=batch.valid, return_normed=True, live=live, **packed_args(batch))
     oks = oks[:len(normed)]
     idxs = [None] * steps if counted is None else counted.rows_to_run()
     w = base.lm_head.weight
     # row p of step j is scored against the target's prediction at position p + j + 1
-    losses, args = zip(*[linear_softce(xn, w, t_prob[:, j + 1:j + 1 + T], oks[j].float(), path.loss_chunk,
-                                       path.accumulate_wgrad, path)
+    losses, args = zip(*[linear_softce(xn, w, t_prob[:, j + 1:j + 1 + T], oks[j].float(), fast.loss_chunk,
+                                       fast.accumulate_wgrad, fast)
                          if idxs[j] is None else
-                         _step_loss_counted(xn, w, t_prob, oks[j], idxs[j], j, path)
+                         _step_loss_counted(xn, w, t_prob, oks[j], idxs[j], j, fast)
                          for j, xn in enumerate(normed)])
     terms = []
     for j, (loss_sum, arg, ok) in enumerate(zip(losses, args, oks)):

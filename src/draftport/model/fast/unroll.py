@@ -95,14 +95,14 @@ def output_and_norm(d: Eagle3Drafter, resid, m):
 
 
 # ---- one step ------------------------------------------------------------------------------------
-def _rope(d: Eagle3Drafter, path: FastPath, positions, like):
+def _rope(d: Eagle3Drafter, fast: FastPath, positions, like):
     """(cos, sin) from their own region, or (positions, None) for rope_heads to compute them."""
-    if not path.rope_apart:
+    if not fast.rope_apart:
         return positions, None
-    return path.kernel(rope_tables)(d, positions, like)
+    return fast.kernel(rope_tables)(d, positions, like)
 
 
-def step(d: Eagle3Drafter, path: FastPath, tokens, h, positions, cache_k, cache_v, *, head: bool = True,
+def step(d: Eagle3Drafter, fast: FastPath, tokens, h, positions, cache_k, cache_v, *, head: bool = True,
          segments=None, emb=None, kv_sum=None, rows=None, shape=None):
     """One draft step for all rows: Eagle3Drafter.step's function. -> (pre-norm output fed back,
     logits over the draft vocab), or (output, normed output) with head=False (the fast loss
@@ -115,10 +115,10 @@ def step(d: Eagle3Drafter, path: FastPath, tokens, h, positions, cache_k, cache_
     with the other rows' q/k/v zero (a row reads its own keys of steps >= 1 only, so no kept row
     reads them), and its output is taken at `rows` again. -> ([1, n, H], [1, n, H])."""
     A, M = d.midlayer.self_attn, d.midlayer.mlp
-    acc = path.accumulate_wgrad
+    acc = fast.accumulate_wgrad
     qkv_w = (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight)
     if emb is not None:    # the embedding half came from the unroll's table
-        hn, resid = path.kernel(hidden_half)(d, h)
+        hn, resid = fast.kernel(hidden_half)(d, h)
         H = d.cfg.hidden_size
         qh, kh, vh = multi_linear(hn, qkv_w, (H, 2 * H), acc)
         qe, ke, ve, keep, fills = emb
@@ -128,29 +128,29 @@ def step(d: Eagle3Drafter, path: FastPath, tokens, h, positions, cache_k, cache_
             if keep is not None:
                 # the fill rows are token 0's projection, the same in every batch row
                 keep, fills = keep.reshape(-1).index_select(0, rows)[None], tuple(f[:1] for f in fills)
-        q, k, v = path.kernel(qkv_from_halves)(d, qh, kh, vh, qe, ke, ve, *_rope(d, path, positions, qh), keep,
+        q, k, v = fast.kernel(qkv_from_halves)(d, qh, kh, vh, qe, ke, ve, *_rope(d, fast, positions, qh), keep,
                                                *fills)
         if rows is not None:
             q, k, v = (scatter_rows(t, rows, *shape) for t in (q, k, v))
     else:                  # q/k/v over the whole 2H-wide input (the embedding half at every step)
-        x, resid = path.kernel(input_norms)(d, tokens, h)
+        x, resid = fast.kernel(input_norms)(d, tokens, h)
         qkv = multi_linear(x, qkv_w, None, acc)
-        q, k, v = path.kernel(rope_heads)(d, *qkv, *_rope(d, path, positions, qkv[0]))
+        q, k, v = fast.kernel(rope_heads)(d, *qkv, *_rope(d, fast, positions, qkv[0]))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # [B,h,T,d] views of the token-major tensors
     cache_k.append(k)
     cache_v.append(v)
-    a = ttt_attention(q, cache_k, cache_v, 1.0 / math.sqrt(d.cfg.head_dim), segments, kv_sum, path)
+    a = ttt_attention(q, cache_k, cache_v, 1.0 / math.sqrt(d.cfg.head_dim), segments, kv_sum, fast)
     if rows is not None:
         a = select_rows(a, rows)
-    resid, xn = path.kernel(residual_and_norm)(d, fused_linear(a, A.o_proj.weight, acc), resid)
+    resid, xn = fast.kernel(residual_and_norm)(d, fused_linear(a, A.o_proj.weight, acc), resid)
     g, u = multi_linear(xn, (M.gate_proj.weight, M.up_proj.weight), None, acc)
-    m = swiglu_down(g, u, M.down_proj.weight, acc, path)
-    out, normed = path.kernel(output_and_norm)(d, resid, m)
+    m = swiglu_down(g, u, M.down_proj.weight, acc, fast)
+    out, normed = fast.kernel(output_and_norm)(d, resid, m)
     return out, (d.lm_head(normed) if head else normed)
 
 
 # ---- the embedding half of q/k/v, once per unroll ---------------------------------------------
-def embedding_table(d: Eagle3Drafter, path: FastPath, tokens, steps: int, like, doc=None):
+def embedding_table(d: Eagle3Drafter, fast: FastPath, tokens, steps: int, like, doc=None):
     """The embedding half of q/k/v for every step of a teacher-forced unroll, as one table.
 
     Step j feeds row p the token at p+1+j (0 past the row's end, and in a packed row past its
@@ -163,12 +163,12 @@ def embedding_table(d: Eagle3Drafter, path: FastPath, tokens, steps: int, like, 
     B, T = tokens.shape
     H = d.cfg.hidden_size
     ext = torch.cat([tokens[:, 1:], tokens.new_zeros(B, steps)], dim=1)      # [B, T-1+steps]
-    e = path.kernel(embedding_norm)(d, ext, like)
-    ys = multi_linear(e, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), (0, H), path.accumulate_wgrad)
+    e = fast.kernel(embedding_norm)(d, ext, like)
+    ys = multi_linear(e, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), (0, H), fast.accumulate_wgrad)
     # every step's slice of each table, and (packed rows) its last row, always a fed 0 (steps >= 1
     # zeros follow the tokens): the rows past a sample's end take it. The slices' gradients are
     # summed into the table in one pass
-    sl = [shifted_slices(y, T, steps, fill=doc is not None, path=path) for y in ys]
+    sl = [shifted_slices(y, T, steps, fill=doc is not None, fast=fast) for y in ys]
     fills = tuple(s[steps] for s in sl) if doc is not None else ()
 
     def table(j):
@@ -188,12 +188,12 @@ def packed_args(batch) -> dict:
     return {"doc": doc, "positions": batch.positions, "segments": seg}
 
 
-def unroll(d: Eagle3Drafter, aux, tokens, steps: int, *, path: FastPath, teacher_tokens: bool = True,
+def unroll(d: Eagle3Drafter, aux, tokens, steps: int, *, fast: FastPath, teacher_tokens: bool = True,
            valid=None, return_normed: bool = False, doc=None, positions=None, segments=None, live=None):
     """Eagle3Drafter.unroll's function on the fast path (see the module docstring).
 
     Called as unroll(drafter, ...), or through the drafter's forward (drafter(..., impl=unroll,
-    path=...)) where DDP's hooks must see the call. segments (packed rows, with doc and
+    fast=...)) where DDP's hooks must see the call. segments (packed rows, with doc and
     positions): a Segments or (cu_seqlens, longest). live (return_normed with teacher tokens and
     embed_once): live.rows(j) for j >= 1 is None (every row) or the rows of the flattened [B*T]
     that step j still needs, each step's a prefix of the previous one's (draftport.model.fast.loss:
@@ -217,8 +217,8 @@ def unroll(d: Eagle3Drafter, aux, tokens, steps: int, *, path: FastPath, teacher
         # right padding: no valid row after an invalid one (checked without a host sync)
         torch._assert_async(~(valid[:, 1:] & ~valid[:, :-1]).any())
     base_pos = torch.arange(T, device=aux.device)[None].expand(B, T) if positions is None else positions
-    table = embedding_table(d, path, tokens, steps, h, doc) if (teacher_tokens and path.embed_once) else None
-    kv_sum = KVGradSum() if path.kv_grad_sum else None
+    table = embedding_table(d, fast, tokens, steps, h, doc) if (teacher_tokens and fast.embed_once) else None
+    kv_sum = KVGradSum() if fast.kv_grad_sum else None
     # the tokens fed at each step; with the table its slices stand for them (step reads no tokens)
     tok = shift(tokens, 1, doc=doc) if table is None else None
     use_live = live is not None and table is not None and return_normed
@@ -235,7 +235,7 @@ def unroll(d: Eagle3Drafter, aux, tokens, steps: int, *, path: FastPath, teacher
             elif rows.numel() < held.numel():
                 h = h[:, :rows.numel()]   # a prefix of the rows held
             held = rows
-        h, res = step(d, path, tok, h, base_pos + j, cache_k, cache_v, head=not return_normed, segments=seg,
+        h, res = step(d, fast, tok, h, base_pos + j, cache_k, cache_v, head=not return_normed, segments=seg,
                       emb=emb, kv_sum=kv_sum, rows=rows, shape=(B, T))
         if rows is not None:
             res = scatter_rows(res, rows, B, T)

@@ -185,7 +185,7 @@ def vocab_new(s: StepContext) -> dict:
     """The new target's draft vocabulary (d2t/t2d from its own answers to Phase 1's prompts), and
     how it overlaps the source drafter's map."""
     # lazy (registry): only vocab_new runs the draft map
-    from draftport.model.draftmap import build_vocab, cfg_d2t, read_vocab
+    from draftport.data.draftmap import build_vocab, cfg_d2t, read_vocab
     from draftport.model.vocab import compare_maps
 
     vocab = target_text_config(s.input("target"))["vocab_size"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftport.engines.vllm import serve
+from draftport.evaluation import online as online_check
 from draftport.errors import DraftportError
 from draftport.pipeline.runner import StepContext, read_json, run_file
 from draftport.pipeline.tracking import PhaseRun
@@ -24,10 +24,10 @@ def _online(s: StepContext, phase: str) -> dict:
         raise DraftportError(rec, f"missing: the MLflow run of {phase} (rerun eval_{phase}: "
                                   f"snakemake --forcerun eval_{phase} online)")
     run = PhaseRun.attach(json.loads(rec.read_text())["run_id"], where=rec)  # before compute
-    drafter, how = serve.for_vllm(s.input("drafter"), s.path("export"), s.p["features"]["aux_convention"],
+    drafter, how = online_check.for_vllm(s.input("drafter"), s.path("export"), s.p["features"]["aux_convention"],
                                   embed_tokens=o["embed_tokens"], target_dir=s.input("target"))
     print(f"{s.name}: {drafter}: {how}")
-    m = serve.run_step(s.input("target"), drafter, s.p["targets"]["prompts_eval_new"], s.dir,
+    m = online_check.run_step(s.input("target"), drafter, s.p["targets"]["prompts_eval_new"], s.dir,
                        n_prompts=o["n_prompts"], k=k, max_new_tokens=o["max_new_tokens"], tol=o["tolerance"],
                        vllm_python_path=o["vllm_python"], max_num_seqs=o["max_num_seqs"], dtype=o["dtype"],
                        tensor_parallel_size=o["tensor_parallel_size"], embed_tokens=o["embed_tokens"], check=False,
@@ -42,7 +42,7 @@ def _online(s: StepContext, phase: str) -> dict:
           f"({m['offline_same_prompts_seconds']:.0f} s); the phase's offline tau {ran['accept_length']:.4f}; "
           f"logged to MLflow run {run.run_id}")
     if not agree:
-        serve.agreement_check(m, {"accept_length": m["offline_same_prompts_accept_length"], "k": k,
+        online_check.agreement_check(m, {"accept_length": m["offline_same_prompts_accept_length"], "k": k,
                                   **{f"accept_rate_pos_{i}": m[f"offline_same_prompts_accept_rate_pos_{i}"]
                                      for i in range(k)}}, o["tolerance"])
     return out

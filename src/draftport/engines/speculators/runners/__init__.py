@@ -1,3 +1,3 @@
 """Scripts run INSIDE the speculators venv as files (`python <path> ...`), never imported by
 draftport: `forward_speculators.py` (a speculators-format drafter's teacher-forced forward).
-draftport.engines.speculators.roundtrip finds and runs them."""
+draftport.evaluation.roundtrip finds and runs them."""

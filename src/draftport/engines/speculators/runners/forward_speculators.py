@@ -1,7 +1,7 @@
 """A speculators-format EAGLE-3 drafter's teacher-forced forward, computed by speculators itself.
 
 Runs INSIDE the speculators venv (.venv-speculators), never in the project's: it imports only
-speculators, torch, safetensors and the standard library. draftport.engines.speculators.roundtrip
+speculators, torch, safetensors and the standard library. draftport.evaluation.roundtrip
 calls it as a subprocess:
 
     .venv-speculators/bin/python src/draftport/engines/speculators/runners/forward_speculators.py \

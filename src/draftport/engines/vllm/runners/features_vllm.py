@@ -2,7 +2,7 @@
 for one device: vLLM shards the target over `--tensor-parallel-size` GPUs.
 
 Runs INSIDE the vLLM venv (.venv-vllm), never in the project's: it imports vllm, torch,
-safetensors and the standard library. draftport.engines.vllm.hidden_states calls it as a subprocess:
+safetensors and the standard library. draftport.data.vllm_capture calls it as a subprocess:
 
     .venv-vllm/bin/python src/draftport/engines/vllm/runners/features_vllm.py --target T \
         --sequences seqs.json --layer-ids 2,31,59,61 --out-dir D [--tensor-parallel-size 8]

@@ -1,7 +1,7 @@
 """Serve a target with an EAGLE-3 drafter through vLLM and report vLLM's own acceptance counters.
 
 Runs INSIDE the vLLM venv (.venv-vllm), never in the project's: it imports only vllm and the
-standard library. draftport.engines.vllm.serve.measure() calls it as a subprocess:
+standard library. draftport.evaluation.online.measure() calls it as a subprocess:
 
     .venv-vllm/bin/python src/draftport/engines/vllm/runners/online_vllm.py --target T --drafter D \
         --prompts prompts.json --k 3 --max-tokens 128 --out result.json
