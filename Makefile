@@ -15,7 +15,12 @@ $(STAMP): pyproject.toml requirements.lock
 
 setup: $(STAMP)
 
+# ruff: the linter and the formatter (pyproject's [tool.ruff]), then the suite
+RUFF_PATHS := src tests benchmarks tools scripts
+
 test: $(STAMP)
+	$(BIN)/ruff check $(RUFF_PATHS)
+	$(BIN)/ruff format --check $(RUFF_PATHS)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest --durations=25
 
 # The edit loop: every test but those marked slow (they build a world or run the pipeline).
@@ -42,6 +47,8 @@ ui: $(STAMP)
 	$(BIN)/draftport ui
 
 lint: $(STAMP)
+	$(BIN)/ruff check $(RUFF_PATHS)
+	$(BIN)/ruff format --check $(RUFF_PATHS)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --lint
 
 # the documentation site (mkdocs.yml, docs/) into site/: generated pages checked first, any warning fails

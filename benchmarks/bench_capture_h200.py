@@ -49,7 +49,8 @@ from a sorted log-normal mix), all done in an untimed warm-up on batches of the 
 skipped when its estimate no longer fits the time left, and the JSON is written after every row,
 so a run killed at a device call's 600 s limit keeps what it measured.
 
-    python benchmarks/bench_capture_h200.py --out benchmarks/results/DATE-h200-capture.json   # estimate reads the newest
+    # draftport estimate reads the newest:
+    python benchmarks/bench_capture_h200.py --out benchmarks/results/DATE-h200-capture.json
     python benchmarks/bench_capture_h200.py --shapes 8b --compile --out /tmp/capture-8b.json
     python benchmarks/bench_capture_h200.py --toy --out /tmp/capture.json      # CPU, seconds
 
@@ -88,12 +89,30 @@ from draftport.data.capture import capture_dtype, capture_features  # noqa: E402
 from draftport.data.capture import compile_layers, padded_length, uncompile_layers  # noqa: E402 (the library's)
 
 SHAPES = {
-    "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "32b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=27648, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064),
-    "toy": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=512),
+    "8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "32b": dict(
+        hidden_size=5120,
+        num_hidden_layers=64,
+        intermediate_size=27648,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+    ),
+    "toy": dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
 }
 
 
@@ -105,11 +124,19 @@ def log(msg: str) -> None:
 def params_of(shape: dict) -> dict:
     H, L, I, V = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], shape["vocab_size"]
     hd = H // shape["num_attention_heads"]
-    attn = H * shape["num_attention_heads"] * hd + 2 * H * shape["num_key_value_heads"] * hd \
+    attn = (
+        H * shape["num_attention_heads"] * hd
+        + 2 * H * shape["num_key_value_heads"] * hd
         + shape["num_attention_heads"] * hd * H
+    )
     mlp = 3 * H * I
-    return {"per_layer": attn + mlp, "lm_head": V * H, "embedding": V * H,
-            "non_embedding": L * (attn + mlp) + V * H, "head_dim": hd}
+    return {
+        "per_layer": attn + mlp,
+        "lm_head": V * H,
+        "embedding": V * H,
+        "non_embedding": L * (attn + mlp) + V * H,
+        "head_dim": hd,
+    }
 
 
 def flops_per_token(shape: dict, lengths: list[int]) -> dict:
@@ -117,8 +144,12 @@ def flops_per_token(shape: dict, lengths: list[int]) -> dict:
     p = params_of(shape)
     half = sum(n * n / 2 for n in lengths) / sum(lengths)
     attention = 2 * shape["num_hidden_layers"] * shape["num_attention_heads"] * (2 * p["head_dim"]) * half
-    return {"matmul": 2 * p["non_embedding"], "attention": attention, "total": 2 * p["non_embedding"] + attention,
-            "mean_keys": half}
+    return {
+        "matmul": 2 * p["non_embedding"],
+        "attention": attention,
+        "total": 2 * p["non_embedding"] + attention,
+        "mean_keys": half,
+    }
 
 
 def roofline(shape, lengths, peak_tflops) -> float:
@@ -129,8 +160,13 @@ def roofline(shape, lengths, peak_tflops) -> float:
 def build_target(shape: dict, device, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-                      max_position_embeddings=4096, tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        **shape,
+        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # weights made in their dtype, on the device (a 32B target: 64 GB, not 128)
@@ -198,20 +234,23 @@ class Profile:
             finally:
                 with self.lock:
                     self.sec[key] += time.perf_counter() - t
+
         setattr(owner, name, timed_call)
         return lambda: setattr(owner, name, orig)
 
     @contextlib.contextmanager
     def on(self):
-        undo = [self.wrap(data._ShardWriter, "put", "main: put (waiting on the writer queue)"),
-                self.wrap(data, "_pack", "main: pack (drop padding, storage dtype)"),
-                self.wrap(data._Rows, "__init__", "main: queue the copy to pinned memory"),
-                self.wrap(data._Rows, "wait", "writer: wait for the copy (GPU still busy)"),
-                self.wrap(data._ShardFile, "write", "writer: pwrite rows in place"),
-                self.wrap(data, "sha256_file", "pool: sha256"),
-                self.wrap(os, "fsync", "pool: fsync (beside the sha256)"),
-                self.wrap(os, "fdatasync", "flusher: fdatasync (write-back as rows come)"),
-                self.wrap(data._ShardFile, "finish", "pool: finish (sha256 | fsync, close)")]
+        undo = [
+            self.wrap(data._ShardWriter, "put", "main: put (waiting on the writer queue)"),
+            self.wrap(data, "_pack", "main: pack (drop padding, storage dtype)"),
+            self.wrap(data._Rows, "__init__", "main: queue the copy to pinned memory"),
+            self.wrap(data._Rows, "wait", "writer: wait for the copy (GPU still busy)"),
+            self.wrap(data._ShardFile, "write", "writer: pwrite rows in place"),
+            self.wrap(data, "sha256_file", "pool: sha256"),
+            self.wrap(os, "fsync", "pool: fsync (beside the sha256)"),
+            self.wrap(os, "fdatasync", "flusher: fdatasync (write-back as rows come)"),
+            self.wrap(data._ShardFile, "finish", "pool: finish (sha256 | fsync, close)"),
+        ]
         finish = data._ShardFile.finish
 
         def finished(shard):
@@ -219,6 +258,7 @@ class Profile:
             with self.lock:
                 self.finished.append((time.perf_counter(), shard.tokens))
             return out
+
         data._ShardFile.finish = finished
         undo.append(lambda: setattr(data._ShardFile, "finish", finish))
         try:
@@ -265,6 +305,7 @@ def host_ceilings(device, work: Path) -> dict:
 # ---- the compiled lever ----------------------------------------------------------------------------
 def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])
 
 
@@ -283,6 +324,7 @@ def padded_inputs(model, multiple: int, top: int):
             if attention_mask is not None:
                 attention_mask = torch.nn.functional.pad(attention_mask, (0, P - T))
         return inner(input_ids=input_ids, attention_mask=attention_mask, **kw)
+
     model.forward = forward
     try:
         yield
@@ -294,8 +336,8 @@ def mix_batches(mix, B, window) -> list[list[int]]:
     """The lengths of each batch write_features(by_length=True) makes of these lengths."""
     out = []
     for w0 in range(0, len(mix), window):
-        group = sorted(mix[w0: w0 + window], reverse=True)
-        out += [group[b: b + B] for b in range(0, len(group), B)]
+        group = sorted(mix[w0 : w0 + window], reverse=True)
+        out += [group[b : b + B] for b in range(0, len(group), B)]
     return out
 
 
@@ -321,11 +363,11 @@ def exact_featurizer(H: int, vocab: int, device):
         T = max(len(s.tokens) for s in batch)
         ids = torch.zeros(len(batch), T, dtype=torch.long)
         for i, s in enumerate(batch):
-            ids[i, :len(s.tokens)] = torch.tensor(s.tokens)
+            ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
         ids = ids.to(device)
         x = table[ids] * pos[:T]
         arg = (ids * 7 + torch.arange(T, device=device)) % vocab
-        return x[..., : 3 * H], x[..., 3 * H:], arg
+        return x[..., : 3 * H], x[..., 3 * H :], arg
 
     return featurize
 
@@ -349,13 +391,13 @@ def check_pipeline(device, work: Path) -> dict:
 def check_numerics(model, shape, device, mix) -> dict:
     """The head's greedy choice in three precisions, and the capture without a mask vs with."""
     aux = aux_ids(shape)
-    seqs = make_sequences(sorted(mix, reverse=True)[::max(1, len(mix) // 8)][:8], shape["vocab_size"], seed=5)
+    seqs = make_sequences(sorted(mix, reverse=True)[:: max(1, len(mix) // 8)][:8], shape["vocab_size"], seed=5)
     T = max(len(s.tokens) for s in seqs)
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
     mask = torch.zeros(len(seqs), T, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, :len(s.tokens)] = torch.tensor(s.tokens)
-        mask[i, :len(s.tokens)] = 1
+        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        mask[i, : len(s.tokens)] = 1
     ids, mask = ids.to(device), mask.to(device)
     valid = mask.bool()
     a0, f0 = capture_features(model, ids, mask, aux)
@@ -364,7 +406,7 @@ def check_numerics(model, shape, device, mix) -> dict:
     a2, f2 = torch.zeros_like(a1), torch.zeros_like(f1)
     for i, s in enumerate(seqs):
         n = len(s.tokens)
-        x, y = capture_features(model, ids[i:i + 1, :n], None, aux)
+        x, y = capture_features(model, ids[i : i + 1, :n], None, aux)
         a2[i, :n], f2[i, :n] = x[0], y[0]
     rel = lambda x, y: float((x[valid].float() - y[valid].float()).norm() / y[valid].float().norm())  # noqa: E731
     head = greedy_head(model)
@@ -374,22 +416,28 @@ def check_numerics(model, shape, device, mix) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         w32 = w.float()
-        exact = torch.cat([(fv[r:r + 1024].float() @ w32.t()).argmax(-1) for r in range(0, len(fv), 1024)])
+        exact = torch.cat([(fv[r : r + 1024].float() @ w32.t()).argmax(-1) for r in range(0, len(fv), 1024)])
         del w32
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
-    bf16 = torch.cat([(fv[r:r + 1024] @ w.t()).argmax(-1) for r in range(0, len(fv), 1024)])
+    bf16 = torch.cat([(fv[r : r + 1024] @ w.t()).argmax(-1) for r in range(0, len(fv), 1024)])
     masked_arg = greedy_choice(f0, head)[valid]
     alone_arg = greedy_choice(f2, head)[valid]
-    return {"tokens": int(valid.sum()), "head_impl": "bf16 x bf16 -> float32 (torch.mm out_dtype)"
-            if head.dtype != torch.float32 else "float32 (tf32 for bf16 states)",
-            "greedy_agree_fast_vs_float32": float((fast == exact).float().mean()),
-            "greedy_agree_bf16_logits_vs_float32": float((bf16 == exact).float().mean()),
-            "no_mask_vs_mask_rel_diff_aux": rel(a1, a0), "no_mask_vs_mask_rel_diff_final": rel(f1, f0),
-            "no_mask_vs_mask_greedy_agree": float((fast == masked_arg).float().mean()),
-            "alone_vs_mask_rel_diff_final": rel(f2, f0), "alone_vs_no_mask_rel_diff_final": rel(f2, f1),
-            "alone_vs_mask_greedy_agree": float((alone_arg == masked_arg).float().mean()),
-            "alone_vs_no_mask_greedy_agree": float((alone_arg == fast).float().mean())}
+    return {
+        "tokens": int(valid.sum()),
+        "head_impl": "bf16 x bf16 -> float32 (torch.mm out_dtype)"
+        if head.dtype != torch.float32
+        else "float32 (tf32 for bf16 states)",
+        "greedy_agree_fast_vs_float32": float((fast == exact).float().mean()),
+        "greedy_agree_bf16_logits_vs_float32": float((bf16 == exact).float().mean()),
+        "no_mask_vs_mask_rel_diff_aux": rel(a1, a0),
+        "no_mask_vs_mask_rel_diff_final": rel(f1, f0),
+        "no_mask_vs_mask_greedy_agree": float((fast == masked_arg).float().mean()),
+        "alone_vs_mask_rel_diff_final": rel(f2, f0),
+        "alone_vs_no_mask_rel_diff_final": rel(f2, f1),
+        "alone_vs_mask_greedy_agree": float((alone_arg == masked_arg).float().mean()),
+        "alone_vs_no_mask_greedy_agree": float((alone_arg == fast).float().mean()),
+    }
 
 
 # ---- one shape --------------------------------------------------------------------------------------
@@ -399,14 +447,21 @@ def run_shape(name: str, a, device, work: Path, left=lambda: math.inf, save=lamb
     dtype = capture_dtype(device)
     t = time.perf_counter()
     model = build_target(shape, device, dtype)
-    log(f"[{name}] built in {time.perf_counter() - t:.1f} s ({params_of(shape)['non_embedding'] / 1e9:.2f}B "
-        f"non-embedding params, {dtype})")
+    log(
+        f"[{name}] built in {time.perf_counter() - t:.1f} s ({params_of(shape)['non_embedding'] / 1e9:.2f}B "
+        f"non-embedding params, {dtype})"
+    )
     B, T = a.batch, a.seq
     fixed = [T] * (B * a.write_batches)
     mix = length_mix(a.mix_samples, a.mix_mean, T)
-    res = {"shape": {**shape, "head_dim": params_of(shape)["head_dim"]}, "aux_layer_ids": aux_ids(shape),
-           "params": params_of(shape), "flops_per_token": flops_per_token(shape, [T]),
-           "roofline_tok_s": roofline(shape, [T], a.peak_tflops), "target_dtype": str(dtype).removeprefix("torch.")}
+    res = {
+        "shape": {**shape, "head_dim": params_of(shape)["head_dim"]},
+        "aux_layer_ids": aux_ids(shape),
+        "params": params_of(shape),
+        "flops_per_token": flops_per_token(shape, [T]),
+        "roofline_tok_s": roofline(shape, [T], a.peak_tflops),
+        "target_dtype": str(dtype).removeprefix("torch."),
+    }
     roof = res["roofline_tok_s"]
     save(res)
 
@@ -456,9 +511,18 @@ def run_shape(name: str, a, device, work: Path, left=lambda: math.inf, save=lamb
         prof, queued = Profile(), []
         with prof.on():
             t = time.perf_counter()
-            index = write_features(out, seqs, fz, meta={"aux_layer_ids": aux_ids(shape)},
-                                   shard_samples=a.shard_samples, batch_size=B, dtype=dtype_s, by_length=True,
-                                   writers=a.writers, progress=lambda n: queued.append(time.perf_counter()))
+            index = write_features(
+                out,
+                seqs,
+                fz,
+                meta={"aux_layer_ids": aux_ids(shape)},
+                shard_samples=a.shard_samples,
+                batch_size=B,
+                dtype=dtype_s,
+                by_length=True,
+                writers=a.writers,
+                progress=lambda n: queued.append(time.perf_counter()),
+            )
             sec = time.perf_counter() - t
         nbytes = folder_bytes(out)
         if a.verify_read:
@@ -473,18 +537,32 @@ def run_shape(name: str, a, device, work: Path, left=lambda: math.inf, save=lamb
         later = [(te, n) for te, n in ends if te > ends[0][0] + 0.05]
         spread = later[-1][0] - ends[0][0] if later else 0.0  # none when all complete at once (one window)
         steady = sum(n for _, n in later) / spread if spread > 0.3 * sec else None
-        e = entry(tokens / sec, r, seconds=sec, seconds_after_last_batch=t + sec - queued[-1], tokens=tokens,
-                  samples=len(seqs), bytes=nbytes, MB_s=nbytes / sec / 1e6, dtype=dtype_s,
-                  bytes_per_token=index["bytes_per_token"], shards=len(ends),
-                  steady_tok_s=steady, steady_fraction_of_roofline=steady / r if steady else None,
-                  profile_seconds={k: round(v, 3) for k, v in sorted(prof.sec.items())})
-        log(f"[{name}] {tag}write {key:5s} {dtype_s:9s} {tokens / sec:9.0f} tok/s  {tokens / sec / r:6.1%}  "
-            f"{nbytes / sec / 1e6:7.0f} MB/s  ({sec:.1f} s, {tokens} tokens, tail {e['seconds_after_last_batch']:.1f} s; "
-            f"steady {e['steady_fraction_of_roofline'] or 0:.1%})")
+        e = entry(
+            tokens / sec,
+            r,
+            seconds=sec,
+            seconds_after_last_batch=t + sec - queued[-1],
+            tokens=tokens,
+            samples=len(seqs),
+            bytes=nbytes,
+            MB_s=nbytes / sec / 1e6,
+            dtype=dtype_s,
+            bytes_per_token=index["bytes_per_token"],
+            shards=len(ends),
+            steady_tok_s=steady,
+            steady_fraction_of_roofline=steady / r if steady else None,
+            profile_seconds={k: round(v, 3) for k, v in sorted(prof.sec.items())},
+        )
+        log(
+            f"[{name}] {tag}write {key:5s} {dtype_s:9s} {tokens / sec:9.0f} tok/s  {tokens / sec / r:6.1%}  "
+            f"{nbytes / sec / 1e6:7.0f} MB/s  ({sec:.1f} s, {tokens} tokens, "
+            f"tail {e['seconds_after_last_batch']:.1f} s; "
+            f"steady {e['steady_fraction_of_roofline'] or 0:.1%})"
+        )
         log(f"          profile: {json.dumps(e['profile_seconds'])}")
         return e
 
-    def write_need(tokens, rate):   # seconds: the capture's rate, 1.6x for the writer, its tail
+    def write_need(tokens, rate):  # seconds: the capture's rate, 1.6x for the writer, its tail
         return 1.6 * tokens / rate + 5.0
 
     cap_rate = res["capture"]["tok_s"]
@@ -498,38 +576,81 @@ def run_shape(name: str, a, device, work: Path, left=lambda: math.inf, save=lamb
     window = -(-max(a.shard_samples, 16 * B) // a.shard_samples) * a.shard_samples  # write_features' default
     sorted_pad = 0
     for w0 in range(0, len(mix), window):
-        group = sorted(mix[w0: w0 + window], reverse=True)
-        sorted_pad += sum(max(group[b: b + B]) * len(group[b: b + B]) for b in range(0, len(group), B))
-    unsorted_pad = sum(max(mix[b: b + B]) * len(mix[b: b + B]) for b in range(0, len(mix), B))
-    res["mix"] = {"samples": len(mix), "mean_tokens": sum(mix) / len(mix), "max_tokens": max(mix),
-                  "min_tokens": min(mix), "roofline_tok_s": mix_roof,
-                  "flops_per_token": flops_per_token(shape, mix),
-                  "padding_fraction_input_order": 1 - sum(mix) / unsorted_pad,
-                  "padding_fraction_by_length": 1 - sum(mix) / sorted_pad, "sort_window": window}
+        group = sorted(mix[w0 : w0 + window], reverse=True)
+        sorted_pad += sum(max(group[b : b + B]) * len(group[b : b + B]) for b in range(0, len(group), B))
+    unsorted_pad = sum(max(mix[b : b + B]) * len(mix[b : b + B]) for b in range(0, len(mix), B))
+    res["mix"] = {
+        "samples": len(mix),
+        "mean_tokens": sum(mix) / len(mix),
+        "max_tokens": max(mix),
+        "min_tokens": min(mix),
+        "roofline_tok_s": mix_roof,
+        "flops_per_token": flops_per_token(shape, mix),
+        "padding_fraction_input_order": 1 - sum(mix) / unsorted_pad,
+        "padding_fraction_by_length": 1 - sum(mix) / sorted_pad,
+        "sort_window": window,
+    }
     if room("mix capture_write", write_need(sorted_pad, cap_rate)):
         res["mix"]["capture_write"] = write(mix, "bfloat16", "mix", mix_roof)
     save(res)
     if torch.device(device).type == "cuda" and room("checks", 20.0):
         res["checks"] = check_numerics(model, shape, device, mix)
         log(f"[{name}] checks: {json.dumps(res['checks'])}")
-        res["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        res["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         save(res)
     if a.compile:
-        run_compiled(name, a, model, shape, device, res, capture, write, entry, room, save, fixed, mix,
-                     window, sorted_pad, cap_rate, write_need)
+        run_compiled(
+            name,
+            a,
+            model,
+            shape,
+            device,
+            res,
+            capture,
+            write,
+            entry,
+            room,
+            save,
+            fixed,
+            mix,
+            window,
+            sorted_pad,
+            cap_rate,
+            write_need,
+        )
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return res
 
 
-def run_compiled(name, a, model, shape, device, res, capture, write, entry, room, save, fixed, mix, window,
-                 sorted_pad, cap_rate, write_need) -> None:
+def run_compiled(
+    name,
+    a,
+    model,
+    shape,
+    device,
+    res,
+    capture,
+    write,
+    entry,
+    room,
+    save,
+    fixed,
+    mix,
+    window,
+    sorted_pad,
+    cap_rate,
+    write_need,
+) -> None:
     """The --compile lever: capture, capture_write and mix capture_write with each decoder layer's
     forward compiled (dynamic=False), into res["compiled"]; the eager rows stay as measured."""
     B, T, roof = a.batch, a.seq, res["roofline_tok_s"]
-    c = res["compiled"] = {"mode": a.compile_mode, "dynamic": False, "what": "each decoder layer's forward "
-                           "(hooks outside the compiled code; one graph shared by the layers)",
-                           "mix_pad_multiple": a.compile_pad}
+    c = res["compiled"] = {
+        "mode": a.compile_mode,
+        "dynamic": False,
+        "what": "each decoder layer's forward (hooks outside the compiled code; one graph shared by the layers)",
+        "mix_pad_multiple": a.compile_pad,
+    }
     # a first compile: minutes on a cold cache at an 8B/32B shape (one layer graph, its kernels)
     if not room("compiled", 60.0 + 2.5 * a.iters * B * T / cap_rate):
         c["skipped"] = "budget"
@@ -547,8 +668,10 @@ def run_compiled(name, a, model, shape, device, res, capture, write, entry, room
             save(res)
             sec = timed(lambda: capture(fz), device, 1, 1) / a.iters
             c["capture"] = entry(B * T / sec, seconds_per_batch=sec)
-            log(f"[{name}] compiled capture {B * T / sec:9.0f} tok/s  {B * T / sec / roof:6.1%} "
-                f"(eager {res['capture']['fraction_of_roofline']:.1%})")
+            log(
+                f"[{name}] compiled capture {B * T / sec:9.0f} tok/s  {B * T / sec / roof:6.1%} "
+                f"(eager {res['capture']['fraction_of_roofline']:.1%})"
+            )
             save(res)
             rate = c["capture"]["tok_s"]
             g = compiled_graphs()
@@ -570,13 +693,17 @@ def run_compiled(name, a, model, shape, device, res, capture, write, entry, room
                 padded = sum(len(g) * padded_length(max(g), a.compile_pad, T) for g in mix_batches(mix, B, window))
                 if room("compiled mix capture_write", write_need(padded, rate)):
                     g = compiled_graphs()
-                    c["mix"] = {"capture_write": write(mix, "bfloat16", "mix", res["mix"]["roofline_tok_s"], fz=fz,
-                                                       tag="compiled "),
-                                "padding_fraction_padded": 1 - sum(mix) / padded,
-                                "graphs_compiled_in_timed_rows": compiled_graphs() - g}
+                    c["mix"] = {
+                        "capture_write": write(
+                            mix, "bfloat16", "mix", res["mix"]["roofline_tok_s"], fz=fz, tag="compiled "
+                        ),
+                        "padding_fraction_padded": 1 - sum(mix) / padded,
+                        "graphs_compiled_in_timed_rows": compiled_graphs() - g,
+                    }
             save(res)
     except Exception as e:  # the lever failing must not cost the eager rows
         import traceback
+
         c["failed"] = repr(e)[:500]
         log(f"[{name}] compiled: FAILED {e!r}\n{traceback.format_exc()[-2000:]}")
     finally:
@@ -609,14 +736,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--dir", type=Path, default=None, help="where the shards are written (a disk)")
     ap.add_argument("--verify-read", action="store_true", help="read a sample of each folder back")
-    ap.add_argument("--compile", action="store_true", help="also the capture rows with each decoder layer's "
-                    "forward compiled by torch.compile (beside the eager rows, under each shape's 'compiled')")
-    ap.add_argument("--compile-mode", default="default", help="torch.compile mode: default, reduce-overhead, "
-                    "max-autotune-no-cudagraphs, max-autotune")
-    ap.add_argument("--compile-pad", type=int, default=128, help="compiled: the mix's batches right-padded to a "
-                    "multiple of this many tokens (bounded recompiles; 0: none, one compile per length)")
-    ap.add_argument("--budget-s", type=float, default=None, help="wall budget: rows that no longer fit are "
-                    "skipped (default 540 on CUDA, none on the CPU)")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the capture rows with each decoder layer's "
+        "forward compiled by torch.compile (beside the eager rows, under each shape's 'compiled')",
+    )
+    ap.add_argument(
+        "--compile-mode",
+        default="default",
+        help="torch.compile mode: default, reduce-overhead, max-autotune-no-cudagraphs, max-autotune",
+    )
+    ap.add_argument(
+        "--compile-pad",
+        type=int,
+        default=128,
+        help="compiled: the mix's batches right-padded to a "
+        "multiple of this many tokens (bounded recompiles; 0: none, one compile per length)",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall budget: rows that no longer fit are skipped (default 540 on CUDA, none on the CPU)",
+    )
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     if a.toy:
@@ -628,21 +771,42 @@ def main(argv=None) -> dict:
 
     def left():
         return a.budget_s - (time.perf_counter() - t0)
+
     work = Path(tempfile.mkdtemp(prefix="bench-capture.", dir=a.dir))
-    res = {"date": datetime.date.today().isoformat(),
-           "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-           "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                        "transformers": __import__("transformers").__version__,
-                        "safetensors": __import__("safetensors").__version__},
-           "config": {"batch": a.batch, "seq": a.seq, "iters": a.iters, "write_batches": a.write_batches,
-                      "mix_samples": a.mix_samples, "mix_mean": a.mix_mean, "shard_samples": a.shard_samples,
-                      "writers": a.writers or max(1, min(4, (os.cpu_count() or 1) // 4)),
-                      "cpu_count": os.cpu_count(), "peak_tflops": a.peak_tflops, "dir": str(work),
-                      "attention": "sdpa", "aux_convention": "vllm",
-                      "budget_s": a.budget_s if math.isfinite(a.budget_s) else None,
-                      "compile": a.compile and {"mode": a.compile_mode, "dynamic": False, "mix_pad_multiple":
-                                                a.compile_pad, "what": "each decoder layer's forward"}},
-           "shapes": {}}
+    res = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "transformers": __import__("transformers").__version__,
+            "safetensors": __import__("safetensors").__version__,
+        },
+        "config": {
+            "batch": a.batch,
+            "seq": a.seq,
+            "iters": a.iters,
+            "write_batches": a.write_batches,
+            "mix_samples": a.mix_samples,
+            "mix_mean": a.mix_mean,
+            "shard_samples": a.shard_samples,
+            "writers": a.writers or max(1, min(4, (os.cpu_count() or 1) // 4)),
+            "cpu_count": os.cpu_count(),
+            "peak_tflops": a.peak_tflops,
+            "dir": str(work),
+            "attention": "sdpa",
+            "aux_convention": "vllm",
+            "budget_s": a.budget_s if math.isfinite(a.budget_s) else None,
+            "compile": a.compile
+            and {
+                "mode": a.compile_mode,
+                "dynamic": False,
+                "mix_pad_multiple": a.compile_pad,
+                "what": "each decoder layer's forward",
+            },
+        },
+        "shapes": {},
+    }
     try:
         res["host"] = host_ceilings(device, work)
         log(f"host: {json.dumps(res['host'])}")
@@ -660,6 +824,7 @@ def main(argv=None) -> dict:
                 res["shapes"][name] = r
                 res["wall_s"] = time.perf_counter() - t0
                 dump(a.out, res)
+
             res["shapes"][name] = run_shape(name, a, device, work, left, save)
             res["wall_s"] = time.perf_counter() - t0
             dump(a.out, res)
@@ -676,15 +841,20 @@ def main(argv=None) -> dict:
 
     def line(n, s):
         w = s.get("capture_write") or {}
-        out = (f"{n}: forward {frac(s.get('forward'))}, capture {frac(s.get('capture'))}, "
-               f"capture+write {frac(w)} ({w.get('MB_s', 0):.0f} MB/s), fp8 {frac(s.get('capture_write_fp8'))}, "
-               f"mix {frac((s.get('mix') or {}).get('capture_write'))}")
+        out = (
+            f"{n}: forward {frac(s.get('forward'))}, capture {frac(s.get('capture'))}, "
+            f"capture+write {frac(w)} ({w.get('MB_s', 0):.0f} MB/s), fp8 {frac(s.get('capture_write_fp8'))}, "
+            f"mix {frac((s.get('mix') or {}).get('capture_write'))}"
+        )
         c = s.get("compiled")
         if c:
-            out += (f"; compiled: capture {frac(c.get('capture'))}, capture+write {frac(c.get('capture_write'))}, "
-                    f"mix {frac((c.get('mix') or {}).get('capture_write'))}, compile {c.get('warmup_s') or 0:.0f} s "
-                    f"+ mix {c.get('mix_warmup_s') or 0:.0f} s")
+            out += (
+                f"; compiled: capture {frac(c.get('capture'))}, capture+write {frac(c.get('capture_write'))}, "
+                f"mix {frac((c.get('mix') or {}).get('capture_write'))}, compile {c.get('warmup_s') or 0:.0f} s "
+                f"+ mix {c.get('mix_warmup_s') or 0:.0f} s"
+            )
         return out
+
     log("summary: " + "; ".join(line(n, s) for n, s in res["shapes"].items()) + f"; wall {res['wall_s']:.0f} s")
     return res
 

@@ -72,8 +72,10 @@ def main() -> None:
         build_s = time.perf_counter() - t
         sizes = {p.parent.name: p.stat().st_size / 1e9 for p in (src / "model.safetensors", dst / "model.safetensors")}
         on_disk = sum(p.stat().st_blocks * 512 for p in root.rglob("*.safetensors")) / 1e6
-        print(f"built in {build_s * 1000:.0f} ms: src {sizes['k2']:.2f} GB, dst {sizes['k25']:.2f} GB "
-              f"(sparse: {on_disk:.1f} MB on disk)")
+        print(
+            f"built in {build_s * 1000:.0f} ms: src {sizes['k2']:.2f} GB, dst {sizes['k25']:.2f} GB "
+            f"(sparse: {on_disk:.1f} MB on disk)"
+        )
 
         # Children's peak RSS is a running maximum, so measure compare before anything bigger runs.
         walls = []
@@ -83,20 +85,28 @@ def main() -> None:
         rep = json.loads(res.stdout)
         rss_compare = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         table_walls = [timed(draftport_cmd() + ["compare", str(src), str(dst)])[0] for _ in range(args.repeat)]
-        print(f"draftport compare --json : wall median {statistics.median(walls):.3f} s, "
-              f"min {min(walls):.3f} s, max {max(walls):.3f} s over {args.repeat} runs; "
-              f"peak RSS {rss_compare:.0f} MB")
-        print(f"draftport compare (table): wall median {statistics.median(table_walls):.3f} s, "
-              f"max {max(table_walls):.3f} s")
-        print(f"  report: compatible={rep['verdict']['compatible_architecture']}, "
-              f"positions_differ={rep['vocab']['positions_differ']}, overlap={rep['vocab']['overlap']}")
+        print(
+            f"draftport compare --json : wall median {statistics.median(walls):.3f} s, "
+            f"min {min(walls):.3f} s, max {max(walls):.3f} s over {args.repeat} runs; "
+            f"peak RSS {rss_compare:.0f} MB"
+        )
+        print(
+            f"draftport compare (table): wall median {statistics.median(table_walls):.3f} s, "
+            f"max {max(table_walls):.3f} s"
+        )
+        print(
+            f"  report: compatible={rep['verdict']['compatible_architecture']}, "
+            f"positions_differ={rep['vocab']['positions_differ']}, overlap={rep['vocab']['overlap']}"
+        )
 
         wall, res = timed([sys.executable, "-c", LOAD, str(dst / "model.safetensors")])
         load = json.loads(res.stdout)
-        print(f"safetensors load_file(dst): import torch+safetensors {load['import_s']:.2f} s, "
-              f"load_file {load['load_s']:.2f} s, copy into memory {load['materialize_s']:.2f} s, "
-              f"{wall:.2f} s wall; {load['bytes'] / 1e9:.2f} GB of tensors, peak RSS "
-              f"{load['maxrss_mb']:.0f} MB (file holes: a lower bound, no disk reads)")
+        print(
+            f"safetensors load_file(dst): import torch+safetensors {load['import_s']:.2f} s, "
+            f"load_file {load['load_s']:.2f} s, copy into memory {load['materialize_s']:.2f} s, "
+            f"{wall:.2f} s wall; {load['bytes'] / 1e9:.2f} GB of tensors, peak RSS "
+            f"{load['maxrss_mb']:.0f} MB (file holes: a lower bound, no disk reads)"
+        )
         print(f"compare / load wall: {statistics.median(walls) / wall:.3f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

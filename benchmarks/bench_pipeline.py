@@ -55,16 +55,30 @@ def main() -> None:
     repo = work / "repo"
     if repo.exists():
         shutil.rmtree(repo)
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for f in filter(None, files):
         if (ROOT / f).is_file():
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, repo / f)
     log = work / "bench.log"
     log.write_text("")
-    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b",
-           "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@b"}
+    env = {
+        **os.environ,
+        "DVC_NO_ANALYTICS": "1",
+        "GIT_AUTHOR_NAME": "b",
+        "GIT_AUTHOR_EMAIL": "b@b",
+        "GIT_COMMITTER_NAME": "b",
+        "GIT_COMMITTER_EMAIL": "b@b",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("OMP_NUM_THREADS", None)
     sh(["git", "init", "-q"], repo, env, log)
@@ -84,14 +98,20 @@ def main() -> None:
     sh(["git", "commit", "-qm", "bench"], repo, env, log)
 
     smk, dvc = str(bin_dir / "snakemake"), str(bin_dir / "dvc")
-    figures[f"snakemake --cores {a.cores} phase1 (fresh)"], _ = sh([smk, "--cores", str(a.cores), "phase1"], repo, env, log)
-    figures[f"snakemake --cores {a.cores} phase1 (again, nothing to do)"], _ = sh([smk, "--cores", str(a.cores), "phase1"], repo, env, log)
+    figures[f"snakemake --cores {a.cores} phase1 (fresh)"], _ = sh(
+        [smk, "--cores", str(a.cores), "phase1"], repo, env, log
+    )
+    figures[f"snakemake --cores {a.cores} phase1 (again, nothing to do)"], _ = sh(
+        [smk, "--cores", str(a.cores), "phase1"], repo, env, log
+    )
     figures["snakemake -n phase1"], _ = sh([smk, "-n", "phase1"], repo, env, log)
     figures["dvc status eval_phase1"], r = sh([dvc, "status", "eval_phase1"], repo, env, log)
     clean = "up to date" in r.stdout
     figures["dvc repro eval_phase1 (nothing changed)"], _ = sh([dvc, "repro", "eval_phase1"], repo, env, log)
     if a.phase2:
-        figures[f"snakemake --cores {a.cores} all (phase2 + report)"], _ = sh([smk, "--cores", str(a.cores), "all"], repo, env, log)
+        figures[f"snakemake --cores {a.cores} all (phase2 + report)"], _ = sh(
+            [smk, "--cores", str(a.cores), "all"], repo, env, log
+        )
         figures["dvc repro (nothing changed, all stages)"], _ = sh([dvc, "repro"], repo, env, log)
 
     steps, seconds = {}, {}
@@ -101,8 +121,10 @@ def main() -> None:
             steps[d.name] = json.loads(m.read_text())
             t = repo / "logs" / f"{d.name}.json"  # the runner keeps times out of artifacts/
             seconds[d.name] = json.loads(t.read_text())["seconds"] if t.is_file() else None
-    print(f"\nfigures ({os.cpu_count()} CPUs, --cores {a.cores}, load average at the end "
-          f"{os.getloadavg()[0]:.1f}; log: {log})")
+    print(
+        f"\nfigures ({os.cpu_count()} CPUs, --cores {a.cores}, load average at the end "
+        f"{os.getloadavg()[0]:.1f}; log: {log})"
+    )
     print(f"  {'':<55} {'wall':>8}   {'CPU (user+sys)':>14}")
     for k, (wall, cpu) in figures.items():
         print(f"  {k:<55} {wall:8.1f} s {cpu:12.1f} s")
@@ -112,8 +134,10 @@ def main() -> None:
     for ph in ("phase0", "phase1_scratch", "phase1", "phase2"):
         if f"eval_{ph}" in steps:
             m = steps[f"eval_{ph}"]
-            print(f"  {ph:<16} tau {m['accept_length']:.3f}  projected {m['projected_tok_s']:.1f} tok/s "
-                  f"(break-even tau {m['break_even_accept_length']:.2f})")
+            print(
+                f"  {ph:<16} tau {m['accept_length']:.3f}  projected {m['projected_tok_s']:.1f} tok/s "
+                f"(break-even tau {m['break_even_accept_length']:.2f})"
+            )
     if "source_on_old_accept_length" in steps.get("eval_phase0", {}):
         print(f"  source on the old target: tau {steps['eval_phase0']['source_on_old_accept_length']:.3f}")
     if not a.keep:

@@ -50,18 +50,36 @@ def run_plan(a, cfg_files: list[str], log) -> dict:
     tracking = importlib.util.find_spec("mlflow") is not None and not a.no_tracking
     if runner == "snakemake":
         # the target first: --resources takes every word after it
-        cmd = [smk or "snakemake", "all", *sum((["--configfile", f] for f in cfg_files), []), "--cores", str(a.cores),
-               "--resources", "gpu=1"]
+        cmd = [
+            smk or "snakemake",
+            "all",
+            *sum((["--configfile", f] for f in cfg_files), []),
+            "--cores",
+            str(a.cores),
+            "--resources",
+            "gpu=1",
+        ]
     else:
-        cmd = [sys.executable, "-m", "draftport.pipeline.local", "all", *sum((["--configfile", f] for f in cfg_files), [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "draftport.pipeline.local",
+            "all",
+            *sum((["--configfile", f] for f in cfg_files), []),
+        ]
         if not tracking:
             cmd.append("--no-tracking")
     log(f"plan: {' '.join(cmd)}")
     env = {**os.environ, **({} if tracking else {"DRAFTPORT_TRACKING": "off"})}
     t0 = time.time()
     rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
-    return {"runner": runner, "command": " ".join(cmd), "tracking": tracking, "seconds": round(time.time() - t0, 1),
-            "rc": rc}
+    return {
+        "runner": runner,
+        "command": " ".join(cmd),
+        "tracking": tracking,
+        "seconds": round(time.time() - t0, 1),
+        "rc": rc,
+    }
 
 
 def read_json(path: Path):
@@ -104,8 +122,11 @@ def _runs(timing: dict) -> list[dict]:
 
 
 def training_rates(steps: dict) -> dict:
-    return {s: steps[s]["timing"]["train"] for s in TRAIN_STEPS
-            if steps.get(s, {}).get("ran") and isinstance(steps[s]["timing"].get("train"), dict)}
+    return {
+        s: steps[s]["timing"]["train"]
+        for s in TRAIN_STEPS
+        if steps.get(s, {}).get("ran") and isinstance(steps[s]["timing"].get("train"), dict)
+    }
 
 
 def capture_rates(cfg: dict, steps: dict, peak_tflops: float) -> dict:
@@ -125,9 +146,13 @@ def capture_rates(cfg: dict, steps: dict, peak_tflops: float) -> dict:
         for name, t in steps[s]["timing"].items():
             if not isinstance(t, dict) or "capture" not in t or not t.get("samples"):
                 continue
-            tokens = (m.get(name) or {}).get("tokens")   # metrics.json: per folder the step wrote
-            rec = {"samples": t["samples"], "capture_s": t["capture"], "regenerate_s": t.get("regenerate"),
-                   "tokens": tokens}
+            tokens = (m.get(name) or {}).get("tokens")  # metrics.json: per folder the step wrote
+            rec = {
+                "samples": t["samples"],
+                "capture_s": t["capture"],
+                "regenerate_s": t.get("regenerate"),
+                "tokens": tokens,
+            }
             if tokens and t["capture"]:
                 rec["tok_s"] = tokens / t["capture"]
                 if shape is not None:
@@ -153,8 +178,18 @@ def drafter_shape_arg() -> str | None:
     if c is None:
         return None
     hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return ",".join(str(v) for v in (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
-                                     c["num_key_value_heads"], hd, c["draft_vocab_size"], c["vocab_size"]))
+    return ",".join(
+        str(v)
+        for v in (
+            c["hidden_size"],
+            c["intermediate_size"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            hd,
+            c["draft_vocab_size"],
+            c["vocab_size"],
+        )
+    )
 
 
 def run_bench(a, cfg: dict, out_dir: Path, log) -> dict | None:
@@ -164,10 +199,28 @@ def run_bench(a, cfg: dict, out_dir: Path, log) -> dict | None:
     T = packed_row_tokens(cfg)
     tr = cfg["phase2"]["train"]
     path = out_dir / "bench_train.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train_h200.py"), "--shape", shape, "--seqs", str(T),
-           "--ttt", str(tr["ttt_steps"]), "--lm-head", "trainable", "--no-peers", "--no-levers", "--mix", "0",
-           "--attn-backend", tr.get("fast", {}).get("attention", "flash"), "--json", str(path),
-           "--budget-s", str(a.bench_s)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_train_h200.py"),
+        "--shape",
+        shape,
+        "--seqs",
+        str(T),
+        "--ttt",
+        str(tr["ttt_steps"]),
+        "--lm-head",
+        "trainable",
+        "--no-peers",
+        "--no-levers",
+        "--mix",
+        "0",
+        "--attn-backend",
+        tr.get("fast", {}).get("attention", "flash"),
+        "--json",
+        str(path),
+        "--budget-s",
+        str(a.bench_s),
+    ]
     log(f"bench: {' '.join(cmd)}")
     t0 = time.time()
     rc = subprocess.run(cmd, cwd=ROOT).returncode
@@ -175,14 +228,25 @@ def run_bench(a, cfg: dict, out_dir: Path, log) -> dict | None:
     row = None
     if res:
         row = ((res.get("by_length") or {}).get(str(T)) or {}).get("ours", {}).get("trainable_stored")
-    return {"command": " ".join(cmd), "rc": rc, "seconds": round(time.time() - t0, 1), "seq": T, "shape": shape,
-            "real_tokens_per_s": (row or {}).get("real_tokens_per_s"), "mfu": (row or {}).get("mfu")}
+    return {
+        "command": " ".join(cmd),
+        "rc": rc,
+        "seconds": round(time.time() - t0, 1),
+        "seq": T,
+        "shape": shape,
+        "real_tokens_per_s": (row or {}).get("real_tokens_per_s"),
+        "mfu": (row or {}).get("mfu"),
+    }
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configfile", action="append", default=None, help="profile(s) layered on params.yaml "
-                    "(default configs/gpu.yaml)")
+    ap.add_argument(
+        "--configfile",
+        action="append",
+        default=None,
+        help="profile(s) layered on params.yaml (default configs/gpu.yaml)",
+    )
     ap.add_argument("--cores", type=int, default=16)
     ap.add_argument("--runner", choices=("auto", "snakemake", "local"), default="auto")
     ap.add_argument("--no-tracking", action="store_true", help="no MLflow runs (also when mlflow is missing)")
@@ -206,14 +270,20 @@ def main(argv=None) -> dict:
 
     plan = run_plan(a, files, log)
     steps = steps_record(cfg)
-    res = {"date": str(datetime.date.today()), "gpu": gpu, "profile": files, "plan": plan,
-           "steps": {k: {kk: vv for kk, vv in v.items() if kk != "timing"} for k, v in steps.items()},
-           "training": training_rates(steps), "capture": capture_rates(cfg, steps, a.peak_tflops),
-           "decision": (read_json(ROOT / "artifacts" / "decision" / "decision.json") or {}).get("recommendation")}
+    res = {
+        "date": str(datetime.date.today()),
+        "gpu": gpu,
+        "profile": files,
+        "plan": plan,
+        "steps": {k: {kk: vv for kk, vv in v.items() if kk != "timing"} for k, v in steps.items()},
+        "training": training_rates(steps),
+        "capture": capture_rates(cfg, steps, a.peak_tflops),
+        "decision": (read_json(ROOT / "artifacts" / "decision" / "decision.json") or {}).get("recommendation"),
+    }
     if not a.no_bench and plan["rc"] == 0:
         res["bench"] = run_bench(a, cfg, work, log)
         p2 = res["training"].get("train_phase2") or {}
-        ours = p2.get("steady_tokens_per_s") or p2.get("tokens_per_s")   # past the warm-up, as the bench times
+        ours = p2.get("steady_tokens_per_s") or p2.get("tokens_per_s")  # past the warm-up, as the bench times
         if res["bench"].get("real_tokens_per_s") and ours:
             res["product_vs_bench"] = ours / res["bench"]["real_tokens_per_s"]
     atomic_write_text(out_path, json.dumps(res, indent=2, default=str) + "\n")
@@ -222,8 +292,10 @@ def main(argv=None) -> dict:
         if v["ran"]:
             log(f"  {s:<22} {v.get('seconds') or 0:8.1f} s  {','.join(v.get('devices') or []) or '-'}")
     for s, r in res["training"].items():
-        log(f"  {s:<22} {r.get('tokens_per_s') or 0:10.0f} real tok/s ({r.get('steady_tokens_per_s') or 0:.0f} past "
-            f"the warm-up)  MFU {r.get('mfu')}")
+        log(
+            f"  {s:<22} {r.get('tokens_per_s') or 0:10.0f} real tok/s ({r.get('steady_tokens_per_s') or 0:.0f} past "
+            f"the warm-up)  MFU {r.get('mfu')}"
+        )
     if "product_vs_bench" in res:
         log(f"  product / bench (Phase 2's step at {res['bench']['seq']} tokens): {res['product_vs_bench']:.3f}")
     log(f"wrote {out_path}")

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(SAFE_ENV)   # before torch (and NCCL) load
+os.environ.update(SAFE_ENV)  # before torch (and NCCL) load
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -62,8 +62,12 @@ def rows(cfg, step: int, ids: list[int], T: int, dev, dtype) -> Batch:
 def make_opt(params, cuda: bool, lr: float):
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), fused=cuda)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        fused=cuda,
+    )
 
 
 def setup(a, dev, dtype, parallel: str):
@@ -71,7 +75,7 @@ def setup(a, dev, dtype, parallel: str):
     + the training config and how its steps are computed (as train(): in-place weight-gradient
     sums except under DDP, whose hooks need autograd)."""
     cfg, d, head = build(a.size, dev, dtype, seed=0)
-    d.lm_head.weight.requires_grad_(False)          # the single-GPU run's main figure: frozen
+    d.lm_head.weight.requires_grad_(False)  # the single-GPU run's main figure: frozen
     net = wrap_parallel(d, parallel, dev)
     params = list(trainable(d).values())
     opt = make_opt(params, dev.type == "cuda", a.lr)
@@ -104,11 +108,9 @@ def loss_run(a, dev, dtype, parallel, rank, world, log) -> list[float]:
     batch = rows(cfg, 0, mine, a.seq, dev, dtype)
     losses = []
     for _ in range(a.loss_steps):
-        loss, *_ = train_step(net, batch, head, opt, params, tcfg, fast=fast, use_bf16=dev.type == "cuda",
-                              world=world)
+        loss, *_ = train_step(net, batch, head, opt, params, tcfg, fast=fast, use_bf16=dev.type == "cuda", world=world)
         losses.append(global_loss(loss, world))
-    log(f"[{parallel}] loss steps (global batch {G}, {per} rows/process): "
-        + " ".join(f"{x:.5f}" for x in losses))
+    log(f"[{parallel}] loss steps (global batch {G}, {per} rows/process): " + " ".join(f"{x:.5f}" for x in losses))
     return losses
 
 
@@ -136,8 +138,7 @@ def time_run(a, dev, dtype, parallel, rank, world, log) -> dict:
         loss, *_ = step()
     sync(dev)
     dt = torch.tensor((time.perf_counter() - t0) / a.iters, dtype=torch.float64, device=dev)
-    peak = torch.tensor(torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0, dtype=torch.float64,
-                        device=dev)
+    peak = torch.tensor(torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else 0.0, dtype=torch.float64, device=dev)
     if world > 1:
         peaks = [torch.zeros_like(peak) for _ in range(world)]
         dist.all_gather(peaks, peak)
@@ -148,14 +149,23 @@ def time_run(a, dev, dtype, parallel, rank, world, log) -> dict:
     step_s = float(dt)
     tok = a.batch * a.seq
     fl = flops_per_token(cfg, a.seq, a.ttt, False)["train"]
-    res = {"parallel": parallel, "world": world, "step_s": step_s, "tokens_per_s_per_gpu": tok / step_s,
-           "tokens_per_s_total": tok * world / step_s, "mfu": fl * tok / step_s / (a.peak_tflops * 1e12),
-           "peak_mem_gib_per_gpu": peaks if cuda else None, "warmup_s": warm_s,
-           "trainable_params": sum(p.numel() for p in params),
-           "local_trainable_elems_rank0": sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)}
-    log(f"[{parallel}] x{world}: {res['tokens_per_s_per_gpu']:.0f} tok/s per GPU "
+    res = {
+        "parallel": parallel,
+        "world": world,
+        "step_s": step_s,
+        "tokens_per_s_per_gpu": tok / step_s,
+        "tokens_per_s_total": tok * world / step_s,
+        "mfu": fl * tok / step_s / (a.peak_tflops * 1e12),
+        "peak_mem_gib_per_gpu": peaks if cuda else None,
+        "warmup_s": warm_s,
+        "trainable_params": sum(p.numel() for p in params),
+        "local_trainable_elems_rank0": sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params),
+    }
+    log(
+        f"[{parallel}] x{world}: {res['tokens_per_s_per_gpu']:.0f} tok/s per GPU "
         f"({res['tokens_per_s_total']:.0f} total)  step {step_s * 1e3:.1f} ms  mfu {res['mfu']:.3f}  "
-        f"peak/GPU {['%.2f' % p for p in peaks] if cuda else '-'} GiB  warmup {warm_s:.1f}s")
+        f"peak/GPU {['%.2f' % p for p in peaks] if cuda else '-'} GiB  warmup {warm_s:.1f}s"
+    )
     return res
 
 
@@ -211,15 +221,51 @@ def versions():
 
 
 def stage_cmd(a, parallel: str | None, out: Path) -> list[str]:
-    common = ["--worker", "--worker-out", str(out), "--size", a.size, "--device", a.device, "--seq", str(a.seq),
-              "--batch", str(a.batch), "--ttt", str(a.ttt), "--gamma", str(a.gamma), "--iters", str(a.iters),
-              "--warmup", str(a.warmup), "--loss-steps", str(a.loss_steps), "--n-gpus", str(a.nproc),
-              "--impl", a.impl, "--lr", str(a.lr), "--peak-tflops", str(a.peak_tflops)]
+    common = [
+        "--worker",
+        "--worker-out",
+        str(out),
+        "--size",
+        a.size,
+        "--device",
+        a.device,
+        "--seq",
+        str(a.seq),
+        "--batch",
+        str(a.batch),
+        "--ttt",
+        str(a.ttt),
+        "--gamma",
+        str(a.gamma),
+        "--iters",
+        str(a.iters),
+        "--warmup",
+        str(a.warmup),
+        "--loss-steps",
+        str(a.loss_steps),
+        "--n-gpus",
+        str(a.nproc),
+        "--impl",
+        a.impl,
+        "--lr",
+        str(a.lr),
+        "--peak-tflops",
+        str(a.peak_tflops),
+    ]
     me = str(Path(__file__).resolve())
     if parallel is None:
         return [sys.executable, me, *common]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
-            me, *common, "--parallel", parallel]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={a.nproc}",
+        me,
+        *common,
+        "--parallel",
+        parallel,
+    ]
 
 
 def run_stage(a, name, cmd, out: Path, log) -> dict | None:
@@ -231,7 +277,10 @@ def run_stage(a, name, cmd, out: Path, log) -> dict | None:
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.stage_timeout)
     except subprocess.TimeoutExpired as e:
-        log(f"[{name}] timed out after {a.stage_timeout}s\n{(e.stderr or '')[-3000:] if isinstance(e.stderr, str) else ''}")
+        log(
+            f"[{name}] timed out after {a.stage_timeout}s\n"
+            f"{(e.stderr or '')[-3000:] if isinstance(e.stderr, str) else ''}"
+        )
         return None
     for ln in r.stdout.splitlines():
         log(f"  {ln}")
@@ -249,10 +298,15 @@ def compare(ref: list[float], got: list[float]) -> dict:
     reference loss moved (a check is only as sharp as the loss moves)."""
     rel = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(ref, got)]
     moved = abs(ref[0] - ref[-1]) if ref else 0.0
-    return {"losses": got, "rel_diff": rel, "max_rel_diff": max(rel) if rel else None,
-            "final_loss": got[-1] if got else None, "final_rel_diff": rel[-1] if rel else None,
-            "reference_loss_moved": moved,
-            "final_diff_over_moved": abs(ref[-1] - got[-1]) / moved if ref and got and moved else None}
+    return {
+        "losses": got,
+        "rel_diff": rel,
+        "max_rel_diff": max(rel) if rel else None,
+        "final_loss": got[-1] if got else None,
+        "final_rel_diff": rel[-1] if rel else None,
+        "reference_loss_moved": moved,
+        "final_diff_over_moved": abs(ref[-1] - got[-1]) / moved if ref and got and moved else None,
+    }
 
 
 def parse(argv=None):
@@ -260,8 +314,14 @@ def parse(argv=None):
     ap.add_argument("--size", choices=sorted(SIZES), default=None, help="kimi on CUDA, toy on CPU")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     # (--n-gpus: the spelling handed to workers; torchrun would take --nproc for its own option)
-    ap.add_argument("--nproc", "--n-gpus", dest="nproc", type=int, default=None,
-                    help="GPUs (processes) for DDP/FSDP; default: all GPUs")
+    ap.add_argument(
+        "--nproc",
+        "--n-gpus",
+        dest="nproc",
+        type=int,
+        default=None,
+        help="GPUs (processes) for DDP/FSDP; default: all GPUs",
+    )
     ap.add_argument("--modes", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
     ap.add_argument("--seq", type=int, default=None, help="2048 (kimi/small), 64 (toy)")
     ap.add_argument("--batch", type=int, default=1, help="per-GPU batch (the single-GPU run's: 1)")
@@ -271,8 +331,12 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--loss-steps", type=int, default=6)
     ap.add_argument("--lr", type=float, default=None, help="1e-4 (the single-GPU benchmark's); toy: 1e-3")
-    ap.add_argument("--impl", choices=["compiled", "fused", "reference"], default=None,
-                    help="compiled on CUDA (as the single-GPU benchmark), fused on CPU")
+    ap.add_argument(
+        "--impl",
+        choices=["compiled", "fused", "reference"],
+        default=None,
+        help="compiled on CUDA (as the single-GPU benchmark), fused on CPU",
+    )
     ap.add_argument("--tol", type=float, default=None, help="loss match tolerance (relative): 1e-2 bf16, 1e-4 fp32")
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--stage-timeout", type=int, default=400)
@@ -313,10 +377,12 @@ def main(argv=None) -> dict:
     if cuda and a.nproc > gpus:
         log(f"only {gpus} GPU(s): --nproc {a.nproc} cannot run")
         raise SystemExit(2)
-    log(f"size {a.size}: {SIZES[a.size]}; seq {a.seq} TTT {a.ttt} impl {a.impl} "
+    log(
+        f"size {a.size}: {SIZES[a.size]}; seq {a.seq} TTT {a.ttt} impl {a.impl} "
         f"{'bf16' if cuda else 'fp32'}; per-GPU batch {a.batch}; N {a.nproc}; global batch {a.nproc * a.batch}; "
         f"loss check over {a.loss_steps} steps (1-process reference: one step of batch {a.nproc * a.batch}, "
-        f"no gradient accumulation)")
+        f"no gradient accumulation)"
+    )
     res = {}
     with tempfile.TemporaryDirectory(prefix="bench_mgpu.") as tmp:
         stages = [("single", None)] + [(m, m) for m in a.modes]
@@ -334,48 +400,90 @@ def main(argv=None) -> dict:
             summary[m] = None
             continue
         t = r["timing"]
-        s = {"world": r["world"], "tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
-             "tokens_per_s_total": t["tokens_per_s_total"], "step_s": t["step_s"], "mfu": t["mfu"],
-             "scaling_efficiency": t["tokens_per_s_per_gpu"] / base if base else None,
-             "peak_mem_gib_per_gpu": t["peak_mem_gib_per_gpu"],
-             "local_trainable_elems_rank0": t["local_trainable_elems_rank0"]}
+        s = {
+            "world": r["world"],
+            "tokens_per_s_per_gpu": t["tokens_per_s_per_gpu"],
+            "tokens_per_s_total": t["tokens_per_s_total"],
+            "step_s": t["step_s"],
+            "mfu": t["mfu"],
+            "scaling_efficiency": t["tokens_per_s_per_gpu"] / base if base else None,
+            "peak_mem_gib_per_gpu": t["peak_mem_gib_per_gpu"],
+            "local_trainable_elems_rank0": t["local_trainable_elems_rank0"],
+        }
         if ref is not None:
             s["loss_check"] = compare(ref, r["losses"])
             s["loss_check"]["match"] = s["loss_check"]["max_rel_diff"] <= a.tol
         summary[m] = s
         eff = f"{s['scaling_efficiency']:.3f}" if s["scaling_efficiency"] else "-"
         lc = s.get("loss_check") or {}
-        log(f"[result] {m} x{r['world']}: {s['tokens_per_s_per_gpu']:.0f} tok/s per GPU, scaling efficiency {eff} "
+        log(
+            f"[result] {m} x{r['world']}: {s['tokens_per_s_per_gpu']:.0f} tok/s per GPU, scaling efficiency {eff} "
             f"vs 1 GPU ({base or 0:.0f} tok/s); peak/GPU "
             f"{['%.2f' % p for p in s['peak_mem_gib_per_gpu']] if s['peak_mem_gib_per_gpu'] else '-'} GiB; "
             f"loss after {a.loss_steps} steps {lc.get('final_loss') or 0:.5f} vs 1 process {(ref or [0])[-1]:.5f} "
             f"(max rel diff {lc.get('max_rel_diff') or 0:.2e}, match {lc.get('match')}; the reference moved "
-            f"{lc.get('reference_loss_moved') or 0:.4f}, final diff {lc.get('final_diff_over_moved') or 0:.2e} of that)")
+            f"{lc.get('reference_loss_moved') or 0:.4f}, final diff {lc.get('final_diff_over_moved') or 0:.2e} of that)"
+        )
     out = {
         "date": time.strftime("%Y-%m-%d"),
-        "device": name, "gpus_visible": gpus, "versions": versions(), "multicast_env": SAFE_ENV,
-        "config": {"size": a.size, **SIZES[a.size], "seq": a.seq, "per_gpu_batch": a.batch, "nproc": a.nproc,
-                   "global_batch": a.nproc * a.batch, "ttt_steps": a.ttt, "gamma": a.gamma,
-                   "dtype": "bfloat16" if cuda else "float32", "params_dtype": "bfloat16" if cuda else "float32",
-                   "impl": a.impl, "lm_head": "frozen", "iters": a.iters, "warmup": a.warmup,
-                   "loss_steps": a.loss_steps, "lr": a.lr, "tol": a.tol, "peak_tflops": a.peak_tflops,
-                   "loss_reference": "one process, one GPU, one step of batch nproc*batch per step (the same "
-                                     "global batch; no gradient accumulation)",
-                   "single_gpu_timing": "one process, per-GPU batch, in-place wgrad sums, clip in fused AdamW",
-                   "ddp": "torch DDP (gradients bucketed and all-reduced during backward), clip in fused AdamW",
-                   "fsdp": "FSDP2 fully_shard, one group, embed_tokens replicated; clip on local shards"},
+        "device": name,
+        "gpus_visible": gpus,
+        "versions": versions(),
+        "multicast_env": SAFE_ENV,
+        "config": {
+            "size": a.size,
+            **SIZES[a.size],
+            "seq": a.seq,
+            "per_gpu_batch": a.batch,
+            "nproc": a.nproc,
+            "global_batch": a.nproc * a.batch,
+            "ttt_steps": a.ttt,
+            "gamma": a.gamma,
+            "dtype": "bfloat16" if cuda else "float32",
+            "params_dtype": "bfloat16" if cuda else "float32",
+            "impl": a.impl,
+            "lm_head": "frozen",
+            "iters": a.iters,
+            "warmup": a.warmup,
+            "loss_steps": a.loss_steps,
+            "lr": a.lr,
+            "tol": a.tol,
+            "peak_tflops": a.peak_tflops,
+            "loss_reference": "one process, one GPU, one step of batch nproc*batch per step (the same "
+            "global batch; no gradient accumulation)",
+            "single_gpu_timing": "one process, per-GPU batch, in-place wgrad sums, clip in fused AdamW",
+            "ddp": "torch DDP (gradients bucketed and all-reduced during backward), clip in fused AdamW",
+            "fsdp": "FSDP2 fully_shard, one group, embed_tokens replicated; clip on local shards",
+        },
         "single": single["timing"] if single else None,
         "single_losses": ref,
         "tokens_per_s_1gpu": base,
         **{m: summary.get(m) for m in a.modes},
         "raw": res,
     }
-    log("summary: " + json.dumps({"tokens_per_s_1gpu": base, **{
-        m: (None if summary.get(m) is None else {k: summary[m][k] for k in (
-            "tokens_per_s_per_gpu", "scaling_efficiency", "peak_mem_gib_per_gpu")}
-            | {"loss_match": (summary[m].get("loss_check") or {}).get("match"),
-               "loss_max_rel_diff": (summary[m].get("loss_check") or {}).get("max_rel_diff")})
-        for m in a.modes}}))
+    log(
+        "summary: "
+        + json.dumps(
+            {
+                "tokens_per_s_1gpu": base,
+                **{
+                    m: (
+                        None
+                        if summary.get(m) is None
+                        else {
+                            k: summary[m][k]
+                            for k in ("tokens_per_s_per_gpu", "scaling_efficiency", "peak_mem_gib_per_gpu")
+                        }
+                        | {
+                            "loss_match": (summary[m].get("loss_check") or {}).get("match"),
+                            "loss_max_rel_diff": (summary[m].get("loss_check") or {}).get("max_rel_diff"),
+                        }
+                    )
+                    for m in a.modes
+                },
+            }
+        )
+    )
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")

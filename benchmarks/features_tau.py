@@ -49,8 +49,13 @@ def main(argv=None) -> int:
     sa, sb = open_set(a.a / "artifacts/features_new/train"), open_set(a.b / "artifacts/features_new/train")
     if len(sa) != len(sb) or any(not (sa.sample(i)["tokens"] == sb.sample(i)["tokens"]).all() for i in range(len(sa))):
         raise SystemExit(f"{a.a} and {a.b}: features_new hold other answers: not the same samples")
-    out = {"a": {"run": str(a.a), "features": la}, "b": {"run": str(a.b), "features": lb},
-           "eval_features": str(feats), "k": a.k, "phases": {}}
+    out = {
+        "a": {"run": str(a.a), "features": la},
+        "b": {"run": str(a.b), "features": lb},
+        "eval_features": str(feats),
+        "k": a.k,
+        "phases": {},
+    }
     for ph in PHASES:
         d, res = {}, {}
         for name, run in (("a", a.a), ("b", a.b)):
@@ -62,9 +67,11 @@ def main(argv=None) -> int:
         if len(res) < 2:
             continue
         diff = paired_diff_ci(*counts(res["b"]), *counts(res["a"]), n_boot=a.n_boot)
-        out["phases"][ph] = {"a": {"tau": d["a"]["accept_length"], "ci": d["a"]["ci"]},
-                             "b": {"tau": d["b"]["accept_length"], "ci": d["b"]["ci"]},
-                             "b_minus_a": {"diff": diff["diff"], "ci": diff["ci"], "significant": diff["significant"]}}
+        out["phases"][ph] = {
+            "a": {"tau": d["a"]["accept_length"], "ci": d["a"]["ci"]},
+            "b": {"tau": d["b"]["accept_length"], "ci": d["b"]["ci"]},
+            "b_minus_a": {"diff": diff["diff"], "ci": diff["ci"], "significant": diff["significant"]},
+        }
     print(json.dumps(out, indent=1))
     return 0
 

@@ -42,21 +42,42 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("online_gpu_check: no CUDA device", file=sys.stderr)
         return 2
-    out = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "torch": torch.__version__, "samples": a.samples,
-           "steps": a.steps, "runs": {}}
+    out = {
+        "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "samples": a.samples,
+        "steps": a.steps,
+        "runs": {},
+    }
     with tempfile.TemporaryDirectory(prefix="online-gpu-") as tmp:
         root = Path(tmp)
-        build_world_base(root / "w", load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"],
-                         progress=False)
+        build_world_base(
+            root / "w", load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"], progress=False
+        )
         target, prompts = root / "w" / "target_new", root / "w" / "corpus" / "new.jsonl"
         tc = target_text_config(target)
-        arch = new_drafter_config({"num_attention_heads": 2, "intermediate_size": 128}, vocab_size=tc["vocab_size"],
-                                  hidden_size=tc["hidden_size"], aux_layer_ids=[0, 1, 2], convention="vllm",
-                                  draft_vocab_size=100, max_positions=512)
+        arch = new_drafter_config(
+            {"num_attention_heads": 2, "intermediate_size": 128},
+            vocab_size=tc["vocab_size"],
+            hidden_size=tc["hidden_size"],
+            aux_layer_ids=[0, 1, 2],
+            convention="vllm",
+            draft_vocab_size=100,
+            max_positions=512,
+        )
         cfg = TrainConfig(steps=a.steps, batch_size=8, lr=3e-3, warmup_steps=1, log_every=4, checkpoint_every=8)
         for compiled in (False, True):
-            kw = dict(n_samples=a.samples, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=24,
-                      dtype="bfloat16", batch_size=8, shard_samples=16, device=a.device, compile=compiled)
+            kw = dict(
+                n_samples=a.samples,
+                aux_layer_ids=[0, 1, 2],
+                convention="vllm",
+                max_new_tokens=24,
+                dtype="bfloat16",
+                batch_size=8,
+                shard_samples=16,
+                device=a.device,
+                compile=compiled,
+            )
             tag = "compiled" if compiled else "eager"
             for mode in ("disk", "online"):
                 build_features(target, prompts, root / f"{tag}_{mode}", storage=mode, **kw)
@@ -65,14 +86,25 @@ def main(argv=None) -> int:
             w, secs = {}, {}
             for mode in ("disk", "online"):
                 t = time.perf_counter()
-                train_phase(root / f"{tag}_run_{mode}", features_dir=root / f"{tag}_{mode}", target_dir=target,
-                            vocab_path=vocab, init="scratch", arch=arch, train_cfg=cfg, progress=False,
-                            spool={"gb": 0.002})
+                train_phase(
+                    root / f"{tag}_run_{mode}",
+                    features_dir=root / f"{tag}_{mode}",
+                    target_dir=target,
+                    vocab_path=vocab,
+                    init="scratch",
+                    arch=arch,
+                    train_cfg=cfg,
+                    progress=False,
+                    spool={"gb": 0.002},
+                )
                 secs[mode] = round(time.perf_counter() - t, 2)
                 w[mode] = load_file(str(root / f"{tag}_run_{mode}" / "drafter" / "model.safetensors"))
             diff = max((w["disk"][k].float() - w["online"][k].float()).abs().max().item() for k in w["disk"])
-            out["runs"][tag] = {"max_abs_weight_diff": diff, "train_seconds": secs,
-                                "spool_left": [str(p) for p in root.glob(f"{tag}_run_online/*.spool*")]}
+            out["runs"][tag] = {
+                "max_abs_weight_diff": diff,
+                "train_seconds": secs,
+                "spool_left": [str(p) for p in root.glob(f"{tag}_run_online/*.spool*")],
+            }
             print(f"{tag}: online vs disk max |diff| {diff:.3g}; train s {secs}", flush=True)
     print(json.dumps(out, indent=1))
     return 0

@@ -1,4 +1,5 @@
-"""Step budget: the adaptive data budget: Phase 2's data in rounds, each trained and scored, until more data stops paying (its registry row: src/draftport/plan/registry.py)."""
+"""Step budget: the adaptive data budget: Phase 2's data in rounds, each trained and scored, until more
+data stops paying (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

@@ -1,4 +1,5 @@
-"""Step compare: the source drafter against the layout the new target needs: config, weights, vocab, verdict (its registry row: src/draftport/plan/registry.py)."""
+"""Step compare: the source drafter against the layout the new target needs: config, weights, vocab,
+verdict (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

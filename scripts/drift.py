@@ -1,4 +1,5 @@
-"""Step drift: beside Phase 0: the old and the new target on the same tokens, how far the states moved (its registry row: src/draftport/plan/registry.py)."""
+"""Step drift: beside Phase 0: the old and the new target on the same tokens, how far the states moved
+(its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

@@ -1,4 +1,5 @@
-"""Step eval_curves: every learning-curve point's drafter on the new target's held-out set (per-prompt counts) (its registry row: src/draftport/plan/registry.py)."""
+"""Step eval_curves: every learning-curve point's drafter on the new target's held-out set (per-prompt
+counts) (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

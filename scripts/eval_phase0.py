@@ -1,4 +1,5 @@
-"""Step eval_phase0: phase0: the source drafter as fetched on the new target (and on the old one; the reference) (its registry row: src/draftport/plan/registry.py)."""
+"""Step eval_phase0: phase0: the source drafter as fetched on the new target (and on the old one; the
+reference) (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

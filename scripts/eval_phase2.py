@@ -1,4 +1,5 @@
-"""Step eval_phase2: phase2: its drafter's offline accept length on the new target's held-out set (its registry row: src/draftport/plan/registry.py)."""
+"""Step eval_phase2: phase2: its drafter's offline accept length on the new target's held-out set (its
+registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

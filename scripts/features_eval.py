@@ -1,4 +1,5 @@
-"""Step features_eval: held-out sets answered by each target (the new one; the old one, the source's home) (its registry row: src/draftport/plan/registry.py)."""
+"""Step features_eval: held-out sets answered by each target (the new one; the old one, the source's
+home) (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

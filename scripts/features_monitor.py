@@ -1,4 +1,5 @@
-"""Step features_monitor: the held-out set of tau during training: the last training prompts, answered by the new target (its registry row: src/draftport/plan/registry.py)."""
+"""Step features_monitor: the held-out set of tau during training: the last training prompts, answered
+by the new target (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

@@ -1,4 +1,5 @@
-"""Step features_new: the new target's answers to Phase 1's prompts and its hidden states (its registry row: src/draftport/plan/registry.py)."""
+"""Step features_new: the new target's answers to Phase 1's prompts and its hidden states (its registry
+row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

@@ -1,4 +1,5 @@
-"""Step fetch: the source drafter at its pinned revision (and targets given as hub ids, the reference) (its registry row: src/draftport/plan/registry.py)."""
+"""Step fetch: the source drafter at its pinned revision (and targets given as hub ids, the reference)
+(its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

@@ -1,4 +1,5 @@
-"""Step online_phase0: phase0's drafter served by vLLM next to the offline evaluator on the same sequences (its registry row: src/draftport/plan/registry.py)."""
+"""Step online_phase0: phase0's drafter served by vLLM next to the offline evaluator on the same
+sequences (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

@@ -1,4 +1,5 @@
-"""Step publish: the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens, a model card; checked (its registry row: src/draftport/plan/registry.py)."""
+"""Step publish: the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens,
+a model card; checked (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

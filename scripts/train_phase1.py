@@ -1,4 +1,5 @@
-"""Step train_phase1: fine-tune the source drafter on the new target's data (lm_head moved onto the new map) (its registry row: src/draftport/plan/registry.py)."""
+"""Step train_phase1: fine-tune the source drafter on the new target's data (lm_head moved onto the new
+map) (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

@@ -1,4 +1,5 @@
-"""Step train_phase1_scratch: the control: Phase 1's architecture, data and budget from a random init on the new map (its registry row: src/draftport/plan/registry.py)."""
+"""Step train_phase1_scratch: the control: Phase 1's architecture, data and budget from a random init
+on the new map (its registry row: src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

@@ -1,4 +1,5 @@
-"""Step train_phase2: continue Phase 1's drafter (its map kept) on the scaled data (its registry row: src/draftport/plan/registry.py)."""
+"""Step train_phase2: continue Phase 1's drafter (its map kept) on the scaled data (its registry row:
+src/draftport/plan/registry.py)."""
 
 from draftport.pipeline.runner import main
 

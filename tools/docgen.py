@@ -141,8 +141,11 @@ def _range(field) -> str:
 
 def _sub_model(field):
     ann, _ = _split(field.annotation)
-    args = [a for a in typing.get_args(ann) if a is not type(None)] if typing.get_origin(ann) in (
-        typing.Union, types.UnionType) else [ann]
+    args = (
+        [a for a in typing.get_args(ann) if a is not type(None)]
+        if typing.get_origin(ann) in (typing.Union, types.UnionType)
+        else [ann]
+    )
     model = args[0] if len(args) == 1 else None
     nullable = typing.get_origin(ann) in (typing.Union, types.UnionType)
     return (model if isinstance(model, type) and issubclass(model, BaseModel) else None), nullable
@@ -182,16 +185,22 @@ def _rows(model, prefix: str, cfg) -> list[str]:
         key = f"{prefix}{name}"
         sub, nullable = _sub_model(field)
         if sub is P.TrainConfig:
-            rows.append(f"| `{key}.*` | group | - | - | {_cell(field.description)}: the keys under "
-                        f"[training groups](#training-groups) |")
+            rows.append(
+                f"| `{key}.*` | group | - | - | {_cell(field.description)}: the keys under "
+                f"[training groups](#training-groups) |"
+            )
             continue
         if sub is not None:
             if nullable:
-                rows.append(f"| `{key}` | group or null | - | {_default(field, key, cfg)} | {_cell(field.description)} |")
+                rows.append(
+                    f"| `{key}` | group or null | - | {_default(field, key, cfg)} | {_cell(field.description)} |"
+                )
             rows += _rows(sub, key + ".", cfg)
             continue
-        rows.append(f"| `{key}` | {_type(field)} | {_cell(_range(field))} | {_default(field, key, cfg)} | "
-                    f"{_cell(field.description)} |")
+        rows.append(
+            f"| `{key}` | {_type(field)} | {_cell(_range(field))} | {_default(field, key, cfg)} | "
+            f"{_cell(field.description)} |"
+        )
     return rows
 
 
@@ -205,33 +214,64 @@ def params_reference() -> str:
     for name, field in P.Params.model_fields.items():
         sub, _ = _sub_model(field)
         if sub is None:
-            out += [f"### `{name}`", "", _cell(field.description), "", *HEAD,
-                    f"| `{name}` | {_type(field)} | {_cell(_range(field))} | {_default(field, name, cfg)} | "
-                    f"{_cell(field.description)} |", ""]
+            out += [
+                f"### `{name}`",
+                "",
+                _cell(field.description),
+                "",
+                *HEAD,
+                f"| `{name}` | {_type(field)} | {_cell(_range(field))} | {_default(field, name, cfg)} | "
+                f"{_cell(field.description)} |",
+                "",
+            ]
             continue
         out += [f"### `{name}`", "", _cell(_first_paragraph(sub.__doc__)), ""]
         if sub is P.ResourcesParams:
             dflt = P.ResourcesParams.model_fields["default"]
             rows = _rows(P.ResourceDefault, "resources.default.", cfg)
-            rows += [f"| `resources.<step>.{k}` | {_type(f)} | {_cell(_range(f))} | `resources.default.{k}` | "
-                     f"{_cell(f.description)} |" for k, f in P.ResourceOverride.model_fields.items()]
+            rows += [
+                f"| `resources.<step>.{k}` | {_type(f)} | {_cell(_range(f))} | `resources.default.{k}` | "
+                f"{_cell(f.description)} |"
+                for k, f in P.ResourceOverride.model_fields.items()
+            ]
             over = {k: v for k, v in (cfg.get("resources") or {}).items() if k != "default"}
-            out += [*HEAD, *rows, "", f"`default`: {_cell(dflt.description)}. `<step>`: any step of the registry ("
-                    + ", ".join(f"`{s}`" for s in registry.STEP_NAMES) + "). params.yaml's overrides: "
-                    + (", ".join(f"`{k}: {_value(v)}`" for k, v in over.items()) or "none") + ".", ""]
+            out += [
+                *HEAD,
+                *rows,
+                "",
+                f"`default`: {_cell(dflt.description)}. `<step>`: any step of the registry ("
+                + ", ".join(f"`{s}`" for s in registry.STEP_NAMES)
+                + "). params.yaml's overrides: "
+                + (", ".join(f"`{k}: {_value(v)}`" for k, v in over.items()) or "none")
+                + ".",
+                "",
+            ]
             continue
         out += [*HEAD, *_rows(sub, name + ".", cfg), ""]
     # the training groups: one schema, four groups
-    out += ["### Training groups", "", "The training loop's keys (`draftport.training.loop`), the same in "
-            + ", ".join(f"`{g}`" for g in TRAIN_GROUPS) + ". The default is the schema's, taken where a "
-            "group leaves the key out; params.yaml writes every one out (its values: the second table).",
-            "", *HEAD]
+    out += [
+        "### Training groups",
+        "",
+        "The training loop's keys (`draftport.training.loop`), the same in "
+        + ", ".join(f"`{g}`" for g in TRAIN_GROUPS)
+        + ". The default is the schema's, taken where a "
+        "group leaves the key out; params.yaml writes every one out (its values: the second table).",
+        "",
+        *HEAD,
+    ]
     for key, field in _train_fields():
-        out.append(f"| `{key}` | {_type(field)} | {_cell(_range(field))} | {_code(field.get_default(call_default_factory=True))} "
-                   f"| {_cell(field.description)} |")
-    out += ["", "params.yaml's values:", "",
-            "| key | " + " | ".join(f"`{g}`" for g in TRAIN_GROUPS) + " |",
-            "|---" * (len(TRAIN_GROUPS) + 1) + "|"]
+        out.append(
+            f"| `{key}` | {_type(field)} | {_cell(_range(field))} "
+            f"| {_code(field.get_default(call_default_factory=True))} "
+            f"| {_cell(field.description)} |"
+        )
+    out += [
+        "",
+        "params.yaml's values:",
+        "",
+        "| key | " + " | ".join(f"`{g}`" for g in TRAIN_GROUPS) + " |",
+        "|---" * (len(TRAIN_GROUPS) + 1) + "|",
+    ]
     for key, _ in _train_fields():
         vals = [_at(cfg, f"{g}.{key}") for g in TRAIN_GROUPS]
         out.append(f"| `{key}` | " + " | ".join("-" if v is _MISSING else _code(v) for v in vals) + " |")
@@ -282,16 +322,32 @@ def cli_reference() -> str:
 
     group = typer.main.get_command(app)
     root = group.context_class(group, info_name="draftport")
-    out = ["```text", group.get_usage(root).removeprefix("Usage: "), "```", "", _help(group.help), "",
-           "| option | value | default | description |", "|---|---|---|---|"]
+    out = [
+        "```text",
+        group.get_usage(root).removeprefix("Usage: "),
+        "```",
+        "",
+        _help(group.help),
+        "",
+        "| option | value | default | description |",
+        "|---|---|---|---|",
+    ]
     out += [_param_row(p, root) for p in group.params]
     out += ["| `--help` | flag | - | Show the help and exit. |", ""]
     for name, cmd in group.commands.items():
         ctx = cmd.context_class(cmd, info_name=name, parent=root)
         doc = inspect.cleandoc(cmd.help or "").split("\n\n")
-        out += [f"### `draftport {name}`", "", *[p for para in doc for p in (_help(para), "")],
-                "```text", cmd.get_usage(ctx).removeprefix("Usage: "), "```", "",
-                "| argument / option | value | default | description |", "|---|---|---|---|"]
+        out += [
+            f"### `draftport {name}`",
+            "",
+            *[p for para in doc for p in (_help(para), "")],
+            "```text",
+            cmd.get_usage(ctx).removeprefix("Usage: "),
+            "```",
+            "",
+            "| argument / option | value | default | description |",
+            "|---|---|---|---|",
+        ]
         out += [_param_row(p, ctx) for p in cmd.params]
         out += ["| `--help` | flag | - | Show the help and exit. |", ""]
     return "\n".join(out)
@@ -299,7 +355,7 @@ def cli_reference() -> str:
 
 def kimi_estimate() -> str:
     """`draftport estimate --configfile configs/kimi-k2.5.yaml` as printed (the committed benchmarks)."""
-    from draftport.outputs import estimate as E   # torch via data.storage: only this block needs it
+    from draftport.outputs import estimate as E  # torch via data.storage: only this block needs it
     from draftport.plan import params as P
 
     cwd = Path.cwd()
@@ -311,11 +367,20 @@ def kimi_estimate() -> str:
     return "```text\n" + text + "\n```\n"
 
 
-GENERATORS = {"steps": registry.table_markdown, "modules": module_table, "params": params_reference,
-              "cli": cli_reference, "kimi_estimate": kimi_estimate}
+GENERATORS = {
+    "steps": registry.table_markdown,
+    "modules": module_table,
+    "params": params_reference,
+    "cli": cli_reference,
+    "kimi_estimate": kimi_estimate,
+}
 # the files that hold generated blocks
-FILES = (ROOT / "docs" / "architecture.md", ROOT / "docs" / "configuration.md", ROOT / "docs" / "cli.md",
-         ROOT / "docs" / "estimate.md")
+FILES = (
+    ROOT / "docs" / "architecture.md",
+    ROOT / "docs" / "configuration.md",
+    ROOT / "docs" / "cli.md",
+    ROOT / "docs" / "estimate.md",
+)
 BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end: \2 -->)", re.S)
 
 
@@ -324,6 +389,7 @@ def render(text: str) -> str:
         if m.group(2) not in GENERATORS:
             raise SystemExit(f"unknown generated block {m.group(2)!r} (known: {', '.join(GENERATORS)})")
         return m.group(1) + GENERATORS[m.group(2)]() + m.group(4)
+
     return BLOCK.sub(fill, text)
 
 

@@ -36,8 +36,10 @@ SETS = {"core": [], "full": ["pipeline"]}  # the extras each set installs (core:
 SDISTS = ("antlr4-python3-runtime", "connection-pool")
 LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}  # PEP 600's aliases
 LINUX_TAG = re.compile(r"(?:manylinux(?:_\d+_\d+|\d+)|linux)_(\w+)")  # a Linux platform tag; group 1: its arch
-FACTS = ("import sys, platform; print(sys.implementation.name, '%d.%d' % sys.version_info[:2], "
-         "sys.platform, platform.machine())")
+FACTS = (
+    "import sys, platform; print(sys.implementation.name, '%d.%d' % sys.version_info[:2], "
+    "sys.platform, platform.machine())"
+)
 
 
 class WheelhouseError(Exception):
@@ -85,11 +87,16 @@ def install_spec(wheel_set: str) -> str:
 def git_commit() -> tuple[str | None, bool | None]:
     """(HEAD, whether tracked files differ from it); (None, None) outside a git checkout."""
     try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         # --no-optional-locks: a read must not rewrite the index under a concurrent git command
-        status = subprocess.run(["git", "--no-optional-locks", "-C", str(ROOT), "status", "--porcelain",
-                                 "--untracked-files=no"], capture_output=True, text=True, check=True).stdout
+        status = subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None, None
     return head, bool(status.strip())
@@ -105,8 +112,9 @@ def expand_platforms(platforms: list[str]) -> list[str]:
         if m:
             arch = m.group(2)
             more = [f"manylinux_2_{y}_{arch}" for y in range(int(m.group(1)), 4, -1)]
-            more += [f"{LEGACY_MANYLINUX[y]}_{arch}" for y in sorted(LEGACY_MANYLINUX, reverse=True)
-                     if y <= int(m.group(1))]
+            more += [
+                f"{LEGACY_MANYLINUX[y]}_{arch}" for y in sorted(LEGACY_MANYLINUX, reverse=True) if y <= int(m.group(1))
+            ]
         out += [p for p in more if p not in out]
     return out
 
@@ -119,12 +127,30 @@ class NoWheel(WheelhouseError):
         self.name = name
 
 
-def pip_download(reqs: list[str], dest: Path, python: str, platforms: list[str], lock: Path,
-                 pip_args: list[str] = ()) -> None:
+def pip_download(
+    reqs: list[str], dest: Path, python: str, platforms: list[str], lock: Path, pip_args: list[str] = ()
+) -> None:
     """Binary wheels only, for the target interpreter and platform, at the lock's pins."""
-    cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--implementation", "cp",
-           "--python-version", python, "--dest", str(dest), "-c", str(lock), "--progress-bar", "off",
-           *[a for p in platforms for a in ("--platform", p)], *pip_args, *reqs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--only-binary=:all:",
+        "--implementation",
+        "cp",
+        "--python-version",
+        python,
+        "--dest",
+        str(dest),
+        "-c",
+        str(lock),
+        "--progress-bar",
+        "off",
+        *[a for p in platforms for a in ("--platform", p)],
+        *pip_args,
+        *reqs,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         raise download_problem(r.stdout + r.stderr, python, platforms)
@@ -133,18 +159,29 @@ def pip_download(reqs: list[str], dest: Path, python: str, platforms: list[str],
 def download_problem(out: str, python: str, platforms: list[str]) -> WheelhouseError:
     """pip's failure as one line naming the package it found no wheel for."""
     # a pin with no wheel shows as "No matching distribution", or as a conflict with the lock's constraint
-    m = (re.search(r"No matching distribution found for (\S+)", out)
-         or re.search(r"The user requested \(constraint\) (\S+)", out))
+    m = re.search(r"No matching distribution found for (\S+)", out) or re.search(
+        r"The user requested \(constraint\) (\S+)", out
+    )
     if m:
-        return NoWheel(req_name(m.group(1)), f"{m.group(1)}: no binary wheel for cp{python.replace('.', '')} on "
-                       f"{platforms[0]} (pip download --only-binary=:all: found none on the index)")
+        return NoWheel(
+            req_name(m.group(1)),
+            f"{m.group(1)}: no binary wheel for cp{python.replace('.', '')} on "
+            f"{platforms[0]} (pip download --only-binary=:all: found none on the index)",
+        )
     errors = [ln for ln in out.splitlines() if ln.startswith("ERROR:")]
     last = errors[-1] if errors else (out.strip().splitlines() or ["no output"])[-1]
     return WheelhouseError(f"pip download failed: {last}")
 
 
-def fetch(reqs: list[str], dest: Path, python: str, platforms: list[str], lock: Path,
-          pip_args: list[str] = (), sdists: tuple[str, ...] = ()) -> list[str]:
+def fetch(
+    reqs: list[str],
+    dest: Path,
+    python: str,
+    platforms: list[str],
+    lock: Path,
+    pip_args: list[str] = (),
+    sdists: tuple[str, ...] = (),
+) -> list[str]:
     """pip_download, building the pure-Python wheel of a named sdist-only package when pip lacks one;
     the wheels built here."""
     built: dict[str, str] = {}
@@ -163,11 +200,27 @@ def pure_wheel(name: str, pins: dict[str, str], dest: Path) -> Path:
     if name not in pins:
         raise WheelhouseError(f"{name}: not pinned by requirements.lock, so not built from its sdist")
     before = set(dest.glob("*.whl"))
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-binary", name,
-                        "--wheel-dir", str(dest), f"{name}=={pins[name]}"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-binary",
+            name,
+            "--wheel-dir",
+            str(dest),
+            f"{name}=={pins[name]}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     new = sorted(set(dest.glob("*.whl")) - before)
     if r.returncode or not new:
-        raise WheelhouseError(f"{name}=={pins[name]}: its sdist did not build: {(r.stdout + r.stderr).strip().splitlines()[-1]}")
+        raise WheelhouseError(
+            f"{name}=={pins[name]}: its sdist did not build: {(r.stdout + r.stderr).strip().splitlines()[-1]}"
+        )
     if not new[0].name.endswith("-none-any.whl"):
         new[0].unlink()
         raise WheelhouseError(f"{name}=={pins[name]}: its sdist builds {new[0].name}, not a pure-Python wheel")
@@ -186,7 +239,9 @@ def own_wheel(dest: Path) -> Path:
             cmd.insert(4, "--no-build-isolation")  # offline when this interpreter can build it already
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
-            raise WheelhouseError(f"draftport: its wheel did not build: {(r.stdout + r.stderr).strip().splitlines()[-1]}")
+            raise WheelhouseError(
+                f"draftport: its wheel did not build: {(r.stdout + r.stderr).strip().splitlines()[-1]}"
+            )
     return next(dest.glob("draftport-*.whl"))
 
 
@@ -209,8 +264,16 @@ def unpinned(folder: Path, pins: dict[str, str]) -> list[str]:
     return sorted(f"{n}=={v}" for n, v in wheel_pins(folder).items() if n not in pins and n != "draftport")
 
 
-def build(out: Path, python: str, platforms: list[str], wheel_set: str, torch: bool,
-          lock: Path = ROOT / "requirements.lock", pip_args: list[str] = (), sdists: tuple[str, ...] = SDISTS) -> dict:
+def build(
+    out: Path,
+    python: str,
+    platforms: list[str],
+    wheel_set: str,
+    torch: bool,
+    lock: Path = ROOT / "requirements.lock",
+    pip_args: list[str] = (),
+    sdists: tuple[str, ...] = SDISTS,
+) -> dict:
     """Download, add draftport's wheel, write the manifest, then rename: no half-built `out`."""
     platforms = expand_platforms(platforms)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -226,15 +289,24 @@ def build(out: Path, python: str, platforms: list[str], wheel_set: str, torch: b
     return manifest
 
 
-def describe(python: str, platforms: list[str], wheel_set: str, torch: bool, lock: Path, wheel: Path,
-             folder: Path) -> dict:
+def describe(
+    python: str, platforms: list[str], wheel_set: str, torch: bool, lock: Path, wheel: Path, folder: Path
+) -> dict:
     """Everything the manifest says besides its files."""
     commit, dirty = git_commit()
-    return {"python": python, "implementation": "cp", "platforms": platforms, "set": wheel_set,
-            "install": install_spec(wheel_set), "torch": torch, "torch_pin": read_lock(lock).get("torch"),
-            "torch_requires": torch_requirement(),
-            "draftport": {"version": project()["version"], "wheel": wheel.name, "commit": commit, "dirty": dirty},
-            "lock": {"file": lock.name, "sha256": sha256(lock)}, "unpinned": unpinned(folder, read_lock(lock))}
+    return {
+        "python": python,
+        "implementation": "cp",
+        "platforms": platforms,
+        "set": wheel_set,
+        "install": install_spec(wheel_set),
+        "torch": torch,
+        "torch_pin": read_lock(lock).get("torch"),
+        "torch_requires": torch_requirement(),
+        "draftport": {"version": project()["version"], "wheel": wheel.name, "commit": commit, "dirty": dirty},
+        "lock": {"file": lock.name, "sha256": sha256(lock)},
+        "unpinned": unpinned(folder, read_lock(lock)),
+    }
 
 
 def publish(tmp: Path, out: Path) -> None:
@@ -257,8 +329,11 @@ def sha256(path: Path) -> str:
 
 def write_manifest(folder: Path, meta: dict) -> dict:
     """meta plus every file's name, size and sha256, written as folder/MANIFEST.json."""
-    files = [{"name": p.name, "size": p.stat().st_size, "sha256": sha256(p)}
-             for p in sorted(folder.iterdir()) if p.name != MANIFEST]
+    files = [
+        {"name": p.name, "size": p.stat().st_size, "sha256": sha256(p)}
+        for p in sorted(folder.iterdir())
+        if p.name != MANIFEST
+    ]
     manifest = {"format": FORMAT, **meta, "files": files, "total_bytes": sum(f["size"] for f in files)}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
@@ -305,8 +380,10 @@ def file_problems(folder: Path, manifest: dict) -> list[str]:
     for name in sorted(listed.keys() & present):
         size, digest = (folder / name).stat().st_size, sha256(folder / name)
         if size != listed[name]["size"] or digest != listed[name]["sha256"]:
-            problems.append(f"{folder / name}: sha256 {digest[:16]}… ({size} bytes), {MANIFEST} says "
-                            f"{listed[name]['sha256'][:16]}… ({listed[name]['size']} bytes)")
+            problems.append(
+                f"{folder / name}: sha256 {digest[:16]}… ({size} bytes), {MANIFEST} says "
+                f"{listed[name]['sha256'][:16]}… ({listed[name]['size']} bytes)"
+            )
     return problems
 
 
@@ -318,8 +395,10 @@ def interpreter_problems(folder: Path, manifest: dict, facts: dict) -> list[str]
         return [f"{where}: built for Python {manifest['python']}, {facts['path']} is Python {facts['version']}"]
     arch = {m.group(1) for p in manifest["platforms"] if (m := LINUX_TAG.fullmatch(p))}
     if arch and (facts["platform"] != "linux" or facts["machine"] not in arch):
-        return [f"{where}: built for {'/'.join(sorted(arch))} Linux, {facts['path']} runs on "
-                f"{facts['machine']} {facts['platform']}"]
+        return [
+            f"{where}: built for {'/'.join(sorted(arch))} Linux, {facts['path']} runs on "
+            f"{facts['machine']} {facts['platform']}"
+        ]
     return []
 
 
@@ -349,12 +428,16 @@ def check_torch(python: str, manifest: dict) -> None:
     r = subprocess.run([python, "-c", probe], capture_output=True, text=True)
     want = manifest.get("torch_requires") or f"torch=={manifest['torch_pin']}"
     if r.returncode:
-        raise WheelhouseError(f"torch: not installed for {python}: install the cluster's CUDA build ({want}) "
-                              "first (this wheelhouse carries no torch; WHEEL_TORCH=1 builds one that does)")
+        raise WheelhouseError(
+            f"torch: not installed for {python}: install the cluster's CUDA build ({want}) "
+            "first (this wheelhouse carries no torch; WHEEL_TORCH=1 builds one that does)"
+        )
     found = r.stdout.strip()
     m = re.fullmatch(r"torch\s*(==|>=)\s*([\d.]+)", want.replace(" ", ""))
-    if m and ((m.group(1) == "==" and _release(found) != _release(m.group(2)))
-              or (m.group(1) == ">=" and _release(found) < _release(m.group(2)))):
+    if m and (
+        (m.group(1) == "==" and _release(found) != _release(m.group(2)))
+        or (m.group(1) == ">=" and _release(found) < _release(m.group(2)))
+    ):
         raise WheelhouseError(f"torch: {found} installed for {python}, draftport requires {want}")
 
 
@@ -372,15 +455,27 @@ def install(folder: Path, venv: Path | None = None, no_deps: bool = False) -> st
     python = target_python(venv)
     manifest = verify(folder, python)
     check_torch(python, manifest)
-    cmd = [python, "-m", "pip", "install", "--no-index", "--find-links", str(folder.resolve()),
-           *(["--no-deps"] if no_deps else []), manifest["install"]]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--find-links",
+        str(folder.resolve()),
+        *(["--no-deps"] if no_deps else []),
+        manifest["install"],
+    ]
     r = subprocess.run(cmd, env=offline_env(), capture_output=True, text=True)
     if r.returncode:
         errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("ERROR:")]
-        raise WheelhouseError(f"{folder}: pip install {manifest['install']} failed: {errors[-1] if errors else r.returncode}")
+        raise WheelhouseError(
+            f"{folder}: pip install {manifest['install']} failed: {errors[-1] if errors else r.returncode}"
+        )
     probe = "import importlib.metadata as m, draftport; print(m.version('draftport'))"
-    return subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True,
-                          cwd=tempfile.gettempdir()).stdout.strip()
+    return subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, check=True, cwd=tempfile.gettempdir()
+    ).stdout.strip()
 
 
 # ---- command line -----------------------------------------------------------------------------------
@@ -388,10 +483,12 @@ def summary(out: Path, manifest: dict) -> str:
     """The size line each build prints (the device machine takes at most 64 MiB a call)."""
     big = sorted(manifest["files"], key=lambda f: -f["size"])[:3]
     torch = "torch included" if manifest["torch"] else "no torch"
-    return (f"{out}: {manifest['set']} set, {len(manifest['files'])} files, "
-            f"{manifest['total_bytes'] / 2**20:.1f} MiB, cp{manifest['python'].replace('.', '')} "
-            f"{manifest['platforms'][0]}, {torch}; largest: "
-            + ", ".join(f"{f['name']} {f['size'] / 2**20:.1f} MiB" for f in big))
+    return (
+        f"{out}: {manifest['set']} set, {len(manifest['files'])} files, "
+        f"{manifest['total_bytes'] / 2**20:.1f} MiB, cp{manifest['python'].replace('.', '')} "
+        f"{manifest['platforms'][0]}, {torch}; largest: "
+        + ", ".join(f"{f['name']} {f['size'] / 2**20:.1f} MiB" for f in big)
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -400,12 +497,22 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="download the pinned binary wheels and write MANIFEST.json")
     b.add_argument("--out", type=Path, default=Path("wheelhouse"))
     b.add_argument("--python-version", default="3.12", help="the cluster's interpreter, X.Y")
-    b.add_argument("--platform", nargs="+", default=["manylinux_2_28_x86_64"],
-                   help="wheel platform tags; manylinux_2_Y_ARCH takes older glibc's too")
-    b.add_argument("--set", choices=sorted(SETS), default="full", help="core: the library's steps; full: the pipeline too")
+    b.add_argument(
+        "--platform",
+        nargs="+",
+        default=["manylinux_2_28_x86_64"],
+        help="wheel platform tags; manylinux_2_Y_ARCH takes older glibc's too",
+    )
+    b.add_argument(
+        "--set", choices=sorted(SETS), default="full", help="core: the library's steps; full: the pipeline too"
+    )
     b.add_argument("--torch", type=int, choices=(0, 1), default=0, help="1: carry torch (and its CUDA wheels) too")
-    b.add_argument("--sdist", nargs="*", default=list(SDISTS),
-                   help="sdist-only packages whose pure-Python wheels may be built here (default: %(default)s)")
+    b.add_argument(
+        "--sdist",
+        nargs="*",
+        default=list(SDISTS),
+        help="sdist-only packages whose pure-Python wheels may be built here (default: %(default)s)",
+    )
     b.add_argument("--find-links", action="append", default=[], help="a local folder of wheels to read too")
     b.add_argument("--no-index", action="store_true", help="read the --find-links folders only")
     v = sub.add_parser("verify", help="check every file and the interpreter against MANIFEST.json")
@@ -423,8 +530,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "build":
             pip_args = [a for d in args.find_links for a in ("--find-links", d)] + ["--no-index"] * args.no_index
-            manifest = build(args.out, args.python_version, args.platform, args.set, bool(args.torch),
-                             pip_args=pip_args, sdists=tuple(args.sdist))
+            manifest = build(
+                args.out,
+                args.python_version,
+                args.platform,
+                args.set,
+                bool(args.torch),
+                pip_args=pip_args,
+                sdists=tuple(args.sdist),
+            )
             print(summary(args.out, manifest))
             for line in manifest["unpinned"]:
                 print(f"note: {line} is not pinned by requirements.lock")

@@ -18,8 +18,12 @@ import typer
 
 from draftport.errors import DraftportError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Port an EAGLE-3 drafter to a new version of its target model.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Port an EAGLE-3 drafter to a new version of its target model.",
+)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
 
@@ -35,8 +39,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                          help="Print draftport's version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print draftport's version and exit.")
+    ] = False,
 ):
     """Port an EAGLE-3 drafter to a new version of its target model."""
 
@@ -49,9 +54,14 @@ def _print_json(obj) -> None:
 def compare(
     src: Annotated[Path, typer.Argument(help="Source drafter folder (config.json + *.safetensors).")],
     dst: Annotated[Path, typer.Argument(help="Drafter folder to compare against.")],
-    target: Annotated[Path | None, typer.Option(
-        "--target", help="Target folder: check each drafter's own embed_tokens against its embedding "
-                         "(sha256 of the tensor bytes; report key `embedding`).")] = None,
+    target: Annotated[
+        Path | None,
+        typer.Option(
+            "--target",
+            help="Target folder: check each drafter's own embed_tokens against its embedding "
+            "(sha256 of the tensor bytes; report key `embedding`).",
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ):
     """Config, weights and vocab maps of two drafters side by side, from headers only (with
@@ -72,12 +82,15 @@ def compare(
 @app.command()
 def costmodel(
     baseline_tok_s: Annotated[float, typer.Option(help="Target alone, tokens/s.")],
-    verify_ms: Annotated[float, typer.Option(help="One verify cycle of the target, ms (drafting included when --draft-ms is 0).")],
+    verify_ms: Annotated[
+        float, typer.Option(help="One verify cycle of the target, ms (drafting included when --draft-ms is 0).")
+    ],
     draft_ms: Annotated[float, typer.Option(help="One draft step, ms (needs --k).")] = 0.0,
     k: Annotated[int | None, typer.Option("--k", help="Draft steps per cycle (default: unbounded chain).")] = None,
     target_tok_s: Annotated[list[float] | None, typer.Option(help="Throughput to reach (repeatable).")] = None,
-    accept_rates: Annotated[str | None, typer.Option(
-        help="Measured per-position acceptance, e.g. 0.8,0.6,0.4: picks the best k.")] = None,
+    accept_rates: Annotated[
+        str | None, typer.Option(help="Measured per-position acceptance, e.g. 0.8,0.6,0.4: picks the best k.")
+    ] = None,
     as_json: JsonFlag = False,
 ):
     """Accept length and acceptance a drafter needs to pay off, and to reach target throughputs."""
@@ -122,27 +135,78 @@ def inspect(
 
 @app.command()
 def init(
-    name: Annotated[str, typer.Argument(help="The profile's name: writes configs/NAME.yaml (and the MLflow experiment draftport-NAME).")],
+    name: Annotated[
+        str,
+        typer.Argument(help="The profile's name: writes configs/NAME.yaml (and the MLflow experiment draftport-NAME)."),
+    ],
     source: Annotated[str, typer.Option(help="The source drafter: a hub id[@revision] or a folder.")],
     target_new: Annotated[str, typer.Option(help="The new target: a hub id[@revision] or a folder.")],
-    target_old: Annotated[str | None, typer.Option(help="The old target (the source's home): Phase 0 on it and the drift probe.")] = None,
-    prompts: Annotated[Path | None, typer.Option(help="Training prompts, JSONL ({\"user\": ...} per line; default data/NAME/train.jsonl).")] = None,
-    prompts_eval: Annotated[Path | None, typer.Option(help="Held-out prompts, disjoint from --prompts (default data/NAME/heldout.jsonl).")] = None,
-    regenerate: Annotated[str, typer.Option(help="Who writes the new target's answers: local (the capture step) or openai (a served target).")] = "local",
+    target_old: Annotated[
+        str | None, typer.Option(help="The old target (the source's home): Phase 0 on it and the drift probe.")
+    ] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help='Training prompts, JSONL ({"user": ...} per line; default data/NAME/train.jsonl).'),
+    ] = None,
+    prompts_eval: Annotated[
+        Path | None, typer.Option(help="Held-out prompts, disjoint from --prompts (default data/NAME/heldout.jsonl).")
+    ] = None,
+    regenerate: Annotated[
+        str,
+        typer.Option(help="Who writes the new target's answers: local (the capture step) or openai (a served target)."),
+    ] = "local",
     base_url: Annotated[str | None, typer.Option(help="With --regenerate openai: the server's /v1 address.")] = None,
-    served_model: Annotated[str | None, typer.Option(help="With --regenerate openai: the model name the server knows (default: the target's id).")] = None,
+    served_model: Annotated[
+        str | None,
+        typer.Option(help="With --regenerate openai: the model name the server knows (default: the target's id)."),
+    ] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="The hub cache to read (default: HF_HOME's).")] = None,
-    offline: Annotated[bool, typer.Option("--offline", help="Read the hub cache only (also HF_HUB_OFFLINE=1).")] = False,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Let the target's own code (auto_map) run; names it in targets.trust_remote_code.")] = False,
-    like: Annotated[Path | None, typer.Option(help="Take training, eval and resources settings from this profile (e.g. configs/micro.yaml) instead of the GPU-node defaults.")] = None,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Read the hub cache only (also HF_HUB_OFFLINE=1).")
+    ] = False,
+    trust_remote_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-remote-code",
+            help="Let the target's own code (auto_map) run; names it in targets.trust_remote_code.",
+        ),
+    ] = False,
+    like: Annotated[
+        Path | None,
+        typer.Option(
+            help="Take training, eval and resources settings from this profile (e.g. configs/micro.yaml) "
+            "instead of the GPU-node defaults."
+        ),
+    ] = None,
     gpus: Annotated[int, typer.Option(help="GPUs of one training node.")] = 8,
-    phase1_samples: Annotated[int | None, typer.Option(help="Phase 1's samples (default: a fifth of Phase 2's, at most 37,000).")] = None,
-    phase2_samples: Annotated[int | None, typer.Option(help="Phase 2's samples (default: every training prompt but the monitor's).")] = None,
-    baseline_tok_s: Annotated[float | None, typer.Option(help="Your target's tok/s without a drafter (measured).")] = None,
-    verify_ms: Annotated[float | None, typer.Option(help="One verify cycle of your deployment, ms (measured; drafting included when --draft-ms is 0).")] = None,
+    phase1_samples: Annotated[
+        int | None, typer.Option(help="Phase 1's samples (default: a fifth of Phase 2's, at most 37,000).")
+    ] = None,
+    phase2_samples: Annotated[
+        int | None, typer.Option(help="Phase 2's samples (default: every training prompt but the monitor's).")
+    ] = None,
+    baseline_tok_s: Annotated[
+        float | None, typer.Option(help="Your target's tok/s without a drafter (measured).")
+    ] = None,
+    verify_ms: Annotated[
+        float | None,
+        typer.Option(
+            help="One verify cycle of your deployment, ms (measured; drafting included when --draft-ms is 0)."
+        ),
+    ] = None,
     draft_ms: Annotated[float | None, typer.Option(help="One draft step, ms (0: inside verify_ms).")] = None,
-    reference: Annotated[str | None, typer.Option(help="A drafter already trained for the new target (hub id[@revision]): Phase 0's upper bound.")] = None,
-    pin: Annotated[bool, typer.Option("--pin/--no-pin", help="Pin the source to the commit its revision resolves to (--no-pin: keep the branch; an example profile).")] = True,
+    reference: Annotated[
+        str | None,
+        typer.Option(help="A drafter already trained for the new target (hub id[@revision]): Phase 0's upper bound."),
+    ] = None,
+    pin: Annotated[
+        bool,
+        typer.Option(
+            "--pin/--no-pin",
+            help="Pin the source to the commit its revision resolves to "
+            "(--no-pin: keep the branch; an example profile).",
+        ),
+    ] = True,
     out: Annotated[Path | None, typer.Option(help="Where to write the profile (default configs/NAME.yaml).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing profile.")] = False,
     as_json: JsonFlag = False,
@@ -154,13 +218,32 @@ def init(
     from draftport.outputs import estimate as E
     from draftport.outputs import init_profile as I
 
-    rep = I.build(name, source=source, target_new=target_new, target_old=target_old, prompts=prompts,
-                  prompts_eval=prompts_eval, regenerate=regenerate, base_url=base_url, served_model=served_model,
-                  cache_dir=cache_dir, offline=offline, read_offline=offline or I.env_offline(),
-                  trust_remote_code=trust_remote_code,
-                  like=like, gpus=gpus, phase1_samples=phase1_samples, phase2_samples=phase2_samples,
-                  baseline_tok_s=baseline_tok_s, verify_ms=verify_ms, draft_ms=draft_ms,
-                  reference=reference, pin=pin, out=out, force=force)
+    rep = I.build(
+        name,
+        source=source,
+        target_new=target_new,
+        target_old=target_old,
+        prompts=prompts,
+        prompts_eval=prompts_eval,
+        regenerate=regenerate,
+        base_url=base_url,
+        served_model=served_model,
+        cache_dir=cache_dir,
+        offline=offline,
+        read_offline=offline or I.env_offline(),
+        trust_remote_code=trust_remote_code,
+        like=like,
+        gpus=gpus,
+        phase1_samples=phase1_samples,
+        phase2_samples=phase2_samples,
+        baseline_tok_s=baseline_tok_s,
+        verify_ms=verify_ms,
+        draft_ms=draft_ms,
+        reference=reference,
+        pin=pin,
+        out=out,
+        force=force,
+    )
     if rep["problems"]:
         for where, what in rep["problems"]:
             sys.stderr.write(f"draftport: error: {where}: {what}\n")
@@ -170,7 +253,7 @@ def init(
     est = None
     try:
         est = E.estimate(rep["profile"], target_config_path=rep["target_config"])
-    except DraftportError as e:   # the profile stands; the estimate needs what is missing
+    except DraftportError as e:  # the profile stands; the estimate needs what is missing
         rep["gaps"].append(("estimate", str(e)))
     if as_json:
         _print_json({k: v for k, v in rep.items() if k not in ("text", "profile")} | {"estimate": est})
@@ -190,24 +273,41 @@ def init(
 
 @app.command()
 def estimate(
-    configfile: Annotated[list[Path], typer.Option(
-        "--configfile", help="Profile(s) layered on params.yaml, as given to snakemake.")],
+    configfile: Annotated[
+        list[Path], typer.Option("--configfile", help="Profile(s) layered on params.yaml, as given to snakemake.")
+    ],
     params: Annotated[Path, typer.Option(help="The base parameter file.")] = Path("params.yaml"),
     tokens_per_sample: Annotated[int | None, typer.Option(help="Default: the benchmark's sequence length.")] = None,
     gpus: Annotated[int | None, typer.Option(help="Default: each rule's resources gpu (training and capture).")] = None,
     efficiency: Annotated[float, typer.Option(help="Scaling efficiency over the GPUs (assumed).")] = 0.9,
     bench: Annotated[Path | None, typer.Option(help="A benchmarks/results/*.json of bench_train_h200.")] = None,
-    capture_bench: Annotated[Path | None, typer.Option(
-        help="A capture benchmark result (default: newest benchmarks/results/*-h200-capture.json, if any).")] = None,
-    capture_efficiency: Annotated[float | None, typer.Option(
-        help="Stated fraction of the prefill roofline for the capture (overrides any benchmark file).")] = None,
-    serve_tok_s: Annotated[float | None, typer.Option(
-        help="Output tok/s of the deployment serving the target's answers (default: features.serve_tok_s, else "
-             "derived from the target and the GPUs: docs/estimate.md).")] = None,
-    answer_tokens: Annotated[int | None, typer.Option(
-        help="Answer tokens per sample (default: features.max_new_tokens, at most tokens per sample).")] = None,
-    target_config: Annotated[Path | None, typer.Option(
-        help="The new target's config.json or folder (default: targets.new's, or a built-in published shape).")] = None,
+    capture_bench: Annotated[
+        Path | None,
+        typer.Option(
+            help="A capture benchmark result (default: newest benchmarks/results/*-h200-capture.json, if any)."
+        ),
+    ] = None,
+    capture_efficiency: Annotated[
+        float | None,
+        typer.Option(help="Stated fraction of the prefill roofline for the capture (overrides any benchmark file)."),
+    ] = None,
+    serve_tok_s: Annotated[
+        float | None,
+        typer.Option(
+            help="Output tok/s of the deployment serving the target's answers (default: features.serve_tok_s, else "
+            "derived from the target and the GPUs: docs/estimate.md)."
+        ),
+    ] = None,
+    answer_tokens: Annotated[
+        int | None,
+        typer.Option(help="Answer tokens per sample (default: features.max_new_tokens, at most tokens per sample)."),
+    ] = None,
+    target_config: Annotated[
+        Path | None,
+        typer.Option(
+            help="The new target's config.json or folder (default: targets.new's, or a built-in published shape)."
+        ),
+    ] = None,
     spool_gb: Annotated[float | None, typer.Option(help="Online spool bound, GB (default: features.spool_gb).")] = None,
     peak_tflops: Annotated[float | None, typer.Option(help="Peak dense bf16 TFLOP/s per GPU (default: H200).")] = None,
     as_json: JsonFlag = False,
@@ -218,11 +318,20 @@ def estimate(
     from draftport.outputs import estimate as E
     from draftport.plan.params import load
 
-    rep = E.estimate(load(*configfile, base=params), tokens_per_sample=tokens_per_sample, gpus=gpus,
-                     efficiency=efficiency, bench=bench or E.DEFAULT_BENCH, capture_bench_path=capture_bench,
-                     capture_eff=capture_efficiency, serve_tok_s=serve_tok_s,
-                     answer_tokens=answer_tokens, target_config_path=target_config, spool_gb=spool_gb,
-                     peak_tflops=E.PEAK_TFLOPS if peak_tflops is None else peak_tflops)
+    rep = E.estimate(
+        load(*configfile, base=params),
+        tokens_per_sample=tokens_per_sample,
+        gpus=gpus,
+        efficiency=efficiency,
+        bench=bench or E.DEFAULT_BENCH,
+        capture_bench_path=capture_bench,
+        capture_eff=capture_efficiency,
+        serve_tok_s=serve_tok_s,
+        answer_tokens=answer_tokens,
+        target_config_path=target_config,
+        spool_gb=spool_gb,
+        peak_tflops=E.PEAK_TFLOPS if peak_tflops is None else peak_tflops,
+    )
     if as_json:
         _print_json(rep)
     else:
@@ -235,7 +344,8 @@ def estimate(
 @app.command()
 def decide(
     path: Annotated[Path, typer.Argument(help="A decision.json (the decision step's output).")] = Path(
-        "artifacts/decision/decision.json"),
+        "artifacts/decision/decision.json"
+    ),
     as_json: JsonFlag = False,
 ):
     """The decision: which init, how much data, whether Phase 2 pays (CIs and rules: docs/decision.md)."""
@@ -251,13 +361,18 @@ def decide(
 
 @app.command()
 def ui(
-    configfile: Annotated[list[Path] | None, typer.Option(
-        "--configfile", help="Profile(s) layered on params.yaml, as given to snakemake (the experiment's name).")] = None,
+    configfile: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--configfile", help="Profile(s) layered on params.yaml, as given to snakemake (the experiment's name)."
+        ),
+    ] = None,
     params: Annotated[Path, typer.Option(help="The base parameter file.")] = Path("params.yaml"),
     host: Annotated[str, typer.Option(help="Address the UI listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port the UI listens on.")] = 5000,
-    print_urls: Annotated[bool, typer.Option(
-        "--print-urls", "--no-serve", help="Only print the addresses; start no server.")] = False,
+    print_urls: Annotated[
+        bool, typer.Option("--print-urls", "--no-serve", help="Only print the addresses; start no server.")
+    ] = False,
     log: Annotated[Path, typer.Option(help="The server's output.")] = Path("logs/mlflow_ui.log"),
     as_json: JsonFlag = False,
 ):
@@ -271,16 +386,30 @@ def ui(
 
 @app.command()
 def publish(
-    phase: Annotated[str | None, typer.Option(
-        help="phase1_scratch, phase1 or phase2 (default: publish.phase, else the decision's choice).")] = None,
-    out: Annotated[Path | None, typer.Option(help="The hub folder to write (default: published/<publish.folder>).")] = None,
-    repo_id: Annotated[str | None, typer.Option(
-        "--repo-id", help="The hub repo (org/name) the card names and --push uploads to (default: publish.repo_id).")] = None,
-    push: Annotated[bool, typer.Option("--push", help="Upload the folder with huggingface_hub (token: HF_TOKEN) once "
-                                                      "every check passes.")] = False,
+    phase: Annotated[
+        str | None,
+        typer.Option(help="phase1_scratch, phase1 or phase2 (default: publish.phase, else the decision's choice)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="The hub folder to write (default: published/<publish.folder>).")
+    ] = None,
+    repo_id: Annotated[
+        str | None,
+        typer.Option(
+            "--repo-id", help="The hub repo (org/name) the card names and --push uploads to (default: publish.repo_id)."
+        ),
+    ] = None,
+    push: Annotated[
+        bool,
+        typer.Option(
+            "--push", help="Upload the folder with huggingface_hub (token: HF_TOKEN) once every check passes."
+        ),
+    ] = False,
     private: Annotated[bool, typer.Option("--private", help="Create the hub repo private.")] = False,
-    configfile: Annotated[list[Path] | None, typer.Option(
-        "--configfile", help="Profile(s) layered on params.yaml, as given to snakemake.")] = None,
+    configfile: Annotated[
+        list[Path] | None,
+        typer.Option("--configfile", help="Profile(s) layered on params.yaml, as given to snakemake."),
+    ] = None,
     params: Annotated[Path, typer.Option(help="The base parameter file.")] = Path("params.yaml"),
     as_json: JsonFlag = False,
 ):
@@ -325,7 +454,7 @@ def _one_line_summaries() -> None:
             info.short_help = " ".join(doc.split("\n\n")[0].split())
 
 
-_one_line_summaries()   # after every @app.command() above
+_one_line_summaries()  # after every @app.command() above
 
 
 def main(argv: list[str] | None = None) -> int:

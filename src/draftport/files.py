@@ -18,13 +18,21 @@ from typing import Any
 from draftport.errors import DraftportError
 
 
-_FULL_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-                errno.EFBIG: "file size limit exceeded"}
+_FULL_ERRNOS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file size limit exceeded",
+}
 # safetensors (Rust) reports the OS error inside its own message
-_FULL_TEXTS = (("no space left", "no space left on device"), ("storagefull", "no space left on device"),
-               ("os error 28", "no space left on device"), ("quota exceeded", "disk quota exceeded"),
-               ("filetoolarge", "file size limit exceeded"), ("file too large", "file size limit exceeded"),
-               ("os error 27", "file size limit exceeded"))
+_FULL_TEXTS = (
+    ("no space left", "no space left on device"),
+    ("storagefull", "no space left on device"),
+    ("os error 28", "no space left on device"),
+    ("quota exceeded", "disk quota exceeded"),
+    ("filetoolarge", "file size limit exceeded"),
+    ("file too large", "file size limit exceeded"),
+    ("os error 27", "file size limit exceeded"),
+)
 
 
 def disk_full_error(e: BaseException, where) -> str | None:

@@ -57,8 +57,16 @@ def on_terminal() -> bool:
         return False
 
 
-def progress(total: int | None, desc: str, unit: str = "it", *, enabled: bool = True, initial: int = 0,
-             leave: bool = True, file: IO[str] | None = None) -> Progress:
+def progress(
+    total: int | None,
+    desc: str,
+    unit: str = "it",
+    *,
+    enabled: bool = True,
+    initial: int = 0,
+    leave: bool = True,
+    file: IO[str] | None = None,
+) -> Progress:
     """A context manager with .update(n=1), .set_postfix(**kw) and .close().
 
     total: the count at the end (None: unknown, no percentage). initial: the count to start from
@@ -99,8 +107,7 @@ class _Bar(Progress):
     """tqdm, for a terminal."""
 
     def __init__(self, total, desc, unit, *, initial, leave, file):
-        self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, file=file,
-                         dynamic_ncols=True)
+        self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, file=file, dynamic_ncols=True)
 
     @property
     def n(self) -> int:  # type: ignore[override]
@@ -177,8 +184,11 @@ class _Lines(Progress):
 
     def line(self, now: float | None = None, final: bool = False) -> str:
         elapsed = (self._clock() if now is None else now) - self._t0
-        parts = [f"{self.desc}: {self.n}/{self.total} {self.unit}" if self.total is not None
-                 else f"{self.desc}: {self.n} {self.unit}"]
+        parts = [
+            f"{self.desc}: {self.n}/{self.total} {self.unit}"
+            if self.total is not None
+            else f"{self.desc}: {self.n} {self.unit}"
+        ]
         if self.total:
             parts[0] += f" ({100 * self.n / self.total:.0f}%)"
         parts.append(_duration(elapsed))
@@ -224,14 +234,13 @@ class LogWriter:
     update); close() does.
     """
 
-    def __init__(self, fh: IO[str], interval_s: float | None = None, *,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, fh: IO[str], interval_s: float | None = None, *, clock: Callable[[], float] = time.monotonic):
         self.fh = fh
         self.interval = interval_seconds() if interval_s is None else float(interval_s)
         self._clock = clock
-        self._cur = ""          # the text since the last \r or \n
-        self._state = None      # the last complete \r-state not yet written, if any
-        self._in_cr = False     # the current line has seen a \r
+        self._cur = ""  # the text since the last \r or \n
+        self._state = None  # the last complete \r-state not yet written, if any
+        self._in_cr = False  # the current line has seen a \r
         self._last = -math.inf  # when a \r-state was last written
         self._lock = threading.Lock()
         self.closed = False
@@ -274,8 +283,8 @@ class LogWriter:
 
     def _newline(self) -> None:
         if self._cur.strip() or not self._in_cr:
-            self._emit(self._cur)       # an ordinary line, or the last state of a \r run
-        elif self._state is not None:   # "\r<state>\r\n" or "<state>\r   \n"
+            self._emit(self._cur)  # an ordinary line, or the last state of a \r run
+        elif self._state is not None:  # "\r<state>\r\n" or "<state>\r   \n"
             self._emit(self._state)
         self._cur, self._state, self._in_cr = "", None, False
 

@@ -32,10 +32,12 @@ from draftport.plan import params as P
 from draftport.plan import registry as R
 
 METRIC = "accept_length"  # the phases' headline; by step in each training run (tau during training)
-CURVES = "curves"         # the learning curves' parent run (one nested run per point)
+CURVES = "curves"  # the learning curves' parent run (one nested run per point)
 HINT = "run `make phase1` first"
-TOGGLE = ('if the UI opens on a GenAI overview ("Traces 0"), pick "Model training" in the GenAI | '
-          'Model training switch at the top left: the runs are there')
+TOGGLE = (
+    'if the UI opens on a GenAI overview ("Traces 0"), pick "Model training" in the GenAI | '
+    "Model training switch at the top left: the runs are there"
+)
 
 
 def phases() -> list[str]:
@@ -63,15 +65,18 @@ def profile_of(configfiles: list[Path], base: Path) -> str:
 
 
 def _sqlite_file(uri: str) -> Path | None:
-    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
 
 
 def _check_store(uri: str) -> None:
     """A sqlite store must exist already: opening a missing one would create an empty file."""
     db = _sqlite_file(uri)
     if db is not None and not db.is_file():
-        raise DraftportError(uri, f"no tracking store ({db} does not exist); {HINT}, or set "
-                                  f"MLFLOW_TRACKING_URI to the store the pipeline logged to")
+        raise DraftportError(
+            uri,
+            f"no tracking store ({db} does not exist); {HINT}, or set "
+            f"MLFLOW_TRACKING_URI to the store the pipeline logged to",
+        )
     if db is not None:  # read-only look: MLflow would turn any sqlite file into a store
 
         def tables_of():
@@ -122,8 +127,13 @@ def find_runs(uri: str, profile: str, runs_dir: Path | str | None = None, check:
     # lazy: mlflow is optional (the pipeline extra)
     from mlflow.entities import ViewType
 
-    found = retry(c.search_runs, [exp.experiment_id], run_view_type=ViewType.ACTIVE_ONLY, max_results=5000,
-                  order_by=["attributes.start_time DESC"])
+    found = retry(
+        c.search_runs,
+        [exp.experiment_id],
+        run_view_type=ViewType.ACTIVE_ONLY,
+        max_results=5000,
+        order_by=["attributes.start_time DESC"],
+    )
     by_id = {r.info.run_id: r for r in found}
     top = [r for r in found if "mlflow.parentRunId" not in r.data.tags]
 
@@ -146,8 +156,7 @@ def find_runs(uri: str, profile: str, runs_dir: Path | str | None = None, check:
     if parent is not None:
         kids = [r.info.run_name for r in found if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
         curves = {"run_id": parent.info.run_id, "children": sorted(kids)}
-    return {"experiment": name, "experiment_id": exp.experiment_id, "runs": runs, "missing": missing,
-            "curves": curves}
+    return {"experiment": name, "experiment_id": exp.experiment_id, "runs": runs, "missing": missing, "curves": curves}
 
 
 def _j(obj) -> str:
@@ -161,13 +170,16 @@ def urls(base: str, found: dict) -> dict:
     exp = [found["experiment_id"]]
     ids = [r["run_id"] for r in found["runs"].values()]
     trained = [r["run_id"] for p, r in found["runs"].items() if p in trained_phases()]
-    out = {"compare": f"{base}#/compare-runs?runs={_j(ids)}&experiments={_j(exp)}",
-           "runs": f"{base}#/experiments/{found['experiment_id']}/runs?workflowType=machine_learning"}
+    out = {
+        "compare": f"{base}#/compare-runs?runs={_j(ids)}&experiments={_j(exp)}",
+        "runs": f"{base}#/experiments/{found['experiment_id']}/runs?workflowType=machine_learning",
+    }
     if trained:
         out["tau_by_step"] = (
             f"{base}#/metric?runs={_j(trained)}&metric={_j(METRIC)}&experiments={_j(exp)}"
             f"&plot_metric_keys={_j([METRIC])}&plot_layout={_j({})}&x_axis=step&y_axis_scale=linear"
-            f"&line_smoothness=1&show_point=true&deselected_curves={_j([])}&last_linear_y_axis_range={_j([])}")
+            f"&line_smoothness=1&show_point=true&deselected_curves={_j([])}&last_linear_y_axis_range={_j([])}"
+        )
     return out
 
 
@@ -190,10 +202,27 @@ def serve(uri: str, host: str, port: int, log: Path, timeout: float = 180.0) -> 
     env = dict(os.environ)
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # the UI needs no job runner
     out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
-                             "--workers", "1", "--backend-store-uri", uri],
-                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            uri,
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     out.close()
     try:
         _wait_up(proc, host, port, log, timeout)
@@ -238,17 +267,23 @@ def stop(proc: subprocess.Popen) -> None:
 
 def describe(uri: str, base: str, found: dict, u: dict, serving: bool) -> str:
     runs = found["runs"]
-    lines = [f"MLflow UI {'at' if serving else 'for'} {base} on {uri}, experiment {found['experiment']} "
-             f"(id {found['experiment_id']})",
-             f"  compare the phases: {u['compare']}",
-             f"      ({', '.join(f'{p} {METRIC} {_fmt(r[METRIC])}' for p, r in runs.items())})"]
+    lines = [
+        f"MLflow UI {'at' if serving else 'for'} {base} on {uri}, experiment {found['experiment']} "
+        f"(id {found['experiment_id']})",
+        f"  compare the phases: {u['compare']}",
+        f"      ({', '.join(f'{p} {METRIC} {_fmt(r[METRIC])}' for p, r in runs.items())})",
+    ]
     if "tau_by_step" in u:
-        lines += [f"  tau by step:        {u['tau_by_step']}",
-                  f"      ({', '.join(p for p in runs if p in trained_phases())}: held-out {METRIC} by training step)"]
+        lines += [
+            f"  tau by step:        {u['tau_by_step']}",
+            f"      ({', '.join(p for p in runs if p in trained_phases())}: held-out {METRIC} by training step)",
+        ]
     lines.append(f"  runs table:         {u['runs']}")
     if found["curves"]:
-        lines.append(f"      ({CURVES}: expand its row for its {len(found['curves']['children'])} nested runs, "
-                     f"one per point; Columns > Metrics > {METRIC} adds the column)")
+        lines.append(
+            f"      ({CURVES}: expand its row for its {len(found['curves']['children'])} nested runs, "
+            f"one per point; Columns > Metrics > {METRIC} adds the column)"
+        )
     if found["missing"]:
         lines.append(f"  not run yet: {', '.join(found['missing'])}")
     lines.append(f"  {TOGGLE}")
@@ -259,8 +294,7 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-def main(configfiles: list[Path], base: Path, host: str, port: int, print_only: bool, as_json: bool,
-         log: Path) -> int:
+def main(configfiles: list[Path], base: Path, host: str, port: int, print_only: bool, as_json: bool, log: Path) -> int:
     """The `draftport ui` command (cli.py parses, this runs)."""
     uri = tracking_uri()
     _check_store(uri)  # before the profile: run in the wrong folder, this says more

@@ -11,8 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench_capture_h200 import (SHAPES, aux_ids, build_target, compile_layers, flops_per_token, length_mix,
-    make_sequences, padded_inputs, params_of, roofline, uncompile_layers)
+from bench_capture_h200 import (
+    SHAPES,
+    aux_ids,
+    build_target,
+    compile_layers,
+    flops_per_token,
+    length_mix,
+    make_sequences,
+    padded_inputs,
+    params_of,
+    roofline,
+    uncompile_layers,
+)
 from draftport.data.features import featurizer
 from draftport.outputs.estimate import capture_bench
 
@@ -22,8 +33,13 @@ BENCH = ROOT / "benchmarks" / "bench_capture_h200.py"
 
 def test_bench_runs_toy_on_cpu_and_writes_what_the_estimate_reads(tmp_path):
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, str(BENCH), "--toy", "--out", str(out), "--dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, str(BENCH), "--toy", "--out", str(out), "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     s = res["shapes"]["toy"]
@@ -37,7 +53,8 @@ def test_bench_runs_toy_on_cpu_and_writes_what_the_estimate_reads(tmp_path):
     assert mix["capture_write"]["tokens"] == round(mix["mean_tokens"] * mix["samples"])
     assert mix["padding_fraction_by_length"] < mix["padding_fraction_input_order"]
     assert {"main: put (waiting on the writer queue)", "writer: pwrite rows in place", "pool: sha256"} <= set(
-        w["profile_seconds"])
+        w["profile_seconds"]
+    )
     assert res["host"]["sha256_GB_s"] > 0 and res["host"]["disk_write_fsync_MB_s"] > 0
     assert not list(tmp_path.glob("bench-capture.*"))  # its shards are gone
     assert "summary:" in r.stdout
@@ -59,15 +76,26 @@ def test_roofline_is_the_issues_at_the_8b_shape():
 
 def test_bench_compile_lever_runs_toy_on_cpu_beside_the_eager_rows(tmp_path):
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, str(BENCH), "--toy", "--compile", "--out", str(out), "--dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, str(BENCH), "--toy", "--compile", "--out", str(out), "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     s = res["shapes"]["toy"]
     c = s["compiled"]
     assert "failed" not in c and c["mode"] == "default" and c["dynamic"] is False and c["warmup_s"] > 0
-    for row in (s["capture"], s["capture_write"], s["mix"]["capture_write"],      # the eager rows stay
-                c["capture"], c["capture_write"], c["mix"]["capture_write"]):
+    for row in (
+        s["capture"],
+        s["capture_write"],
+        s["mix"]["capture_write"],  # the eager rows stay
+        c["capture"],
+        c["capture_write"],
+        c["mix"]["capture_write"],
+    ):
         assert row["tok_s"] > 0
     assert c["capture_write"]["tokens"] == s["capture_write"]["tokens"]
     assert c["mix"]["capture_write"]["tokens"] == s["mix"]["capture_write"]["tokens"]
@@ -81,7 +109,7 @@ def test_compiled_featurizer_matches_eager_on_the_toy_target():
     to a multiple of 16 tokens: the same aux / final states and greedy choice as eager."""
     shape = SHAPES["toy"]
     model = build_target(shape, "cpu", torch.float32)
-    batch = make_sequences([37, 30, 21], shape["vocab_size"], seed=4)   # padded: a mask on the CPU
+    batch = make_sequences([37, 30, 21], shape["vocab_size"], seed=4)  # padded: a mask on the CPU
     ref = featurizer(model, aux_ids(shape), "vllm", "cpu")(batch)
     compile_layers(model)
     try:
@@ -90,7 +118,7 @@ def test_compiled_featurizer_matches_eager_on_the_toy_target():
     finally:
         uncompile_layers(model)
         torch._dynamo.reset()
-    assert got[0].shape[1] == 48 and got[1].shape[1] == 48                  # 37 -> 48 tokens
+    assert got[0].shape[1] == 48 and got[1].shape[1] == 48  # 37 -> 48 tokens
     for i, s in enumerate(batch):
         n = len(s.tokens)
         assert torch.allclose(got[0][i, :n], ref[0][i, :n], atol=1e-5)
@@ -101,9 +129,13 @@ def test_compiled_featurizer_matches_eager_on_the_toy_target():
 
 def test_bench_budget_skips_rows_and_still_writes(tmp_path):
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, str(BENCH), "--toy", "--budget-s", "0.001", "--out", str(out),
-                        "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, str(BENCH), "--toy", "--budget-s", "0.001", "--out", str(out), "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(out.read_text())["shapes"]["toy"]
     assert s["forward"]["tok_s"] > 0 and "capture" in s["skipped_for_budget"] and "capture_write" not in s

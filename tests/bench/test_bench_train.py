@@ -29,14 +29,52 @@ BENCH = ROOT / "benchmarks" / "bench_train_h200.py"
 def test_bench_runs_toy_on_cpu_and_writes_fields(tmp_path):
     out, log = tmp_path / "r.json", tmp_path / "r.log"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, str(BENCH), "--size", "toy", "--no-peers", "--iters", "1",
-                        "--warmup", "1", "--ladder", "--check", "--mix", "6", "--mix-computed", "--json", str(out), "--log", str(log)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--size",
+            "toy",
+            "--no-peers",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+            "--ladder",
+            "--check",
+            "--mix",
+            "6",
+            "--mix-computed",
+            "--json",
+            str(out),
+            "--log",
+            str(log),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    for k in ("tokens_per_s", "mfu", "mfu_with_mask", "peak_mem_gib", "config", "versions",
-              "flops_per_token", "tokens_per_s_lm_head_trainable", "ours", "check", "check_packed",
-              "by_length", "mix", "mix_results", "goals", "packed_real_tokens_per_s"):
+    for k in (
+        "tokens_per_s",
+        "mfu",
+        "mfu_with_mask",
+        "peak_mem_gib",
+        "config",
+        "versions",
+        "flops_per_token",
+        "tokens_per_s_lm_head_trainable",
+        "ours",
+        "check",
+        "check_packed",
+        "by_length",
+        "mix",
+        "mix_results",
+        "goals",
+        "packed_real_tokens_per_s",
+    ):
         assert k in res, k
     assert res["tokens_per_s"] > 0 and res["mfu"] > 0
     assert res["config"]["ttt_steps"] == 7 and res["config"]["size"] == "toy"
@@ -56,8 +94,14 @@ def test_bench_runs_toy_on_cpu_and_writes_fields(tmp_path):
     # the timing head puts the target's greedy choice in the draft vocab, as real data does
     assert res["target_argmax_in_draft"] >= 0.99 and res["skip_uncounted"]["on"] is True
     mr = res["mix_results"]
-    assert set(mr) == {"packed_frozen_computed", "padded_frozen_computed", "packed_frozen_stored",
-                       "padded_frozen_stored", "packed_trainable_stored", "padded_trainable_stored"}
+    assert set(mr) == {
+        "packed_frozen_computed",
+        "padded_frozen_computed",
+        "packed_frozen_stored",
+        "padded_frozen_stored",
+        "packed_trainable_stored",
+        "padded_trainable_stored",
+    }
     assert res["packed_real_tokens_per_s"] == mr["packed_trainable_stored"]["real_tokens_per_s"] > 0
     # the mix is timed over --mix-passes passes (3 by default); its rate is one pass's real tokens
     # over the median pass
@@ -78,7 +122,7 @@ def test_flop_count_matches_the_anchor_formula_at_kimi_size():
     layer = 2 * (3 * 2 * H * q + q * H + 3 * H * I)
     anchor = S * (3 * layer + 2 * 2 * H * DV + 3 * 2 * 2 * (T / 2) * q) + 2 * 2 * 3 * H * H + 2 * H * DV
     ours = flops_per_token(cfg, T, S, lm_head_trainable=False)
-    assert abs(ours["train"] / anchor - 1) < 1e-3   # differs only by the diagonal keys and (T+1)/2
+    assert abs(ours["train"] / anchor - 1) < 1e-3  # differs only by the diagonal keys and (T+1)/2
     assert flops_per_token(cfg, T, S, True)["train"] - ours["train"] == S * 2 * H * DV
     assert ours["mask_extra"] == 2 * H * (163840 - DV)
 
@@ -91,21 +135,23 @@ def test_clipping_inside_fused_adamw_equals_clip_grad_norm(optimizer):
     batch = toy_batch(cfg)
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
     out = []
-    for in_opt in (False, None):   # None: train_step's default
+    for in_opt in (False, None):  # None: train_step's default
         d = toy_drafter(cfg, seed=2)
         params = [p for p in d.parameters() if p.requires_grad]
-        opt = (torch.optim.AdamW(params, lr=1e-2, fused=True) if optimizer == "torch_fused"
-               else AdamW(params, lr=1e-2, compiled=False))
-        tcfg = TrainConfig(ttt_steps=3, grad_clip=0.05)          # clipping active
+        opt = (
+            torch.optim.AdamW(params, lr=1e-2, fused=True)
+            if optimizer == "torch_fused"
+            else AdamW(params, lr=1e-2, compiled=False)
+        )
+        tcfg = TrainConfig(ttt_steps=3, grad_clip=0.05)  # clipping active
         for _ in range(3):
-            _, _, _, _, gnorm = train_step(d, batch, head, opt, params, tcfg, fast=FastPath(),
-                                           clip_in_optimizer=in_opt)
+            _, _, _, _, gnorm = train_step(d, batch, head, opt, params, tcfg, fast=FastPath(), clip_in_optimizer=in_opt)
         out.append((float(gnorm), getattr(opt, "grad_scale", None), [p.detach().clone() for p in params]))
     (n0, s0, p0), (n1, s1, p1) = out
-    assert s0 is None and s1 is not None and float(s1) > 1.0     # the default clipped inside
+    assert s0 is None and s1 is not None and float(s1) > 1.0  # the default clipped inside
     assert n0 > 0.05 and abs(n0 - n1) < 1e-5 * n0
     for a, b in zip(p0, p1):
-        assert torch.allclose(a, b, atol=1e-4)   # AdamW divides by sqrt(v): rounding grows
+        assert torch.allclose(a, b, atol=1e-4)  # AdamW divides by sqrt(v): rounding grows
 
 
 def test_faster_peer_ratio_needs_every_peer_asked_for():
@@ -114,19 +160,36 @@ def test_faster_peer_ratio_needs_every_peer_asked_for():
     peer that happened to finish."""
 
     def run(peers_raw):
-        ours = {f"{k}_{m}": {"real_tokens_per_s": v, "mfu": 0.7, "peak_mem_gib": 10.0}
-                for k, v in (("frozen", 150.0), ("trainable", 120.0)) for m in ("computed", "stored")}
-        out = {"by_length": {"2048": {"ours": ours}}, "peers_raw": peers_raw,
-               "peers_requested": ["speculators", "specforge"]}
+        ours = {
+            f"{k}_{m}": {"real_tokens_per_s": v, "mfu": 0.7, "peak_mem_gib": 10.0}
+            for k, v in (("frozen", 150.0), ("trainable", 120.0))
+            for m in ("computed", "stored")
+        }
+        out = {
+            "by_length": {"2048": {"ours": ours}},
+            "peers_raw": peers_raw,
+            "peers_requested": ["speculators", "specforge"],
+        }
         score(out)
         return out["by_length"]["2048"]["ratios"], out["goals"]
 
     # speculators' records from before it ran two sets carry no "set": its default, frozen
-    sp = {"config": "seq2048", "real_tokens_per_s": 100.0, "peak_mem_gib": 12.0, "impl": "speculators-0.9.0",
-          "lm_head_trainable": False}
+    sp = {
+        "config": "seq2048",
+        "real_tokens_per_s": 100.0,
+        "peak_mem_gib": 12.0,
+        "impl": "speculators-0.9.0",
+        "lm_head_trainable": False,
+    }
     spt = dict(sp, set="trained", real_tokens_per_s=96.0, peak_mem_gib=11.0, lm_head_trainable=True)
-    sff = {"config": "seq2048", "set": "frozen", "real_tokens_per_s": 80.0, "peak_mem_gib": 20.0,
-           "impl": "specforge-0.2.0", "lm_head_trainable": False}
+    sff = {
+        "config": "seq2048",
+        "set": "frozen",
+        "real_tokens_per_s": 80.0,
+        "peak_mem_gib": 20.0,
+        "impl": "specforge-0.2.0",
+        "lm_head_trainable": False,
+    }
     sft = dict(sff, set="trained", real_tokens_per_s=60.0, lm_head_trainable=True)
     trained_goal = "T2048 lm_head trainable vs the faster peer with lm_head trained, mask stored"
     r, goals = run({"speculators": [spt, sp], "specforge": [sff, sft]})
@@ -134,16 +197,16 @@ def test_faster_peer_ratio_needs_every_peer_asked_for():
     assert r["vs_specforge_lm_head_trained_stored"] == 2.0
     # lm_head trained on both sides: the faster of speculators' 96 and SpecForge's 60
     assert r["best_peer_lm_head_trained"] == "speculators" and r["lm_head_trainable_vs_best_peer_stored"] == 1.25
-    assert r["lm_head_trainable_vs_best_peer_default_sets_stored"] == 1.2   # vs speculators' frozen 100
+    assert r["lm_head_trainable_vs_best_peer_default_sets_stored"] == 1.2  # vs speculators' frozen 100
     assert {g["goal"]: g["met"] for g in goals}[trained_goal] is True
     # memory at the same set: speculators trained (11 GiB) against ours trainable (10 GiB)
     assert r["peak_mem_peer_over_ours_speculators_trained_stored"] == 1.1
     assert {g["goal"]: g["met"] for g in goals}["T2048 vs the faster peer, lm_head frozen, mask stored"] is True
-    r, goals = run({"speculators": [sp], "specforge": [sff, sft]})   # its trained set not run
+    r, goals = run({"speculators": [sp], "specforge": [sff, sft]})  # its trained set not run
     assert r["best_peer_lm_head_trained"] is None and r["lm_head_trainable_vs_best_peer_stored"] is None
     assert r["missing_peers_lm_head_trained"] == ["speculators"] and r["speedup_vs_best_peer_stored"] == 1.5
     assert {g["goal"]: g["met"] for g in goals}[trained_goal] is None
-    r, goals = run({"speculators": [], "specforge": [sff, sft]})   # speculators timed out
+    r, goals = run({"speculators": [], "specforge": [sff, sft]})  # speculators timed out
     assert r["best_peer_lm_head_frozen"] is None and r["speedup_vs_best_peer_stored"] is None
     assert r["missing_peers"] == ["speculators"] and r["vs_specforge_lm_head_frozen_stored"] == 150 / 80
     assert {g["goal"]: g["met"] for g in goals}["T2048 vs the faster peer, lm_head frozen, mask stored"] is None
@@ -160,8 +223,14 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     toy = ["--size", "toy", "--mix", "4"]
 
     def bench(*args):
-        return subprocess.run([sys.executable, str(BENCH), *toy, *args], capture_output=True, text=True,
-                              timeout=300, env=env, cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, str(BENCH), *toy, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=tmp_path,
+        )
 
     r = bench("--peers-only", "--json", str(peers_file))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -184,23 +253,37 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     assert "specforge_run.py: specforge is not installed in" in r.stdout
 
     def rec(config, tps, impl, trained, **kw):
-        return dict(config=config, real_tokens_per_s=tps, tokens_per_s=tps, peak_mem_gib=1.0, impl=impl,
-                    lm_head_trainable=trained, trainable_params=1000, step_s_median=0.1, **kw)
+        return dict(
+            config=config,
+            real_tokens_per_s=tps,
+            tokens_per_s=tps,
+            peak_mem_gib=1.0,
+            impl=impl,
+            lm_head_trainable=trained,
+            trainable_params=1000,
+            step_s_median=0.1,
+            **kw,
+        )
 
     p["peers_raw"] = {
-        "speculators": [rec("seq64", 100.0, "speculators-0.9.0", False, set="frozen"),
-                        rec("mix", 90.0, "speculators-0.9.0", False, set="frozen"),
-                        rec("seq64", 95.0, "speculators-0.9.0", True, set="trained"),
-                        rec("mix", 60.0, "speculators-0.9.0", True, set="trained")],
-        "specforge": [rec("seq64", 80.0, "specforge-0.2.0", True, set="trained"),
-                      rec("seq64", 120.0, "specforge-0.2.0", False, set="frozen"),
-                      rec("mix", 70.0, "specforge-0.2.0", True, set="trained")]}
+        "speculators": [
+            rec("seq64", 100.0, "speculators-0.9.0", False, set="frozen"),
+            rec("mix", 90.0, "speculators-0.9.0", False, set="frozen"),
+            rec("seq64", 95.0, "speculators-0.9.0", True, set="trained"),
+            rec("mix", 60.0, "speculators-0.9.0", True, set="trained"),
+        ],
+        "specforge": [
+            rec("seq64", 80.0, "specforge-0.2.0", True, set="trained"),
+            rec("seq64", 120.0, "specforge-0.2.0", False, set="frozen"),
+            rec("mix", 70.0, "specforge-0.2.0", True, set="trained"),
+        ],
+    }
     p["versions"].update(speculators="0.9.0", specforge="0.2.0")
     peers_file.write_text(json.dumps(p))
 
     r = bench("--peers-from", str(peers_file), "--iters", "1", "--warmup", "1", "--json", str(res_file))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "speculators_run.py" not in r.stdout and f"(from {peers_file})" in r.stdout   # no peer ran
+    assert "speculators_run.py" not in r.stdout and f"(from {peers_file})" in r.stdout  # no peer ran
     assert f"peer figures in these ratios come from {peers_file}" in r.stdout
     res = json.loads(res_file.read_text())
     pf = res["peers_from"]
@@ -210,20 +293,32 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     ra = res["by_length"]["64"]["ratios"]
     assert ra["best_peer_lm_head_frozen"] == "specforge" and ra["missing_peers"] == []
     assert ra["speedup_vs_best_peer_stored"] == pytest.approx(ours["frozen_stored"]["real_tokens_per_s"] / 120.0)
-    assert ra["vs_specforge_lm_head_trained_stored"] == pytest.approx(ours["trainable_stored"]["real_tokens_per_s"] / 80)
+    assert ra["vs_specforge_lm_head_trained_stored"] == pytest.approx(
+        ours["trainable_stored"]["real_tokens_per_s"] / 80
+    )
     assert ra["best_peer_lm_head_trained"] == "speculators"
-    assert ra["lm_head_trainable_vs_best_peer_stored"] == pytest.approx(ours["trainable_stored"]["real_tokens_per_s"] / 95)
+    assert ra["lm_head_trainable_vs_best_peer_stored"] == pytest.approx(
+        ours["trainable_stored"]["real_tokens_per_s"] / 95
+    )
     mr, mres = res["mix_ratios"], res["mix_results"]
     # trained on the mix: SpecForge's 70 beats speculators' 60
     assert mr["best_peer_lm_head_trained"] == "specforge"
-    assert mr["speedup_vs_best_peer"] == pytest.approx(min(mres["packed_frozen_stored"]["real_tokens_per_s"] / 90.0,
-                                                           mres["packed_trainable_stored"]["real_tokens_per_s"] / 70))
+    assert mr["speedup_vs_best_peer"] == pytest.approx(
+        min(
+            mres["packed_frozen_stored"]["real_tokens_per_s"] / 90.0,
+            mres["packed_trainable_stored"]["real_tokens_per_s"] / 70,
+        )
+    )
     assert all(g["value"] is not None for g in res["goals"] if "faster peer" in g["goal"])
     # the same ratios and goals as --rescore computes from these records
     again = tmp_path / "again.json"
     again.write_text(res_file.read_text())
-    assert subprocess.run([sys.executable, str(BENCH), "--rescore", str(again)], capture_output=True,
-                          timeout=120, env=env).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, str(BENCH), "--rescore", str(again)], capture_output=True, timeout=120, env=env
+        ).returncode
+        == 0
+    )
     assert json.loads(again.read_text())["goals"] == res["goals"]
     # --rescore with --peers-from: the same records of ours against another call's peers (twice as fast)
     p2 = json.loads(json.dumps(p))
@@ -232,8 +327,13 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
             r_["real_tokens_per_s"] *= 2
     peers2 = tmp_path / "peers2.json"
     peers2.write_text(json.dumps(p2))
-    r = subprocess.run([sys.executable, str(BENCH), "--rescore", str(again), "--peers-from", str(peers2)],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, str(BENCH), "--rescore", str(again), "--peers-from", str(peers2)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     re2 = json.loads(again.read_text())
     assert re2["peers_raw"] == p2["peers_raw"] and re2["peers_from"]["file"] == str(peers2.resolve())
@@ -244,8 +344,13 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     p3 = dict(p2, config=dict(p2["config"], seqs=[32]))
     (tmp_path / "peers3.json").write_text(json.dumps(p3))
     before = again.read_text()
-    r = subprocess.run([sys.executable, str(BENCH), "--rescore", str(again), "--peers-from", str(tmp_path / "peers3.json")],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, str(BENCH), "--rescore", str(again), "--peers-from", str(tmp_path / "peers3.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 1 and "config differs" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert again.read_text() == before
 
@@ -253,12 +358,17 @@ def test_peers_only_then_peers_from_scores_as_one_run(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "nopeers.json").write_text(json.dumps({"config": p["config"], "mix": p["mix"]}))
     shared = dict(p, config={k: v for k, v in p["config"].items() if k != "peer_process"})
-    (tmp_path / "shared.json").write_text(json.dumps(shared))   # peers run several shapes per process
-    for args, why in (([str(tmp_path / "missing.json")], "no such file"), ([str(tmp_path / "bad.json")], "not JSON"),
-                      ([str(tmp_path / "nopeers.json")], "no peers_raw"),
-                      ([str(peers_file), "--ttt", "5"], "ttt_steps"), ([str(peers_file), "--mix-seed", "3"], "mix"),
-                      ([str(peers_file), "--seqs", "32"], "seqs"), ([str(tmp_path / "shared.json")], "peer_process"),
-                      ([str(peers_file), "--mix-prompt-share", "0.25"], "mix")):
+    (tmp_path / "shared.json").write_text(json.dumps(shared))  # peers run several shapes per process
+    for args, why in (
+        ([str(tmp_path / "missing.json")], "no such file"),
+        ([str(tmp_path / "bad.json")], "not JSON"),
+        ([str(tmp_path / "nopeers.json")], "no peers_raw"),
+        ([str(peers_file), "--ttt", "5"], "ttt_steps"),
+        ([str(peers_file), "--mix-seed", "3"], "mix"),
+        ([str(peers_file), "--seqs", "32"], "seqs"),
+        ([str(tmp_path / "shared.json")], "peer_process"),
+        ([str(peers_file), "--mix-prompt-share", "0.25"], "mix"),
+    ):
         r = bench("--peers-from", *args, "--json", str(tmp_path / "x.json"))
         assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
         assert not (tmp_path / "x.json").exists()
@@ -268,17 +378,33 @@ def test_merge_peers_takes_each_peer_from_the_file_that_measured_it(tmp_path):
     """--merge-peers: two calls' peer files on one machine as one --peers-from file (a peer that
     failed in the first, measured in the second); files of other work or another device refused
     with one line."""
+
     def peers_file(name, raw, runs, device="NVIDIA H200", seqs=(2048, 4096)):
         f = tmp_path / name
-        f.write_text(json.dumps({"date": "2026-12-02", "device": device, "mode": "peers-only", "wall_s": 10.0,
-                                 "config": {"hidden_size": 7168, "seqs": list(seqs), "ttt_steps": 7},
-                                 "mix": {"lengths": [5, 7], "pack_len": 8192},
-                                 "peers_requested": ["speculators", "specforge"], "peers_raw": raw, "peer_runs": runs}))
+        f.write_text(
+            json.dumps(
+                {
+                    "date": "2026-12-02",
+                    "device": device,
+                    "mode": "peers-only",
+                    "wall_s": 10.0,
+                    "config": {"hidden_size": 7168, "seqs": list(seqs), "ttt_steps": 7},
+                    "mix": {"lengths": [5, 7], "pack_len": 8192},
+                    "peers_requested": ["speculators", "specforge"],
+                    "peers_raw": raw,
+                    "peer_runs": runs,
+                }
+            )
+        )
         return str(f)
+
     sf = [{"config": "seq2048", "set": "trained", "real_tokens_per_s": 9000.0}]
     sp = [{"config": "seq2048", "set": "frozen", "real_tokens_per_s": 11900.0}]
-    a = peers_file("a.json", {"speculators": [], "specforge": sf},
-                   {"speculators": {"status": "failed (rc 1)"}, "specforge": {"status": "done"}})
+    a = peers_file(
+        "a.json",
+        {"speculators": [], "specforge": sf},
+        {"speculators": {"status": "failed (rc 1)"}, "specforge": {"status": "done"}},
+    )
     b = peers_file("b.json", {"speculators": sp}, {"speculators": {"status": "done"}})
 
     out = tmp_path / "m.json"
@@ -287,10 +413,12 @@ def test_merge_peers_takes_each_peer_from_the_file_that_measured_it(tmp_path):
     assert m["peers_raw"] == {"speculators": sp, "specforge": sf}
     assert m["peer_runs"]["speculators"]["status"] == "done" and m["peer_runs"]["specforge"]["status"] == "done"
     assert [x["peers"] for x in m["merged_from"]] == [["specforge"], ["speculators"]] and m["wall_s"] == 20.0
-    for bad, why in ((peers_file("c.json", {"speculators": sp}, {}, device="NVIDIA H100"), "measured on NVIDIA H100"),
-                     (peers_file("d.json", {"speculators": sp}, {}, seqs=(2048,)), "config differs"),
-                     (str(tmp_path / "none.json"), "no such file")):
-        with pytest.raises(SystemExit) as e:   # the CLI prints it as one line and exits 1
+    for bad, why in (
+        (peers_file("c.json", {"speculators": sp}, {}, device="NVIDIA H100"), "measured on NVIDIA H100"),
+        (peers_file("d.json", {"speculators": sp}, {}, seqs=(2048,)), "config differs"),
+        (str(tmp_path / "none.json"), "no such file"),
+    ):
+        with pytest.raises(SystemExit) as e:  # the CLI prints it as one line and exits 1
             bench_main(["--merge-peers", a, bad, "--json", str(tmp_path / "x.json")])
         assert why in str(e.value) and "\n" not in str(e.value)
         assert not (tmp_path / "x.json").exists()
@@ -319,9 +447,20 @@ def test_mix_prompts_mask_the_same_rows_in_ours_and_name_them_for_the_peers(tmp_
 
     monkeypatch.setattr(bench_mod, "run_peer", fake_run_peer)
     for share in (0.0, 0.25):
-        a = bench_mod.argparse.Namespace(size="toy", ttt=7, peer_iters=1, peer_warmup=1, seqs=[], mix_passes=1,
-                                         no_speculators=False, no_specforge=True, pack_len=128, spec_loss="eager",
-                                         spec_attn=None, speculators_share=0.5)
+        a = bench_mod.argparse.Namespace(
+            size="toy",
+            ttt=7,
+            peer_iters=1,
+            peer_warmup=1,
+            seqs=[],
+            mix_passes=1,
+            no_speculators=False,
+            no_specforge=True,
+            pack_len=128,
+            spec_loss="eager",
+            spec_attn=None,
+            speculators_share=0.5,
+        )
         mix = {"lengths": lengths, "prompt_share": share}
         written.clear()
         bench_mod.run_peers(a, mix, False, lambda: 100.0, lambda m: None, lambda p, r: None, peers_only=True)
@@ -336,12 +475,17 @@ def test_profile_kinds_put_flash_varlen_under_attention():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     kind = bench.kernel_kind
-    assert kind("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits"
-                "<128, 64, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t>>") == "attention"
-    assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, cutlass::bfloat16_t>>") == "attention"
+    assert (
+        kind(
+            "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits"
+            "<128, 64, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t>>"
+        )
+        == "attention"
+    )
+    assert (
+        kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, cutlass::bfloat16_t>>") == "attention"
+    )
     assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7") == "attention"
     assert kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
     assert kind("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>") == "gemm"
     assert kind("triton_poi_fused__to_copy_mul_silu_0") == "compiled elementwise (triton)"
-
-

@@ -15,14 +15,27 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "side_by_side.py"
 
 def side(*args, cwd):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd
+    )
 
 
 def test_both_runs_at_once_then_ours_is_scored_against_the_peers_file(tmp_path):
     out = tmp_path / "res"
-    args = ["--shape", "toy", "--mix", "4", "--iters", "1", "--warmup", "1", "--dir", str(out), "--suffix=-t",
-            "--ours=--lm-head frozen"]
+    args = [
+        "--shape",
+        "toy",
+        "--mix",
+        "4",
+        "--iters",
+        "1",
+        "--warmup",
+        "1",
+        "--dir",
+        str(out),
+        "--suffix=-t",
+        "--ours=--lm-head frozen",
+    ]
     r = side(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     [ours_f] = out.glob("*-h200-train-toy-t.json")
@@ -44,10 +57,12 @@ def test_both_runs_at_once_then_ours_is_scored_against_the_peers_file(tmp_path):
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
-    for args, why in ((["--shape", "toy", "--gpus", "0"], "two different CUDA indices"),
-                      (["--shape", "toy", "--gpus", "1,1"], "two different CUDA indices"),
-                      (["--shape", "1,2"], "--shape 1,2"),
-                      (["--shape", "toy", "--budget-s", "0"], "must be positive")):
+    for args, why in (
+        (["--shape", "toy", "--gpus", "0"], "two different CUDA indices"),
+        (["--shape", "toy", "--gpus", "1,1"], "two different CUDA indices"),
+        (["--shape", "1,2"], "--shape 1,2"),
+        (["--shape", "toy", "--budget-s", "0"], "must be positive"),
+    ):
         r = side(*args, "--dry-run", "--dir", str(tmp_path), cwd=tmp_path)
         assert r.returncode == 2 and why in r.stderr.strip().splitlines()[-1], (args, r.stderr)
         assert not list(tmp_path.iterdir())
@@ -58,12 +73,13 @@ def test_stopping_a_run_stops_the_processes_it_started():
     subprocesses must not keep the GPU after it."""
     import side_by_side
 
-    pr = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
-                          start_new_session=True)
+    pr = subprocess.Popen(
+        ["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     child = int(pr.stdout.readline())
     side_by_side.stop(pr)
     assert pr.wait(timeout=10) != 0
-    for _ in range(100):   # gone, or a zombie left for init to reap
+    for _ in range(100):  # gone, or a zombie left for init to reap
         try:
             state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except FileNotFoundError:
@@ -73,4 +89,4 @@ def test_stopping_a_run_stops_the_processes_it_started():
         time.sleep(0.05)
     else:
         raise AssertionError(f"the run's child {child} outlived it")
-    side_by_side.stop(pr)   # a second stop of a finished run is a no-op
+    side_by_side.stop(pr)  # a second stop of a finished run is a no-op

@@ -23,8 +23,15 @@ from draftport.world.tokenizer import END, PAD, load_world_tokenizer, train_toke
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("llama", "deepseek_v3", "qwen3")
 LAYERS = 3
-SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS, "num_attention_heads": 2,
-         "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256}
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 256,
+}
 CLASSES = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TRAIN = dict(lr=0.003, batch_size=4, seq_len=32, warmup=1, threads=1, progress=False)
 
@@ -91,7 +98,7 @@ def test_capture_is_transformers_hidden_states(target, convention, aux_ids, shif
     assert len(out.hidden_states) == LAYERS + 1 and aux.shape == (3, ids.shape[1], 3 * 64)
     valid = mask.bool()
     for slot, k in enumerate(aux_ids):
-        mine = aux[..., slot * 64:(slot + 1) * 64]
+        mine = aux[..., slot * 64 : (slot + 1) * 64]
         if k + shift == LAYERS:
             with torch.no_grad():
                 mine = norm(mine)
@@ -112,10 +119,11 @@ def test_regeneration_is_greedy_generate(target):
     got = regenerate(model, prompts, max_new_tokens=8, eos_id=eos, pad_id=pad, batch_size=3)
     for prompt, answer in zip(prompts, got):
         with torch.no_grad():
-            one = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
-                                 eos_token_id=eos, pad_token_id=pad)[0, len(prompt):].tolist()
+            one = model.generate(
+                input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=8, eos_token_id=eos, pad_token_id=pad
+            )[0, len(prompt) :].tolist()
         if eos in one:
-            one = one[:one.index(eos) + 1]
+            one = one[: one.index(eos) + 1]
         assert answer == one
 
 
@@ -125,8 +133,9 @@ def test_a_drafter_binds_to_the_target(target):
     arch, folder = target
     sizes = target_sizes(folder)
     assert sizes == {"hidden_size": 64, "vocab_size": 300, "max_positions": 256}
-    cfg = new_drafter_config({"num_attention_heads": 2}, **sizes, aux_layer_ids=[0, 1, 2], convention="vllm",
-                             draft_vocab_size=40)
+    cfg = new_drafter_config(
+        {"num_attention_heads": 2}, **sizes, aux_layer_ids=[0, 1, 2], convention="vllm", draft_vocab_size=40
+    )
     assert (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) == (32, 10000.0, None)
     d = drafter_for_target(cfg, folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -149,11 +158,16 @@ def test_world_model_params_per_arch():
     assert "arch" not in P.WorldModel().model_dump()
     assert P.WorldModel(arch="llama").model_dump() == P.WorldModel().model_dump()
     assert P.WorldModel(arch="qwen3").model_dump()["arch"] == "qwen3"
-    with pytest.raises(P.ParamsError, match=r"^world\.model\.n_group: a deepseek_v3 key, but world\.model\.arch "
-                                            r"is qwen3"):
+    with pytest.raises(
+        P.ParamsError,
+        match=r"^world\.model\.n_group: a deepseek_v3 key, but world\.model\.arch "
+        r"is qwen3",
+    ):
         P.validate({"model": {"arch": "qwen3", "n_group": 2}}, P.WorldParams, "world.", cross=False)
-    for model in (P.load(ROOT / f"configs/micro-{a}.yaml", base=ROOT / "params.yaml")["world"]["model"]
-                  for a in ("deepseek", "qwen3")):
+    for model in (
+        P.load(ROOT / f"configs/micro-{a}.yaml", base=ROOT / "params.yaml")["world"]["model"]
+        for a in ("deepseek", "qwen3")
+    ):
         assert model["arch"] in ("deepseek_v3", "qwen3")
     with pytest.raises(DraftportError, match=r"world\.model\.num_key_value_heads"):
         target_config({"arch": "deepseek_v3", **SHAPE, "num_key_value_heads": 1})

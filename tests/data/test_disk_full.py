@@ -70,8 +70,15 @@ def worker(what: str, mode: str, folder: str, limit: int, extra: str) -> None:
         else:
             fs = FeatureSet(extra)
             head = load_file(str(Path(extra) / "head.safetensors"))["head"]
-            train(toy_drafter(seed=5), fs, head, Path(folder) / "run", ckpt_cfg(), progress=False,
-                  ckpt_dir=Path(folder) / "ck")
+            train(
+                toy_drafter(seed=5),
+                fs,
+                head,
+                Path(folder) / "run",
+                ckpt_cfg(),
+                progress=False,
+                ckpt_dir=Path(folder) / "ck",
+            )
         print(json.dumps({"ok": True}))
     except DraftportError as e:
         print(json.dumps({"error": str(e)}))
@@ -88,14 +95,20 @@ def features(out: Path, n: int = 24):
 
 
 def ckpt_cfg():
-    return TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2,
-                       keep_checkpoints=2)
+    return TrainConfig(
+        steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2, keep_checkpoints=2
+    )
 
 
 def run_worker(what, mode, folder, limit=0, extra=""):
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{HELPERS}"}
-    r = subprocess.run([sys.executable, __file__, what, mode, str(folder), str(limit), str(extra)],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, __file__, what, mode, str(folder), str(limit), str(extra)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

@@ -15,16 +15,15 @@ from safetensors.torch import load_file
 from draftport.data.capture import capture_dtype, capture_features, load_target
 from draftport.data.features import greedy_choice, greedy_head
 from draftport.model.formats import save_safetensors
-from draftport.data.shards import (FeatureSet, Sequence, bytes_per_token, dequantize_fp8, quantize_fp8,
-    write_features)
+from draftport.data.shards import FeatureSet, Sequence, bytes_per_token, dequantize_fp8, quantize_fp8, write_features
 from draftport.errors import DraftportError
 from draftport.evaluation.drift import capture_same_tokens
 from draftport.training.loop import TrainConfig, train
 from tiny_targets import LLAMA_AUX, seed_folder, tiny_llama
 from toys import toy_cfg, toy_drafter
 
-E4M3_REL = 2.0 ** -4   # half an ulp of 3 mantissa bits, relative to the value
-E4M3_SUB = 2.0 ** -10  # half the subnormal spacing (2^-9), relative to the group's scale
+E4M3_REL = 2.0**-4  # half an ulp of 3 mantissa bits, relative to the value
+E4M3_SUB = 2.0**-10  # half the subnormal spacing (2^-9), relative to the group's scale
 
 
 def sequences(n, seed=0, lo=5, hi=40, vocab=100):
@@ -32,7 +31,9 @@ def sequences(n, seed=0, lo=5, hi=40, vocab=100):
     out = []
     for _ in range(n):
         T = int(torch.randint(lo, hi, (1,), generator=g))
-        out.append(Sequence(torch.randint(0, vocab, (T,), generator=g).tolist(), int(torch.randint(1, 4, (1,), generator=g))))
+        out.append(
+            Sequence(torch.randint(0, vocab, (T,), generator=g).tolist(), int(torch.randint(1, 4, (1,), generator=g)))
+        )
     return out
 
 
@@ -75,10 +76,10 @@ def old_writer(out_dir: Path, sequences, featurize, meta, shard_samples, batch_s
     out_dir.mkdir(parents=True)
     shards, total = [], 0
     for s0 in range(0, len(sequences), shard_samples):
-        chunk = sequences[s0: s0 + shard_samples]
+        chunk = sequences[s0 : s0 + shard_samples]
         parts = {"aux": [], "final": [], "tokens": [], "loss_mask": [], "target_arg": []}
         for b0 in range(0, len(chunk), batch_size):
-            bseq = chunk[b0: b0 + batch_size]
+            bseq = chunk[b0 : b0 + batch_size]
             aux, final, arg = featurize(bseq)
             for i, sq in enumerate(bseq):
                 n = len(sq.tokens)
@@ -87,7 +88,7 @@ def old_writer(out_dir: Path, sequences, featurize, meta, shard_samples, batch_s
                 parts["final"].append(final[i, :n].to(td))
                 parts["tokens"].append(torch.tensor(sq.tokens, dtype=torch.int32))
                 m = torch.zeros(n, dtype=torch.bool)
-                m[sq.response_start:] = True
+                m[sq.response_start :] = True
                 parts["loss_mask"].append(m)
         lens = torch.tensor([len(sq.tokens) for sq in chunk], dtype=torch.int64)
         tensors = {k: torch.cat(v) for k, v in parts.items()}
@@ -95,13 +96,25 @@ def old_writer(out_dir: Path, sequences, featurize, meta, shard_samples, batch_s
         tensors["response_start"] = torch.tensor([sq.response_start for sq in chunk], dtype=torch.int64)
         name = f"shard_{len(shards):05d}.safetensors"
         save_safetensors(tensors, out_dir / name)
-        shards.append({"file": name, "samples": len(chunk), "tokens": int(lens.sum()),
-                       "sha256": hashlib.sha256((out_dir / name).read_bytes()).hexdigest()})
+        shards.append(
+            {
+                "file": name,
+                "samples": len(chunk),
+                "tokens": int(lens.sum()),
+                "sha256": hashlib.sha256((out_dir / name).read_bytes()).hexdigest(),
+            }
+        )
         total += int(lens.sum())
     hidden = tensors["final"].shape[1]
     index = dict(meta)
-    index.update(samples=len(sequences), tokens=total, dtype=dtype, hidden_size=hidden,
-                 bytes_per_token=bytes_per_token(hidden, dtype), shards=shards)
+    index.update(
+        samples=len(sequences),
+        tokens=total,
+        dtype=dtype,
+        hidden_size=hidden,
+        bytes_per_token=bytes_per_token(hidden, dtype),
+        shards=shards,
+    )
     (out_dir / "index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -117,8 +130,18 @@ def test_writer_bytes_equal_the_former_writers_in_any_batching(tmp_path, dtype, 
     calls = []
     featurize_logged, _ = token_featurizer(16, calls=calls)
     write_features(tmp_path / "input", seqs, featurize, meta=META, shard_samples=5, batch_size=2, dtype=dtype)
-    write_features(tmp_path / "sorted", seqs, featurize_logged, meta=META, shard_samples=5, batch_size=2,
-                   dtype=dtype, by_length=True, sort_window=window, writers=2)
+    write_features(
+        tmp_path / "sorted",
+        seqs,
+        featurize_logged,
+        meta=META,
+        shard_samples=5,
+        batch_size=2,
+        dtype=dtype,
+        by_length=True,
+        sort_window=window,
+        writers=2,
+    )
     ref = folder_bytes(tmp_path / "old")
     assert len(ref) == 6  # 5 shards + index.json
     assert folder_bytes(tmp_path / "input") == ref
@@ -129,9 +152,9 @@ def test_writer_bytes_equal_the_former_writers_in_any_batching(tmp_path, dtype, 
     w = {5: 5, 8: 10, None: 35}[window]
     want = []
     for w0 in range(0, 23, w):
-        group = sorted(lens[w0: w0 + w], reverse=True)
-        want += [group[b: b + 2] for b in range(0, len(group), 2)]
-    assert calls == want and want != [lens[s0: s0 + 5][b: b + 2] for s0 in range(0, 23, 5) for b in range(0, 5, 2)]
+        group = sorted(lens[w0 : w0 + w], reverse=True)
+        want += [group[b : b + 2] for b in range(0, len(group), 2)]
+    assert calls == want and want != [lens[s0 : s0 + 5][b : b + 2] for s0 in range(0, 23, 5) for b in range(0, 5, 2)]
 
 
 def test_writer_errors_reach_the_caller_and_leave_nothing(tmp_path):
@@ -181,7 +204,7 @@ def test_fp8_round_trip_within_e4m3_bound_per_token_and_layer():
     assert bool((err <= E4M3_REL * x.abs() + E4M3_SUB * s + 1e-6 * x.abs()).all())
     rows = x.reshape(300 * 3, H)
     rel = (y.reshape(-1, H) - rows).norm(dim=1) / rows.norm(dim=1).clamp_min(1e-30)
-    assert float(rel.max()) <= E4M3_REL and float(rel[rows.norm(dim=1) > 0].mean()) > 2 ** -7  # really rounded
+    assert float(rel.max()) <= E4M3_REL and float(rel[rows.norm(dim=1) > 0].mean()) > 2**-7  # really rounded
     assert torch.equal(y[7], torch.zeros(3 * H))
     # one scale for the whole row would lose the small layer: its values fall under e4m3's range
     q1, s1 = quantize_fp8(x, 1)
@@ -194,8 +217,9 @@ def test_fp8_folder_halves_the_bytes_reads_back_and_keeps_the_full_precision_cho
     seqs = sequences(30, hi=60)
     featurize, head = token_featurizer(H)
     ib = write_features(tmp_path / "bf16", seqs, featurize, meta=META, shard_samples=8, batch_size=3)
-    i8 = write_features(tmp_path / "fp8", seqs, featurize, meta=META, shard_samples=8, batch_size=3,
-                        dtype="fp8_e4m3", by_length=True)
+    i8 = write_features(
+        tmp_path / "fp8", seqs, featurize, meta=META, shard_samples=8, batch_size=3, dtype="fp8_e4m3", by_length=True
+    )
     assert i8["dtype"] == "fp8_e4m3" and i8["bytes_per_token"] == 4 * H + 4 * 4 + 5 == bytes_per_token(H, "fp8_e4m3")
     assert ib["bytes_per_token"] == 4 * H * 2 + 5
     disk = {k: sum(p.stat().st_size for p in (tmp_path / k).glob("shard_*")) for k in ("bf16", "fp8")}
@@ -216,8 +240,10 @@ def test_fp8_folder_halves_the_bytes_reads_back_and_keeps_the_full_precision_cho
             assert float(rel.max()) <= E4M3_REL
         # the greedy choice is the full-precision one, not the dequantized state's
         assert torch.equal(b["target_arg"], ref_arg) and torch.equal(a["target_arg"], ref_arg)
-    agree = [bool(torch.equal((f8.sample(i)["final"] @ head.t()).argmax(-1), f8.sample(i)["target_arg"]))
-             for i in range(len(seqs))]
+    agree = [
+        bool(torch.equal((f8.sample(i)["final"] @ head.t()).argmax(-1), f8.sample(i)["target_arg"]))
+        for i in range(len(seqs))
+    ]
     assert not all(agree)  # e4m3's rounding does flip choices: the stored one matters
 
 
@@ -251,7 +277,10 @@ def test_fp8_scales_and_hashes_are_checked(tmp_path):
     cases = [
         (lambda t: t["final_scale"].__setitem__(3, float("nan")), "final_scale holds 1 non-finite or non-positive"),
         (lambda t: t["aux_scale"].__setitem__((0, 2), 0.0), "aux_scale holds 1 non-finite or non-positive"),
-        (lambda t: t.update(aux_scale=t["aux_scale"][:, :2].contiguous()), r"aux_scale is torch.float32 \[\d+, 2\], expected"),
+        (
+            lambda t: t.update(aux_scale=t["aux_scale"][:, :2].contiguous()),
+            r"aux_scale is torch.float32 \[\d+, 2\], expected",
+        ),
         (lambda t: t.update(final_scale=t["final_scale"][1:].contiguous()), "final_scale is torch.float32"),
         (lambda t: t.pop("aux_scale"), "without aux_scale"),
         (lambda t: t.update(final=t["final"].float().bfloat16()), "final is stored as torch.bfloat16"),

@@ -32,20 +32,30 @@ def hub(tmp_path_factory):
 def test_fetch_resolves_branch_to_commit_offline(hub, tmp_path, monkeypatch):
     root, commit = hub
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    lock = fetch(SRC_REPO, tmp_path / "src", revision="main", cache_dir=root / "cache",
-                 lock_file=tmp_path / "source.lock.json")
+    lock = fetch(
+        SRC_REPO, tmp_path / "src", revision="main", cache_dir=root / "cache", lock_file=tmp_path / "source.lock.json"
+    )
     assert lock["commit"] == commit and len(commit) == 40
     assert sorted(lock["files"]) == ["config.json", "model.safetensors"]
     assert not (tmp_path / "src" / "pytorch_model.bin").exists()
     assert (tmp_path / "src" / "model.safetensors").stat().st_size > 2_000_000_000
     # the same revision with a changed file fails loudly
-    cfg_blob = (root / "cache" / f"models--{SRC_REPO.replace('/', '--')}" / "snapshots" / commit / "config.json").resolve()
+    cfg_blob = (
+        root / "cache" / f"models--{SRC_REPO.replace('/', '--')}" / "snapshots" / commit / "config.json"
+    ).resolve()
     original = cfg_blob.read_text()
     try:
-        cfg_blob.write_text(original.replace('"rope_theta"', '"rope_theta_x"', 1) if '"rope_theta"' in original else original + " ")
+        cfg_blob.write_text(
+            original.replace('"rope_theta"', '"rope_theta_x"', 1) if '"rope_theta"' in original else original + " "
+        )
         with pytest.raises(DraftportError, match="changed at the same revision"):
-            fetch(SRC_REPO, tmp_path / "src2", revision="main", cache_dir=root / "cache",
-                  lock_file=tmp_path / "source.lock.json")
+            fetch(
+                SRC_REPO,
+                tmp_path / "src2",
+                revision="main",
+                cache_dir=root / "cache",
+                lock_file=tmp_path / "source.lock.json",
+            )
         assert not (tmp_path / "src2").exists()
     finally:
         cfg_blob.write_text(original)
@@ -78,7 +88,12 @@ def test_compare_cli_on_fetched_k2_is_fast_enough_to_be_interactive(hub, tmp_pat
     """Not a timing assertion: the command must run on 7 GB of checkpoints without loading them."""
     root, _ = hub
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "draftport.cli", "compare", str(root / "k2"), str(root / "k25"), "--json"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "draftport.cli", "compare", str(root / "k2"), str(root / "k25"), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["vocab"]["src_only"] == 126

@@ -47,8 +47,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_error(int(fail), "busy" if fail != "400" else "bad request")
             return
         assert self.path == "/v1/completions" and body["temperature"] == 0.0 and body["return_token_ids"]
-        out = json.dumps({"choices": [{"token_ids": [t + 100 for t in body["prompt"]] + [EOS],
-                                       "finish_reason": "stop"}]}).encode()
+        out = json.dumps(
+            {"choices": [{"token_ids": [t + 100 for t in body["prompt"]] + [EOS], "finish_reason": "stop"}]}
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
@@ -99,8 +100,7 @@ def test_a_server_that_stays_down_fails_after_the_budget_naming_the_url(serve):
     s = serve(["503"] * 1000)
     t0 = time.monotonic()
     with pytest.raises(DraftportError) as e:
-        openai.regenerate_openai(s.base, "m", PROMPTS[:2], max_new_tokens=4, eos_id=EOS, concurrency=1,
-                                 retry_s=1.0)
+        openai.regenerate_openai(s.base, "m", PROMPTS[:2], max_new_tokens=4, eos_id=EOS, concurrency=1, retry_s=1.0)
     msg = str(e.value)
     assert 1.0 <= time.monotonic() - t0 < 10 and s.seen > 2
     assert msg.startswith(f"{s.base}/completions: HTTP 503") and "gave up after" in msg and "\n" not in msg

@@ -60,20 +60,20 @@ def test_pack_layout_positions_restart_and_segments_cover_every_row():
     b, starts = pack(samples, row_len=14)
     assert starts == [s["response_start"] for s in samples]
     assert b.tokens.shape == (3, 14) and b.n_samples == 6 and b.real_tokens == sum(LENGTHS)
-    assert plan_rows(list(LENGTHS), 14) == [[2, 5], [0, 1], [3, 4]]   # first-fit decreasing
+    assert plan_rows(list(LENGTHS), 14) == [[2, 5], [0, 1], [3, 4]]  # first-fit decreasing
     cu = b.cu_seqlens
     assert cu[0] == 0 and cu[-1] == 3 * 14 and cu == sorted(cu)
     flat_doc, flat_pos, flat_valid = b.doc.flatten(), b.positions.flatten(), b.valid.flatten()
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
         assert (flat_doc[s:e] == flat_doc[s]).all() and (s == 0 or flat_doc[s] != flat_doc[s - 1])
-        assert torch.equal(flat_pos[s:e], torch.arange(e - s))          # positions restart
-        assert flat_valid[s:e].all() or not flat_valid[s:e].any()       # a sample or a padding tail
+        assert torch.equal(flat_pos[s:e], torch.arange(e - s))  # positions restart
+        assert flat_valid[s:e].all() or not flat_valid[s:e].any()  # a sample or a padding tail
     assert b.max_seqlen == max(e - s for s, e in zip(cu[:-1], cu[1:]))
     # the rows hold each sample's tokens, in order
     row1 = b.tokens[1]
     assert torch.equal(row1[:9], samples[0]["tokens"]) and torch.equal(row1[9:14], samples[1]["tokens"])
     one, _ = pack(samples, multiple=8)
-    assert one.tokens.shape == (1, 40) and not one.valid[0, sum(LENGTHS):].any()
+    assert one.tokens.shape == (1, 40) and not one.valid[0, sum(LENGTHS) :].any()
     with pytest.raises(ValueError, match="does not fit"):
         pack(samples, row_len=10)
 
@@ -90,8 +90,7 @@ def test_packed_loss_and_grads_equal_the_padded_batch(train_head, fused, row_len
     cfg = toy_cfg()
     d = toy_drafter(cfg, seed=1).double()
     d.lm_head.weight.requires_grad_(train_head)
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2),
-                       dtype=torch.float64)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     samples = make_samples(cfg, LENGTHS)
     ref = loss_and_grads(d, collate(samples, torch.float64)[0], head, 4, fused=False)
     packed = pack(samples, row_len=row_len, dtype=torch.float64)[0]
@@ -104,8 +103,7 @@ def test_packing_without_document_masks_would_differ():
     equality above is the document masks' doing, not a test that cannot fail."""
     cfg = toy_cfg()
     d = toy_drafter(cfg, seed=1).double()
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2),
-                       dtype=torch.float64)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     samples = make_samples(cfg, LENGTHS)
     ref = loss_and_grads(d, collate(samples, torch.float64)[0], head, 4, fused=False)
     p = pack(samples, dtype=torch.float64)[0]
@@ -115,12 +113,11 @@ def test_packing_without_document_masks_would_differ():
 
 def test_captured_argmax_packs_with_its_sample():
     cfg = toy_cfg()
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(5),
-                       dtype=torch.float64)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     d = toy_drafter(cfg, seed=4).double()
     samples = make_samples(cfg, LENGTHS, target_arg=head)
     ref = loss_and_grads(d, collate(samples, torch.float64)[0], head, 3, fused=False)
-    rows = head[d.hot_ids]                   # with the captured argmax the draft rows suffice
+    rows = head[d.hot_ids]  # with the captured argmax the draft rows suffice
     assert_same(ref, loss_and_grads(d, pack(samples, row_len=14, dtype=torch.float64)[0], rows, 3, fused=True))
 
 
@@ -138,12 +135,22 @@ def test_a_sample_sees_nothing_of_its_row_neighbours():
             b = pack(s, dtype=torch.float64)[0]
             with torch.no_grad():
                 if fused:
-                    outs.append(fast_unroll.unroll(d, b.aux, b.tokens, 4, fast=FastPath(), valid=b.valid,
-                                                   return_normed=True, **fast_unroll.packed_args(b)))
+                    outs.append(
+                        fast_unroll.unroll(
+                            d,
+                            b.aux,
+                            b.tokens,
+                            4,
+                            fast=FastPath(),
+                            valid=b.valid,
+                            return_normed=True,
+                            **fast_unroll.packed_args(b),
+                        )
+                    )
                 else:
                     outs.append(d.unroll(b.aux, b.tokens, 4, valid=b.valid, return_normed=True, **packed_args(b)))
         keep = torch.zeros(19, dtype=torch.bool)
-        keep[:6] = keep[14:] = True     # samples 0 and 2
+        keep[:6] = keep[14:] = True  # samples 0 and 2
         for a, b in zip(*outs):
             assert torch.allclose(a[0, keep], b[0, keep], atol=1e-12)
             assert not torch.allclose(a[0, 6:14], b[0, 6:14])
@@ -153,7 +160,7 @@ def test_a_sample_sees_nothing_of_its_row_neighbours():
 def test_segment_attention_matches_a_dense_document_mask(n_diag):
     g = torch.Generator().manual_seed(n_diag)
     B, h, T, d = 2, 3, 11, 8
-    cu = [0, 4, 9, 11, 14, 22]        # row 0: 4 + 5 + 2; row 1: 3 + 8 (segments over the B*T rows)
+    cu = [0, 4, 9, 11, 14, 22]  # row 0: 4 + 5 + 2; row 1: 3 + 8 (segments over the B*T rows)
     doc = torch.zeros(B * T, dtype=torch.long)
     for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
         doc[s:e] = i
@@ -184,8 +191,16 @@ def test_train_with_packing_follows_the_padded_run(tmp_path):
     fs, head = make_features(tmp_path)
     hist = {}
     for packing in (False, True):
-        cfg = TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
-                          impl="fused", packing=packing)
+        cfg = TrainConfig(
+            steps=4,
+            batch_size=4,
+            lr=3e-3,
+            warmup_steps=1,
+            checkpoint_every=100,
+            log_every=1,
+            impl="fused",
+            packing=packing,
+        )
         hist[packing] = train(toy_drafter(seed=5), fs, head, tmp_path / str(packing), cfg, progress=False)["history"]
     assert len(hist[True]) == 4
     for a, b in zip(hist[False], hist[True]):
@@ -201,8 +216,19 @@ def test_packing_under_two_gloo_processes_equals_one_padded_process(tmp_path, pa
     res = {}
     for name, nproc, impl, packing in (("one", 1, "reference", "0"), ("two", 2, "fused", "1")):
         out = tmp_path / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(Path(__file__)), str(tmp_path / "feats"), str(out), parallel, impl, packing]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(Path(__file__)),
+            str(tmp_path / "feats"),
+            str(out),
+            parallel,
+            impl,
+            packing,
+        ]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         res[name] = json.loads((out / "result.json").read_text())
@@ -212,14 +238,23 @@ def test_packing_under_two_gloo_processes_equals_one_padded_process(tmp_path, pa
     assert abs(res["one"]["weight_sum"] - res["two"]["weight_sum"]) < 1e-3
 
 
-if __name__ == "__main__":   # the torchrun worker of the test above
+if __name__ == "__main__":  # the torchrun worker of the test above
     feats, out, parallel, impl, packing = sys.argv[1:6]
     rank, world = init_distributed()
     head = torch.randn(100, 64, generator=torch.Generator().manual_seed(7))
     d = toy_drafter(seed=3)
     log = LossLog()
-    cfg = TrainConfig(steps=5, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
-                      impl=impl, parallel=parallel, packing=packing == "1")
+    cfg = TrainConfig(
+        steps=5,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=1,
+        checkpoint_every=100,
+        log_every=1,
+        impl=impl,
+        parallel=parallel,
+        packing=packing == "1",
+    )
     train(d, FeatureSet(feats), head, Path(out), cfg, logger=log, progress=False)
     if rank == 0:
         s = sum(float(v.double().sum()) for k, v in d.export_state().items() if v.is_floating_point())

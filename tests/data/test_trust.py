@@ -81,8 +81,15 @@ def test_allowed_pickle_that_carries_code_is_still_refused(tmp_path, monkeypatch
 def custom_code_target(tmp_path) -> Path:
     """A tiny Llama whose config.json asks for the repo's own classes; importing them leaves a mark."""
     folder = tmp_path / "target"
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
     marker = tmp_path / "code_ran"
     (folder / "modeling_toy.py").write_text(
@@ -90,10 +97,14 @@ def custom_code_target(tmp_path) -> Path:
         f"Path({str(marker)!r}).write_text('yes')\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "class ToyConfig(LlamaConfig):\n    model_type = 'draftport_toy'\n"
-        "class ToyForCausalLM(LlamaForCausalLM):\n    config_class = ToyConfig\n")
+        "class ToyForCausalLM(LlamaForCausalLM):\n    config_class = ToyConfig\n"
+    )
     c = json.loads((folder / "config.json").read_text())
-    c.update(model_type="draftport_toy", architectures=["ToyForCausalLM"],
-             auto_map={"AutoConfig": "modeling_toy.ToyConfig", "AutoModelForCausalLM": "modeling_toy.ToyForCausalLM"})
+    c.update(
+        model_type="draftport_toy",
+        architectures=["ToyForCausalLM"],
+        auto_map={"AutoConfig": "modeling_toy.ToyConfig", "AutoModelForCausalLM": "modeling_toy.ToyForCausalLM"},
+    )
     (folder / "config.json").write_text(json.dumps(c))
     return folder
 
@@ -103,8 +114,10 @@ def test_remote_code_runs_only_when_trusted(tmp_path):
     marker = tmp_path / "code_ran"
     with pytest.raises(DraftportError) as e:
         load_target(folder, trust_remote_code=trusted(folder, []))
-    assert str(e.value) == (f"{folder}: the model needs its own code (auto_map) and trust_remote_code is off: "
-                            f"add its repo id to targets.trust_remote_code to run it")
+    assert str(e.value) == (
+        f"{folder}: the model needs its own code (auto_map) and trust_remote_code is off: "
+        f"add its repo id to targets.trust_remote_code to run it"
+    )
     assert not marker.exists()
     # the fetch step records the repo id the folder came from: trust names that repo
     (folder / "fetch.lock.json").write_text(json.dumps({"source": "org/toy"}))
@@ -118,8 +131,14 @@ def test_fetch_takes_a_repos_code_only_when_trusted(tmp_path):
     F.publish_to_cache(folder, tmp_path / "hub", "org/toy")
     F.fetch("org/toy", tmp_path / "plain", cache_dir=tmp_path / "hub", offline=True, patterns=F.TARGET_PATTERNS)
     assert not list((tmp_path / "plain").glob("*.py"))
-    F.fetch("org/toy", tmp_path / "code", cache_dir=tmp_path / "hub", offline=True, patterns=F.TARGET_PATTERNS,
-            trust_remote_code=True)
+    F.fetch(
+        "org/toy",
+        tmp_path / "code",
+        cache_dir=tmp_path / "hub",
+        offline=True,
+        patterns=F.TARGET_PATTERNS,
+        trust_remote_code=True,
+    )
     assert [p.name for p in (tmp_path / "code").glob("*.py")] == ["modeling_toy.py"]
 
 
@@ -135,4 +154,6 @@ def test_trust_params_are_off_by_default_and_validated():
         P.validate(P.merge(base, {"source": {"allow_pickle": "yes"}}))
     assert str(e.value) == 'source.allow_pickle: expected true or false, got "yes"'
     assert "targets.trust_remote_code" in R.BY_NAME["fetch"].params
-    assert all("targets.trust_remote_code" in R.BY_NAME[s].params for s in ("features_new", "features_eval", "features_phase2"))
+    assert all(
+        "targets.trust_remote_code" in R.BY_NAME[s].params for s in ("features_new", "features_eval", "features_phase2")
+    )

@@ -56,8 +56,15 @@ def micro(tmp_path_factory):
 @pytest.mark.slow
 def test_vllm_extracted_features_equal_transformers_capture(micro):
     target, prompts = micro / "w" / "target_new", micro / "w" / "corpus" / "new.jsonl"
-    kw = dict(n_samples=12, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=16, dtype="float32",
-              batch_size=4, shard_samples=5)
+    kw = dict(
+        n_samples=12,
+        aux_layer_ids=[0, 1, 2],
+        convention="vllm",
+        max_new_tokens=16,
+        dtype="float32",
+        batch_size=4,
+        shard_samples=5,
+    )
     a = build_features(target, prompts, micro / "hf", **kw)
     b = build_features(target, prompts, micro / "vl", engine="vllm", **kw)
     assert b["engine"] == "vllm" and b["vllm_layer_ids"] == [0, 1, 2]  # id 2 = L: aux and final
@@ -81,21 +88,43 @@ def test_online_training_through_vllm_equals_the_vllm_disk_capture(micro):
     extraction runs (one per spool shard), and the drafter equals one trained on vLLM's disk
     capture of the same samples."""
     target, prompts = micro / "w" / "target_new", micro / "w" / "corpus" / "new.jsonl"
-    kw = dict(n_samples=12, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=16, dtype="float32",
-              batch_size=4, shard_samples=6, engine="vllm")
+    kw = dict(
+        n_samples=12,
+        aux_layer_ids=[0, 1, 2],
+        convention="vllm",
+        max_new_tokens=16,
+        dtype="float32",
+        batch_size=4,
+        shard_samples=6,
+        engine="vllm",
+    )
     build_features(target, prompts, micro / "on_disk", **kw)
     build_features(target, prompts, micro / "on_seq", storage="online", **kw)
     tc = target_text_config(target)
     build_vocab(micro / "on_seq", micro / "on_vocab.safetensors", draft_vocab_size=100, vocab_size=tc["vocab_size"])
-    arch = new_drafter_config({"num_attention_heads": 2, "intermediate_size": 128}, vocab_size=tc["vocab_size"],
-                              hidden_size=tc["hidden_size"], aux_layer_ids=[0, 1, 2], convention="vllm",
-                              draft_vocab_size=100, max_positions=512)
+    arch = new_drafter_config(
+        {"num_attention_heads": 2, "intermediate_size": 128},
+        vocab_size=tc["vocab_size"],
+        hidden_size=tc["hidden_size"],
+        aux_layer_ids=[0, 1, 2],
+        convention="vllm",
+        draft_vocab_size=100,
+        max_positions=512,
+    )
     cfg = TrainConfig(steps=3, batch_size=4, lr=3e-3, warmup_steps=1, log_every=1, checkpoint_every=3)
     w = {}
     for name, feats in (("disk", "on_disk"), ("online", "on_seq")):
-        train_phase(micro / f"on_run_{name}", features_dir=micro / feats, target_dir=target, init="scratch",
-                    vocab_path=micro / "on_vocab.safetensors", arch=arch, train_cfg=cfg, progress=False,
-                    spool={"gb": 0.001})
+        train_phase(
+            micro / f"on_run_{name}",
+            features_dir=micro / feats,
+            target_dir=target,
+            init="scratch",
+            vocab_path=micro / "on_vocab.safetensors",
+            arch=arch,
+            train_cfg=cfg,
+            progress=False,
+            spool={"gb": 0.001},
+        )
         w[name] = load_file(str(micro / f"on_run_{name}" / "drafter" / "model.safetensors"))
     for k in w["disk"]:
         torch.testing.assert_close(w["online"][k], w["disk"][k], atol=1e-5, rtol=1e-5)
@@ -118,10 +147,30 @@ def server(micro):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     log = open(micro / "serve.log", "w")
-    proc = subprocess.Popen([*server_cmd, str(target), "--host", "127.0.0.1", "--port", str(port),
-                             "--served-model-name", "micro", "--dtype", "float32", "--max-model-len", "512",
-                             "--enforce-eager", "--gpu-memory-utilization", "0.2", "--max-num-seqs", "8"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            *server_cmd,
+            str(target),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "micro",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.2",
+            "--max-num-seqs",
+            "8",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     base = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.time() + 400
@@ -151,8 +200,14 @@ def test_served_regeneration_equals_transformers_greedy(micro, server):
     target = micro / "w" / "target_new"
     tok = load_tokenizer(target)
     prompts = [encode_prompt(tok, s["user"]) for s in read_samples(micro / "w/corpus/heldout_new.jsonl", 6)]
-    local = regenerate(load_target(target), prompts, max_new_tokens=24, eos_id=tok.eos_token_id,
-                       pad_id=tok.pad_token_id or tok.eos_token_id, batch_size=1)
+    local = regenerate(
+        load_target(target),
+        prompts,
+        max_new_tokens=24,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id or tok.eos_token_id,
+        batch_size=1,
+    )
     served = regenerate_openai(server, "micro", prompts, max_new_tokens=24, eos_id=tok.eos_token_id)
     assert served == local
     assert any(r[-1] == tok.eos_token_id for r in served) or all(len(r) == 24 for r in served)

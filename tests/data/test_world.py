@@ -11,8 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftport.plan import params as P
 from draftport.world import PIPELINE_KEYS, base_params, build_world_base
 from draftport.world.language import generate_corpus, make_language, read_jsonl, topic_distribution
-from draftport.world.tokenizer import (CHAT_TEMPLATE, encode_world_chat, encode_world_prompt,
-    load_world_tokenizer)
+from draftport.world.tokenizer import CHAT_TEMPLATE, encode_world_chat, encode_world_prompt, load_world_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 # the micro profile's world group, as the pipeline passes it (build and source_drafter included)
@@ -64,7 +63,7 @@ def test_old_and_new_differ_in_topics_and_style():
     def length(c):
         return sum(len(s["assistant"].split()) for s in c) / len(c)
 
-    assert lists(new) > 2 * lists(old) > 0       # shifted frequency, not a new construct
+    assert lists(new) > 2 * lists(old) > 0  # shifted frequency, not a new construct
     assert length(new) > 1.3 * length(old)
 
 
@@ -76,7 +75,7 @@ def test_new_words_are_only_in_new_and_answers_depend_on_prompt():
         assert not set(t.nouns) & old_words
     for s in old + generate_corpus("new", 200, seed=0):
         number = re.findall(r"\d+", s["user"])[-1]
-        assert number in s["assistant"]                     # the number is echoed
+        assert number in s["assistant"]  # the number is echoed
         words = set(re.findall(r"[a-z]+", s["user"].lower()))
         assert words & set(re.findall(r"[a-z]+", s["assistant"].lower())) - set(lang.det)
 
@@ -101,8 +100,9 @@ def test_tokenizer_round_trips_and_matches_chat_template(world):
     assert (hf.bos_token, hf.eos_token, hf.pad_token) == ("<|bos|>", "<|end|>", "<|pad|>")
     s = samples[0]
     msgs = [{"role": "user", "content": s["user"]}]
-    assert hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \
-        hf.decode(encode_world_prompt(hf, s["user"]))
+    assert hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == hf.decode(
+        encode_world_prompt(hf, s["user"])
+    )
     full = msgs + [{"role": "assistant", "content": s["assistant"]}]
     rendered = hf.apply_chat_template(full, tokenize=False)
     assert hf(rendered, add_special_tokens=False)["input_ids"] == encode_world_chat(tok, s)[0]
@@ -137,8 +137,9 @@ def test_targets_load_from_their_folders(world):
         assert meta["name"] == name and meta["revision"] == manifest["targets"][name]["revision"]
         assert meta["trained_on"] == f"corpus/{name.split('_')[1]}.jsonl"
         assert meta["steps"] == MICRO[name]["steps"] and "seed" in meta
-        ids = tok.apply_chat_template([{"role": "user", "content": "Kra 5?"}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": "Kra 5?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         with torch.no_grad():
             logits = model(input_ids=ids).logits
         assert logits.shape == (1, ids.shape[1], cfg.vocab_size) and torch.isfinite(logits).all()

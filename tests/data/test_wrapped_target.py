@@ -17,22 +17,37 @@ from draftport.model.target import read_target_tensor, read_text_tensor
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("wrapped")
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     plain = LlamaForCausalLM(cfg).eval()
     plain.save_pretrained(root / "plain")
     wrapped = root / "wrapped"
     wrapped.mkdir()
     state = {"language_model." + k: v.contiguous() for k, v in plain.state_dict().items()}
-    state["vision_tower.patch_embed.proj.weight"] = torch.randn(64, 3, 14, 14)   # never loaded
+    state["vision_tower.patch_embed.proj.weight"] = torch.randn(64, 3, 14, 14)  # never loaded
     state["mm_projector.proj.0.weight"] = torch.randn(64, 64)
     save_file(state, str(wrapped / "model.safetensors"))
     text = json.loads((root / "plain" / "config.json").read_text())
-    (wrapped / "config.json").write_text(json.dumps({
-        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-        "text_config": text, "vision_config": {"hidden_size": 64}}))
+    (wrapped / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "model_type": "kimi_k25",
+                "text_config": text,
+                "vision_config": {"hidden_size": 64},
+            }
+        )
+    )
     return root / "plain", wrapped
 
 
@@ -42,7 +57,9 @@ def test_text_config_and_tensors_through_the_wrapper(targets):
     for name in ("model.norm.weight", "lm_head.weight", "model.embed_tokens.weight"):
         assert torch.equal(read_text_tensor(wrapped, name), read_text_tensor(plain, name))
     # the drafter's frozen embedding and the target head, as bind.drafter_for_target reads them
-    assert torch.equal(read_target_tensor(wrapped, "embed_tokens.weight"), read_target_tensor(plain, "embed_tokens.weight"))
+    assert torch.equal(
+        read_target_tensor(wrapped, "embed_tokens.weight"), read_target_tensor(plain, "embed_tokens.weight")
+    )
     assert torch.equal(read_target_tensor(wrapped, "lm_head.weight"), read_target_tensor(plain, "lm_head.weight"))
 
 

@@ -42,9 +42,18 @@ def test_existing_keys_are_unchanged():
     assert s["num_cycles"] == 4 and s["num_draft_tokens"] == 12 and s["num_accepted_tokens"] == 6
     assert s["accept_length_all_positions"] == pytest.approx(1 + 9 / 5)
     assert s["k"] == K
-    assert set(s) == {"accept_length", "num_cycles", "num_draft_tokens", "num_accepted_tokens",
-                      "accept_length_all_positions", "k", "simulated_acc_len", "acceptance_rate",
-                      *(f"accept_rate_pos_{i}" for i in range(K)), *(f"cond_acc_{i}" for i in range(K))}
+    assert set(s) == {
+        "accept_length",
+        "num_cycles",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "accept_length_all_positions",
+        "k",
+        "simulated_acc_len",
+        "acceptance_rate",
+        *(f"accept_rate_pos_{i}" for i in range(K)),
+        *(f"cond_acc_{i}" for i in range(K)),
+    }
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -33,8 +33,15 @@ def run_rounds(curve, *, n1=32, cap=512, factor=2.0, min_gain=0.05, hours_per_sa
             continue
         nn = B.next_n(n, factor, cap) if n < cap else B.next_n(n, factor, 2 * n + 1)
         proj = B.project_next_gain(rounds, nn, n_boot=500)
-        why = B.stop_reason(proj, n=n, cap=cap, min_gain=min_gain, hours_spent=hours,
-                            next_hours=(nn - n) * hours_per_sample, max_hours=max_hours)
+        why = B.stop_reason(
+            proj,
+            n=n,
+            cap=cap,
+            min_gain=min_gain,
+            hours_spent=hours,
+            next_hours=(nn - n) * hours_per_sample,
+            max_hours=max_hours,
+        )
         if why:
             return n, why, [r["n_samples"] for r in rounds]
         n = nn
@@ -49,8 +56,10 @@ def test_schedule_doubles_up_to_the_cap():
 def test_the_projection_is_exact_on_a_power_law():
     """tau = a - b n^-c: slopes per e-fold shrink by 2^-c per doubling, so the projection from two
     slopes is the next round's true gain."""
+
     def tau(n):
         return 3.0 - 2.0 * (n / 32) ** -0.7
+
     ns = [32, 64, 128]
     taus = [tau(n) for n in ns]
     assert B._projection(taus, ns, 256) == pytest.approx(tau(256) - tau(128), rel=1e-9)

@@ -10,7 +10,10 @@ from draftport.evaluation.costmodel import CostModel, accept_length_from_p, best
 from draftport.errors import DraftportError
 
 SEEDS = {  # tok/s -> (accept length, conditional acceptance), as the seeds quote them
-    82: (2.46, 0.59), 100: (3.0, 0.67), 150: (4.5, 0.78), 200: (6.0, 0.83),
+    82: (2.46, 0.59),
+    100: (3.0, 0.67),
+    150: (4.5, 0.78),
+    200: (6.0, 0.83),
 }
 
 
@@ -60,13 +63,34 @@ def test_best_k_trades_acceptance_against_draft_cost():
 
 
 def test_cli_json():
-    out = subprocess.run([sys.executable, "-m", "draftport.cli", "costmodel", "--baseline-tok-s", "82",
-                          "--verify-ms", "30", "--target-tok-s", "120", "--accept-rates", "0.8,0.6,0.4",
-                          "--json"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "draftport.cli",
+            "costmodel",
+            "--baseline-tok-s",
+            "82",
+            "--verify-ms",
+            "30",
+            "--target-tok-s",
+            "120",
+            "--accept-rates",
+            "0.8,0.6,0.4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rep = json.loads(out.stdout)
     assert rep["break_even_accept_length"] == pytest.approx(2.46)
     assert [r["tok_s"] for r in rep["targets"]] == [82.0, 120.0]
     assert rep["best_k"]["best_k"] == 3
-    default = subprocess.run([sys.executable, "-m", "draftport.cli", "costmodel", "--baseline-tok-s", "82",
-                              "--verify-ms", "30", "--json"], capture_output=True, text=True, check=True)
+    default = subprocess.run(
+        [sys.executable, "-m", "draftport.cli", "costmodel", "--baseline-tok-s", "82", "--verify-ms", "30", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert {r["tok_s"] for r in json.loads(default.stdout)["targets"]} >= {100.0, 150.0, 200.0}

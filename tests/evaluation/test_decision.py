@@ -38,8 +38,14 @@ def same_mean(acc, shift=3):
 
 
 def point(init, n, seed, acc, cyc):
-    return {"init": init, "n_samples": n, "seed": seed, "accept_length": 0.0, "train_steps": 10,
-            "per_sample": {"accepted": acc, "cycles": cyc}}
+    return {
+        "init": init,
+        "n_samples": n,
+        "seed": seed,
+        "accept_length": 0.0,
+        "train_steps": 10,
+        "per_sample": {"accepted": acc, "cycles": cyc},
+    }
 
 
 def curves_from(taus: dict, seeds=(0, 1), perturb: dict | None = None):
@@ -71,17 +77,20 @@ def run_decide(curves, phases=None, **kw):
 
 # ---------------------------------------------------------------- statistics
 
+
 def test_tau_ci_hand_computed():
     acc = [[3, 5, 0], [2, 0, 4]]
     cyc = [[2, 2, 1], [1, 1, 3]]
     r = D.tau_ci(acc, cyc, n_boot=NB, seed=0)
     assert r["accept_length"] == pytest.approx(1 + 14 / 10)
     assert r["seeds"] == pytest.approx([1 + 8 / 5, 1 + 6 / 5])
-    assert r["seed_std"] == pytest.approx(0.2)          # population std of (2.6, 2.2)
+    assert r["seed_std"] == pytest.approx(0.2)  # population std of (2.6, 2.2)
     assert r["n_prompts"] == 3
     assert r["ci"][0] <= r["accept_length"] <= r["ci"][1]
-    one = D.tau_ci([3, 5, 0], [2, 2, 1], n_boot=NB)    # 1-D: one seed
-    assert one["accept_length"] == pytest.approx(2.6) and one["seed_std"] == 0.0 and one["seeds"] == [pytest.approx(2.6)]
+    one = D.tau_ci([3, 5, 0], [2, 2, 1], n_boot=NB)  # 1-D: one seed
+    assert (
+        one["accept_length"] == pytest.approx(2.6) and one["seed_std"] == 0.0 and one["seeds"] == [pytest.approx(2.6)]
+    )
 
 
 def test_tau_ci_width_determinism():
@@ -103,13 +112,16 @@ def test_bootstrap_keeps_a_prompts_seeds_together():
     assert r["seeds"] == pytest.approx([2.0, 2.0])
 
 
-@pytest.mark.parametrize("acc,cyc,problem", [
-    ([1, 2], [1, 2, 3], "differ in shape"),
-    ([], [], "no counts"),
-    ([1, -1], [1, 1], ">= 0"),
-    ([0, 0], [0, 0], "sum of cycles is 0"),
-    ([[[1]]], [[[1]]], "[seeds, prompts]"),
-])
+@pytest.mark.parametrize(
+    "acc,cyc,problem",
+    [
+        ([1, 2], [1, 2, 3], "differ in shape"),
+        ([], [], "no counts"),
+        ([1, -1], [1, 1], ">= 0"),
+        ([0, 0], [0, 0], "sum of cycles is 0"),
+        ([[[1]]], [[[1]]], "[seeds, prompts]"),
+    ],
+)
 def test_tau_ci_bad_inputs(acc, cyc, problem):
     with pytest.raises(DraftportError) as e:
         D.tau_ci(acc, cyc, n_boot=10)
@@ -130,6 +142,7 @@ def test_paired_diff_ci():
 
 
 # ---------------------------------------------------------------- the decision
+
 
 def test_clear_gain_source():
     d = run_decide(curves_from({"source": {100: 1.8, 200: 2.3, 400: 2.6}, "scratch": {100: 1.3, 200: 1.6, 400: 1.9}}))
@@ -152,29 +165,65 @@ def test_clear_gain_source():
     assert rec["phase2"] == "not measured" and rec["deploy_source_now"] is False
     assert d["phases"] == {} and d["phase2_gain"] is None and d["phase1_gain_vs_scratch"] is None and d["drift"] is None
     json.dumps(d)  # plain JSON types only
-    assert list(d) == ["schema", "level", "n_boot", "k", "min_gain", "costmodel", "curves", "gain",
-                       "smallest_n_beating_break_even", "phases", "phase1_gain_vs_scratch", "phase2_gain",
-                       "plateau", "answers_gain", "recipe_gain", "drift", "hours", "recommendation"]
-    assert list(src[0]) == ["n_samples", "accept_length", "ci", "seeds", "seed_std", "n_seeds",
-                            "projected_tok_s", "speedup_vs_baseline", "beats_break_even"]
-    assert run_decide(curves_from({"source": {100: 1.8, 200: 2.3, 400: 2.6},
-                                   "scratch": {100: 1.3, 200: 1.6, 400: 1.9}})) == d  # deterministic
+    assert list(d) == [
+        "schema",
+        "level",
+        "n_boot",
+        "k",
+        "min_gain",
+        "costmodel",
+        "curves",
+        "gain",
+        "smallest_n_beating_break_even",
+        "phases",
+        "phase1_gain_vs_scratch",
+        "phase2_gain",
+        "plateau",
+        "answers_gain",
+        "recipe_gain",
+        "drift",
+        "hours",
+        "recommendation",
+    ]
+    assert list(src[0]) == [
+        "n_samples",
+        "accept_length",
+        "ci",
+        "seeds",
+        "seed_std",
+        "n_seeds",
+        "projected_tok_s",
+        "speedup_vs_baseline",
+        "beats_break_even",
+    ]
+    assert (
+        run_decide(curves_from({"source": {100: 1.8, 200: 2.3, 400: 2.6}, "scratch": {100: 1.3, 200: 1.6, 400: 1.9}}))
+        == d
+    )  # deterministic
 
 
 def test_overlapping_cis_not_significant():
-    d = run_decide(curves_from({"source": {100: 2.3, 200: 2.5}, "scratch": {100: 2.3, 200: 2.5}},
-                               perturb={("scratch", 100): "source", ("scratch", 200): "source"}))
+    d = run_decide(
+        curves_from(
+            {"source": {100: 2.3, 200: 2.5}, "scratch": {100: 2.3, 200: 2.5}},
+            perturb={("scratch", 100): "source", ("scratch", 200): "source"},
+        )
+    )
     assert all(not g["significant"] and g["better"] is None for g in d["gain"])
     assert all(abs(g["diff"]) < 1e-9 for g in d["gain"])
     rec = d["recommendation"]
     assert rec["init"] == "either"
-    assert rec["n_samples"] == 100          # the smaller of the two inits' smallest n
+    assert rec["n_samples"] == 100  # the smaller of the two inits' smallest n
     assert rec["confidence"] == "medium"
 
 
 def test_advantage_vanishing_at_largest_n():
-    d = run_decide(curves_from({"source": {100: 1.8, 200: 2.3, 400: 2.6}, "scratch": {100: 1.3, 200: 1.9, 400: 2.6}},
-                               perturb={("scratch", 400): "source"}))
+    d = run_decide(
+        curves_from(
+            {"source": {100: 1.8, 200: 2.3, 400: 2.6}, "scratch": {100: 1.3, 200: 1.9, 400: 2.6}},
+            perturb={("scratch", 400): "source"},
+        )
+    )
     g = {x["n_samples"]: x for x in d["gain"]}
     assert g[100]["significant"] and g[200]["significant"] and not g[400]["significant"]
     rec = d["recommendation"]
@@ -268,13 +317,15 @@ def test_render_text():
     d = run_decide(curves_from({"source": {100: 1.8, 200: 2.3}, "scratch": {100: 1.3, 200: 1.6}}), ph)
     out = D.render_text(d)
     lines = out.splitlines()
-    assert lines[0].startswith("Recommendation: init source, recipe plain, regenerate not measured, n_samples 200 "
-                               "(enough: 200), phase2 helps")
+    assert lines[0].startswith(
+        "Recommendation: init source, recipe plain, regenerate not measured, n_samples 200 (enough: 200), phase2 helps"
+    )
     assert f"{d['curves']['scratch'][1]['accept_length']:.3f}" in out
     assert "Phase 2 - Phase 1:" in out and "phase0" in out and "Gain source - scratch:" in out
 
 
 # ---------------------------------------------------------------- CLI
+
 
 def cli(args, capsys):
     try:
@@ -314,10 +365,13 @@ def test_enough_data_where_the_curve_flattens():
     # the n=200 points: n=400's counts with a zero-sum shuffle -> exactly the same tau, not below
     for p in cur["points"]:
         if p["init"] == "source" and p["n_samples"] == 200:
-            twin = next(q for q in cur["points"] if q["init"] == "source" and q["n_samples"] == 400
-                        and q["seed"] == p["seed"])
-            p["per_sample"] = {"accepted": same_mean(twin["per_sample"]["accepted"]),
-                               "cycles": twin["per_sample"]["cycles"]}
+            twin = next(
+                q for q in cur["points"] if q["init"] == "source" and q["n_samples"] == 400 and q["seed"] == p["seed"]
+            )
+            p["per_sample"] = {
+                "accepted": same_mean(twin["per_sample"]["accepted"]),
+                "cycles": twin["per_sample"]["cycles"],
+            }
     rec = run_decide(cur)["recommendation"]
     assert rec["init"] == "source" and rec["n_enough"] == 200
     plateau = {x["n_samples"]: x for x in run_decide(cur)["plateau"]}

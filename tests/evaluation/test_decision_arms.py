@@ -23,16 +23,31 @@ def pts(arm: str, taus: dict, like: str | None = None, seconds: float = 36.0):
             acc, cyc = counts(tau, seed=zlib.crc32(f"{like or arm}/{n}/{s}".encode()))
             if like:
                 acc = same_mean(acc)
-            out.append({"init": init, "arm": arm, "n_samples": n, "seed": s, "train_seconds": seconds,
-                        "answers": "dataset" if "-dataset" in arm else "regenerated",
-                        "per_sample": {"accepted": acc, "cycles": cyc}})
+            out.append(
+                {
+                    "init": init,
+                    "arm": arm,
+                    "n_samples": n,
+                    "seed": s,
+                    "train_seconds": seconds,
+                    "answers": "dataset" if "-dataset" in arm else "regenerated",
+                    "per_sample": {"accepted": acc, "cycles": cyc},
+                }
+            )
     return out
 
 
 BASE = pts("source", {100: 2.6, 400: 2.9}) + pts("scratch", {100: 1.5, 400: 2.0})
-RATES = {"rates": {"regenerate_s_per_sample": 36.0, "capture_s_per_sample": 3.6,
-                   "capture_dataset_s_per_sample": 1.8, "source": "test"},
-         "phases": {}, "plan": {"regenerate": 1.0, "capture": 0.5, "train": 2.0, "curves": 1.5, "total": 3.5}}
+RATES = {
+    "rates": {
+        "regenerate_s_per_sample": 36.0,
+        "capture_s_per_sample": 3.6,
+        "capture_dataset_s_per_sample": 1.8,
+        "source": "test",
+    },
+    "phases": {},
+    "plan": {"regenerate": 1.0, "capture": 0.5, "train": 2.0, "curves": 1.5, "total": 3.5},
+}
 
 
 def run(points, **kw):
@@ -53,13 +68,15 @@ def test_regenerate_when_the_targets_answers_train_better():
 
 
 def test_no_regeneration_when_it_brings_nothing():
-    d = run(BASE + pts("source-dataset", {400: 2.9}, like="source") + pts("scratch-dataset", {400: 2.0}),
-            hours=RATES)
+    d = run(BASE + pts("source-dataset", {400: 2.9}, like="source") + pts("scratch-dataset", {400: 2.0}), hours=RATES)
     rec = d["recommendation"]
     assert rec["regenerate"] is False and not d["answers_gain"]["source"][-1]["significant"]
     assert d["answers_gain"]["source"][-1]["diff"] == pytest.approx(0.0, abs=1e-12)
-    assert any(t.startswith("Do not regenerate: the new target's own answers bring no significant gain")
-               and "saves 1 device-hours" in t for t in rec["text"])
+    assert any(
+        t.startswith("Do not regenerate: the new target's own answers bring no significant gain")
+        and "saves 1 device-hours" in t
+        for t in rec["text"]
+    )
     # the chosen arm (source on the dataset's answers at n=100) was not trained there: plain source's figures
     ch = rec["chosen"]
     assert ch["arm"] == "source-dataset" and not ch["measured"] and ch["figures_from"] == "source"
@@ -82,8 +99,12 @@ def test_recipe_chosen_only_when_significant():
     flat = run(BASE + pts("source-l2sp", {400: 2.9}, like="source") + pts("source-frozen", {400: 2.5}))
     rec = flat["recommendation"]
     assert rec["recipe"] == "plain"
-    assert any(t.startswith("Recipe: plain fine-tuning; no recipe beats it significantly at n=400") and
-               "frozen -0.3" in t and "l2sp +0.000" in t for t in rec["text"])
+    assert any(
+        t.startswith("Recipe: plain fine-tuning; no recipe beats it significantly at n=400")
+        and "frozen -0.3" in t
+        and "l2sp +0.000" in t
+        for t in rec["text"]
+    )
 
 
 def test_payback_by_hand():
@@ -101,11 +122,19 @@ def test_payback_by_hand():
 
 def test_rates_from_the_steps_metrics():
     m = lambda n, r, c: {"samples": n, "regenerate": r, "capture": c}  # noqa: E731
-    r = H.rates({"features_new": m(100, 30.0, 5.0), "features_phase2": m(300, 90.0, 15.0),
-                 "features_dataset": m(200, 0.0, 4.0)},
-                {"default": {"gpu": 0}, "features_phase2": {"gpu": 2}})
-    assert r == {"regenerate_s_per_sample": (30 + 180) / 400, "capture_s_per_sample": (5 + 30) / 400,
-                 "capture_dataset_s_per_sample": 4 / 200}
+    r = H.rates(
+        {
+            "features_new": m(100, 30.0, 5.0),
+            "features_phase2": m(300, 90.0, 15.0),
+            "features_dataset": m(200, 0.0, 4.0),
+        },
+        {"default": {"gpu": 0}, "features_phase2": {"gpu": 2}},
+    )
+    assert r == {
+        "regenerate_s_per_sample": (30 + 180) / 400,
+        "capture_s_per_sample": (5 + 30) / 400,
+        "capture_dataset_s_per_sample": 4 / 200,
+    }
     with pytest.raises(DraftportError, match="logs/features_new.json: no samples / regenerate / capture seconds"):
         H.rates({"features_new": {"samples": 3}})
 

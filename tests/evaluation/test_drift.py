@@ -28,8 +28,9 @@ def world(tmp_path_factory):
     tiny_llama(root / "target_narrow", seed=3, hidden=32)
     tiny_llama(root / "target_vocab", seed=4, vocab=96)
     # the new target's features on "its answers" (here: fixed token sequences)
-    capture_same_tokens(root / "target_new", seed_folder(root / "seqs"), root / "features_new",
-                        batch_size=4, dtype="float32")
+    capture_same_tokens(
+        root / "target_new", seed_folder(root / "seqs"), root / "features_new", batch_size=4, dtype="float32"
+    )
     return root
 
 
@@ -69,8 +70,14 @@ def test_a_target_against_itself_shows_no_drift(world):
 
 def test_a_perturbed_target_drifts_and_disagrees(world):
     old = world / "features_old"
-    capture_same_tokens(world / "target_old", world / "features_new", old, batch_size=4, dtype="float32",
-                        like_target=world / "target_new")
+    capture_same_tokens(
+        world / "target_old",
+        world / "features_new",
+        old,
+        batch_size=4,
+        dtype="float32",
+        like_target=world / "target_new",
+    )
     st = drift_stats(old, world / "features_new")
     assert st["cos_layer_1"] < 0.999 and st["cos_final"] < 0.999
     assert st["rel_diff_norm_final"] > 0.01
@@ -96,42 +103,76 @@ def test_capture_keeps_the_tokens_masks_and_layout_of_its_input(world):
         assert a["response_start"] == b["response_start"] and b["aux"].shape == (len(a["tokens"]), 3 * H)
         assert b["aux"].dtype == torch.bfloat16 and "target_arg" in b
     # identical runs write identical bytes; max_samples keeps a prefix
-    again = capture_same_tokens(world / "target_old", world / "features_new", world / "features_keep2",
-                                batch_size=4, dtype="bfloat16")
+    again = capture_same_tokens(
+        world / "target_old", world / "features_new", world / "features_keep2", batch_size=4, dtype="bfloat16"
+    )
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in idx["shards"]]
-    part = capture_same_tokens(world / "target_old", world / "features_new", world / "features_part",
-                               batch_size=4, dtype="float32", max_samples=3)
+    part = capture_same_tokens(
+        world / "target_old",
+        world / "features_new",
+        world / "features_part",
+        batch_size=4,
+        dtype="float32",
+        max_samples=3,
+    )
     assert part["samples"] == 3
 
 
-@pytest.mark.parametrize("target,like,what", [("target_narrow", None, "hidden size 32"),
-                                              ("target_vocab", "target_new", "vocab 96")])
+@pytest.mark.parametrize(
+    "target,like,what", [("target_narrow", None, "hidden size 32"), ("target_vocab", "target_new", "vocab 96")]
+)
 def test_incompatible_targets_give_one_line(world, target, like, what):
     with pytest.raises(DraftportError) as e:
-        capture_same_tokens(world / target, world / "features_new", world / "never", batch_size=4,
-                            like_target=like and world / like)
+        capture_same_tokens(
+            world / target, world / "features_new", world / "never", batch_size=4, like_target=like and world / like
+        )
     msg = str(e.value)
     assert "\n" not in msg and what in msg and str(world / target) in msg and str(world / "features_new") in msg
     assert not (world / "never").exists()
 
 
 def test_drift_probe_reports_tau_on_both_sides(world, tmp_path):
-    cfg = DrafterConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, vocab_size=LLAMA_VOCAB, draft_vocab_size=40, aux_layer_ids=LLAMA_AUX,
-                        max_position_embeddings=128, aux_convention="vllm")
+    cfg = DrafterConfig(
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=LLAMA_VOCAB,
+        draft_vocab_size=40,
+        aux_layer_ids=LLAMA_AUX,
+        max_position_embeddings=128,
+        aux_convention="vllm",
+    )
     torch.manual_seed(0)
     d = Eagle3Drafter(cfg, embed_weight=torch.randn(LLAMA_VOCAB, H))
     d.set_vocab_maps(*build_maps(np.random.default_rng(0).integers(0, 1000, LLAMA_VOCAB), 40))
     save_drafter(tmp_path / "source", cfg, d.export_state())
-    res = drift_probe(tmp_path / "source", world / "target_old", world / "target_new", world / "features_new",
-                      tmp_path / "probe", k=2, batch_size=4, feature_batch_size=4, dtype="float32",
-                      max_tokens=64, keep_features=False)
+    res = drift_probe(
+        tmp_path / "source",
+        world / "target_old",
+        world / "target_new",
+        world / "features_new",
+        tmp_path / "probe",
+        k=2,
+        batch_size=4,
+        feature_batch_size=4,
+        dtype="float32",
+        max_tokens=64,
+        keep_features=False,
+    )
     direct = evaluate_drafter(tmp_path / "source", world / "target_new", world / "features_new", k=2, batch_size=4)
     assert res["tau_source_new_features"] == direct["accept_length"]  # Phase 0's number
     assert res["tau_gap"] == pytest.approx(res["tau_gap_states"] + res["tau_gap_choices"], abs=1e-12)
     assert res["tau_gap"] == res["tau_source_old_features"] - res["tau_source_new_features"]
-    for key in ("cos_layer_0", "cka_final", "rel_diff_norm_layer_2", "greedy_agreement", "tokens",
-                "accept_rate_pos_1_old_features"):
+    for key in (
+        "cos_layer_0",
+        "cka_final",
+        "rel_diff_norm_layer_2",
+        "greedy_agreement",
+        "tokens",
+        "accept_rate_pos_1_old_features",
+    ):
         assert key in res and not math.isnan(res[key])
     assert not (tmp_path / "probe" / "features_old").exists()
     for name in ("old_features", "new_features", "new_features_old_choices"):

@@ -19,8 +19,7 @@ if __name__ == "__main__":
     head = torch.randn(100, 64, generator=torch.Generator().manual_seed(7))
     d = toy_drafter(seed=3)
     log = LossLog()
-    cfg = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
-                      impl=impl)
+    cfg = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1, impl=impl)
     train(d, FeatureSet(feats), head, out, cfg, logger=log, progress=False)
     if rank == 0:
         s = sum(float(v.double().sum()) for k, v in d.export_state().items() if v.is_floating_point())

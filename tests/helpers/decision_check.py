@@ -55,6 +55,10 @@ def says_what_the_numbers_show(dec: dict) -> list[str]:
             bad.append(f"phase2 {rec['phase2']} but phase2 - phase1 is {p2}")
 
     ch = rec.get("chosen")
-    if ch is not None and ch.get("hours") is not None and (ch["hours"]["regenerate"] == 0) != (rec["regenerate"] is False):
+    if (
+        ch is not None
+        and ch.get("hours") is not None
+        and (ch["hours"]["regenerate"] == 0) != (rec["regenerate"] is False)
+    ):
         bad.append(f"the chosen drafter's hours {ch['hours']} disagree with regenerate {rec['regenerate']}")
     return bad

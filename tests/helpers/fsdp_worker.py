@@ -37,11 +37,18 @@ if __name__ == "__main__":
     # the frozen embedding always comes from the target, never from a checkpoint
     d.set_embedding(toy_drafter(seed=3).embed_tokens.weight)
     log = LossLog()
-    cfg = TrainConfig(steps=a.steps, batch_size=4, lr=3e-3, warmup_steps=1, log_every=1,
-                      checkpoint_every=a.checkpoint_every, impl=a.impl, parallel=a.parallel)
+    cfg = TrainConfig(
+        steps=a.steps,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=1,
+        log_every=1,
+        checkpoint_every=a.checkpoint_every,
+        impl=a.impl,
+        parallel=a.parallel,
+    )
     res = train(d, FeatureSet(a.feats), head, out, cfg, logger=log, progress=False, stop_after=a.stop_after)
     if rank == 0:
         w = {k: v.detach().clone().contiguous() for k, v in d.export_state().items()}
         save_file(w, str(out / "weights.safetensors"))
-        (out / "result.json").write_text(json.dumps({"losses": log.losses, "steps": res["steps"],
-                                                     "world": world}))
+        (out / "result.json").write_text(json.dumps({"losses": log.losses, "steps": res["steps"], "world": world}))

@@ -23,9 +23,12 @@ def free_port() -> int:
 
 def rest(uri: str, path: str, body: dict | None = None):
     """MLflow's REST API: GET, or POST with a JSON body."""
-    req = urllib.request.Request(f"{uri}/api/2.0/mlflow/{path}", method="POST" if body is not None else "GET",
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{uri}/api/2.0/mlflow/{path}",
+        method="POST" if body is not None else "GET",
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
@@ -41,10 +44,26 @@ class MlflowServer:
         env = {**(self.env or os.environ), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         log = self.tmp / f"mlflow-server{self.starts}.log"
         self.proc = subprocess.Popen(
-            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{self.tmp}/mlflow-server.db",
-             "--default-artifact-root", str(self.tmp / "mlart")],
-            cwd=self.tmp, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{self.tmp}/mlflow-server.db",
+                "--default-artifact-root",
+                str(self.tmp / "mlart"),
+            ],
+            cwd=self.tmp,
+            env=env,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.time() + timeout
         while True:
             try:

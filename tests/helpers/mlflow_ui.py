@@ -29,8 +29,16 @@ BIN = Path(sys.executable).parent
 CHROMIUM = os.environ.get("DRAFTPORT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_BROWSER"))
 # As root, no sandbox; and none of chromium's own traffic (this machine reaches no outside host)
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run", "--disable-quic",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--disable-quic",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 WAIT_MS = 60_000
 
 
@@ -73,9 +81,15 @@ def new_page(b, width=1600, height=1000):
 def ui_session(cwd: Path, env: dict, port: int, *args: str, timeout: float = 300):
     """`draftport ui --json --port PORT` in cwd: yields its report (the addresses) once the server
     answers; then Ctrl-C (SIGINT), which must stop it and its server with exit status 0."""
-    proc = subprocess.Popen([str(BIN / "draftport"), "ui", "--json", "--port", str(port), *args], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "draftport"), "ui", "--json", "--port", str(port), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout] + [lines.put(None)], daemon=True).start()
     text, deadline = "", time.monotonic() + timeout
@@ -106,8 +120,10 @@ def ui_session(cwd: Path, env: dict, port: int, *args: str, timeout: float = 300
 
 def close_overlays(page) -> None:
     """First-visit tips and the assistant's side panel: closed, as a person would (where shown)."""
-    for loc in (page.get_by_role("button", name="Got it"),
-                page.locator('button[data-component-id="mlflow.assistant.chat_panel.close"]')):
+    for loc in (
+        page.get_by_role("button", name="Got it"),
+        page.locator('button[data-component-id="mlflow.assistant.chat_panel.close"]'),
+    ):
         for el in loc.all():
             if el.is_visible():
                 el.click(timeout=5000)
@@ -186,28 +202,35 @@ RUN_NAME_CELL = '[role=gridcell][col-id="attributes.`Run Name`"]'
 
 def run_names(page) -> list[str]:
     """The run names listed, top to bottom (ag-grid's rows by row-index, not DOM order)."""
-    return page.evaluate("""(sel) => [...document.querySelectorAll('[role=row][row-index]')]
+    return page.evaluate(
+        """(sel) => [...document.querySelectorAll('[role=row][row-index]')]
         .map(r => [Number(r.getAttribute('row-index')), r.querySelector(sel)?.textContent.trim()])
-        .filter(([, name]) => name).sort((a, b) => a[0] - b[0]).map(([, name]) => name)""", f"{RUN_NAME_CELL} a")
+        .filter(([, name]) => name).sort((a, b) => a[0] - b[0]).map(([, name]) => name)""",
+        f"{RUN_NAME_CELL} a",
+    )
 
 
-def runs_table(page, url: str, parent: str, metric: str | None = "accept_length",
-               expect: set[str] | None = None) -> dict:
+def runs_table(
+    page, url: str, parent: str, metric: str | None = "accept_length", expect: set[str] | None = None
+) -> dict:
     """The runs table as it opens, then with the parent run's row expanded (its nested runs
     under it), then with the metric's column added (Columns > Metrics): the run names listed
     before and after, and the metric's cell by run id."""
     page.goto(url)
     page.wait_for_selector(f"{RUN_NAME_CELL} a")
     if expect:  # the runs arrive after the table: wait until these are listed
-        page.wait_for_function("""([sel, want]) => want.every(w => [...document.querySelectorAll(sel)]
+        page.wait_for_function(
+            """([sel, want]) => want.every(w => [...document.querySelectorAll(sel)]
                                   .some(a => a.textContent.trim() === w))""",
-                               arg=[f"{RUN_NAME_CELL} a", sorted(expect)])
+            arg=[f"{RUN_NAME_CELL} a", sorted(expect)],
+        )
     close_overlays(page)
     before = run_names(page)
     cell = page.locator(RUN_NAME_CELL).filter(has=page.get_by_role("link", name=parent, exact=True))
     cell.locator("button").first.click()
-    page.wait_for_function("([sel, n]) => document.querySelectorAll(sel).length > n",
-                           arg=[f"{RUN_NAME_CELL} a", len(before)])
+    page.wait_for_function(
+        "([sel, n]) => document.querySelectorAll(sel).length > n", arg=[f"{RUN_NAME_CELL} a", len(before)]
+    )
     page.wait_for_timeout(500)
     after = run_names(page)
     values = {}
@@ -215,7 +238,8 @@ def runs_table(page, url: str, parent: str, metric: str | None = "accept_length"
         page.locator('button[data-component-id*="runscolumnselector"]').click()
         page.get_by_placeholder("Search columns").fill(metric)
         node = page.locator(".du-bois-light-tree-treenode").filter(
-            has=page.locator(".du-bois-light-tree-title", has_text=re.compile(f"^{re.escape(metric)}$")))
+            has=page.locator(".du-bois-light-tree-title", has_text=re.compile(f"^{re.escape(metric)}$"))
+        )
         node.locator(".du-bois-light-tree-checkbox").first.click()
         page.keyboard.press("Escape")
         col = f'[role=gridcell][col-id="metrics.`{metric}`"]'

@@ -38,9 +38,21 @@ def _features(folder, target, n, seed, offset=0, samples_file="prompts.jsonl"):
         T = max(len(s.tokens) for s in batch)
         return torch.randn(len(batch), T, 3 * H, generator=g), torch.randn(len(batch), T, H, generator=g) * 3
 
-    write_features(folder, seqs, featurize, shard_samples=64, dtype="float32",
-                   meta={"aux_layer_ids": AUX, "aux_convention": "vllm", "target": target_identity(target),
-                         "regenerated": True, "samples_file": samples_file, "offset": offset})
+    write_features(
+        folder,
+        seqs,
+        featurize,
+        shard_samples=64,
+        dtype="float32",
+        meta={
+            "aux_layer_ids": AUX,
+            "aux_convention": "vllm",
+            "target": target_identity(target),
+            "regenerated": True,
+            "samples_file": samples_file,
+            "offset": offset,
+        },
+    )
     return folder
 
 
@@ -58,24 +70,45 @@ def build_pipeline(root: Path, *, rope_theta: float = 10000.0, verifier_is_folde
     fo = _features(root / "old_feats", old, 48, seed=4)
     build_vocab(f1, a / "vocab_new" / "vocab.safetensors", draft_vocab_size=40, vocab_size=STUB_VOCAB)
     build_vocab(fo, root / "old_vocab.safetensors", draft_vocab_size=40, vocab_size=STUB_VOCAB)
-    cfg = new_drafter_config({"num_attention_heads": 2, "head_dim": 32, "intermediate_size": 128, "rope_theta": rope_theta},
-                             vocab_size=STUB_VOCAB, hidden_size=H, aux_layer_ids=AUX, convention="vllm",
-                             draft_vocab_size=40, max_positions=STUB_CTX)
+    cfg = new_drafter_config(
+        {"num_attention_heads": 2, "head_dim": 32, "intermediate_size": 128, "rope_theta": rope_theta},
+        vocab_size=STUB_VOCAB,
+        hidden_size=H,
+        aux_layer_ids=AUX,
+        convention="vllm",
+        draft_vocab_size=40,
+        max_positions=STUB_CTX,
+    )
     tc = TrainConfig(steps=12, batch_size=8, lr=3e-3, warmup_steps=2, ttt_steps=K, checkpoint_every=12)
     # the source: trained for the old target, published to a hub cache, fetched at its commit
-    train_phase(root / "src", features_dir=fo, target_dir=old, vocab_path=root / "old_vocab.safetensors",
-                init="scratch", arch=cfg, train_cfg=tc, progress=False, verifier="org/target-old")
+    train_phase(
+        root / "src",
+        features_dir=fo,
+        target_dir=old,
+        vocab_path=root / "old_vocab.safetensors",
+        init="scratch",
+        arch=cfg,
+        train_cfg=tc,
+        progress=False,
+        verifier="org/target-old",
+    )
     publish_to_cache(root / "src" / "drafter", root / "hub", "org/src-eagle3")
     fetch("org/src-eagle3", a / "fetch" / "source", cache_dir=root / "hub", offline=True)
     src = a / "fetch" / "source"
-    common = dict(target_dir=target, vocab_path=a / "vocab_new" / "vocab.safetensors", train_cfg=tc, progress=False,
-                  source_dir=src, verifier=verifier)
-    runs = {"phase1_scratch": dict(features_dir=f1, init="scratch"),
-            "phase1": dict(features_dir=f1, init="source")}
+    common = dict(
+        target_dir=target,
+        vocab_path=a / "vocab_new" / "vocab.safetensors",
+        train_cfg=tc,
+        progress=False,
+        source_dir=src,
+        verifier=verifier,
+    )
+    runs = {"phase1_scratch": dict(features_dir=f1, init="scratch"), "phase1": dict(features_dir=f1, init="source")}
     for ph, kw in runs.items():
         rep = train_phase(a / f"train_{ph}", **kw, **common)
-        (a / f"train_{ph}" / "metrics.json").write_text(json.dumps(
-            {"train_steps": rep["train_steps"], "final_loss": rep["final"].get("loss")}))
+        (a / f"train_{ph}" / "metrics.json").write_text(
+            json.dumps({"train_steps": rep["train_steps"], "final_loss": rep["final"].get("loss")})
+        )
     rep = train_phase(a / "train_phase2", features_dir=f2, init=str(a / "train_phase1" / "drafter"), **common)
     (a / "train_phase2" / "metrics.json").write_text(json.dumps({"train_steps": rep["train_steps"]}))
     evals = {}
@@ -92,9 +125,18 @@ def build_pipeline(root: Path, *, rope_theta: float = 10000.0, verifier_is_folde
     (a / "decision" / "decision.json").write_text(json.dumps(dec))
     where = json.loads(json.dumps(p))
     where["targets"]["new"] = str(target)  # a folder: the registry passes it as is
-    inputs = {name: Path(path) if name == "target" else a / Path(path).relative_to("artifacts")
-              for name, path in R.inputs(R.BY_NAME["publish"], where).items()}
+    inputs = {
+        name: Path(path) if name == "target" else a / Path(path).relative_to("artifacts")
+        for name, path in R.inputs(R.BY_NAME["publish"], where).items()
+    }
     sp = R.step_params(p, "publish")
     sp["publish"]["k"] = [1, 3]
-    return {"inputs": inputs, "params": sp, "target": target, "evals": evals, "decision": dec, "root": root,
-            "features": fe}
+    return {
+        "inputs": inputs,
+        "params": sp,
+        "target": target,
+        "evals": evals,
+        "decision": dec,
+        "root": root,
+        "features": fe,
+    }

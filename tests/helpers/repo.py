@@ -26,8 +26,16 @@ def smk(*args, cwd=ROOT, check=True):
 
 def copy_repo(dst: Path) -> None:
     """The repository's tracked and unignored files, less artifacts/ and logs/, copied to dst."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for f in filter(None, files):
         src = ROOT / f
         if src.is_file() and not f.startswith(("artifacts/", "logs/")):

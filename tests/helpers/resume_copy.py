@@ -23,21 +23,34 @@ STEPS, EVERY = 120, 20  # ~5 s of training on 2 shared cores: a kill lands betwe
 class Copy:
     def __init__(self, path: Path):
         self.path = path
-        self.env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(path / "src"),
-                    "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}
+        self.env = {
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(path / "src"),
+            "DVC_NO_ANALYTICS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "MLFLOW_TRACKING_URI": "sqlite:///mlflow.db",
+        }
         self.env.pop("OMP_NUM_THREADS", None)
 
     def run(self, *cmd, check=True, timeout=600):
-        r = subprocess.run([str(c) for c in cmd], cwd=self.path, env=self.env, capture_output=True, text=True,
-                           timeout=timeout)
+        r = subprocess.run(
+            [str(c) for c in cmd], cwd=self.path, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if check and r.returncode:
             raise AssertionError(f"{cmd} -> {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
         return r
 
     def start(self, *cmd) -> subprocess.Popen:
         """In its own session: a kill of the group takes the tool and the step it runs."""
-        return subprocess.Popen([str(c) for c in cmd], cwd=self.path, env=self.env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            [str(c) for c in cmd],
+            cwd=self.path,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def clone(self, dst: Path) -> "Copy":
         shutil.copytree(self.path, dst, symlinks=True)

@@ -31,22 +31,45 @@ def stub_target(folder, seed=0, embed_name="model.embed_tokens.weight", dtype=to
     """A target folder as far as the validator reads it: config.json + its embedding (random under
     `seed`, stored as `embed_name` in `dtype`) and lm_head."""
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": STUB_VOCAB,
-        "hidden_size": H, "num_hidden_layers": STUB_LAYERS, "max_position_embeddings": STUB_CTX,
-        "rope_theta": 10000.0}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": STUB_VOCAB,
+                "hidden_size": H,
+                "num_hidden_layers": STUB_LAYERS,
+                "max_position_embeddings": STUB_CTX,
+                "rope_theta": 10000.0,
+            }
+        )
+    )
     g = torch.Generator().manual_seed(seed)
-    save_file({embed_name: torch.randn(STUB_VOCAB, H, generator=g).to(dtype),
-               "lm_head.weight": torch.randn(STUB_VOCAB, H, generator=g)}, str(folder / "model.safetensors"))
+    save_file(
+        {
+            embed_name: torch.randn(STUB_VOCAB, H, generator=g).to(dtype),
+            "lm_head.weight": torch.randn(STUB_VOCAB, H, generator=g),
+        },
+        str(folder / "model.safetensors"),
+    )
     return folder
 
 
 def stub_drafter(folder, embed_from=None, *, include_embed=None, **cfg_kw):
     """A flat drafter for stub_target (seeded): with embed_from (a target folder) its embedding is
     that target's, saved in the folder when include_embed (default: when embed_from is given)."""
-    kw = dict(hidden_size=H, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-              head_dim=32, vocab_size=STUB_VOCAB, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
-              max_position_embeddings=STUB_CTX, aux_convention="vllm")
+    kw = dict(
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=STUB_VOCAB,
+        draft_vocab_size=40,
+        aux_layer_ids=[1, 2, 3],
+        max_position_embeddings=STUB_CTX,
+        aux_convention="vllm",
+    )
     kw.update(cfg_kw)
     cfg = DrafterConfig(**kw)
     torch.manual_seed(0)
@@ -59,9 +82,17 @@ def stub_drafter(folder, embed_from=None, *, include_embed=None, **cfg_kw):
 
 def tiny_llama(path, *, seed=0, hidden=H, vocab=LLAMA_VOCAB, base=None, noise=0.0):
     """A 2-layer random Llama (or `base`'s weights plus relative Gaussian noise), saved to path."""
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2,
-                      max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=hidden // 2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     m = LlamaForCausalLM(cfg).eval()
     if base is not None:
@@ -87,6 +118,12 @@ def seed_folder(path, n=10, seed=0):
         T = max(len(s.tokens) for s in batch)
         return torch.zeros(len(batch), T, 3 * H), torch.zeros(len(batch), T, H)
 
-    write_features(path, seqs, featurize, meta={"aux_layer_ids": LLAMA_AUX, "aux_convention": "vllm"},
-                   shard_samples=4, dtype="float32")
+    write_features(
+        path,
+        seqs,
+        featurize,
+        meta={"aux_layer_ids": LLAMA_AUX, "aux_convention": "vllm"},
+        shard_samples=4,
+        dtype="float32",
+    )
     return path

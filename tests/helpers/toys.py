@@ -15,9 +15,17 @@ from draftport.progress import Logger
 
 
 def toy_cfg(**kw):
-    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=100, draft_vocab_size=40, aux_layer_ids=[1, 2, 3],
-                max_position_embeddings=256)
+    base = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=100,
+        draft_vocab_size=40,
+        aux_layer_ids=[1, 2, 3],
+        max_position_embeddings=256,
+    )
     base.update(kw)
     return DrafterConfig(**base)
 
@@ -47,9 +55,13 @@ def toy_batch(cfg, B=2, T=12, seed=1):
     valid = torch.ones(B, T, dtype=torch.bool)
     if B > 1:
         valid[1, -3:] = False
-    return Batch(aux=torch.randn(B, T, 3 * H, generator=g), final=torch.randn(B, T, H, generator=g),
-                 tokens=torch.randint(0, cfg.vocab_size, (B, T), generator=g),
-                 loss_mask=valid.clone(), valid=valid)
+    return Batch(
+        aux=torch.randn(B, T, 3 * H, generator=g),
+        final=torch.randn(B, T, H, generator=g),
+        tokens=torch.randint(0, cfg.vocab_size, (B, T), generator=g),
+        loss_mask=valid.clone(),
+        valid=valid,
+    )
 
 
 def make_samples(cfg, lengths, seed=0, dtype=torch.float64, target_arg=None):
@@ -61,9 +73,13 @@ def make_samples(cfg, lengths, seed=0, dtype=torch.float64, target_arg=None):
         rs = min(2, n - 1)
         lm = torch.zeros(n, dtype=torch.bool)
         lm[rs:] = True
-        s = {"tokens": torch.randint(0, cfg.vocab_size, (n,), generator=g), "loss_mask": lm,
-             "aux": torch.randn(n, 3 * H, generator=g, dtype=dtype),
-             "final": torch.randn(n, H, generator=g, dtype=dtype), "response_start": rs}
+        s = {
+            "tokens": torch.randint(0, cfg.vocab_size, (n,), generator=g),
+            "loss_mask": lm,
+            "aux": torch.randn(n, 3 * H, generator=g, dtype=dtype),
+            "final": torch.randn(n, H, generator=g, dtype=dtype),
+            "response_start": rs,
+        }
         if target_arg is not None:
             s["target_arg"] = (s["final"] @ target_arg.t()).argmax(-1)
         out.append(s)
@@ -87,8 +103,7 @@ def make_features(tmp: Path, n=24, seed=0):
         aux = torch.randn(len(batch), T, 3 * H, generator=g)
         return aux, torch.tanh(aux @ mix) * 3
 
-    write_features(tmp / "feats", seqs, featurize, meta={"aux_layer_ids": [1, 2, 3]},
-                   shard_samples=10, dtype="float32")
+    write_features(tmp / "feats", seqs, featurize, meta={"aux_layer_ids": [1, 2, 3]}, shard_samples=10, dtype="float32")
     head = torch.randn(cfg.vocab_size, H, generator=g)
     return FeatureSet(tmp / "feats"), head
 

@@ -15,8 +15,17 @@ from safetensors.numpy import load_file as load_np
 from safetensors.torch import load_file, save_file
 
 from draftport.data.shards import Sequence, write_features
-from draftport.model.formats import (check_keys, check_shapes, inspect_drafter, inspect_report, load_drafter_state,
-    read_header, read_tensor_np, save_drafter, save_safetensors)
+from draftport.model.formats import (
+    check_keys,
+    check_shapes,
+    inspect_drafter,
+    inspect_report,
+    load_drafter_state,
+    read_header,
+    read_tensor_np,
+    save_drafter,
+    save_safetensors,
+)
 from draftport.model.config import parse_config, read_config
 from draftport.model.drafter import Eagle3Drafter
 from draftport.errors import DraftportError
@@ -32,6 +41,7 @@ def raw_safetensors(path, header: dict, data: bytes) -> None:
 
 
 # ---- headers ---------------------------------------------------------------------------------
+
 
 def test_header_of_sparse_k2_drafter_reads_without_touching_data(tmp_path):
     cfg = kimi_k2_config()
@@ -57,8 +67,14 @@ def test_header_rejects_lies_truncation_and_garbage(tmp_path):
     raw_safetensors(f, {"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8)
     with pytest.raises(DraftportError, match="truncated"):
         read_header(f)
-    raw_safetensors(f, {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                        "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12)
+    raw_safetensors(
+        f,
+        {
+            "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        },
+        b"\0" * 12,
+    )
     with pytest.raises(DraftportError, match="overlap"):
         read_header(f)
     raw_safetensors(f, {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12)
@@ -92,6 +108,7 @@ def test_pickle_checkpoints_are_refused(tmp_path):
 
 # ---- config ----------------------------------------------------------------------------------
 
+
 def test_config_head_dim_comes_from_config_not_hidden_over_heads():
     cfg = parse_config(kimi_k2_config().to_flat_dict())
     assert cfg.head_dim == 128 and cfg.hidden_size // cfg.num_attention_heads == 112
@@ -114,14 +131,16 @@ def test_config_rejects_missing_and_malformed_fields():
 def test_check_shapes_names_heads_times_head_dim(tmp_path):
     cfg = small_config()
     d2t, t2d = frequency_maps(cfg)
-    folder = write_header_only_drafter(tmp_path / "d", cfg, d2t, t2d,
-                                       shapes={"midlayer.self_attn.q_proj.weight": (4 * 16, 128)})
+    folder = write_header_only_drafter(
+        tmp_path / "d", cfg, d2t, t2d, shapes={"midlayer.self_attn.q_proj.weight": (4 * 16, 128)}
+    )
     with pytest.raises(DraftportError, match=r"q_proj.*\[128, 128\].*num_attention_heads 4 x head_dim 32") as e:
         check_shapes(inspect_drafter(folder))
     assert e.value.where.endswith("model.safetensors")
 
 
 # ---- save / load -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fmt", ["flat", "speculators"])
 def test_save_load_round_trip(tmp_path, fmt):
@@ -139,8 +158,9 @@ def test_save_load_round_trip(tmp_path, fmt):
     for k in state:
         torch.testing.assert_close(state2[k], state[k].cpu(), rtol=0, atol=0)
     skip = {"architectures", "format"}
-    assert {k: v for k, v in cfg2.summary().items() if k not in skip} == \
-        {k: v for k, v in cfg.summary().items() if k not in skip}
+    assert {k: v for k, v in cfg2.summary().items() if k not in skip} == {
+        k: v for k, v in cfg.summary().items() if k not in skip
+    }
     assert cfg2.format == fmt
     # the loaded state drives a drafter exactly like the saved one
     d = Eagle3Drafter(cfg2)
@@ -186,17 +206,28 @@ def test_speculators_checkpoint_loads_with_its_own_defaults(tmp_path):
     folder.mkdir()
     tensors = {(k.replace("midlayer.", "layers.0.", 1)): v.contiguous() for k, v in state.items()}
     save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "draft_vocab_size": 40,
-        "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
-        "transformer_layer_config": {
-            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
-            "max_position_embeddings": 256, "rms_norm_eps": 1e-6},
-        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "org/target"}},
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Eagle3Speculator"],
+                "speculators_model_type": "eagle3",
+                "draft_vocab_size": 40,
+                "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+                "transformer_layer_config": {
+                    "model_type": "llama",
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "head_dim": 16,
+                    "vocab_size": 100,
+                    "max_position_embeddings": 256,
+                    "rms_norm_eps": 1e-6,
+                },
+                "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "org/target"}},
+            }
+        )
+    )
     cfg2, state2 = load_drafter_state(folder)
     assert cfg2.format == "speculators"
     assert cfg2.norm_before_residual is False  # speculators 0.9.0: Field(default=False)
@@ -253,8 +284,12 @@ def test_identical_writes_in_two_processes_give_identical_bytes(tmp_path):
     for seed in ("1", "2"):
         out = tmp_path / f"seed{seed}"
         out.mkdir()
-        subprocess.run([sys.executable, "-c", WRITE_IN_A_PROCESS, str(out), str(HELPERS)],
-                       check=True, env={**os.environ, "PYTHONHASHSEED": seed}, timeout=300)
+        subprocess.run(
+            [sys.executable, "-c", WRITE_IN_A_PROCESS, str(out), str(HELPERS)],
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            timeout=300,
+        )
         outs.append(out)
     for rel in ("raw.safetensors", "drafter/model.safetensors", "drafter/config.json"):
         assert (outs[0] / rel).read_bytes() == (outs[1] / rel).read_bytes(), rel
@@ -263,30 +298,45 @@ def test_identical_writes_in_two_processes_give_identical_bytes(tmp_path):
     raw = (outs[0] / "raw.safetensors").read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
     assert (8 + n) % 8 == 0  # the data section starts 8-byte aligned
-    assert list(json.loads(raw[8:8 + n])["__metadata__"]) == sorted(f"key_{i}" for i in range(12))
+    assert list(json.loads(raw[8 : 8 + n])["__metadata__"]) == sorted(f"key_{i}" for i in range(12))
 
 
 def test_save_safetensors_round_trips_every_dtype_and_matches_safetensors(tmp_path):
     g = torch.Generator().manual_seed(0)
-    tensors = {"f32": torch.randn(4, 3, generator=g), "bf16": torch.randn(2, 5, generator=g).bfloat16(),
-               "i64": torch.arange(-3, 9).reshape(3, 4), "bool": torch.rand(7, generator=g) > 0.5,
-               "f16": torch.randn(3, generator=g).half(), "i32": torch.arange(5, dtype=torch.int32),
-               "fp8": torch.randn(6, generator=g).to(torch.float8_e4m3fn), "scalar": torch.tensor(2.5),
-               "empty": torch.zeros(0, 3), "strided": torch.randn(4, 6, generator=g)[:, ::2]}
+    tensors = {
+        "f32": torch.randn(4, 3, generator=g),
+        "bf16": torch.randn(2, 5, generator=g).bfloat16(),
+        "i64": torch.arange(-3, 9).reshape(3, 4),
+        "bool": torch.rand(7, generator=g) > 0.5,
+        "f16": torch.randn(3, generator=g).half(),
+        "i32": torch.arange(5, dtype=torch.int32),
+        "fp8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "strided": torch.randn(4, 6, generator=g)[:, ::2],
+    }
     save_safetensors(tensors, tmp_path / "a.safetensors")
     back = load_file(str(tmp_path / "a.safetensors"))
     assert set(back) == set(tensors)
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
-        assert torch.equal(back[k].view(torch.uint8), v.contiguous().view(torch.uint8)) if v.dtype == torch.float8_e4m3fn \
-            else torch.equal(back[k], v), k
+        assert (
+            torch.equal(back[k].view(torch.uint8), v.contiguous().view(torch.uint8))
+            if v.dtype == torch.float8_e4m3fn
+            else torch.equal(back[k], v)
+        ), k
     # with at most one metadata key, safetensors' own writer gives the very same bytes
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "b.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "b.safetensors"), metadata={"format": "pt"}
+    )
     save_safetensors(tensors, tmp_path / "c.safetensors", metadata={"format": "pt"})
     assert (tmp_path / "b.safetensors").read_bytes() == (tmp_path / "c.safetensors").read_bytes()
     # numpy arrays, a big-endian one included; read_header reads what it wrote
-    arrays = {"d2t": np.arange(5, dtype=">i8"), "t2d": np.array([True, False, True]),
-              "counts": np.arange(6, dtype=np.int64).reshape(2, 3).T}
+    arrays = {
+        "d2t": np.arange(5, dtype=">i8"),
+        "t2d": np.array([True, False, True]),
+        "counts": np.arange(6, dtype=np.int64).reshape(2, 3).T,
+    }
     save_safetensors(arrays, tmp_path / "v.safetensors")
     got = load_np(str(tmp_path / "v.safetensors"))
     for k, v in arrays.items():
@@ -303,13 +353,17 @@ def test_feature_shards_and_save_drafter_write_the_same_bytes_twice(tmp_path):
     def featurize(batch):
         g = torch.Generator().manual_seed(len(batch[0].tokens))
         T = max(len(s.tokens) for s in batch)
-        return (torch.randn(len(batch), T, 12, generator=g), torch.randn(len(batch), T, 4, generator=g),
-                torch.randint(0, 50, (len(batch), T), generator=g))
+        return (
+            torch.randn(len(batch), T, 12, generator=g),
+            torch.randn(len(batch), T, 4, generator=g),
+            torch.randint(0, 50, (len(batch), T), generator=g),
+        )
 
     seqs = [Sequence(list(range(5 + i)), 2) for i in range(6)]
     for name in ("a", "b"):
-        write_features(tmp_path / name, seqs, featurize, meta={"aux_layer_ids": [1, 2, 3]}, shard_samples=4,
-                       batch_size=2)
+        write_features(
+            tmp_path / name, seqs, featurize, meta={"aux_layer_ids": [1, 2, 3]}, shard_samples=4, batch_size=2
+        )
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert files == ["index.json", "shard_00000.safetensors", "shard_00001.safetensors"]
     for f in files:

@@ -63,10 +63,10 @@ def test_unrolled_step_equals_incremental_engine_drafting():
     bias = torch.zeros(1, 1, T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     ck, cv = [], []
     pos = torch.arange(T)[None]
-    h, lg = d.step(b.tokens[:, 1: p + 2], h0, pos, ck, cv, bias)
+    h, lg = d.step(b.tokens[:, 1 : p + 2], h0, pos, ck, cv, bias)
     torch.testing.assert_close(lg[:, p], batched[0][:, p])
     K0, V0 = ck[0], cv[0]
-    hp, tok = h[:, p: p + 1], d.hot_ids[lg[:, p: p + 1].argmax(-1)]
+    hp, tok = h[:, p : p + 1], d.hot_ids[lg[:, p : p + 1].argmax(-1)]
     own_k, own_v = [], []
     for j in range(1, k):
         # one query row at position p + j attending prefix keys 0..p (step 0) and its own chain

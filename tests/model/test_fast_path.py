@@ -90,7 +90,7 @@ def test_fused_ttt_terms_match_reference(train_head):
     cfg = toy_cfg()
     d = toy_drafter(cfg, seed=3)
     d.lm_head.weight.requires_grad_(train_head)
-    batch = toy_batch(cfg, B=2, T=12)               # row 1 right-padded by 3
+    batch = toy_batch(cfg, B=2, T=12)  # row 1 right-padded by 3
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     out = []
     for fast in (None, CHUNK5):
@@ -121,8 +121,7 @@ def test_train_fused_impl_follows_reference(tmp_path):
     fs, head = make_features(tmp_path)
     hist = {}
     for impl in ("reference", "fused"):
-        cfg = TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
-                          impl=impl)
+        cfg = TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1, impl=impl)
         hist[impl] = train(toy_drafter(seed=5), fs, head, tmp_path / impl, cfg, progress=False)["history"]
     for a, b in zip(hist["reference"], hist["fused"]):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"])), (a, b)
@@ -134,8 +133,8 @@ def test_captured_target_argmax_needs_only_the_draft_rows_of_the_head():
     batch = toy_batch(cfg, B=2, T=12)
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     ref, _ = combine(ttt_terms(d, batch, head, 3), 0.8)
-    batch.target_arg = (batch.final @ head.t()).argmax(-1)       # as a capture would store it
-    rows = head[d.hot_ids]                                        # draft rows only, slot order
+    batch.target_arg = (batch.final @ head.t()).argmax(-1)  # as a capture would store it
+    rows = head[d.hot_ids]  # draft rows only, slot order
     fused, _ = combine(ttt_terms(d, batch, rows, 3, FastPath()), 0.8)
     assert abs(float(ref.detach()) - float(fused.detach())) < 1e-5 * abs(float(ref.detach()))
 
@@ -146,7 +145,7 @@ def _train_steps(d, batch, head, fast, n=3):
     params = [p for p in d.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     losses, grads = [], None
-    for _ in range(n):   # several steps: the in-place sums restart at each step
+    for _ in range(n):  # several steps: the in-place sums restart at each step
         loss, *_ = train_step(d, batch, head, opt, params, TrainConfig(ttt_steps=4), fast=fast)
         losses.append(float(loss.detach()))
         if grads is None:
@@ -156,8 +155,9 @@ def _train_steps(d, batch, head, fast, n=3):
 
 def _fp64_problem(cfg, packed: bool, seed: int):
     """A target head and a batch in fp64: two padded rows, or six samples packed into rows of 14."""
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(seed),
-                       dtype=torch.float64)
+    head = torch.randn(
+        cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
     if packed:
         return head, pack(make_samples(cfg, (9, 5, 12, 3, 7, 2)), row_len=14, dtype=torch.float64)[0]
     b = toy_batch(cfg, B=2, T=12)
@@ -208,7 +208,7 @@ def test_embedding_half_once_per_unroll_matches_every_step(accumulate, packed):
     for k in g0:
         assert torch.allclose(g0[k], g1[k], atol=1e-12, rtol=1e-9), k
     for a, b in zip(p0, p1):
-        assert torch.allclose(a, b, atol=1e-6)   # AdamW divides by sqrt(v): rounding grows
+        assert torch.allclose(a, b, atol=1e-6)  # AdamW divides by sqrt(v): rounding grows
 
 
 def test_embedding_half_once_skips_exactly_its_repeated_gemms():
@@ -221,14 +221,14 @@ def test_embedding_half_once_skips_exactly_its_repeated_gemms():
     flops = {}
     for once in (False, True):
         d = toy_drafter(cfg, seed=6)
-        fast = CHUNK5.replace(embed_once=once, skip_dead_rows=False)   # every row at every step: this lever alone
+        fast = CHUNK5.replace(embed_once=once, skip_dead_rows=False)  # every row at every step: this lever alone
         with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_inplace}) as fc:
             loss, _ = combine(ttt_terms(d, b, head, 4, fast), 0.8)
             loss.backward()
         flops[once] = fc.get_total_flops()
     B, T, S, H = 2, 12, 4, cfg.hidden_size
     n_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    saved = 3 * 2 * H * n_out * B * (S * T - (T - 1 + S))   # fwd, dgrad, wgrad of the half
+    saved = 3 * 2 * H * n_out * B * (S * T - (T - 1 + S))  # fwd, dgrad, wgrad of the half
     assert flops[False] - flops[True] == saved
 
 
@@ -253,7 +253,7 @@ def test_steps_on_live_rows_skip_exactly_the_dropped_rows_gemms(step_rows):
     embedding-half test counts."""
     cfg = toy_cfg()
     b = toy_batch(cfg, B=2, T=12)
-    b.loss_mask[:, :3] = False   # a prompt
+    b.loss_mask[:, :3] = False  # a prompt
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
     flops, rows = {}, {}
     for on in (False, True):
@@ -266,7 +266,7 @@ def test_steps_on_live_rows_skip_exactly_the_dropped_rows_gemms(step_rows):
     H, I = cfg.hidden_size, cfg.intermediate_size
     q = cfg.num_attention_heads * cfg.head_dim
     n_out = q + 2 * cfg.num_key_value_heads * cfg.head_dim
-    per_row = 3 * 2 * (H * n_out + q * H + 3 * H * I)   # fwd, dgrad, wgrad
+    per_row = 3 * 2 * (H * n_out + q * H + 3 * H * I)  # fwd, dgrad, wgrad
     dropped = sum(n0 - n1 for n0, n1 in zip(rows[False][1:], rows[True][1:]))
     assert rows[False] == [24] * 4 and dropped > 0, rows
     assert flops[False] - flops[True] == dropped * per_row
@@ -284,9 +284,12 @@ def test_shifted_slices_sum_their_gradients_as_autograd_would(fill):
     grads = []
     for fused in (False, True):
         y = y0.clone().requires_grad_(True)
-        parts = list(fast_linear.shifted_slices(y, T, S, fill)) if fused else \
-            [y[:, j:j + T] for j in range(S)] + ([y[:, -1:]] if fill else [])
-        assert all(torch.equal(p, y0[:, j:j + T]) for j, p in enumerate(parts[:S]))
+        parts = (
+            list(fast_linear.shifted_slices(y, T, S, fill))
+            if fused
+            else [y[:, j : j + T] for j in range(S)] + ([y[:, -1:]] if fill else [])
+        )
+        assert all(torch.equal(p, y0[:, j : j + T]) for j, p in enumerate(parts[:S]))
         loss = sum((p * w).sum() for p, w in zip(parts, ws)) + ((parts[S] * wf).sum() if fill else 0)
         loss.backward()
         grads.append(y.grad)
@@ -299,7 +302,7 @@ def test_compiled_shift_sum_equals_eager():
     fn = torch.compile(fast_linear.shift_sum, dynamic=None)
     g = torch.Generator().manual_seed(4)
     for dt in (torch.float32, torch.bfloat16):
-        for T in (10, 13):   # a second length: the symbolic-length graph
+        for T in (10, 13):  # a second length: the symbolic-length graph
             gs = [torch.randn(2, T, 6, generator=g).to(dt) for _ in range(4)]
             fg = torch.randn(2, 1, 6, generator=g).to(dt)
             for f in (None, fg):
@@ -352,8 +355,7 @@ def test_swiglu_gradient_kernel_hands_back_the_forward_product():
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("train_head,accumulate", [(False, False), (True, False), (True, True)])
-def test_skipping_uncounted_rows_gives_every_row_s_terms_and_gradients(packed, train_head, accumulate,
-                                                                        monkeypatch):
+def test_skipping_uncounted_rows_gives_every_row_s_terms_and_gradients(packed, train_head, accumulate, monkeypatch):
     """skip_uncounted: the per-step lm_head and soft-CE on the rows the loss counts only give
     the losses, stats and gradients of every row's (fp64; padded rows with a prompt, packed
     samples; lm_head frozen or trained, summed in place or returned). The path each side ran is
@@ -369,7 +371,7 @@ def test_skipping_uncounted_rows_gives_every_row_s_terms_and_gradients(packed, t
     cfg = toy_cfg()
     head, batch = _fp64_problem(cfg, packed, seed=11)
     if not packed:
-        batch.loss_mask[:, :4] = False   # a prompt
+        batch.loss_mask[:, :4] = False  # a prompt
     out = []
     for on in (False, True):
         fast = CHUNK5.replace(skip_uncounted=on, accumulate_wgrad=accumulate)
@@ -388,7 +390,7 @@ def test_counted_rows_leave_dense_steps_alone_and_keep_a_row_for_empty_ones():
     one with none counted runs row 0 (at weight 0); otherwise the counted rows, in order."""
     full = torch.ones(2, 32, dtype=torch.bool)
     few_off = full.clone()
-    few_off[0, :3] = False                               # 3 of 64 < 64 / 16
+    few_off[0, :3] = False  # 3 of 64 < 64 / 16
     half = full.clone()
     half[:, 16:] = False
     none = torch.zeros(2, 32, dtype=torch.bool)
@@ -421,8 +423,9 @@ def test_host_loss_share_spares_the_count_when_few_rows_are_out(monkeypatch):
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("train_head,accumulate", [(False, False), (True, False), (True, True)])
-def test_steps_on_the_rows_later_steps_score_give_every_row_s_terms_and_gradients(packed, train_head, accumulate,
-                                                                                   step_rows):
+def test_steps_on_the_rows_later_steps_score_give_every_row_s_terms_and_gradients(
+    packed, train_head, accumulate, step_rows
+):
     """skip_dead_rows: TTT steps >= 1 running their GEMMs on the rows a later step scores only
     give the losses, stats and gradients of every row's (fp64; two padded rows with a prompt,
     or six samples packed into three rows; lm_head frozen or trained, summed in place or
@@ -431,7 +434,7 @@ def test_steps_on_the_rows_later_steps_score_give_every_row_s_terms_and_gradient
     cfg = toy_cfg()
     head, batch = _fp64_problem(cfg, packed, seed=11)
     if not packed:
-        batch.loss_mask[:, :4] = False   # a prompt
+        batch.loss_mask[:, :4] = False  # a prompt
     rows = batch.tokens.numel()
     out, runs = [], {}
     for on in (False, True):
@@ -455,22 +458,28 @@ def test_live_rows_are_nested_prefixes_rounded_up_and_spare_dense_batches():
     host-side share leaves fewer than SKIP_MIN of the rows out, or for one step."""
     N = 32
     oks = [torch.zeros(1, N, dtype=torch.bool) for _ in range(4)]
-    oks[0][0, :] = True                   # step 0 scores every row
+    oks[0][0, :] = True  # step 0 scores every row
     oks[1][0, 4:30] = True
     oks[2][0, 8:20] = True
     oks[3][0, 10:12] = True
-    oks[2][0, 1] = True                   # row 1: last scored at step 2
+    oks[2][0, 1] = True  # row 1: last scored at step 2
     live = fast_loss.LiveRows(oks, multiple=1)
-    assert live.order.tolist() == ([10, 11] + [1, 8, 9] + list(range(12, 20))          # last scored at 3, 2
-                                   + [4, 5, 6, 7] + list(range(20, 30)) + [0, 2, 3, 30, 31])   # at 1, 0
-    assert live.rows(1) is not None and live.rows(1).numel() == 27      # 4..29 and row 1
+    assert live.order.tolist() == (
+        [10, 11]
+        + [1, 8, 9]
+        + list(range(12, 20))  # last scored at 3, 2
+        + [4, 5, 6, 7]
+        + list(range(20, 30))
+        + [0, 2, 3, 30, 31]
+    )  # at 1, 0
+    assert live.rows(1) is not None and live.rows(1).numel() == 27  # 4..29 and row 1
     r1, r2, r3 = live.rows(1), live.rows(2), live.rows(3)
-    assert torch.equal(r2, r1[:r2.numel()]) and torch.equal(r3, r2[:r3.numel()])
+    assert torch.equal(r2, r1[: r2.numel()]) and torch.equal(r3, r2[: r3.numel()])
     assert sorted(r2.tolist()) == [1] + list(range(8, 20)) and sorted(r3.tolist()) == [10, 11]
-    assert fast_loss.LiveRows(oks, multiple=8).rows(3).numel() == 8          # 2 rows, rounded up to 8
-    assert fast_loss.LiveRows(oks, multiple=8).rows(1) is None               # 27 -> 32: nothing to spare
+    assert fast_loss.LiveRows(oks, multiple=8).rows(3).numel() == 8  # 2 rows, rounded up to 8
+    assert fast_loss.LiveRows(oks, multiple=8).rows(1) is None  # 27 -> 32: nothing to spare
     few = [torch.ones(1, N, dtype=torch.bool), torch.ones(1, N, dtype=torch.bool)]
-    few[1][0, :1] = False                                                    # 1 of 32 < 32 / 16
+    few[1][0, :1] = False  # 1 of 32 < 32 / 16
     assert fast_loss.LiveRows(few, multiple=1).rows(1) is None
     assert fast_loss.live_rows(oks, None) is not None and fast_loss.live_rows(oks, 0.5) is not None
     assert fast_loss.live_rows(oks, 1.0) is None and fast_loss.live_rows(oks[:1], None) is None
@@ -492,12 +501,12 @@ def test_compiled_regions_give_the_eager_regions_terms_and_gradients(step_rows):
         loss, stats = combine(ttt_terms(d, batch, head, 3, fast), 0.8)
         loss.backward()
         out.append((loss.item(), stats, {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}))
-    assert any(n < shape[0] * shape[1] for n, shape in step_rows)   # the compiled run's reduced steps
+    assert any(n < shape[0] * shape[1] for n, shape in step_rows)  # the compiled run's reduced steps
     assert out[1][0] == out[0][0] and all(torch.equal(out[0][2][k], out[1][2][k]) for k in out[0][2])
     (l0, s0, g0), (l1, s1, g1) = out[0], out[2]
     assert l0 == pytest.approx(l1, rel=1e-6) and s0 == pytest.approx(s1, rel=1e-6)
     assert g0.keys() == g1.keys() and "midlayer.self_attn.q_proj.weight" in g0
-    for k in g0:   # against each gradient's largest entry (the fp32 cos/sin's rounding spreads)
+    for k in g0:  # against each gradient's largest entry (the fp32 cos/sin's rounding spreads)
         assert float((g0[k] - g1[k]).abs().max()) <= 1e-5 * float(g0[k].abs().max()), k
 
 
@@ -513,9 +522,10 @@ def test_a_reduced_step_must_be_followed_by_reduced_ones():
             return torch.arange(5) if j == 1 else None
 
     with pytest.raises(ValueError, match="after a reduced one"):
-        fast_unroll.unroll(d, batch.aux, batch.tokens, 3, fast=FastPath(), valid=batch.valid, return_normed=True,
-                           live=Widening())
-    assert FastPath().skip_dead_rows   # the default
+        fast_unroll.unroll(
+            d, batch.aux, batch.tokens, 3, fast=FastPath(), valid=batch.valid, return_normed=True, live=Widening()
+        )
+    assert FastPath().skip_dead_rows  # the default
 
 
 def test_train_with_prompts_follows_every_row_s_run(tmp_path, step_rows, monkeypatch):
@@ -527,8 +537,16 @@ def test_train_with_prompts_follows_every_row_s_run(tmp_path, step_rows, monkeyp
     for on in (False, True):
         monkeypatch.setattr(loop, "fast_path", lambda *a, on=on, **kw: made(*a, **kw).replace(skip_dead_rows=on))
         step_rows.clear()
-        cfg = TrainConfig(steps=3, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=100, log_every=1,
-                          impl="fused", packing=True)
+        cfg = TrainConfig(
+            steps=3,
+            batch_size=4,
+            lr=3e-3,
+            warmup_steps=1,
+            checkpoint_every=100,
+            log_every=1,
+            impl="fused",
+            packing=True,
+        )
         hist[on] = train(toy_drafter(seed=5), fs, head, tmp_path / str(on), cfg, progress=False)["history"]
         reduced[on] = sum(n < shape[0] * shape[1] for n, shape in step_rows if shape)
     assert reduced[False] == 0 and reduced[True] > 0, reduced

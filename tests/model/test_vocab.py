@@ -6,8 +6,15 @@ import torch
 
 from draftport.errors import DraftportError
 from draftport.model.fixtures import swap_hot_ids, zipf_counts
-from draftport.model.vocab import (build_maps, check_maps, compare_maps, d2t_format, hot_ids, remap_lm_head,
-    t2d_consistent)
+from draftport.model.vocab import (
+    build_maps,
+    check_maps,
+    compare_maps,
+    d2t_format,
+    hot_ids,
+    remap_lm_head,
+    t2d_consistent,
+)
 
 V, N = 163840, 32000  # Kimi-K2 vocab and draft vocab
 

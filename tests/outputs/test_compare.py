@@ -9,8 +9,13 @@ import pytest
 
 from draftport.outputs.compare import CONFIG_FIELDS, compare_drafters
 from draftport.errors import DraftportError
-from draftport.model.fixtures import (frequency_maps, kimi_k2_config, small_config, swap_hot_ids,
-    write_header_only_drafter)
+from draftport.model.fixtures import (
+    frequency_maps,
+    kimi_k2_config,
+    small_config,
+    swap_hot_ids,
+    write_header_only_drafter,
+)
 from draftport.model.vocab import hot_ids
 
 # Seed 000: AQ-MedAI's K2 drafter (no embed_tokens) against the team's K2.5 drafter (with it).
@@ -41,12 +46,13 @@ def k2(tmp_path_factory):
     d2t, t2d = frequency_maps(cfg, seed=0)
     d2t_b, t2d_b = swap_hot_ids(d2t, cfg.vocab_size, 250, seed=1)
     return {
-        "cfg": cfg, "d2t": d2t, "d2t_b": d2t_b,
+        "cfg": cfg,
+        "d2t": d2t,
+        "d2t_b": d2t_b,
         "src": write_header_only_drafter(root / "k2", cfg, d2t, t2d, with_embed=False),
         "dst": write_header_only_drafter(root / "k25", cfg, d2t_b, t2d_b, with_embed=True),
         "dst_same_map": write_header_only_drafter(root / "k25_same", cfg, d2t, t2d, with_embed=True),
-        "dst_spec": write_header_only_drafter(root / "k2_spec", cfg, d2t, t2d, with_embed=False,
-                                              fmt="speculators"),
+        "dst_spec": write_header_only_drafter(root / "k2_spec", cfg, d2t, t2d, with_embed=False, fmt="speculators"),
     }
 
 
@@ -180,6 +186,7 @@ def test_full_vocab_drafter_without_d2t_implies_identity(tmp_path):
 
 # ---- errors: compare is where a user finds out -------------------------------------------------
 
+
 def test_d2t_of_wrong_length_is_an_error(tmp_path):
     cfg = small_config()
     d2t, t2d = frequency_maps(cfg)
@@ -232,11 +239,13 @@ def test_q_proj_against_heads_times_head_dim_is_an_error(tmp_path):
 
 
 def test_compare_never_imports_torch(k2):
-    code = ("import sys, json; from draftport.outputs.compare import compare_drafters; "
-            f"compare_drafters({str(k2['src'])!r}, {str(k2['dst'])!r}); "
-            "import draftport.cli, draftport.outputs.render, draftport.model.fixtures; "
-            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'transformers', 'safetensors'))))")
+    code = (
+        "import sys, json; from draftport.outputs.compare import compare_drafters; "
+        f"compare_drafters({str(k2['src'])!r}, {str(k2['dst'])!r}); "
+        "import draftport.cli, draftport.outputs.render, draftport.model.fixtures; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'safetensors'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     # the headers are read by safetensors' Rust core (under 1 ms to import), never safetensors.torch
     assert set(json.loads(out.stdout)) <= {"safetensors", "safetensors._safetensors_rust"}

@@ -20,8 +20,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from draftport.plan import params as P
-from draftport.model.formats import (copy_tensors_safetensors, find_target_embedding, read_header,
-    save_safetensors, tensor_sha256, tensors_equal_values)
+from draftport.model.formats import (
+    copy_tensors_safetensors,
+    find_target_embedding,
+    read_header,
+    save_safetensors,
+    tensor_sha256,
+    tensors_equal_values,
+)
 from draftport.outputs.compare import compare_drafters, embedding_check
 from draftport.evaluation.online import for_vllm
 from draftport.errors import DraftportError
@@ -57,13 +63,17 @@ def tensors(folder) -> dict:
 
 @pytest.fixture
 def w(tmp_path):
-    old = stub_target(tmp_path / "target_old", seed=1)   # "K2"
-    new = stub_target(tmp_path / "target_new", seed=2)   # "K2.5": another embedding
+    old = stub_target(tmp_path / "target_old", seed=1)  # "K2"
+    new = stub_target(tmp_path / "target_new", seed=2)  # "K2.5": another embedding
     assert not torch.equal(target_embed(old), target_embed(new))
-    return {"old": old, "new": new, "tmp": tmp_path,
-            "src_old_embed": make_drafter(tmp_path / "src_old_embed", embed_from=old),
-            "src_new_embed": make_drafter(tmp_path / "src_new_embed", embed_from=new),
-            "plain": make_drafter(tmp_path / "plain")}
+    return {
+        "old": old,
+        "new": new,
+        "tmp": tmp_path,
+        "src_old_embed": make_drafter(tmp_path / "src_old_embed", embed_from=old),
+        "src_new_embed": make_drafter(tmp_path / "src_new_embed", embed_from=new),
+        "plain": make_drafter(tmp_path / "plain"),
+    }
 
 
 # ---- compare ----------------------------------------------------------------------------------
@@ -124,8 +134,9 @@ def test_the_target_embedding_is_found_under_a_wrappers_name(w):
 
 def run_cli(*args):
     env = {**os.environ, "COLUMNS": "200"}  # a wide terminal: the hashes stay on one line
-    return subprocess.run([sys.executable, "-m", "draftport.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "draftport.cli", *map(str, args)], capture_output=True, text=True, env=env
+    )
 
 
 def test_cli_target_option_json_and_text(w):
@@ -144,10 +155,12 @@ def test_cli_target_option_json_and_text(w):
 
 
 def test_compare_with_target_stays_torch_free(w):
-    code = ("import sys, json; from draftport.outputs.compare import compare_drafters; "
-            f"compare_drafters({str(w['src_old_embed'])!r}, {str(w['plain'])!r}, target={str(w['new'])!r}); "
-            "import draftport.cli, draftport.outputs.render; "
-            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))")
+    code = (
+        "import sys, json; from draftport.outputs.compare import compare_drafters; "
+        f"compare_drafters({str(w['src_old_embed'])!r}, {str(w['plain'])!r}, target={str(w['new'])!r}); "
+        "import draftport.cli, draftport.outputs.render; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
 
@@ -210,12 +223,14 @@ def test_renumbering_and_dropping_together(w):
 
 
 def test_export_checks_follow_the_choice(w):
-    assert any("online.embed_tokens is drop" in p
-               for p in export_problems(w["src_new_embed"], w["new"], embed_tokens="drop"))
+    assert any(
+        "online.embed_tokens is drop" in p for p in export_problems(w["src_new_embed"], w["new"], embed_tokens="drop")
+    )
     assert any("carries no embed_tokens" in p for p in export_problems(w["plain"], w["new"], embed_tokens="target"))
     assert export_problems(w["src_new_embed"], w["new"], embed_tokens="target") == []
-    assert any("differs from the target's" in p
-               for p in export_problems(w["src_old_embed"], w["new"], embed_tokens="target"))
+    assert any(
+        "differs from the target's" in p for p in export_problems(w["src_old_embed"], w["new"], embed_tokens="target")
+    )
     # the target's values in another dtype are not the target's bit for bit
     d = w["tmp"] / "bf16_copy"
     make_drafter(d)
@@ -235,8 +250,12 @@ def test_export_checks_follow_the_choice(w):
 # ---- the byte-range helpers -------------------------------------------------------------------
 def test_copied_tensors_give_save_safetensors_bytes(tmp_path):
     g = torch.Generator().manual_seed(0)
-    sd = {"b": torch.randn(3, 5, generator=g).to(torch.bfloat16), "a": torch.randn(4, generator=g),
-          "i": torch.arange(7), "m": torch.ones(2, dtype=torch.bool)}
+    sd = {
+        "b": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "a": torch.randn(4, generator=g),
+        "i": torch.arange(7),
+        "m": torch.ones(2, dtype=torch.bool),
+    }
     save_safetensors(sd, tmp_path / "ref.safetensors", metadata={"format": "pt"})
     table, meta = read_header(tmp_path / "ref.safetensors")
     copy_tensors_safetensors(table, tmp_path / "copy.safetensors", metadata=meta)

@@ -36,8 +36,9 @@ def kimi(kimi_cfg):
 
 def test_train_seconds_is_tokens_over_aggregate_throughput():
     # 1200 steps x 64 samples x 2048 tokens = 157,286,400 tokens; 12,000 tok/s x 8 GPUs x 0.9
-    assert E.train_seconds(steps=1200, batch_size=64, tokens_per_sample=2048, tok_s_per_gpu=12000.0,
-                           gpus=8, efficiency=0.9) == pytest.approx(157_286_400 / 86_400)
+    assert E.train_seconds(
+        steps=1200, batch_size=64, tokens_per_sample=2048, tok_s_per_gpu=12000.0, gpus=8, efficiency=0.9
+    ) == pytest.approx(157_286_400 / 86_400)
     with pytest.raises(DraftportError):
         E.train_seconds(steps=1, batch_size=1, tokens_per_sample=1, tok_s_per_gpu=1.0, gpus=1, efficiency=1.5)
 
@@ -53,25 +54,36 @@ def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     assert rep["phase1_hours"] == pytest.approx(2 * rows["phase1"]["hours"])  # control + fine-tune
     # 57 KB/token at H 7168, as DESIGN.md states
     assert rep["bytes_per_token"] == 4 * 7168 * 2 + 5
-    assert {r["rows"] for r in rep["rows"]} == {"packed"}   # the profile packs (train.packing)
+    assert {r["rows"] for r in rep["rows"]} == {"packed"}  # the profile packs (train.packing)
     frozen = P.merge(kimi_cfg, {"phase2": {"train": {"train_lm_head": False}}})
     assert {r["rule"]: r for r in E.estimate(frozen, capture_eff=0.42)["rows"]}["phase2"]["tok_s_per_gpu"] == round(
-        bench["packed_real_tokens_per_s_lm_head_frozen"])
+        bench["packed_real_tokens_per_s_lm_head_frozen"]
+    )
     # a rule that pads its rows reads the padded figures of the same mix
-    padded = P.merge(kimi_cfg, {"phase1": {"train": {"packing": False}},
-                                "phase2": {"train": {"packing": False, "train_lm_head": False}}})
+    padded = P.merge(
+        kimi_cfg,
+        {"phase1": {"train": {"packing": False}}, "phase2": {"train": {"packing": False, "train_lm_head": False}}},
+    )
     rows = {r["rule"]: r for r in E.estimate(padded, capture_eff=0.42)["rows"]}
-    assert (rows["phase1"]["rows"], rows["phase1"]["tok_s_per_gpu"]) == ("padded", round(bench["padded_real_tokens_per_s"]))
+    assert (rows["phase1"]["rows"], rows["phase1"]["tok_s_per_gpu"]) == (
+        "padded",
+        round(bench["padded_real_tokens_per_s"]),
+    )
     assert (rows["phase2"]["rows"], rows["phase2"]["tok_s_per_gpu"]) == (
-        "padded", round(bench["mix_results"]["padded_frozen_stored"]["real_tokens_per_s"]))
-    assert rows["phase1_scratch"]["rows"] == "padded"   # the control trains as phase1.train says
+        "padded",
+        round(bench["mix_results"]["padded_frozen_stored"]["real_tokens_per_s"]),
+    )
+    assert rows["phase1_scratch"]["rows"] == "padded"  # the control trains as phase1.train says
     assert bench["padded_real_tokens_per_s"] < bench["packed_real_tokens_per_s"]
     # a result without a length mix: its full-row figures, for either layout
     old = ROOT / "benchmarks/results/2026-11-29-h200.json"
     full = json.loads(old.read_text())
     b = E.bench_throughput(old)
     assert (b["lm_head_trainable"], b["lm_head_frozen"], b["rate"]) == (
-        full["tokens_per_s_lm_head_trainable"], full["tokens_per_s_mask_precomputed"], "full rows")
+        full["tokens_per_s_lm_head_trainable"],
+        full["tokens_per_s_mask_precomputed"],
+        "full rows",
+    )
     assert (b["padded_lm_head_trainable"], b["padded_lm_head_frozen"]) == (b["lm_head_trainable"], b["lm_head_frozen"])
 
 
@@ -81,12 +93,12 @@ def test_kimi_shape_is_1t_params_32b_active(kimi):
     # MLA: q_a + q_b (64 heads x (128 nope + 64 rope)) + kv_a (512 latent + 64 rope) + kv_b (64 x (128 + 128)) + o
     attn = h * 1536 + 1536 * 64 * 192 + h * (512 + 64) + 512 * 64 * 256 + 64 * 128 * h
     expert = 3 * h * 2048
-    dense = 3 * h * 18432                                  # layer 0 (first_k_dense_replace 1)
-    moe_active = 60 * ((8 + 1) * expert + h * 384)         # 8 routed + 1 shared, and the router
+    dense = 3 * h * 18432  # layer 0 (first_k_dense_replace 1)
+    moe_active = 60 * ((8 + 1) * expert + h * 384)  # 8 routed + 1 shared, and the router
     assert t["attention_per_layer"] == attn
     assert t["active_params_no_embed"] == layers * attn + dense + moe_active + v * h  # lm_head counted
     assert t["active_params"] == t["active_params_no_embed"] + v * h
-    assert 32.0e9 < t["active_params"] < 33.5e9            # "1T parameters, 32B active"
+    assert 32.0e9 < t["active_params"] < 33.5e9  # "1T parameters, 32B active"
     assert 1.0e12 < t["total_params"] < 1.05e12
     f = kimi["flops_per_token"]
     assert f["matmul"] == 2 * t["active_params_no_embed"]
@@ -96,8 +108,14 @@ def test_kimi_shape_is_1t_params_32b_active(kimi):
 def test_flops_formula_is_the_capture_benchmarks_roofline():
     # Llama-3-8B (dense, untied): the 2026-12-01 capture run quotes a prefill roofline of 50.8K
     # tok/s at 790 TFLOP/s for T 2048; 4 x layers x hidden x T/2 is the attention term there
-    llama8b = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-               "num_key_value_heads": 8, "vocab_size": 128256}
+    llama8b = {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    }
     shape = E.target_shape(llama8b)
     assert 8.0e9 < shape["total_params"] < 8.06e9
     f = E.capture_flops_per_token(shape, 2048)
@@ -117,8 +135,9 @@ def test_data_and_mode_rows_recomputed_from_the_printed_inputs(kimi):
     data = {r["step"]: r for r in rep["data"]}
     assert [r["samples"] for r in rep["data"]] == [37000, 1000 + 512, 200000 - 37000, 37000]  # + the dataset's
     for r in rep["data"]:
-        assert r["regenerate_hours"] == pytest.approx(0 if r["step"] == "features_dataset" else
-                                                      r["samples"] * answer / serve / 3600)
+        assert r["regenerate_hours"] == pytest.approx(
+            0 if r["step"] == "features_dataset" else r["samples"] * answer / serve / 3600
+        )
         assert r["capture_hours"] == pytest.approx(r["samples"] * tps / rate / 3600)
     rows = {r["rule"]: r for r in rep["rows"]}
     modes = {(r["phase"], r["mode"], r["dtype"]): r for r in rep["phases"]}
@@ -126,12 +145,17 @@ def test_data_and_mode_rows_recomputed_from_the_printed_inputs(kimi):
     p1 = modes["phase1", "disk", "bfloat16"]
     assert p1["regenerate_hours"] == pytest.approx((37000 + held) * answer / serve / 3600)
     assert p1["total_hours"] == pytest.approx(
-        (37000 + held) * (answer / serve + tps / rate) / 3600 + rows["phase1_scratch"]["hours"] + rows["phase1"]["hours"])
+        (37000 + held) * (answer / serve + tps / rate) / 3600
+        + rows["phase1_scratch"]["hours"]
+        + rows["phase1"]["hours"]
+    )
     assert p1["disk_bytes"] == (37000 + held) * tps * (4 * 7168 * 2 + 5) and p1["profile"]
     fp8 = 4 * 7168 + 4 * 4 + 5  # (3 aux + final) x 1 B + an fp32 scale per tensor per token + id and mask
     assert modes["phase1", "disk", "fp8_e4m3"]["disk_bytes"] == (37000 + held) * tps * fp8
     assert modes["phase2", "disk", "fp8_e4m3"]["disk_bytes"] == (200000 + held) * tps * fp8  # Phase 1's kept
-    assert modes["phase2", "disk", "bfloat16"]["capture_hours"] == pytest.approx(data["features_phase2"]["capture_hours"])
+    assert modes["phase2", "disk", "bfloat16"]["capture_hours"] == pytest.approx(
+        data["features_phase2"]["capture_hours"]
+    )
     # online: every training token recomputed (both Phase 1 trainings; Phase 2 over all 200K samples)
     on1, on2 = modes["phase1", "online", "bfloat16"], modes["phase2", "online", "bfloat16"]
     assert on1["recompute_tokens"] == 2 * P1_STEPS * 64 * 2048 and on2["recompute_tokens"] == P2_STEPS * 64 * 2048
@@ -147,11 +171,23 @@ def write_capture_bench(path, shapes, **top):
 
 
 def test_capture_benchmark_file_is_read_and_labelled_measured(kimi_cfg, tmp_path):
-    f = write_capture_bench(tmp_path / "2026-12-02-h200-capture.json", {
-        "8b": {"roofline_tok_s": 50800, "forward": {"tok_s": 33300, "fraction_of_roofline": 0.656},
-               "capture": {"tok_s": 30000}, "capture_write": {"tok_s": 25000, "fraction_of_roofline": 0.49}},
-        "32b": {"roofline_tok_s": 11900, "forward": {"tok_s": 7900, "fraction_of_roofline": 0.664},
-                "capture": {"tok_s": 7140}, "capture_write": {"tok_s": 6900, "fraction_of_roofline": 0.58}}})
+    f = write_capture_bench(
+        tmp_path / "2026-12-02-h200-capture.json",
+        {
+            "8b": {
+                "roofline_tok_s": 50800,
+                "forward": {"tok_s": 33300, "fraction_of_roofline": 0.656},
+                "capture": {"tok_s": 30000},
+                "capture_write": {"tok_s": 25000, "fraction_of_roofline": 0.49},
+            },
+            "32b": {
+                "roofline_tok_s": 11900,
+                "forward": {"tok_s": 7900, "fraction_of_roofline": 0.664},
+                "capture": {"tok_s": 7140},
+                "capture_write": {"tok_s": 6900, "fraction_of_roofline": 0.58},
+            },
+        },
+    )
     eff = E.capture_efficiency(f)
     # the larger shape (lower roofline tok/s); capture's fraction from tok/s over the roofline
     assert eff["source"] == "measured" and eff["shape"] == "32b"
@@ -163,8 +199,12 @@ def test_capture_benchmark_file_is_read_and_labelled_measured(kimi_cfg, tmp_path
     assert f"measured {f}" in E.render(rep)
     # a stated fraction overrides any file, and says so
     rep = E.estimate(kimi_cfg, capture_bench_path=f, capture_eff=0.3)
-    assert rep["capture_efficiency"] == {"source": "stated", "note": "--capture-efficiency", "capture_write": 0.3,
-                                         "capture": 0.3}
+    assert rep["capture_efficiency"] == {
+        "source": "stated",
+        "note": "--capture-efficiency",
+        "capture_write": 0.3,
+        "capture": 0.3,
+    }
     assert "fraction stated: --capture-efficiency" in E.render(rep)
 
 
@@ -176,30 +216,36 @@ def test_newest_capture_benchmark_is_the_default(tmp_path):
     assert E.newest_capture_bench(tmp_path) == newest
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"capture_eff": 1.5}, "--capture-efficiency: must be in (0, 1], got 1.5"),
-    ({"capture_eff": 0.0}, "--capture-efficiency: must be in (0, 1], got 0.0"),
-    ({"serve_tok_s": 0.0}, "--serve-tok-s: must be > 0, got 0.0"),
-    ({"serve_tok_s": -5.0}, "--serve-tok-s: must be > 0, got -5.0"),
-    ({"answer_tokens": 4096}, "--answer-tokens: 4096 exceeds the 2048 tokens per sample"),
-    ({"answer_tokens": 0}, "--answer-tokens: must be > 0, got 0"),
-    ({"tokens_per_sample": 0}, "--tokens-per-sample: must be > 0, got 0"),
-    ({"spool_gb": -1.0}, "--spool-gb: must be > 0, got -1.0"),
-    ({"efficiency": 1.2}, "--efficiency: must be in (0, 1], got 1.2"),
-    ({"peak_tflops": 0.0}, "--peak-tflops: must be > 0, got 0.0"),
-    ({"target_config_path": "/nonexistent/config.json"}, "no such target config"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"capture_eff": 1.5}, "--capture-efficiency: must be in (0, 1], got 1.5"),
+        ({"capture_eff": 0.0}, "--capture-efficiency: must be in (0, 1], got 0.0"),
+        ({"serve_tok_s": 0.0}, "--serve-tok-s: must be > 0, got 0.0"),
+        ({"serve_tok_s": -5.0}, "--serve-tok-s: must be > 0, got -5.0"),
+        ({"answer_tokens": 4096}, "--answer-tokens: 4096 exceeds the 2048 tokens per sample"),
+        ({"answer_tokens": 0}, "--answer-tokens: must be > 0, got 0"),
+        ({"tokens_per_sample": 0}, "--tokens-per-sample: must be > 0, got 0"),
+        ({"spool_gb": -1.0}, "--spool-gb: must be > 0, got -1.0"),
+        ({"efficiency": 1.2}, "--efficiency: must be in (0, 1], got 1.2"),
+        ({"peak_tflops": 0.0}, "--peak-tflops: must be > 0, got 0.0"),
+        ({"target_config_path": "/nonexistent/config.json"}, "no such target config"),
+    ],
+)
 def test_bad_values_are_one_line_errors(kimi_cfg, kw, message):
     with pytest.raises(DraftportError) as e:
         E.estimate(kimi_cfg, **({"capture_eff": 0.42} | kw))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("shapes, message", [
-    (None, "lacks 'shapes'"),
-    ({"32b": {"forward": {"fraction_of_roofline": 0.65}}}, "shape 32b: no capture+write fraction of roofline"),
-    ({"32b": {"capture_write": {"fraction_of_roofline": 42}}}, "fraction of roofline 42.0 is not in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        (None, "lacks 'shapes'"),
+        ({"32b": {"forward": {"fraction_of_roofline": 0.65}}}, "shape 32b: no capture+write fraction of roofline"),
+        ({"32b": {"capture_write": {"fraction_of_roofline": 42}}}, "fraction of roofline 42.0 is not in (0, 1]"),
+    ],
+)
 def test_bad_capture_benchmark_is_refused(tmp_path, shapes, message):
     f = write_capture_bench(tmp_path / "x-h200-capture.json", shapes)
     with pytest.raises(DraftportError, match=re.escape(message)):
@@ -256,11 +302,13 @@ def test_check_storage_refuses_in_every_mode(tmp_path, monkeypatch):
     big = E.storage_need("disk", tokens=10**7, hidden_size=7168)  # 573 GB
     with pytest.raises(DraftportError) as e:
         E.check_storage(tmp_path, big, lines.append)
-    assert str(e.value) == (f"{tmp_path}: not enough disk for the features: need ~573.5 GB, 100.0 GB free "
-                            "(features.storage disk)")
+    assert str(e.value) == (
+        f"{tmp_path}: not enough disk for the features: need ~573.5 GB, 100.0 GB free (features.storage disk)"
+    )
     # online: the spool bound, not the states, must fit
-    assert E.check_storage(tmp_path, E.storage_need("online", tokens=10**7, hidden_size=7168, spool_gb=64),
-                           lines.append)
+    assert E.check_storage(
+        tmp_path, E.storage_need("online", tokens=10**7, hidden_size=7168, spool_gb=64), lines.append
+    )
     with pytest.raises(DraftportError, match="not enough disk for the online spool: need ~150.1 GB"):
         E.check_storage(tmp_path, E.storage_need("online", tokens=10**7, hidden_size=7168, spool_gb=150), lines.append)
     # hybrid: runs as online when the first epoch's cache does not fit
@@ -273,17 +321,25 @@ def test_check_storage_refuses_in_every_mode(tmp_path, monkeypatch):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "draftport.cli", "estimate", "--configfile", str(KIMI), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "draftport.cli", "estimate", "--configfile", str(KIMI), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_estimate_command_prints_the_readme_figures():
     r = run_cli()
     assert r.returncode == 0, r.stderr
-    line = re.search(r"Phase 1 \(control \+ fine-tune\): [0-9.]+ h;  Phase 2: [0-9.]+ h \(training only\)\n"
-                     r"learning curves: [0-9.]+ h \(60 trainings, the arms included; training only\)\n"
-                     r"  \+ [0-9.]+ h capturing the dataset's own answers\n"
-                     r"not regenerating \(R7\) saves: [0-9.]+ h \(Phase 1 [0-9.]+, Phase 2 [0-9.]+\)", r.stdout)
+    line = re.search(
+        r"Phase 1 \(control \+ fine-tune\): [0-9.]+ h;  Phase 2: [0-9.]+ h \(training only\)\n"
+        r"learning curves: [0-9.]+ h \(60 trainings, the arms included; training only\)\n"
+        r"  \+ [0-9.]+ h capturing the dataset's own answers\n"
+        r"not regenerating \(R7\) saves: [0-9.]+ h \(Phase 1 [0-9.]+, Phase 2 [0-9.]+\)",
+        r.stdout,
+    )
     assert line, r.stdout
     assert line.group(0) in (ROOT / "docs" / "estimate.md").read_text(), "docs/estimate.md quotes this output"
     for label in ("measured: ", "target: ", "capture FLOPs/token: ", "capture rate: ", "regenerate: ", "assumed: "):
@@ -297,16 +353,19 @@ def test_estimate_bills_the_learning_curves():
     answers captured once (a prefill: nothing regenerated)."""
     cfg = P.load(KIMI)
     c = cfg["curves"]
-    steps = lambda ns: sum(min(c["train"]["steps"], max(c["min_steps"], -(-c["epochs"] * n // c["train"]["batch_size"])))  # noqa: E731
-                           for n in ns)
+    steps = lambda ns: sum(  # noqa: E731
+        min(c["train"]["steps"], max(c["min_steps"], -(-c["epochs"] * n // c["train"]["batch_size"]))) for n in ns
+    )
     rep = E.estimate(cfg)
     row = next(r for r in rep["rows"] if r["rule"] == "curves")
     assert row["points"] == len(c["n_samples"]) * len(c["inits"]) * len(c["seeds"]) + 5 * 2 * 3 == 60
     assert row["steps"] == steps(c["n_samples"]) * 6 + steps(c["arms_n_samples"]) * 5 * 3
     ds = next(r for r in rep["data"] if r["step"] == "features_dataset")
     assert (ds["samples"], ds["regenerate_hours"]) == (max(c["arms_n_samples"]), 0) and rep["curves_data_hours"] > 0
-    regen = {ph: sum(r["regenerate_hours"] for r in rep["data"] if r["step"] in steps_) for ph, steps_ in
-             (("phase1", ("features_new",)), ("phase2", ("features_phase2",)))}
+    regen = {
+        ph: sum(r["regenerate_hours"] for r in rep["data"] if r["step"] in steps_)
+        for ph, steps_ in (("phase1", ("features_new",)), ("phase2", ("features_phase2",)))
+    }
     assert rep["regenerate_hours"] == pytest.approx(regen)
     assert rep["curves_hours"] == pytest.approx(row["hours"]) and rep["curves_hours"] > rep["phase2_hours"]
     cfg["curves"]["enabled"] = False
@@ -322,19 +381,22 @@ def test_estimate_bills_the_adaptive_budget_at_the_embedded_worlds_stop():
     c = cfg["curves"]
     n1 = cfg["phase1"]["n_samples"]
     a = E.estimate(cfg)["adaptive"]
-    ns = [n1 * 2 ** k for k in range(E.EMBEDDED_STOP_ROUND + 1)]
+    ns = [n1 * 2**k for k in range(E.EMBEDDED_STOP_ROUND + 1)]
     assert a["rounds_n"] == [n for n in ns if n < cfg["phase2"]["n_samples"]] + [cfg["phase2"]["n_samples"]]
     assert a["cap_first"] and a["data_hours_saved"] == 0
-    assert a["rounds_steps"] == 3 * sum(min(c["train"]["steps"], max(c["min_steps"], -(-c["epochs"] * n //
-                                        c["train"]["batch_size"]))) for n in a["rounds_n"])
+    assert a["rounds_steps"] == 3 * sum(
+        min(c["train"]["steps"], max(c["min_steps"], -(-c["epochs"] * n // c["train"]["batch_size"])))
+        for n in a["rounds_n"]
+    )
     assert a["net_hours_saved"] == pytest.approx(-a["rounds_train_hours"]) and a["rounds_train_hours"] > 0
     big = P.merge(cfg, {"phase2": {"n_samples": 1_000_000}})
     rep = E.estimate(big)
     a = rep["adaptive"]
     p2 = next(r for r in rep["data"] if r["step"] == "features_phase2")
     assert a["rounds_n"] == ns and not a["cap_first"]
-    assert a["data_hours_saved"] == pytest.approx((1_000_000 - ns[-1]) * (p2["regenerate_hours"] + p2["capture_hours"])
-                                                  / p2["samples"])
+    assert a["data_hours_saved"] == pytest.approx(
+        (1_000_000 - ns[-1]) * (p2["regenerate_hours"] + p2["capture_hours"]) / p2["samples"]
+    )
     assert "adaptive data budget" in E.render(rep)
 
 
@@ -354,7 +416,7 @@ def table_rows(text: str, first: str) -> list[str]:
     lines = [" ".join(line.split()) for line in text.splitlines()]
     i = next(i for i, line in enumerate(lines) if line.startswith(first))
     rows = []
-    for line in lines[i + 2:]:
+    for line in lines[i + 2 :]:
         if not line:
             break
         rows.append(line)
@@ -385,38 +447,52 @@ def hub_drafter(tmp_path_factory):
 
 def test_a_source_drafter_in_the_hub_cache_is_found_and_its_shape_used(kimi_cfg, hub_drafter):
     cache, repo, commit = hub_drafter
-    for rev in ("main", commit):   # a branch (refs/main) and the pinned commit init writes
+    for rev in ("main", commit):  # a branch (refs/main) and the pinned commit init writes
         cfg = P.merge(kimi_cfg, {"source": {"repo_id": repo, "revision": rev, "cache_dir": str(cache)}})
         rep = E.estimate(cfg, capture_eff=0.42)
         d = rep["bench"]["drafter"]
         assert d["shape"]["hidden_size"] == 64 and d["shape"]["draft_vocab_size"] == 200
         assert d["from"] == f"{repo}@{commit[:12]} in the hub cache {cache}: its config.json"
-        assert rep["bench"]["shape_source"] == "nearest"   # below every measured hidden size
+        assert rep["bench"]["shape_source"] == "nearest"  # below every measured hidden size
         assert "stands in" not in E.render(rep)
     # a revision the cache does not hold: the kimi result stands in, and the line says where it looked
     cfg = P.merge(kimi_cfg, {"source": {"repo_id": repo, "revision": "v9", "cache_dir": str(cache)}})
     rep = E.estimate(cfg, capture_eff=0.42)
     assert rep["bench"]["shape_source"] == "default"
-    assert rep["bench"]["drafter"]["from"] == (f"source.repo_id {repo}: no config.json here, not in the hub cache "
-                                               f"{cache} at v9 and no built-in shape")
+    assert rep["bench"]["drafter"]["from"] == (
+        f"source.repo_id {repo}: no config.json here, not in the hub cache {cache} at v9 and no built-in shape"
+    )
 
 
 def test_a_relative_cache_dir_is_the_repositorys(hub_drafter):
     """source.cache_dir relative (the walkthrough's artifacts/world/hub): under the repository root,
     where the pipeline's fetch runs."""
     cache, repo, commit = hub_drafter
-    shape, where = T.drafter_shape({"source": {"repo_id": repo, "revision": "main", "cache_dir": cache.name}},
-                                   root=cache.parent)
+    shape, where = T.drafter_shape(
+        {"source": {"repo_id": repo, "revision": "main", "cache_dir": cache.name}}, root=cache.parent
+    )
     assert shape["hidden_size"] == 64 and where.startswith(f"{repo}@{commit[:12]} in the hub cache cache:")
-    assert T.drafter_shape({"source": {"repo_id": repo, "revision": "main", "cache_dir": "nowhere"}},
-                           root=cache.parent)[0] is None
+    assert (
+        T.drafter_shape({"source": {"repo_id": repo, "revision": "main", "cache_dir": "nowhere"}}, root=cache.parent)[0]
+        is None
+    )
 
 
 # ---- the regeneration rate ------------------------------------------------------------------------
-QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120,
-             "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
-             "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+QWEN3_32B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "torch_dtype": "bfloat16",
+}
 
 
 def test_the_rate_model_meets_the_published_figure():
@@ -432,7 +508,13 @@ def test_the_rate_model_meets_the_published_figure():
 def test_the_kimi_rate_is_derived_for_its_int4_moe(kimi):
     s = kimi["serve"]
     assert (s["source"], s["moe"], s["format"], s["gpus"], s["tp"], s["gpu"]) == (
-        "derived", True, "int4_experts", 8, 8, "H200")
+        "derived",
+        True,
+        "int4_experts",
+        8,
+        8,
+        "H200",
+    )
     # today's stated figure was 1,800 (DeepSeek-R1 FP8's 223.6 x 8); K2.5's int4 routed experts read
     # fewer bytes a step than R1's fp8 ones (more experts reached, 384 vs 256), so 1.0 to 1.5 x that
     assert 1800 <= kimi["serve_tok_s"] <= 2700
@@ -460,8 +542,9 @@ def test_a_dense_target_on_one_gpu_gets_its_own_rate(kimi_cfg, tmp_path):
     assert "MoE" not in text and "derived for the dense target" in text
     assert "holds for this dense target on 1 GPU" in text
     # on 8 GPUs at TP 1: eight instances, eight times the answers
-    rep8 = E.estimate(P.merge(cfg, {"resources": {"features_new": {"gpu": 8}}}), capture_eff=0.42,
-                      target_config_path=tmp_path)
+    rep8 = E.estimate(
+        P.merge(cfg, {"resources": {"features_new": {"gpu": 8}}}), capture_eff=0.42, target_config_path=tmp_path
+    )
     assert rep8["serve_tok_s"] == pytest.approx(8 * rep["serve_tok_s"]) and rep8["serve"]["instances"] == 8
     # H100: the bandwidth's ratio; its 80 GB do not hold the bf16 weights and 64 requests' KV, and it says so
     h100 = E.serve_rate(QWEN3_32B, gpus=1, tp=1, context=1024, gpu="H100")
@@ -469,14 +552,17 @@ def test_a_dense_target_on_one_gpu_gets_its_own_rate(kimi_cfg, tmp_path):
 
 
 def test_a_wrappers_quantization_config_sets_the_weight_format(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": E.KIMI_K2_TEXT,
-                                                      "quantization_config": E.INT4_EXPERTS}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "kimi_k25", "text_config": E.KIMI_K2_TEXT, "quantization_config": E.INT4_EXPERTS})
+    )
     for path in (tmp_path, tmp_path / "config.json"):
         tc = E._read_text_config(path)
         assert E.weight_format(tc, moe=True)[0] == "int4_experts"
     assert E.weight_format(E.KIMI_K2_TEXT, moe=True)[0] == "bf16"
     assert E.weight_format({"quantization_config": {"quant_method": "gptq"}}, moe=False) == (
-        "bf16", "quantization_config gptq not modelled: bf16 bytes assumed (an upper bound on the bytes)")
+        "bf16",
+        "quantization_config gptq not modelled: bf16 bytes assumed (an upper bound on the bytes)",
+    )
 
 
 def test_the_measured_figure_overrides_the_derived_one(kimi_cfg):

@@ -79,6 +79,7 @@ def test_d2t_out_of_range(world):
         sd["d2t"] = sd["d2t"].clone()
         sd["d2t"][-1] += STUB_VOCAB
         return sd
+
     rewrite_tensors(drafter, shift_last)
     only_problem(drafter, target, "outside the vocab")
 
@@ -89,9 +90,10 @@ def test_aux_ids_missing_from_eagle_config(world):
     only_problem(drafter, target, "eagle_aux_hidden_state_layer_ids is missing")
 
 
-@pytest.mark.parametrize("ids, needle", [([1, 3, 3], "distinct and increasing"),
-                                         ([3, 1, 2], "distinct and increasing"),
-                                         ([1, 2, 9], "out of range")])
+@pytest.mark.parametrize(
+    "ids, needle",
+    [([1, 3, 3], "distinct and increasing"), ([3, 1, 2], "distinct and increasing"), ([1, 2, 9], "out of range")],
+)
 def test_aux_ids_vllm_cannot_serve(world, ids, needle):
     target, drafter = world
     rewrite_config(drafter, lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=ids))

@@ -16,27 +16,45 @@ import pytest
 import yaml
 
 from draftport.data.fetch import publish_to_cache
-from draftport.model.fixtures import (frequency_maps, kimi_k2_config, small_config,
-                                      write_header_only_drafter)
+from draftport.model.fixtures import frequency_maps, kimi_k2_config, small_config, write_header_only_drafter
 from draftport.outputs.estimate import KIMI_K2_TEXT
 from draftport.plan import params as P
 
 ROOT = Path(__file__).resolve().parents[2]
-KIMI_ARGS = ["kimi-k2.5", "--source", "AQ-MedAI/Kimi-K2-Instruct-eagle3", "--target-new", "moonshotai/Kimi-K2.5",
-             "--reference", "AQ-MedAI/Kimi-K25-eagle3", "--regenerate", "openai",
-             "--base-url", "http://127.0.0.1:8000/v1", "--trust-remote-code", "--no-pin"]
+KIMI_ARGS = [
+    "kimi-k2.5",
+    "--source",
+    "AQ-MedAI/Kimi-K2-Instruct-eagle3",
+    "--target-new",
+    "moonshotai/Kimi-K2.5",
+    "--reference",
+    "AQ-MedAI/Kimi-K25-eagle3",
+    "--regenerate",
+    "openai",
+    "--base-url",
+    "http://127.0.0.1:8000/v1",
+    "--trust-remote-code",
+    "--no-pin",
+]
 
 
 def kimi_target(folder: Path) -> Path:
     """Kimi-K2.5 as init reads it: a multimodal wrapper's config.json (text_config) and a tokenizer
     that is repo code (auto_map)."""
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
-        "text_config": {**KIMI_K2_TEXT, "max_position_embeddings": 262144}}))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "model_type": "kimi_k25",
+                "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+                "text_config": {**KIMI_K2_TEXT, "max_position_embeddings": 262144},
+            }
+        )
+    )
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}})
+    )
     return folder
 
 
@@ -54,8 +72,14 @@ def init(*args, cache=None, cwd=ROOT):
     env = {**os.environ, "NO_COLOR": "1"}
     if cache is not None:
         env.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "draftport.cli", "init", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "draftport.cli", "init", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_kimi_profile_is_what_init_writes(hub, tmp_path):
@@ -63,8 +87,9 @@ def test_the_kimi_profile_is_what_init_writes(hub, tmp_path):
     out = tmp_path / "kimi-k2.5.yaml"
     r = init(*KIMI_ARGS, "--out", out, cache=cache)
     assert r.returncode == 0, r.stderr
-    assert out.read_text() == (ROOT / "configs" / "kimi-k2.5.yaml").read_text(), \
+    assert out.read_text() == (ROOT / "configs" / "kimi-k2.5.yaml").read_text(), (
         "configs/kimi-k2.5.yaml: regenerate it with `draftport init` (this test's KIMI_ARGS)"
+    )
     cfg = P.load(out)
     assert cfg["features"]["aux_layer_ids"] == [2, 30, 58] and cfg["features"]["aux_convention"] == "sglang"
     assert cfg["features"]["engine"] == "vllm" and cfg["features"]["tensor_parallel_size"] == 8
@@ -72,8 +97,13 @@ def test_the_kimi_profile_is_what_init_writes(hub, tmp_path):
     assert cfg["vocab_new"]["draft_vocab_size"] == 32000 and cfg["phase1"]["n_samples"] == 37000
     # what a user still has to do is printed, one line per key
     gaps = r.stdout.split("still missing")[1]
-    for key in ("targets.prompts_train", "targets.prompts_eval_new", "costmodel", "source.revision",
-                "features.base_url"):
+    for key in (
+        "targets.prompts_train",
+        "targets.prompts_eval_new",
+        "costmodel",
+        "source.revision",
+        "features.base_url",
+    ):
         assert f"  - {key}: " in gaps, key
     # the estimate is printed, the learning curves included
     assert "learning curves: " in r.stdout and "phase2 disk bfloat16" in r.stdout
@@ -92,8 +122,20 @@ def test_init_pins_the_revision_it_resolved(hub, tmp_path):
 
 
 def test_the_kimi_profiles_dry_run_plans_the_decision():
-    r = subprocess.run([Path(sys.executable).parent / "snakemake", "--configfile=configs/kimi-k2.5.yaml", "--cores", "8",
-                        "-n", "decision"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            Path(sys.executable).parent / "snakemake",
+            "--configfile=configs/kimi-k2.5.yaml",
+            "--cores",
+            "8",
+            "-n",
+            "decision",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     for step in ("fetch", "features_new", "train_phase1", "train_curves", "decision"):
         assert step in r.stdout
@@ -101,10 +143,20 @@ def test_the_kimi_profiles_dry_run_plans_the_decision():
 
 def small_target(folder: Path, *, hidden=64, vocab=1000, layers=8, ctx=4096) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "vocab_size": vocab,
-        "num_hidden_layers": layers, "num_attention_heads": 4, "intermediate_size": 128,
-        "max_position_embeddings": ctx}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "vocab_size": vocab,
+                "num_hidden_layers": layers,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+                "max_position_embeddings": ctx,
+            }
+        )
+    )
     return folder
 
 
@@ -115,11 +167,14 @@ def pair(tmp_path):
     return tmp_path, src
 
 
-@pytest.mark.parametrize("target_kw, message", [
-    ({"hidden": 128}, "the drafter reads hidden states of size 64 but the new target's hidden_size is 128"),
-    ({"vocab": 1200}, "vocab_size 1000 but the new target's is 1200 (d2t maps into the target vocab)"),
-    ({"layers": 5}, "aux layer ids [5] out of range for a target with 5 layers (sglang convention)"),
-])
+@pytest.mark.parametrize(
+    "target_kw, message",
+    [
+        ({"hidden": 128}, "the drafter reads hidden states of size 64 but the new target's hidden_size is 128"),
+        ({"vocab": 1200}, "vocab_size 1000 but the new target's is 1200 (d2t maps into the target vocab)"),
+        ({"layers": 5}, "aux layer ids [5] out of range for a target with 5 layers (sglang convention)"),
+    ],
+)
 def test_a_mismatched_pair_is_one_line_and_writes_nothing(pair, target_kw, message):
     tmp, src = pair
     tgt = small_target(tmp / "target", **target_kw)
@@ -142,21 +197,51 @@ def test_prompt_files_are_checked(pair):
     train = write_jsonl(tmp / "train.jsonl", [{"user": f"q{i}"} for i in range(400)] + [{"user": "q3"}])
     held = write_jsonl(tmp / "held.jsonl", [{"user": f"h{i}"} for i in range(20)] + [{"user": "q7"}])
     out = tmp / "p.yaml"
-    r = init("p", "--source", src, "--target-new", tgt, "--prompts", train, "--prompts-eval", held, "--out", out,
-             "--like", ROOT / "configs" / "micro.yaml")
+    r = init(
+        "p",
+        "--source",
+        src,
+        "--target-new",
+        tgt,
+        "--prompts",
+        train,
+        "--prompts-eval",
+        held,
+        "--out",
+        out,
+        "--like",
+        ROOT / "configs" / "micro.yaml",
+    )
     assert r.returncode == 2 and not out.exists()
     assert f"draftport: error: {held}:21: 1 held-out prompts are also training prompts" in r.stderr
     write_jsonl(held, [{"user": f"h{i}"} for i in range(20)] + ['{"user": 3}'])
     r = init("p", "--source", src, "--target-new", tgt, "--prompts", train, "--prompts-eval", held, "--out", out)
     assert r.returncode == 2 and f"{held}:21: each line needs a non-empty string 'user' field" in r.stderr
     write_jsonl(held, [{"user": f"h{i}"} for i in range(20)])
-    r = init("p", "--source", src, "--target-new", tgt, "--prompts", train, "--prompts-eval", held, "--out", out,
-             "--like", ROOT / "configs" / "micro.yaml", "--phase1-samples", "64", "--phase2-samples", "128")
+    r = init(
+        "p",
+        "--source",
+        src,
+        "--target-new",
+        tgt,
+        "--prompts",
+        train,
+        "--prompts-eval",
+        held,
+        "--out",
+        out,
+        "--like",
+        ROOT / "configs" / "micro.yaml",
+        "--phase1-samples",
+        "64",
+        "--phase2-samples",
+        "128",
+    )
     assert r.returncode == 0, r.stderr
     assert "note  targets.prompts_train: 1 duplicate prompts (first: line 401 repeats line 4)" in r.stdout
     cfg = P.load(out)
     assert (cfg["phase1"]["n_samples"], cfg["phase2"]["n_samples"]) == (64, 128)
-    assert cfg["features"]["device"] == "cpu" and cfg["phase1"]["train"]["steps"] == 12   # as configs/micro.yaml
+    assert cfg["features"]["device"] == "cpu" and cfg["phase1"]["train"]["steps"] == 12  # as configs/micro.yaml
     assert cfg["features"]["eval_samples"] == 20
     # an existing profile is never replaced without --force
     before = out.read_text()
@@ -169,21 +254,52 @@ def test_a_local_pair_profile_plans_the_decision(pair):
     repository (its own params.yaml, nothing of the checkout touched)."""
     tmp, src = pair
     repo = tmp / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv*", "artifacts", ".snakemake", "logs",
-                                                              "mlruns", "*.db", ".draftport", "site"))
+    shutil.copytree(
+        ROOT,
+        repo,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv*", "artifacts", ".snakemake", "logs", "mlruns", "*.db", ".draftport", "site"
+        ),
+    )
     tgt = small_target(tmp / "target")
     old = small_target(tmp / "target_old")
     train = write_jsonl(tmp / "train.jsonl", [{"user": f"q{i}"} for i in range(300)])
     held = write_jsonl(tmp / "held.jsonl", [{"user": f"h{i}"} for i in range(40)])
-    r = init("mine", "--source", src, "--target-new", tgt, "--target-old", old, "--prompts", train,
-             "--prompts-eval", held, "--like", "configs/micro.yaml", "--phase1-samples", "64",
-             "--phase2-samples", "128", "--baseline-tok-s", "50", "--verify-ms", "25", cwd=repo)
+    r = init(
+        "mine",
+        "--source",
+        src,
+        "--target-new",
+        tgt,
+        "--target-old",
+        old,
+        "--prompts",
+        train,
+        "--prompts-eval",
+        held,
+        "--like",
+        "configs/micro.yaml",
+        "--phase1-samples",
+        "64",
+        "--phase2-samples",
+        "128",
+        "--baseline-tok-s",
+        "50",
+        "--verify-ms",
+        "25",
+        cwd=repo,
+    )
     assert r.returncode == 0, r.stderr
     assert "nothing missing" in r.stdout or "still missing" not in r.stdout.split("source:")[0]
     cfg = P.load(repo / "configs" / "mine.yaml", base=repo / "params.yaml")
     assert cfg["drift"]["enabled"] and cfg["costmodel"]["baseline_tok_s"] == 50.0
-    r = subprocess.run([Path(sys.executable).parent / "snakemake", "--configfile=configs/mine.yaml", "--cores", "2",
-                        "-n", "decision"], cwd=repo, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [Path(sys.executable).parent / "snakemake", "--configfile=configs/mine.yaml", "--cores", "2", "-n", "decision"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "drift" in r.stdout and "train_phase1" in r.stdout
 
@@ -191,15 +307,35 @@ def test_a_local_pair_profile_plans_the_decision(pair):
 def test_a_dense_target_on_one_gpu_is_estimated_as_dense(tmp_path):
     """A dense 32B target (Qwen3-32B's sizes) fits one GPU: init shards it over none, and its
     estimate derives the answers' rate from its own bf16 weights on that GPU, never calling it MoE."""
-    cfg = kimi_k2_config(hidden_size=5120, intermediate_size=25600, num_attention_heads=32, num_key_value_heads=8,
-                         vocab_size=151936, aux_layer_ids=[1, 31, 60], max_position_embeddings=40960)
+    cfg = kimi_k2_config(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=151936,
+        aux_layer_ids=[1, 31, 60],
+        max_position_embeddings=40960,
+    )
     src = write_header_only_drafter(tmp_path / "drafter", cfg, *frequency_maps(cfg))
     tgt = tmp_path / "qwen3-32b"
     tgt.mkdir()
-    (tgt / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 25600,
-        "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 151936, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}))
+    (tgt / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "hidden_size": 5120,
+                "intermediate_size": 25600,
+                "num_hidden_layers": 64,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "vocab_size": 151936,
+                "max_position_embeddings": 40960,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     out = tmp_path / "dense.yaml"
     r = init("dense", "--source", src, "--target-new", tgt, "--out", out)
     assert r.returncode == 0, r.stderr

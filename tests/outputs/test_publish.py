@@ -42,8 +42,17 @@ def published(pipe):
 
 
 def test_the_step_reads_what_the_registry_gives_it(pipe):
-    assert set(pipe["inputs"]) >= {"decision", "target", "features", "source", "drafter_phase1", "eval_phase1",
-                                   "data_phase1", "data_phase2", "train_phase2"}
+    assert set(pipe["inputs"]) >= {
+        "decision",
+        "target",
+        "features",
+        "source",
+        "drafter_phase1",
+        "eval_phase1",
+        "data_phase1",
+        "data_phase2",
+        "train_phase2",
+    }
     assert "online_phase1" not in pipe["inputs"]  # online.enabled is false
     assert all(p.exists() for p in pipe["inputs"].values()), pipe["inputs"]
 
@@ -87,17 +96,21 @@ def test_the_card_says_what_the_issue_lists(published):
     assert set(taus) == {1, 3} and taus[3] == ev["accept_length"]
     assert f"| 3 | {ev['accept_length']:.3f} |" in text and "draftport offline evaluator" in text
     assert "tau = 1 + accepted draft tokens / verify cycles" in text
-    assert "48 samples" in text                                     # training data counts
+    assert "48 samples" in text  # training data counts
     fetched = json.loads((published["inputs"]["source"]).read_text())
-    assert f"org/src-eagle3@{fetched['commit']}" in text            # lineage: repo@revision
+    assert f"org/src-eagle3@{fetched['commit']}" in text  # lineage: repo@revision
     assert "vLLM's numbering" in text and "[0, 1, 2] in SGLang's numbering" in text
-    assert 'vllm serve org/target-new --speculative-config \'{"method": "eagle3", "model": "org/k25-eagle3", ' \
-           '"num_speculative_tokens": 3}\'' in text
+    assert (
+        'vllm serve org/target-new --speculative-config \'{"method": "eagle3", "model": "org/k25-eagle3", '
+        '"num_speculative_tokens": 3}\'' in text
+    )
     assert "--speculative-draft-model-path org/k25-eagle3" in text
-    assert ("speculators convert org/k25-eagle3 --algorithm eagle3 --verifier org/target-new --output-path "
-            "drafter-speculators --algorithm-kwargs '{\"eagle_aux_hidden_state_layer_ids\": [1, 2, 3], "
-            "\"norm_before_residual\": false}'") in text
-    assert "Recommendation: init" in text                           # the decision's summary
+    assert (
+        "speculators convert org/k25-eagle3 --algorithm eagle3 --verifier org/target-new --output-path "
+        'drafter-speculators --algorithm-kwargs \'{"eagle_aux_hidden_state_layer_ids": [1, 2, 3], '
+        '"norm_before_residual": false}\''
+    ) in text
+    assert "Recommendation: init" in text  # the decision's summary
 
 
 def test_a_named_phase_and_a_bad_one(pipe, tmp_path):
@@ -187,8 +200,12 @@ def test_push_refuses_a_base_model_that_is_not_on_the_hub(pipe, hub, monkeypatch
 def test_publish_params_are_checked():
     base = P.read_yaml(ROOT / "params.yaml")
     assert P.validate(base)["publish"]["enabled"] is False  # opt-in
-    for key, value, needle in (("k", [3, 1], "ascending"), ("folder", "a/b", "plain folder name"),
-                               ("embed_tokens", "old", "drop"), ("phase", "phase0", "phase1_scratch")):
+    for key, value, needle in (
+        ("k", [3, 1], "ascending"),
+        ("folder", "a/b", "plain folder name"),
+        ("embed_tokens", "old", "drop"),
+        ("phase", "phase0", "phase1_scratch"),
+    ):
         bad = json.loads(json.dumps(base))
         bad["publish"][key] = value
         with pytest.raises(P.ParamsError, match=f"publish.{key}.*{needle}"):
@@ -197,8 +214,13 @@ def test_publish_params_are_checked():
 
 def test_the_cli_refuses_a_push_without_a_token_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
-    res = subprocess.run([sys.executable, "-m", "draftport.cli", "publish", "--push", "--repo-id", "org/x"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "draftport.cli", "publish", "--push", "--repo-id", "org/x"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "draftport: error:" in lines[0], res.stderr
@@ -208,12 +230,21 @@ def test_the_step_runs_under_its_registry_row(pipe, tmp_path):
     """scripts/publish.py as Snakemake and DVC run it: its folder, publish.json and metrics.json,
     and every draftport module it ran listed in its row (DRAFTPORT_STRICT_MODULES)."""
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    over = {"targets": {"new": "org/target-new"}, "publish": {"enabled": True, "k": [1, 3], "repo_id": "org/k25"},
-            "decision": {"n_boot": 200}}
+    over = {
+        "targets": {"new": "org/target-new"},
+        "publish": {"enabled": True, "k": [1, 3], "repo_id": "org/k25"},
+        "decision": {"n_boot": 200},
+    }
     (tmp_path / "profile.yaml").write_text(yaml.safe_dump(over))
-    cmd = [sys.executable, str(ROOT / "scripts" / "publish.py"), "--params", "profile.yaml",
-           *(a for name, path in pipe["inputs"].items() for a in ("--input", f"{name}={path}")),
-           "--logfile", "logs/publish.log"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "publish.py"),
+        "--params",
+        "profile.yaml",
+        *(a for name, path in pipe["inputs"].items() for a in ("--input", f"{name}={path}")),
+        "--logfile",
+        "logs/publish.log",
+    ]
     env = {**os.environ, "DRAFTPORT_STRICT_MODULES": "1"}
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -229,14 +260,39 @@ def test_the_cli_builds_the_folder_from_the_artifacts(pipe, tmp_path):
     """`draftport publish` in a checkout whose artifacts/ the pipeline filled (here: the fixture's)."""
     root = pipe["root"]
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    (tmp_path / "over.yaml").write_text(yaml.safe_dump({
-        "targets": {"new": str(pipe["target"])}, "publish": {"k": [3], "base_model": "org/target-new"},
-        "decision": {"n_boot": 200}}))
+    (tmp_path / "over.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "targets": {"new": str(pipe["target"])},
+                "publish": {"k": [3], "base_model": "org/target-new"},
+                "decision": {"n_boot": 200},
+            }
+        )
+    )
     out = tmp_path / "cli_out"
-    r = subprocess.run([sys.executable, "-m", "draftport.cli", "publish", "--params", str(tmp_path / "params.yaml"),
-                        "--configfile", str(tmp_path / "over.yaml"), "--out", str(out), "--repo-id", "org/k25",
-                        "--phase", "phase1_scratch", "--json"],
-                       capture_output=True, text=True, cwd=root, env={k: v for k, v in os.environ.items() if k != "HF_TOKEN"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "draftport.cli",
+            "publish",
+            "--params",
+            str(tmp_path / "params.yaml"),
+            "--configfile",
+            str(tmp_path / "over.yaml"),
+            "--out",
+            str(out),
+            "--repo-id",
+            "org/k25",
+            "--phase",
+            "phase1_scratch",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={k: v for k, v in os.environ.items() if k != "HF_TOKEN"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(r.stdout)  # --json: nothing else on stdout
     assert rep["phase"] == "phase1_scratch" and rep["repo_id"] == "org/k25"

@@ -23,8 +23,11 @@ from publish_pipeline import AUX, K, build_pipeline
 from repo import ROOT
 
 REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_SPECULATORS"))
-SPEC_PY = RT.default_speculators_python() if os.environ.get("DRAFTPORT_SPECULATORS_PYTHON") \
+SPEC_PY = (
+    RT.default_speculators_python()
+    if os.environ.get("DRAFTPORT_SPECULATORS_PYTHON")
     else ROOT / RT.VENV_DIR / "bin" / "python"
+)
 # float32 on both sides, the same operations in another order (speculators' Llama layer, its flex
 # attention): measured max |diff| ~1e-7 on logits of magnitude ~1; a real bug (a norm, RoPE, the
 # mask, the fed-back state) moves them by O(0.1).
@@ -32,8 +35,16 @@ TOL = 1e-4
 
 
 def test_the_convert_command_passes_the_aux_ids_and_norm_before_residual():
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-                        head_dim=32, vocab_size=100, draft_vocab_size=40, aux_layer_ids=[2, 30, 58])
+    cfg = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=100,
+        draft_vocab_size=40,
+        aux_layer_ids=[2, 30, 58],
+    )
     args = RT.convert_args("org/d", "org/t", "out", cfg)
     assert args[:7] == ["convert", "org/d", "--algorithm", "eagle3", "--verifier", "org/t", "--output-path"]
     assert json.loads(args[-1]) == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "norm_before_residual": False}
@@ -45,11 +56,22 @@ def test_the_convert_command_passes_the_aux_ids_and_norm_before_residual():
 def test_rope_from_transformers_5s_rope_parameters():
     """speculators 0.9.0 writes transformer_layer_config under transformers 5: RoPE as
     rope_parameters, no rope_theta. Read as the default 10000, the drafter would rotate wrongly."""
-    layer = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-             "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 100,
-             "rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}}
-    raw = {"speculators_model_type": "eagle3", "transformer_layer_config": layer, "draft_vocab_size": 40,
-           "eagle_aux_hidden_state_layer_ids": AUX}
+    layer = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 100,
+        "rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"},
+    }
+    raw = {
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": 40,
+        "eagle_aux_hidden_state_layer_ids": AUX,
+    }
     cfg = parse_config(raw)
     assert cfg.rope_theta == 50000.0 and cfg.rope_scaling is None and cfg.norm_before_residual is False
     layer["rope_parameters"] = {"rope_theta": 50000.0, "rope_type": "linear", "factor": 2.0}
@@ -63,8 +85,10 @@ def spec(tmp_path_factory):
     if not SPEC_PY.exists():
         if REQUIRE:
             pytest.fail(f"DRAFTPORT_REQUIRE_SPECULATORS is set but {SPEC_PY} is missing: run `make speculators-venv`")
-        pytest.skip(f"no speculators venv at {SPEC_PY} (run `make speculators-venv`; DRAFTPORT_REQUIRE_SPECULATORS=1 "
-                    "makes this a failure)")
+        pytest.skip(
+            f"no speculators venv at {SPEC_PY} (run `make speculators-venv`; DRAFTPORT_REQUIRE_SPECULATORS=1 "
+            "makes this a failure)"
+        )
 
     root = tmp_path_factory.mktemp("speculators")
     # rope_theta 50000: a RoPE read wrongly on either side (the default is 10000) shows in the logits
@@ -76,8 +100,15 @@ def spec(tmp_path_factory):
 
 @pytest.mark.slow
 def test_speculators_converts_loads_and_computes_what_draftport_computes(spec):
-    rep = RT.roundtrip(spec["published"], spec["target"], spec["features"], spec["root"] / "roundtrip",
-                       n_samples=8, steps=K, python=spec["python"])
+    rep = RT.roundtrip(
+        spec["published"],
+        spec["target"],
+        spec["features"],
+        spec["root"] / "roundtrip",
+        n_samples=8,
+        steps=K,
+        python=spec["python"],
+    )
     meta = rep["speculators"]
     assert meta["speculators_version"] == "0.9.0" and meta["attn_implementation"] == "simple_flex_attention"
     assert meta["aux_layer_ids"] == AUX and meta["norm_before_residual"] is False
@@ -87,8 +118,10 @@ def test_speculators_converts_loads_and_computes_what_draftport_computes(spec):
     assert t["differ"] == [] and t["only_flat"] == [] and t["only_speculators"] == []
     assert rep["embed_tokens_equal_target"] and not meta["embed_tokens_has_nan"]
     fwd = rep["forward"]
-    print(f"speculators vs draftport, {rep['sequences']} sequences, {K} TTT steps: max |diff| "
-          f"{fwd['max_abs_diff']:.2e}, argmax {fwd['argmax_agree']}/{fwd['rows']}")
+    print(
+        f"speculators vs draftport, {rep['sequences']} sequences, {K} TTT steps: max |diff| "
+        f"{fwd['max_abs_diff']:.2e}, argmax {fwd['argmax_agree']}/{fwd['rows']}"
+    )
     assert fwd["rows"] > 0 and fwd["argmax_agree"] == fwd["rows"]
     assert fwd["max_abs_diff"] <= TOL, fwd
     assert all(s["max_abs_logit"] > 0.1 for s in fwd["steps"])  # logits that could differ
@@ -110,8 +143,9 @@ def test_draftports_speculators_format_loads_in_speculators(spec):
     seqs = RT.sequences_from_features(spec["features"], 6)
     lengths = [len(t) for _, t in seqs]
     ours = RT.draftport_forward(spec["inputs"]["drafter_phase1"], spec["target"], seqs, K)
-    theirs, meta, embed = RT.speculators_forward(folder, seqs, K, python=spec["python"],
-                                                 work_dir=spec["root"], dump_embedding=True)
+    theirs, meta, embed = RT.speculators_forward(
+        folder, seqs, K, python=spec["python"], work_dir=spec["root"], dump_embedding=True
+    )
     assert meta["verifier"] == str(spec["target"]) and meta["aux_layer_ids"] == AUX
     assert torch.equal(embed, state["embed_tokens.weight"])
     cmp = RT.compare_logits(ours, theirs, lengths)
@@ -129,5 +163,10 @@ def test_a_missing_venv_or_a_failed_convert_is_one_line(spec, tmp_path):
     assert not (tmp_path / "conv").exists()
     # speculators itself refusing: the flat folder is not its format
     with pytest.raises(DraftportError, match=r"speculators forward failed \(exit \d+\): .*\[log: "):
-        RT.speculators_forward(spec["published"], RT.sequences_from_features(spec["features"], 1), K,
-                               python=spec["python"], work_dir=tmp_path)
+        RT.speculators_forward(
+            spec["published"],
+            RT.sequences_from_features(spec["features"], 1),
+            K,
+            python=spec["python"],
+            work_dir=tmp_path,
+        )

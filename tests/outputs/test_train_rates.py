@@ -27,17 +27,32 @@ def write_result(folder: Path, name: str, shape: dict, mfu: float, date="2026-12
     for key, fig in R.FIGURES.items():
         fpt = R.mix_flops_per_token(shape, list(lengths), 7, key.endswith("trainable"))
         res[fig] = {"mfu": mfu, "real_tokens_per_s": mfu * 790e12 / fpt}
-    d = {"date": date, "device": "NVIDIA H200", "config": {"shape": name, **shape, "seq": 2048, "ttt_steps": 7,
-                                                          "peak_tflops": 790.0},
-         "mix": {"n": len(lengths), "mean": sum(lengths) / len(lengths), "max": max(lengths), "pad_batch": 4,
-                 "lengths": list(lengths)}, "mix_results": res}
+    d = {
+        "date": date,
+        "device": "NVIDIA H200",
+        "config": {"shape": name, **shape, "seq": 2048, "ttt_steps": 7, "peak_tflops": 790.0},
+        "mix": {
+            "n": len(lengths),
+            "mean": sum(lengths) / len(lengths),
+            "max": max(lengths),
+            "pad_batch": 4,
+            "lengths": list(lengths),
+        },
+        "mix_results": res,
+    }
     p = folder / f"{date}-h200-train-{name}.json"
     p.write_text(json.dumps(d))
     return p
 
 
-SMALL = {"hidden_size": 2048, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 4,
-         "head_dim": 128, "draft_vocab_size": 32000}
+SMALL = {
+    "hidden_size": 2048,
+    "intermediate_size": 12288,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "draft_vocab_size": 32000,
+}
 
 
 def test_flop_count_is_the_benchmarks():
@@ -45,14 +60,15 @@ def test_flop_count_is_the_benchmarks():
         cfg = DrafterConfig(**bench.SIZES[name], aux_layer_ids=[2, 30, 58])
         for T, tr in ((2048, False), (4096, True)):
             assert R.flops_per_token(bench.SIZES[name], T, 7, tr) == pytest.approx(
-                bench.flops_per_token(cfg, T, 7, tr)["train"])
+                bench.flops_per_token(cfg, T, 7, tr)["train"]
+            )
 
 
 def test_measured_interpolated_nearest(tmp_path):
     write_result(tmp_path, "small", SMALL, 0.60)
     write_result(tmp_path, "kimi", KIMI, 0.90)
-    write_result(tmp_path, "kimi", KIMI, 0.80, date="2026-12-01")          # older: not read
-    (tmp_path / "2026-12-05-h200-train-7.json").write_text("{}")          # not named by its shape
+    write_result(tmp_path, "kimi", KIMI, 0.80, date="2026-12-01")  # older: not read
+    (tmp_path / "2026-12-05-h200-train-7.json").write_text("{}")  # not named by its shape
     got = R.rates_for(KIMI, tmp_path)
     assert got["source"] == "measured" and got["from"][0]["date"] == "2026-12-04"
     fpt = R.mix_flops_per_token(KIMI, [1000, 2000], 7, True)
@@ -77,16 +93,26 @@ def test_the_profiles_drafter_shape(tmp_path):
     kimi = yaml.safe_load((ROOT / "configs/kimi-k2.5.yaml").read_text())
     shape, where = R.drafter_shape(kimi)
     assert shape == KIMI and "AQ-MedAI/Kimi-K2-Instruct-eagle3" in where
-    base = yaml.safe_load((ROOT / "params.yaml").read_text())       # the embedded world
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())  # the embedded world
     shape, where = R.drafter_shape(base)
     w = base["world"]
     assert shape["hidden_size"] == w["model"]["hidden_size"] and "world" in where
     assert shape["draft_vocab_size"] == max(8, round(w["vocab_size"] * w["source_drafter"]["draft_vocab_ratio"]))
     (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 4096, "intermediate_size": 14336,
-         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-         "draft_vocab_size": 32000}))
+    (tmp_path / "d" / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "vocab_size": 128256,
+                "draft_vocab_size": 32000,
+            }
+        )
+    )
     shape, where = R.drafter_shape({"world": {"build": False}, "source": {"repo_id": str(tmp_path / "d")}})
     assert (shape["hidden_size"], shape["num_key_value_heads"]) == (4096, 8) and where.endswith("config.json")
     assert R.drafter_shape({"world": {"build": False}, "source": {"repo_id": "org/unknown"}})[0] is None
@@ -103,5 +129,5 @@ def test_estimate_reads_the_profiles_shape_and_says_which():
     other = {"world": {"build": False}, "source": {"repo_id": "org/unknown"}}
     b = E.bench_throughput(E.DEFAULT_BENCH, other)
     assert b["shape_source"] == "default" and "not known" in b["rate"]
-    b = E.bench_throughput(Path(str(E.DEFAULT_BENCH)), kimi)     # a path given (--bench): that file
+    b = E.bench_throughput(Path(str(E.DEFAULT_BENCH)), kimi)  # a path given (--bench): that file
     assert "shape_source" not in b

@@ -37,8 +37,16 @@ from repo import BIN, ROOT, micro_copy
 
 PY = sys.executable
 # Run once for the fixture; Phase 0 and Phase 1 are left out (no case needs their outputs).
-FIXTURE_STEPS = ("world", "fetch", "features_new", "features_eval", "features_monitor", "vocab_new", "compare",
-                 "train_phase1_scratch")
+FIXTURE_STEPS = (
+    "world",
+    "fetch",
+    "features_new",
+    "features_eval",
+    "features_monitor",
+    "vocab_new",
+    "compare",
+    "train_phase1_scratch",
+)
 
 SRC = "artifacts/fetch/source"
 SRC_ST = f"{SRC}/model.safetensors"
@@ -68,7 +76,9 @@ def set_key(dotted: str, value):
             for k in parents:
                 cur = cur[k]
             cur[last] = value
+
         edit_params(repo, put)
+
     return fn
 
 
@@ -80,7 +90,9 @@ def drop_key(dotted: str):
             for k in parents:
                 cur = cur[k]
             del cur[last]
+
         edit_params(repo, drop)
+
     return fn
 
 
@@ -88,6 +100,7 @@ def write(rel: str, text: str):
     def fn(repo):
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_text(text)
+
     return fn
 
 
@@ -95,6 +108,7 @@ def both(*fns):
     def fn(repo):
         for f in fns:
             f(repo)
+
     return fn
 
 
@@ -106,12 +120,14 @@ def yaml_syntax_error(repo):
 def truncate(rel: str):
     def fn(repo):
         os.truncate(repo / rel, (repo / rel).stat().st_size // 2)
+
     return fn
 
 
 def garbage(rel: str):
     def fn(repo):
         (repo / rel).write_bytes(np.random.default_rng(0).bytes(4096))
+
     return fn
 
 
@@ -129,16 +145,19 @@ def flip_bytes(rel: str):
         raw = bytearray(f.read_bytes())
         raw[-100:-96] = bytes(255 - b for b in raw[-100:-96])
         f.write_bytes(bytes(raw))
+
     return fn
 
 
 def rewrite_tensors(rel: str, fn_tensors):
     """Load a safetensors file with numpy, change its tensors, save it back (a valid file)."""
+
     def fn(repo):
         t = dict(load_file(str(repo / rel)))
         fn_tensors(t)
         (repo / rel).unlink()
         save_file(t, str(repo / rel))
+
     return fn
 
 
@@ -148,6 +167,7 @@ def edit_json(rel: str, fn_json):
         d = json.loads(p.read_text())
         fn_json(d)
         p.write_text(json.dumps(d, indent=2))
+
     return fn
 
 
@@ -175,6 +195,7 @@ def to_pickle(repo):
 def aux_ids(ids):
     def fn(d):
         d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+
     return fn
 
 
@@ -210,10 +231,22 @@ def online_with_a_tiny_spool(repo):
         s = fs.sample(i)
         seqs.append(Sequence(s["tokens"].tolist(), s["response_start"]))
     meta = capture_meta(fs.index)
-    write_sequences(train, seqs, meta=meta, capture={"storage": "online", "engine": "transformers",
-                                                     "dtype": fs.index["dtype"], "device": "cpu", "batch_size": 8,
-                                                     "tensor_parallel_size": 1, "shard_samples": 256,
-                                                     "hidden_size": fs.index["hidden_size"], "compile": False})
+    write_sequences(
+        train,
+        seqs,
+        meta=meta,
+        capture={
+            "storage": "online",
+            "engine": "transformers",
+            "dtype": fs.index["dtype"],
+            "device": "cpu",
+            "batch_size": 8,
+            "tensor_parallel_size": 1,
+            "shard_samples": 256,
+            "hidden_size": fs.index["hidden_size"],
+            "compile": False,
+        },
+    )
     set_key("features.storage", "online")(repo)
     set_key("features.spool_gb", 1e-6)(repo)
 
@@ -228,6 +261,7 @@ def delete(rel: str):
     def fn(repo):
         p = repo / rel
         shutil.rmtree(p) if p.is_dir() else p.unlink()
+
     return fn
 
 
@@ -235,150 +269,442 @@ def delete(rel: str):
 @dataclass
 class Case:
     id: str
-    input: str                 # what is wrong, in the README's words
+    input: str  # what is wrong, in the README's words
     make: Callable[[Path], None]
-    cmd: list[str]             # run in the repository copy
-    where: str                 # the file or dotted key the message must name
-    problem: str               # a fragment of the problem the message must state
+    cmd: list[str]  # run in the repository copy
+    where: str  # the file or dotted key the message must name
+    problem: str  # a fragment of the problem the message must state
     absent: tuple[str, ...] = ()  # output paths that must not be created
     known_gap: str | None = None  # why the message is not ours yet (the case then must fail)
-    keeps: tuple[str, ...] = ()   # earlier outputs that must be there before and unchanged after
+    keeps: tuple[str, ...] = ()  # earlier outputs that must be there before and unchanged after
 
 
-ONLINE = [PY, "-m", "draftport.evaluation.online", "artifacts/world/target_new", SRC,
-          "artifacts/world/corpus/heldout_new.jsonl", "online_out", "--n", "4"]
+ONLINE = [
+    PY,
+    "-m",
+    "draftport.evaluation.online",
+    "artifacts/world/target_new",
+    SRC,
+    "artifacts/world/corpus/heldout_new.jsonl",
+    "online_out",
+    "--n",
+    "4",
+]
 
 CASES = [
     # params.yaml
-    Case("params-typo", "params.yaml: a misspelt key (`eval.kk`)", set_key("eval.kk", 3),
-         step("eval_phase0"), "eval.kk", "unknown key (did you mean eval.k?)", ("artifacts/eval_phase0",)),
-    Case("params-wrong-type", 'params.yaml: `eval.batch_size: "32"` (a string)', set_key("eval.batch_size", "32"),
-         step("eval_phase0"), "eval.batch_size", 'expected an integer, got "32"', ("artifacts/eval_phase0",)),
-    Case("params-out-of-range", "params.yaml: `phase1.train.lr: 5.0`", set_key("phase1.train.lr", 5.0),
-         step("train_phase1_scratch"), "phase1.train.lr", "must be <= 1, got 5"),
-    Case("device-cuda-without-gpu", "params.yaml: `phase1.train.device: cuda` on a machine with no GPU",
-         set_key("phase1.train.device", "cuda"), step("train_phase1_scratch"), "phase1.train.device",
-         "cuda asked for, but torch sees no CUDA device on this machine",
-         keeps=("artifacts/train_phase1_scratch/drafter/model.safetensors", "artifacts/train_phase1_scratch/metrics.json")),
-    Case("eval-device-cuda-without-gpu", "params.yaml: `eval.device: cuda` on a machine with no GPU",
-         set_key("eval.device", "cuda"), step("eval_phase0"), "eval.device",
-         "cuda asked for, but torch sees no CUDA device on this machine", ("artifacts/eval_phase0",)),
-    Case("params-eval-k-zero", "params.yaml: `eval.k: 0`", set_key("eval.k", 0),
-         step("eval_phase0"), "eval.k", "must be >= 1, got 0", ("artifacts/eval_phase0",)),
-    Case("params-yaml-syntax", "params.yaml: an unclosed `{`", yaml_syntax_error,
-         step("features_new"), "params.yaml:", "not valid YAML"),
-    Case("params-missing-key", "params.yaml: `eval.batch_size` deleted", drop_key("eval.batch_size"),
-         step("eval_phase0"), "eval.batch_size", "missing", ("artifacts/eval_phase0",)),
-    Case("params-null", "params.yaml: `source.revision: null`", set_key("source.revision", None),
-         step("fetch"), "source.revision", "must be set (null is not allowed here)"),
-    Case("params-aux-out-of-range", "params.yaml: `features.aux_layer_ids: [0, 1, 7]`, the targets have 2 layers",
-         set_key("features.aux_layer_ids", [0, 1, 7]), step("features_new"), "features.aux_layer_ids",
-         "[7] out of range for the world's 2-layer targets"),
-    Case("params-aux-sglang-out-of-range", "params.yaml: `features.aux_convention: sglang` with aux id 2 on 2-layer "
-         "targets (SGLang's id 2 would be the state leaving a third layer)", set_key("features.aux_convention", "sglang"),
-         step("features_new"), "features.aux_layer_ids", "[2] out of range for the world's 2-layer targets (sglang convention)"),
-    Case("params-storage-unknown", "params.yaml: `features.storage: cloud`", set_key("features.storage", "cloud"),
-         step("features_new"), "features.storage", 'must be one of disk, online, hybrid; got "cloud"'),
-    Case("spool-below-one-shard", "storage online with `features.spool_gb: 1.0e-06` (1 KB: less than one shard), "
-         "Phase 1's control rerun", online_with_a_tiny_spool, step("train_phase1_scratch"), "features.spool_gb",
-         "is less than one shard",
-         keeps=("artifacts/train_phase1_scratch/drafter/model.safetensors", "artifacts/train_phase1_scratch/metrics.json")),
-    Case("params-phase2-not-larger", "params.yaml: `phase2.n_samples` below `phase1.n_samples`",
-         set_key("phase2.n_samples", 10), step("features_phase2"), "phase2.n_samples",
-         "must exceed phase1.n_samples", ("artifacts/features_phase2",)),
-    Case("step-not-in-plan", "params.yaml: `data.budget: adaptive`, then the fixed plan's step `features_phase2` "
-         "run (a dvc.yaml made before the edit)", set_key("data.budget", "adaptive"), step("features_phase2"),
-         "data.budget", "adaptive: step features_phase2 is not part of this plan (it needs data.budget=fixed; "
-         "step budget stands in for it): regenerate dvc.yaml", ("artifacts/features_phase2",)),
+    Case(
+        "params-typo",
+        "params.yaml: a misspelt key (`eval.kk`)",
+        set_key("eval.kk", 3),
+        step("eval_phase0"),
+        "eval.kk",
+        "unknown key (did you mean eval.k?)",
+        ("artifacts/eval_phase0",),
+    ),
+    Case(
+        "params-wrong-type",
+        'params.yaml: `eval.batch_size: "32"` (a string)',
+        set_key("eval.batch_size", "32"),
+        step("eval_phase0"),
+        "eval.batch_size",
+        'expected an integer, got "32"',
+        ("artifacts/eval_phase0",),
+    ),
+    Case(
+        "params-out-of-range",
+        "params.yaml: `phase1.train.lr: 5.0`",
+        set_key("phase1.train.lr", 5.0),
+        step("train_phase1_scratch"),
+        "phase1.train.lr",
+        "must be <= 1, got 5",
+    ),
+    Case(
+        "device-cuda-without-gpu",
+        "params.yaml: `phase1.train.device: cuda` on a machine with no GPU",
+        set_key("phase1.train.device", "cuda"),
+        step("train_phase1_scratch"),
+        "phase1.train.device",
+        "cuda asked for, but torch sees no CUDA device on this machine",
+        keeps=(
+            "artifacts/train_phase1_scratch/drafter/model.safetensors",
+            "artifacts/train_phase1_scratch/metrics.json",
+        ),
+    ),
+    Case(
+        "eval-device-cuda-without-gpu",
+        "params.yaml: `eval.device: cuda` on a machine with no GPU",
+        set_key("eval.device", "cuda"),
+        step("eval_phase0"),
+        "eval.device",
+        "cuda asked for, but torch sees no CUDA device on this machine",
+        ("artifacts/eval_phase0",),
+    ),
+    Case(
+        "params-eval-k-zero",
+        "params.yaml: `eval.k: 0`",
+        set_key("eval.k", 0),
+        step("eval_phase0"),
+        "eval.k",
+        "must be >= 1, got 0",
+        ("artifacts/eval_phase0",),
+    ),
+    Case(
+        "params-yaml-syntax",
+        "params.yaml: an unclosed `{`",
+        yaml_syntax_error,
+        step("features_new"),
+        "params.yaml:",
+        "not valid YAML",
+    ),
+    Case(
+        "params-missing-key",
+        "params.yaml: `eval.batch_size` deleted",
+        drop_key("eval.batch_size"),
+        step("eval_phase0"),
+        "eval.batch_size",
+        "missing",
+        ("artifacts/eval_phase0",),
+    ),
+    Case(
+        "params-null",
+        "params.yaml: `source.revision: null`",
+        set_key("source.revision", None),
+        step("fetch"),
+        "source.revision",
+        "must be set (null is not allowed here)",
+    ),
+    Case(
+        "params-aux-out-of-range",
+        "params.yaml: `features.aux_layer_ids: [0, 1, 7]`, the targets have 2 layers",
+        set_key("features.aux_layer_ids", [0, 1, 7]),
+        step("features_new"),
+        "features.aux_layer_ids",
+        "[7] out of range for the world's 2-layer targets",
+    ),
+    Case(
+        "params-aux-sglang-out-of-range",
+        "params.yaml: `features.aux_convention: sglang` with aux id 2 on 2-layer "
+        "targets (SGLang's id 2 would be the state leaving a third layer)",
+        set_key("features.aux_convention", "sglang"),
+        step("features_new"),
+        "features.aux_layer_ids",
+        "[2] out of range for the world's 2-layer targets (sglang convention)",
+    ),
+    Case(
+        "params-storage-unknown",
+        "params.yaml: `features.storage: cloud`",
+        set_key("features.storage", "cloud"),
+        step("features_new"),
+        "features.storage",
+        'must be one of disk, online, hybrid; got "cloud"',
+    ),
+    Case(
+        "spool-below-one-shard",
+        "storage online with `features.spool_gb: 1.0e-06` (1 KB: less than one shard), Phase 1's control rerun",
+        online_with_a_tiny_spool,
+        step("train_phase1_scratch"),
+        "features.spool_gb",
+        "is less than one shard",
+        keeps=(
+            "artifacts/train_phase1_scratch/drafter/model.safetensors",
+            "artifacts/train_phase1_scratch/metrics.json",
+        ),
+    ),
+    Case(
+        "params-phase2-not-larger",
+        "params.yaml: `phase2.n_samples` below `phase1.n_samples`",
+        set_key("phase2.n_samples", 10),
+        step("features_phase2"),
+        "phase2.n_samples",
+        "must exceed phase1.n_samples",
+        ("artifacts/features_phase2",),
+    ),
+    Case(
+        "step-not-in-plan",
+        "params.yaml: `data.budget: adaptive`, then the fixed plan's step `features_phase2` "
+        "run (a dvc.yaml made before the edit)",
+        set_key("data.budget", "adaptive"),
+        step("features_phase2"),
+        "data.budget",
+        "adaptive: step features_phase2 is not part of this plan (it needs data.budget=fixed; "
+        "step budget stands in for it): regenerate dvc.yaml",
+        ("artifacts/features_phase2",),
+    ),
     # profiles
-    Case("profile-unknown", "`snakemake --configfile configs/nope.yaml` (no such profile)", lambda repo: None,
-         [str(BIN / "snakemake"), "-n", "phase1", "--configfile", "configs/nope.yaml"], "configs/nope.yaml",
-         "no such", known_gap="Snakemake 9.27.1 opens a --configfile outside its own FileNotFoundError guard "
-         "(snakemake/common/configfile.py) and prints the traceback before the Snakefile runs"),
-    Case("profile-typo", "a profile with a misspelt key (`eval: {kk: 3}`)", write("configs/typo.yaml", "eval: {kk: 3}\n"),
-         [str(BIN / "snakemake"), "-n", "phase1", "--configfile", "configs/typo.yaml"], "eval.kk",
-         "unknown key (did you mean eval.k?)"),
-    Case("params-cli-unknown-profile", "`python -m draftport.plan.params --configfile configs/nope.yaml`", lambda repo: None,
-         [PY, "-m", "draftport.plan.params", "--configfile", "configs/nope.yaml"], "configs/nope.yaml",
-         "no such parameter file"),
-    Case("params-cli-profile-wrong-type", 'a profile with `phase1: {n_samples: "many"}`',
-         write("configs/bad.yaml", "phase1: {n_samples: many}\n"),
-         [PY, "-m", "draftport.plan.params", "--configfile", "configs/bad.yaml"], "phase1.n_samples",
-         'expected an integer, got "many"'),
+    Case(
+        "profile-unknown",
+        "`snakemake --configfile configs/nope.yaml` (no such profile)",
+        lambda repo: None,
+        [str(BIN / "snakemake"), "-n", "phase1", "--configfile", "configs/nope.yaml"],
+        "configs/nope.yaml",
+        "no such",
+        known_gap="Snakemake 9.27.1 opens a --configfile outside its own FileNotFoundError guard "
+        "(snakemake/common/configfile.py) and prints the traceback before the Snakefile runs",
+    ),
+    Case(
+        "profile-typo",
+        "a profile with a misspelt key (`eval: {kk: 3}`)",
+        write("configs/typo.yaml", "eval: {kk: 3}\n"),
+        [str(BIN / "snakemake"), "-n", "phase1", "--configfile", "configs/typo.yaml"],
+        "eval.kk",
+        "unknown key (did you mean eval.k?)",
+    ),
+    Case(
+        "params-cli-unknown-profile",
+        "`python -m draftport.plan.params --configfile configs/nope.yaml`",
+        lambda repo: None,
+        [PY, "-m", "draftport.plan.params", "--configfile", "configs/nope.yaml"],
+        "configs/nope.yaml",
+        "no such parameter file",
+    ),
+    Case(
+        "params-cli-profile-wrong-type",
+        'a profile with `phase1: {n_samples: "many"}`',
+        write("configs/bad.yaml", "phase1: {n_samples: many}\n"),
+        [PY, "-m", "draftport.plan.params", "--configfile", "configs/bad.yaml"],
+        "phase1.n_samples",
+        'expected an integer, got "many"',
+    ),
     # safetensors and checkpoints
-    Case("source-truncated", "the source drafter's model.safetensors cut in half", truncate(SRC_ST),
-         step("compare"), SRC_ST, "truncated", keeps=("artifacts/compare/metrics.json", "artifacts/fetch/metrics.json")),
-    Case("source-garbage", "the source drafter's model.safetensors replaced by random bytes", garbage(SRC_ST),
-         step("eval_phase0"), SRC_ST, "not a safetensors file", ("artifacts/eval_phase0",)),
-    Case("source-lying-header", "a safetensors header that claims fc.weight is [64, 191]", lying_header,
-         step("compare"), SRC_ST, "header lies about tensor 'fc.weight'"),
-    Case("source-pickle", "the source drafter shipped as pytorch_model.bin (pickle)", to_pickle,
-         step("compare"), f"{SRC}/pytorch_model.bin", "pickle checkpoints are refused"),
-    Case("source-config-not-json", "the source drafter's config.json is not JSON", write(SRC_CFG, '{"hidden_size": 64,'),
-         step("compare"), SRC_CFG, "not valid JSON"),
-    Case("cli-shapes-contradict-config", "`draftport compare` on a drafter whose config.json says head_dim 16 "
-         "(its weights hold 32)", edit_json(SRC_CFG, lambda d: d.update(head_dim=16)),
-         [str(BIN / "draftport"), "compare", SRC, "artifacts/compare/new_layout"], SRC_ST,
-         "tensor midlayer.self_attn.k_proj.weight has shape [64, 128], config.json implies [32, 128]"),
-    Case("cli-inspect-garbage", "`draftport inspect` on a folder whose safetensors is random bytes", garbage(SRC_ST),
-         [str(BIN / "draftport"), "inspect", SRC], SRC_ST, "not a safetensors file"),
+    Case(
+        "source-truncated",
+        "the source drafter's model.safetensors cut in half",
+        truncate(SRC_ST),
+        step("compare"),
+        SRC_ST,
+        "truncated",
+        keeps=("artifacts/compare/metrics.json", "artifacts/fetch/metrics.json"),
+    ),
+    Case(
+        "source-garbage",
+        "the source drafter's model.safetensors replaced by random bytes",
+        garbage(SRC_ST),
+        step("eval_phase0"),
+        SRC_ST,
+        "not a safetensors file",
+        ("artifacts/eval_phase0",),
+    ),
+    Case(
+        "source-lying-header",
+        "a safetensors header that claims fc.weight is [64, 191]",
+        lying_header,
+        step("compare"),
+        SRC_ST,
+        "header lies about tensor 'fc.weight'",
+    ),
+    Case(
+        "source-pickle",
+        "the source drafter shipped as pytorch_model.bin (pickle)",
+        to_pickle,
+        step("compare"),
+        f"{SRC}/pytorch_model.bin",
+        "pickle checkpoints are refused",
+    ),
+    Case(
+        "source-config-not-json",
+        "the source drafter's config.json is not JSON",
+        write(SRC_CFG, '{"hidden_size": 64,'),
+        step("compare"),
+        SRC_CFG,
+        "not valid JSON",
+    ),
+    Case(
+        "cli-shapes-contradict-config",
+        "`draftport compare` on a drafter whose config.json says head_dim 16 (its weights hold 32)",
+        edit_json(SRC_CFG, lambda d: d.update(head_dim=16)),
+        [str(BIN / "draftport"), "compare", SRC, "artifacts/compare/new_layout"],
+        SRC_ST,
+        "tensor midlayer.self_attn.k_proj.weight has shape [64, 128], config.json implies [32, 128]",
+    ),
+    Case(
+        "cli-inspect-garbage",
+        "`draftport inspect` on a folder whose safetensors is random bytes",
+        garbage(SRC_ST),
+        [str(BIN / "draftport"), "inspect", SRC],
+        SRC_ST,
+        "not a safetensors file",
+    ),
     # vocab maps
-    Case("d2t-length", "the source drafter's d2t one entry short of draft_vocab_size", rewrite_tensors(SRC_ST, d2t_short),
-         step("compare"), SRC_ST, "tensor d2t has shape [127], config.json implies [128]"),
-    Case("d2t-out-of-range", "the new draft map's d2t points past the vocab", rewrite_tensors(VOCAB, d2t_out_of_range),
-         step("train_phase1_scratch"), VOCAB, "outside the vocab of 512 (3 slots out of range)",
-         keeps=("artifacts/train_phase1_scratch/drafter/model.safetensors", "artifacts/train_phase1_scratch/metrics.json")),
-    Case("t2d-disagrees", "the new draft map's t2d disagrees with its d2t", rewrite_tensors(VOCAB, t2d_disagrees),
-         step("compare"), VOCAB, "t2d disagrees with d2t"),
-    Case("vocab-garbage", "the new draft map's vocab.safetensors is random bytes", garbage(VOCAB),
-         step("compare"), VOCAB, "not a safetensors file"),
+    Case(
+        "d2t-length",
+        "the source drafter's d2t one entry short of draft_vocab_size",
+        rewrite_tensors(SRC_ST, d2t_short),
+        step("compare"),
+        SRC_ST,
+        "tensor d2t has shape [127], config.json implies [128]",
+    ),
+    Case(
+        "d2t-out-of-range",
+        "the new draft map's d2t points past the vocab",
+        rewrite_tensors(VOCAB, d2t_out_of_range),
+        step("train_phase1_scratch"),
+        VOCAB,
+        "outside the vocab of 512 (3 slots out of range)",
+        keeps=(
+            "artifacts/train_phase1_scratch/drafter/model.safetensors",
+            "artifacts/train_phase1_scratch/metrics.json",
+        ),
+    ),
+    Case(
+        "t2d-disagrees",
+        "the new draft map's t2d disagrees with its d2t",
+        rewrite_tensors(VOCAB, t2d_disagrees),
+        step("compare"),
+        VOCAB,
+        "t2d disagrees with d2t",
+    ),
+    Case(
+        "vocab-garbage",
+        "the new draft map's vocab.safetensors is random bytes",
+        garbage(VOCAB),
+        step("compare"),
+        VOCAB,
+        "not a safetensors file",
+    ),
     # shapes and aux layers against the target
-    Case("drafter-hidden-mismatch", "a drafter whose fc reads a hidden size of 96 (the target has 64)",
-         drafter_for_wider_target, step("eval_phase0"), SRC, "features have hidden size 64, the drafter expects 96",
-         ("artifacts/eval_phase0",)),
-    Case("target-hidden-mismatch", "`targets.new`: a target of hidden size 96 (the drafter's is 64)", wider_target,
-         step("eval_phase0"), "wide_target", "target embedding [512, 96] does not fit the drafter", ("artifacts/eval_phase0",)),
-    Case("drafter-aux-mismatch", "the source drafter's config reads aux layers [0, 1, 7]", edit_json(SRC_CFG, aux_ids([0, 1, 7])),
-         step("features_eval"), "features.aux_layer_ids", "but the source drafter reads [0, 1, 7]"),
-    Case("online-aux-out-of-range", "`python -m draftport.evaluation.online` with a drafter whose aux layers are [0, 1, 7]",
-         edit_json(SRC_CFG, aux_ids([0, 1, 7])), ONLINE, SRC, "aux layer ids [0, 1, 7] out of range 0..2",
-         ("online_out",)),
+    Case(
+        "drafter-hidden-mismatch",
+        "a drafter whose fc reads a hidden size of 96 (the target has 64)",
+        drafter_for_wider_target,
+        step("eval_phase0"),
+        SRC,
+        "features have hidden size 64, the drafter expects 96",
+        ("artifacts/eval_phase0",),
+    ),
+    Case(
+        "target-hidden-mismatch",
+        "`targets.new`: a target of hidden size 96 (the drafter's is 64)",
+        wider_target,
+        step("eval_phase0"),
+        "wide_target",
+        "target embedding [512, 96] does not fit the drafter",
+        ("artifacts/eval_phase0",),
+    ),
+    Case(
+        "drafter-aux-mismatch",
+        "the source drafter's config reads aux layers [0, 1, 7]",
+        edit_json(SRC_CFG, aux_ids([0, 1, 7])),
+        step("features_eval"),
+        "features.aux_layer_ids",
+        "but the source drafter reads [0, 1, 7]",
+    ),
+    Case(
+        "online-aux-out-of-range",
+        "`python -m draftport.evaluation.online` with a drafter whose aux layers are [0, 1, 7]",
+        edit_json(SRC_CFG, aux_ids([0, 1, 7])),
+        ONLINE,
+        SRC,
+        "aux layer ids [0, 1, 7] out of range 0..2",
+        ("online_out",),
+    ),
     # data
-    Case("prompts-empty", "`targets.prompts_train`: an empty jsonl", both(write("prompts/empty.jsonl", ""),
-         set_key("targets.prompts_train", "prompts/empty.jsonl")), step("features_new"), "prompts/empty.jsonl",
-         "no samples", keeps=(SHARD, "artifacts/features_new/metrics.json")),
-    Case("prompts-bad-line", "`targets.prompts_train`: a jsonl whose 2nd line is not JSON",
-         both(write("prompts/bad.jsonl", '{"user": "Kra 5?"}\n{"user": \n'), set_key("targets.prompts_train", "prompts/bad.jsonl")),
-         step("features_new"), "prompts/bad.jsonl:2", "not a JSON line"),
-    Case("prompts-too-long", "`targets.prompts_eval_new`: a prompt longer than the target's context (512)",
-         both(long_prompts, set_key("targets.prompts_eval_new", "prompts/long.jsonl")), step("features_eval"),
-         "prompts/long.jsonl:1", "does not fit the target's context of 512"),
-    Case("online-prompts-too-long", "`python -m draftport.evaluation.online` with a prompt longer than the context",
-         long_prompts, ONLINE[:5] + ["prompts/long.jsonl", "online_out", "--n", "1"], "prompts/long.jsonl:1",
-         "exceeds the target's context of 512", ("online_out",)),
-    Case("features-empty", "a features folder whose index.json lists no samples", empty_index,
-         step("vocab_new"), "artifacts/features_new/train/index.json", "holds no samples (empty dataset)"),
-    Case("shard-corrupted", "a feature shard whose sha256 differs from index.json (Phase 1's control reruns on it)",
-         flip_bytes(SHARD), step("train_phase1_scratch"), SHARD, "corrupted (sha256 differs from index.json)",
-         keeps=("artifacts/train_phase1_scratch/drafter/model.safetensors", "artifacts/train_phase1_scratch/metrics.json")),
+    Case(
+        "prompts-empty",
+        "`targets.prompts_train`: an empty jsonl",
+        both(write("prompts/empty.jsonl", ""), set_key("targets.prompts_train", "prompts/empty.jsonl")),
+        step("features_new"),
+        "prompts/empty.jsonl",
+        "no samples",
+        keeps=(SHARD, "artifacts/features_new/metrics.json"),
+    ),
+    Case(
+        "prompts-bad-line",
+        "`targets.prompts_train`: a jsonl whose 2nd line is not JSON",
+        both(
+            write("prompts/bad.jsonl", '{"user": "Kra 5?"}\n{"user": \n'),
+            set_key("targets.prompts_train", "prompts/bad.jsonl"),
+        ),
+        step("features_new"),
+        "prompts/bad.jsonl:2",
+        "not a JSON line",
+    ),
+    Case(
+        "prompts-too-long",
+        "`targets.prompts_eval_new`: a prompt longer than the target's context (512)",
+        both(long_prompts, set_key("targets.prompts_eval_new", "prompts/long.jsonl")),
+        step("features_eval"),
+        "prompts/long.jsonl:1",
+        "does not fit the target's context of 512",
+    ),
+    Case(
+        "online-prompts-too-long",
+        "`python -m draftport.evaluation.online` with a prompt longer than the context",
+        long_prompts,
+        ONLINE[:5] + ["prompts/long.jsonl", "online_out", "--n", "1"],
+        "prompts/long.jsonl:1",
+        "exceeds the target's context of 512",
+        ("online_out",),
+    ),
+    Case(
+        "features-empty",
+        "a features folder whose index.json lists no samples",
+        empty_index,
+        step("vocab_new"),
+        "artifacts/features_new/train/index.json",
+        "holds no samples (empty dataset)",
+    ),
+    Case(
+        "shard-corrupted",
+        "a feature shard whose sha256 differs from index.json (Phase 1's control reruns on it)",
+        flip_bytes(SHARD),
+        step("train_phase1_scratch"),
+        SHARD,
+        "corrupted (sha256 differs from index.json)",
+        keeps=(
+            "artifacts/train_phase1_scratch/drafter/model.safetensors",
+            "artifacts/train_phase1_scratch/metrics.json",
+        ),
+    ),
     # missing or broken upstream artifacts
-    Case("upstream-missing", "artifacts/vocab_new/vocab.safetensors deleted", delete(VOCAB),
-         step("compare"), VOCAB, "missing"),
-    Case("upstream-step-missing", "artifacts/features_new/ deleted (the draft map is counted on it)",
-         delete("artifacts/features_new"), step("vocab_new"), "artifacts/features_new/train", "no index.json",
-         keeps=("artifacts/vocab_new/vocab.safetensors",)),
-    Case("target-config-not-json", "the new target's config.json is not JSON", write(TARGET_CFG, "{vocab_size: 512"),
-         step("vocab_new"), TARGET_CFG, "not valid JSON"),
-    Case("fetch-unknown-revision", "`source.revision: v9`, a revision the hub cache lacks", set_key("source.revision", "v9"),
-         step("fetch"), "draftport/world-k2-eagle3", "revision v9 is not in the hub cache"),
+    Case(
+        "upstream-missing",
+        "artifacts/vocab_new/vocab.safetensors deleted",
+        delete(VOCAB),
+        step("compare"),
+        VOCAB,
+        "missing",
+    ),
+    Case(
+        "upstream-step-missing",
+        "artifacts/features_new/ deleted (the draft map is counted on it)",
+        delete("artifacts/features_new"),
+        step("vocab_new"),
+        "artifacts/features_new/train",
+        "no index.json",
+        keeps=("artifacts/vocab_new/vocab.safetensors",),
+    ),
+    Case(
+        "target-config-not-json",
+        "the new target's config.json is not JSON",
+        write(TARGET_CFG, "{vocab_size: 512"),
+        step("vocab_new"),
+        TARGET_CFG,
+        "not valid JSON",
+    ),
+    Case(
+        "fetch-unknown-revision",
+        "`source.revision: v9`, a revision the hub cache lacks",
+        set_key("source.revision", "v9"),
+        step("fetch"),
+        "draftport/world-k2-eagle3",
+        "revision v9 is not in the hub cache",
+    ),
 ]
 
 
 # ---- the micro world -----------------------------------------------------------------------------
 def env_for(repo: Path, tmp: Path) -> dict:
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(repo / "src"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DVC_NO_ANALYTICS": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(repo / "src"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DVC_NO_ANALYTICS": "1",
+    }
     env.pop("DVC_STAGE", None)
     return env
 
@@ -417,9 +743,13 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.known_gap)] if c.known_gap else [])
-    for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.known_gap)] if c.known_gap else [])
+        for c in CASES
+    ],
+)
 @pytest.mark.slow
 def test_bad_input(world, tmp_path, case):
     src, tmp = world

@@ -12,7 +12,7 @@ from draftport.pipeline import bridge
 
 BIN = Path(sys.executable).parent
 
-SNAKEFILE = '''
+SNAKEFILE = """
 import json
 
 rule all:
@@ -30,14 +30,15 @@ onstart:
         "jobs": sorted((j.rule.name, bool(j.rule.shellcmd)) for j in workflow.dag.jobs),
         "locks_exist": [Path(f).is_file() for f in workflow.persistence._lockfile.values()],
     }, open("seen.json", "w"))
-'''
+"""
 
 
 def test_snakemake_internals_the_bridge_uses(tmp_path):
     (tmp_path / "Snakefile").write_text("from pathlib import Path\n" + SNAKEFILE)
     env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
-    subprocess.run([str(BIN / "snakemake"), "--cores", "1", "--quiet"], cwd=tmp_path, env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [str(BIN / "snakemake"), "--cores", "1", "--quiet"], cwd=tmp_path, env=env, check=True, capture_output=True
+    )
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen["locks"] and all(seen["locks_exist"])  # [S1]: the lock files this run holds
     assert seen["needrun"] == ["all", "x"]  # [S3]

@@ -100,18 +100,30 @@ def bad_missing_folder(folder):
     return folder, "no such drafter folder"
 
 
-CASES = [bad_truncated, bad_garbage, bad_lying_header, bad_d2t_length, bad_d2t_range, bad_t2d,
-         bad_config_no_hidden, bad_config_json, bad_q_proj, bad_bin_folder, bad_pt_file, bad_missing_folder]
+CASES = [
+    bad_truncated,
+    bad_garbage,
+    bad_lying_header,
+    bad_d2t_length,
+    bad_d2t_range,
+    bad_t2d,
+    bad_config_no_hidden,
+    bad_config_json,
+    bad_q_proj,
+    bad_bin_folder,
+    bad_pt_file,
+    bad_missing_folder,
+]
 
 
 def snapshot(root):
-    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                  for p in root.rglob("*"))
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
 
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "draftport.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "draftport.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def assert_one_line_error(res, where, problem):
@@ -127,8 +139,7 @@ def assert_one_line_error(res, where, problem):
 PAIRS = [(c, False) for c in CASES] + [(c, True) for c in (bad_garbage, bad_d2t_range, bad_q_proj)]
 
 
-@pytest.mark.parametrize("make_bad,json_flag", PAIRS,
-                         ids=[c.__name__[4:] + ("-json" if j else "") for c, j in PAIRS])
+@pytest.mark.parametrize("make_bad,json_flag", PAIRS, ids=[c.__name__[4:] + ("-json" if j else "") for c, j in PAIRS])
 def test_compare_bad_input_is_one_line(tmp_path, make_bad, json_flag):
     src = good(tmp_path / "src")
     bad = tmp_path / "dst"
@@ -152,17 +163,23 @@ def test_inspect_bad_input_is_one_line(tmp_path):
 
 
 def test_costmodel_bad_input_is_one_line(tmp_path):
-    res = run_cli("costmodel", "--baseline-tok-s", "82", "--verify-ms", "30", "--accept-rates", "0.8,x",
-                  cwd=tmp_path)
+    res = run_cli("costmodel", "--baseline-tok-s", "82", "--verify-ms", "30", "--accept-rates", "0.8,x", cwd=tmp_path)
     assert_one_line_error(res, "--accept-rates", "comma-separated numbers")
     res = run_cli("costmodel", "--baseline-tok-s", "82", "--verify-ms", "30", "--draft-ms", "2", cwd=tmp_path)
-    assert res.returncode == 2 and res.stderr == "draftport: error: draft_ms needs k (the number of draft steps per cycle)\n"
+    assert (
+        res.returncode == 2
+        and res.stderr == "draftport: error: draft_ms needs k (the number of draft steps per cycle)\n"
+    )
 
 
 def test_compare_success_json_and_no_torch(tmp_path):
     a, b = good(tmp_path / "a"), good(tmp_path / "b")
-    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "draftport.cli", "compare", a, b, "--json"],
-                         capture_output=True, text=True, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "draftport.cli", "compare", a, b, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     rep = json.loads(res.stdout)
     assert rep["verdict"]["compatible_architecture"] is True and rep["vocab"]["identical"] is True
@@ -186,8 +203,9 @@ def test_help_lists_each_command_with_its_summary_on_one_line(tmp_path):
     would keep the docstring's line breaks there, ending lines mid-sentence. A wide terminal so
     that nothing wraps: each summary must stand whole on the command's line."""
     env = dict(os.environ, COLUMNS="400", TERMINAL_WIDTH="400")
-    res = subprocess.run([sys.executable, "-m", "draftport.cli", "--help"], capture_output=True,
-                         text=True, env=env, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "draftport.cli", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     for info in app.registered_commands:

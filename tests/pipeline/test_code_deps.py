@@ -10,9 +10,15 @@ from draftport.plan import params as P
 from draftport.plan import registry as R
 from repo import ROOT
 
-PLUMBING_FILES = {"src/draftport/errors.py", "src/draftport/files.py", "src/draftport/plan/params.py",
-                  "src/draftport/progress.py", "src/draftport/plan/registry.py", "src/draftport/pipeline/runner.py",
-                  "src/draftport/pipeline/bridge.py"}
+PLUMBING_FILES = {
+    "src/draftport/errors.py",
+    "src/draftport/files.py",
+    "src/draftport/plan/params.py",
+    "src/draftport/progress.py",
+    "src/draftport/plan/registry.py",
+    "src/draftport/pipeline/runner.py",
+    "src/draftport/pipeline/bridge.py",
+}
 
 
 def test_no_step_depends_on_the_plumbing():

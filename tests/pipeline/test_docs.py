@@ -43,8 +43,11 @@ FENCE = re.compile(r"^```(bash|sh|console)[^\n]*\n(.*?)^```", re.S | re.M)
 # A profile a page names as a placeholder for yours: planned with a real one
 # profiles a walkthrough writes before it plans them: planned dry as the profile they come from
 # (micro-dsk is init's profile of the micro-deepseek pair: tests/pipeline/test_own_pair.py runs it)
-PLACEHOLDERS = {"configs/NAME.yaml": "configs/micro.yaml", "configs/X.yaml": "configs/micro.yaml",
-                "configs/micro-dsk.yaml": "configs/micro-deepseek.yaml"}
+PLACEHOLDERS = {
+    "configs/NAME.yaml": "configs/micro.yaml",
+    "configs/X.yaml": "configs/micro.yaml",
+    "configs/micro-dsk.yaml": "configs/micro-deepseek.yaml",
+}
 SEPARATORS = {"&&", "||", ";", "|"}
 
 
@@ -117,20 +120,21 @@ def _draftport(argv: list[str]) -> list[tuple[str, ...]]:
 
 def _snakemake(argv: list[str]) -> list[tuple[str, ...]]:
     args = [functools.reduce(lambda a, kv: a.replace(*kv), PLACEHOLDERS.items(), a) for a in argv[1:]]
-    assert "--cores" in args or any(a.startswith("--cores=") for a in args) or "-c" in args, \
+    assert "--cores" in args or any(a.startswith("--cores=") for a in args) or "-c" in args, (
         "every snakemake command in the docs says --cores"
+    )
     if "--report" in args:  # a report needs a finished run: plan the same targets instead
         i = args.index("--report")
-        del args[i:i + 2]
+        del args[i : i + 2]
     if "--profile" in args:  # its executor plugin may be missing here: the profile must read, then plan dry
         i = args.index("--profile")
         profile = ROOT / args[i + 1] / "config.yaml"
         assert profile.is_file(), f"{profile}: no such profile"
         assert isinstance(yaml.safe_load(profile.read_text()), dict), f"{profile}: not a mapping"
-        del args[i:i + 2]
+        del args[i : i + 2]
     if "--executor" in args:  # dry runs plan with the local executor's resources
         i = args.index("--executor")
-        del args[i:i + 2]
+        del args[i : i + 2]
     # -n first, once: two lines that differ only in where they say it plan once
     return [(str(BIN / "snakemake"), "-n", *[a for a in args if a not in ("-n", "--dry-run")])]
 
@@ -159,8 +163,9 @@ def _python(argv: list[str]) -> list[tuple[str, ...]]:
     script = ROOT / argv[1]
     assert script.is_file(), f"{argv[1]}: no such script"
     # --help is only harmless where the script parses its arguments
-    assert re.search(r"\bargparse\b|\btyper\b", script.read_text()), \
+    assert re.search(r"\bargparse\b|\btyper\b", script.read_text()), (
         f"{argv[1]} parses no arguments: --help would run it; name it in prose instead"
+    )
     return [(sys.executable, str(script), "--help")]
 
 
@@ -174,8 +179,16 @@ def _source(argv: list[str]) -> list[tuple[str, ...]]:
     return []
 
 
-CHECKS = {"draftport": _draftport, "snakemake": _snakemake, "dvc": _dvc, "make": _make, "python": _python,
-          "pip": _tool_help, "mkdocs": _tool_help, ".": _source}
+CHECKS = {
+    "draftport": _draftport,
+    "snakemake": _snakemake,
+    "dvc": _dvc,
+    "make": _make,
+    "python": _python,
+    "pip": _tool_help,
+    "mkdocs": _tool_help,
+    ".": _source,
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,8 +212,10 @@ def test_the_docs_have_commands():
 @pytest.mark.parametrize("where,argv", COMMANDS, ids=[f"{w} {' '.join(a)[:60]}" for w, a in COMMANDS])
 def test_command_runs_as_written(where, argv):
     check = CHECKS.get(argv[0])
-    assert check is not None, (f"{where}: no cheap form known for {argv[0]!r}: teach tests/pipeline/test_docs.py "
-                               f"one, or put the command in a ```text block if it cannot run here")
+    assert check is not None, (
+        f"{where}: no cheap form known for {argv[0]!r}: teach tests/pipeline/test_docs.py "
+        f"one, or put the command in a ```text block if it cannot run here"
+    )
     for call in check(argv):
         problem = _results().get(call)
         if problem is None:
@@ -210,8 +225,13 @@ def test_command_runs_as_written(where, argv):
 
 def test_the_site_builds_strictly(tmp_path):
     """mkdocs build --strict: any warning (a broken link or anchor, a page outside the nav) fails."""
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "WARNING" not in out, out

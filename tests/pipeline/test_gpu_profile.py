@@ -25,14 +25,24 @@ TOY = "tests/helpers/gpu-toy.yaml"
 def test_the_gpu_world_has_a_real_drafters_shape_and_every_step_asks_for_the_gpu():
     cfg = P.load(ROOT / GPU)
     shape, _ = drafter_shape(cfg)
-    assert {k: shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                                  "draft_vocab_size")} == {"hidden_size": 4096, "num_attention_heads": 32,
-                                                           "num_key_value_heads": 8, "head_dim": 128,
-                                                           "draft_vocab_size": 32000}
+    assert {
+        k: shape[k]
+        for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "draft_vocab_size")
+    } == {
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "draft_vocab_size": 32000,
+    }
     assert shape["vocab_size"] >= 32000 and cfg["world"]["model"]["arch"] == "deepseek_v3"
     assert cfg["vocab_new"]["draft_vocab_size"] == 32000
-    trains = [cfg["world"]["source_drafter"]["train"], cfg["phase1"]["train"], cfg["phase2"]["train"],
-              cfg["curves"]["train"]]
+    trains = [
+        cfg["world"]["source_drafter"]["train"],
+        cfg["phase1"]["train"],
+        cfg["phase2"]["train"],
+        cfg["curves"]["train"],
+    ]
     devices = {cfg["world"]["device"], cfg["features"]["device"], cfg["eval"]["device"], *(t["device"] for t in trains)}
     assert devices == {"cuda"}
     assert cfg["resources"]["default"]["gpu"] == 1
@@ -49,25 +59,57 @@ def test_the_gpu_profile_plans_the_whole_plan():
 def test_the_gpu_profile_at_toy_size_runs_end_to_end_on_the_cpu(tmp_path):
     repo = tmp_path / "repo"
     copy_repo(repo)
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(repo / "src"),
-           "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}   # unreachable: --no-tracking must open no run
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(repo / "src"),
+        "MLFLOW_TRACKING_URI": "http://127.0.0.1:9",
+    }  # unreachable: --no-tracking must open no run
     env.pop("OUT", None)
     out = tmp_path / "pipeline.json"
-    cmd = [sys.executable, "benchmarks/bench_pipeline_gpu.py", "--configfile", GPU, "--configfile", TOY,
-           "--runner", "local", "--no-tracking", "--no-bench", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "benchmarks/bench_pipeline_gpu.py",
+        "--configfile",
+        GPU,
+        "--configfile",
+        TOY,
+        "--runner",
+        "local",
+        "--no-tracking",
+        "--no-bench",
+        "--json",
+        str(out),
+    ]
     r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["plan"] == {**res["plan"], "runner": "local", "tracking": False, "rc": 0}
     ran = {k: v for k, v in res["steps"].items() if v["ran"]}
-    assert {"world", "features_new", "train_phase1", "train_phase2", "eval_phase2", "train_curves", "decision",
-            "report"} <= set(ran)
-    for name in ("train_phase1_scratch", "train_phase1", "train_phase2", "eval_phase0", "eval_phase2", "drift",
-                 "eval_curves", "train_curves"):
+    assert {
+        "world",
+        "features_new",
+        "train_phase1",
+        "train_phase2",
+        "eval_phase2",
+        "train_curves",
+        "decision",
+        "report",
+    } <= set(ran)
+    for name in (
+        "train_phase1_scratch",
+        "train_phase1",
+        "train_phase2",
+        "eval_phase0",
+        "eval_phase2",
+        "drift",
+        "eval_curves",
+        "train_curves",
+    ):
         assert ran[name]["devices"] == ["cpu"], name
     for name, rate in res["training"].items():
         assert rate["device"] == "cpu" and rate["processes"] == 1 and rate["tokens_per_s"] > 0, name
-        assert rate["mfu"] is None                       # no GPU peak on the CPU
+        assert rate["mfu"] is None  # no GPU peak on the CPU
     cap = res["capture"]["features_new/train"]
     assert cap["tokens"] > 0 and cap["tok_s"] > 0 and 0 < cap["of_roofline"]
     assert res["decision"]["init"] in ("source", "scratch")
@@ -75,15 +117,38 @@ def test_the_gpu_profile_at_toy_size_runs_end_to_end_on_the_cpu(tmp_path):
     metrics = json.loads((repo / "artifacts/train_phase2/metrics.json").read_text())
     assert "tokens_per_s" not in json.dumps(metrics)
     # the runner keeps what is done
-    again = subprocess.run([sys.executable, "-m", "draftport.pipeline.local", "all", "--configfile", GPU,
-                            "--configfile", TOY, "--no-tracking"], cwd=repo, env=env, capture_output=True, text=True)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "draftport.pipeline.local",
+            "all",
+            "--configfile",
+            GPU,
+            "--configfile",
+            TOY,
+            "--no-tracking",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode == 0 and again.stdout.count("done before, kept") == len(ran), again.stdout[-2000:]
 
 
 def test_the_local_runner_refuses_an_unknown_target_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "draftport.pipeline.local", "phase9", "--configfile", GPU],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "draftport.pipeline.local", "phase9", "--configfile", GPU],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: target: 'phase9': not a target")
-    r = subprocess.run([sys.executable, "-m", "draftport.pipeline.local", "all", "--configfile", "configs/nope.yaml"],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "draftport.pipeline.local", "all", "--configfile", "configs/nope.yaml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr.strip() == "error: configs/nope.yaml: no such parameter file"

@@ -82,7 +82,7 @@ def test_no_import_cycle_in_draftport():
     assert cycles(graph) == []
 
 
-BASE = {"errors", "files", "progress"}   # under every folder
+BASE = {"errors", "files", "progress"}  # under every folder
 
 
 def layers() -> list[str]:
@@ -116,22 +116,27 @@ def against_the_order(graph: dict[str, set[str]], order: list[str]) -> list[str]
 
 def test_the_order_finder_finds_an_upward_import():
     order = ["plan", "model", "data"]
-    assert against_the_order({"draftport.model.x": {"draftport.data.y"}, "draftport.data.y": {"draftport.model.x"}},
-                             order) == ["draftport.model.x imports draftport.data.y"]
-    assert against_the_order({"draftport.errors": {"draftport.plan.p"}}, order) == ["draftport.errors imports draftport.plan.p"]
+    assert against_the_order(
+        {"draftport.model.x": {"draftport.data.y"}, "draftport.data.y": {"draftport.model.x"}}, order
+    ) == ["draftport.model.x imports draftport.data.y"]
+    assert against_the_order({"draftport.errors": {"draftport.plan.p"}}, order) == [
+        "draftport.errors imports draftport.plan.p"
+    ]
 
 
 def test_folders_import_one_way_as_the_architecture_page_orders_them():
     graph = import_graph()
     order = layers()
     folders = {floor(m) for m in graph if m != "draftport"} - {"base"}
-    assert folders == set(order), (folders ^ set(order))
+    assert folders == set(order), folders ^ set(order)
     assert against_the_order(graph, order) == []
 
 
 def test_snakefile_side_and_header_commands_do_not_import_torch():
-    code = ("import sys; import draftport.pipeline.bridge, draftport.plan.registry, draftport.plan.params, "
-            "draftport.plan.cluster, draftport.outputs.compare, draftport.cli; print('torch' in sys.modules)")
+    code = (
+        "import sys; import draftport.pipeline.bridge, draftport.plan.registry, draftport.plan.params, "
+        "draftport.plan.cluster, draftport.outputs.compare, draftport.cli; print('torch' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"
 
@@ -144,8 +149,22 @@ def test_a_wheel_carries_every_module_and_the_in_venv_scripts(tmp_path):
     shutil.copytree(SRC, work / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(root / f, work / f)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "wheel"), str(work)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(work),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = (tmp_path / "wheel").glob("draftport-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     want = {str(p.relative_to(SRC)) for p in PKG.rglob("*.py")}

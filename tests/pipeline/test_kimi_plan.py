@@ -13,8 +13,22 @@ from draftport.plan import registry as R
 from repo import ROOT, smk
 
 KIMI = "configs/kimi-k2.5.yaml"
-JOBS = {"fetch", "features_new", "features_eval", "vocab_new", "features_phase2", "features_monitor", "compare", "eval_phase0",
-        "train_phase1_scratch", "eval_phase1_scratch", "train_phase1", "eval_phase1", "train_phase2", "eval_phase2"}
+JOBS = {
+    "fetch",
+    "features_new",
+    "features_eval",
+    "vocab_new",
+    "features_phase2",
+    "features_monitor",
+    "compare",
+    "eval_phase0",
+    "train_phase1_scratch",
+    "eval_phase1_scratch",
+    "train_phase1",
+    "eval_phase1",
+    "train_phase2",
+    "eval_phase2",
+}
 TRAINING = {"train_phase1_scratch", "train_phase1", "train_phase2"}
 
 
@@ -28,7 +42,10 @@ def plan(*args) -> dict:
         res = re.search(r"resources: (.*)", block)
         cmd = re.search(r"Shell command: (.*)|\n    (python|torchrun) (.*)", block)
         resources = dict(kv.split("=", 1) for kv in res.group(1).split(", ")) if res else {}
-        jobs[name] = {"resources": resources, "command": (cmd.group(0).split("Shell command: ")[-1].strip() if cmd else "")}
+        jobs[name] = {
+            "resources": resources,
+            "command": (cmd.group(0).split("Shell command: ")[-1].strip() if cmd else ""),
+        }
     return jobs
 
 
@@ -49,8 +66,8 @@ def test_every_kimi_job_carries_its_resources(kimi):
         want = cluster.snakemake_resources(cfg, name)
         got = {k: int(job["resources"][k]) for k in ("gpu", "mem_mb", "runtime")}
         assert got == want, name
-    assert int(kimi["features_new"]["resources"]["gpu"]) == 8       # vLLM, tensor parallel 8
-    assert int(kimi["compare"]["resources"]["gpu"]) == 0            # headers only
+    assert int(kimi["features_new"]["resources"]["gpu"]) == 8  # vLLM, tensor parallel 8
+    assert int(kimi["compare"]["resources"]["gpu"]) == 0  # headers only
 
 
 def test_kimi_training_rules_run_under_torchrun_one_process_per_gpu(kimi):
@@ -106,7 +123,6 @@ def test_slurm_profile_plans_with_the_rules_resources():
     jobs = plan(*args)
     assert set(jobs) - {"phase2"} == JOBS
     assert int(jobs["train_phase2"]["resources"]["gpu"]) == 8
-
 
 
 def test_the_readme_spelling_of_the_kimi_plan_works():

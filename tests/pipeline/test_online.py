@@ -35,11 +35,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_raw(k=3, drafts=10, accepted=(6, 4, 2)):
-    return {"k": k, "num_drafts": drafts, "num_draft_tokens": drafts * k,
-            "num_accepted_tokens": sum(accepted), "accepted_per_pos": list(accepted),
-            "num_prompts": 2, "output_tokens": 30, "load_seconds": 1.0, "generate_seconds": 0.5,
-            "requests": [{"output_token_ids": [5, 6], "per_step_accepted": [1, 2, 0]},
-                         {"output_token_ids": [7], "per_step_accepted": [3]}]}
+    return {
+        "k": k,
+        "num_drafts": drafts,
+        "num_draft_tokens": drafts * k,
+        "num_accepted_tokens": sum(accepted),
+        "accepted_per_pos": list(accepted),
+        "num_prompts": 2,
+        "output_tokens": 30,
+        "load_seconds": 1.0,
+        "generate_seconds": 0.5,
+        "requests": [
+            {"output_token_ids": [5, 6], "per_step_accepted": [1, 2, 0]},
+            {"output_token_ids": [7], "per_step_accepted": [3]},
+        ],
+    }
 
 
 def test_online_summary_reads_vllm_counters():
@@ -64,8 +74,13 @@ def test_online_summary_has_the_other_definitions_on_vllms_counters():
 
 def test_agreement_check_reports_both_numbers():
     on = serve.summarize_online(fake_raw())
-    off = {"accept_length": 2.2 - 0.04, "k": 3, "accept_rate_pos_0": 0.6, "accept_rate_pos_1": 0.4,
-           "accept_rate_pos_2": 0.2}
+    off = {
+        "accept_length": 2.2 - 0.04,
+        "k": 3,
+        "accept_rate_pos_0": 0.6,
+        "accept_rate_pos_1": 0.4,
+        "accept_rate_pos_2": 0.2,
+    }
     assert serve.agreement_check(on, off)["difference"] == pytest.approx(0.04)
     off["accept_length"] = 2.1
     with pytest.raises(DraftportError, match=r"vLLM accept length 2\.2000 and offline 2\.1000"):
@@ -102,8 +117,18 @@ def test_the_in_venv_scripts_ship_inside_the_package():
         mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert "draftport" not in mods and not any(n.level for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
-        assert mods <= {"argparse", "functools", "json", "os", "sys", "time", "__future__", "vllm", "torch",
-                        "safetensors"}, mods
+        assert mods <= {
+            "argparse",
+            "functools",
+            "json",
+            "os",
+            "sys",
+            "time",
+            "__future__",
+            "vllm",
+            "torch",
+            "safetensors",
+        }, mods
     with pytest.raises(DraftportError, match="runner script is missing"):
         runner("nope.py")
 
@@ -125,33 +150,70 @@ def micro(tmp_path_factory):
     tcfg = json.loads((target / "config.json").read_text())
     L = tcfg["num_hidden_layers"]
     aux = [0, L // 2, L]  # distinct and increasing, as vLLM needs
-    build_features(target, root / "w/corpus/new.jsonl", root / "feat", n_samples=64, aux_layer_ids=aux,
-                   max_new_tokens=48, dtype="float32", batch_size=32)
+    build_features(
+        target,
+        root / "w/corpus/new.jsonl",
+        root / "feat",
+        n_samples=64,
+        aux_layer_ids=aux,
+        max_new_tokens=48,
+        dtype="float32",
+        batch_size=32,
+    )
     dv = tcfg["vocab_size"] // 4
     build_vocab(root / "feat", root / "vocab.safetensors", draft_vocab_size=dv, vocab_size=tcfg["vocab_size"])
     cfg = new_drafter_config(
-        {"num_attention_heads": tcfg["num_attention_heads"], "num_key_value_heads": tcfg["num_key_value_heads"],
-         "head_dim": tcfg["head_dim"], "intermediate_size": 2 * tcfg["hidden_size"]},
-        vocab_size=tcfg["vocab_size"], hidden_size=tcfg["hidden_size"], aux_layer_ids=aux, convention="vllm",
-        draft_vocab_size=dv, max_positions=tcfg["max_position_embeddings"])
-    train_phase(root / "train", features_dir=root / "feat", target_dir=target,
-                vocab_path=root / "vocab.safetensors", init="scratch", arch=cfg,
-                train_cfg=TrainConfig(steps=40, batch_size=8, lr=3e-3, warmup_steps=3, ttt_steps=3),
-                progress=False)
-    return {"root": root, "target": target, "drafter": root / "train" / "drafter",
-            "prompts": root / "w/corpus/heldout_new.jsonl"}
+        {
+            "num_attention_heads": tcfg["num_attention_heads"],
+            "num_key_value_heads": tcfg["num_key_value_heads"],
+            "head_dim": tcfg["head_dim"],
+            "intermediate_size": 2 * tcfg["hidden_size"],
+        },
+        vocab_size=tcfg["vocab_size"],
+        hidden_size=tcfg["hidden_size"],
+        aux_layer_ids=aux,
+        convention="vllm",
+        draft_vocab_size=dv,
+        max_positions=tcfg["max_position_embeddings"],
+    )
+    train_phase(
+        root / "train",
+        features_dir=root / "feat",
+        target_dir=target,
+        vocab_path=root / "vocab.safetensors",
+        init="scratch",
+        arch=cfg,
+        train_cfg=TrainConfig(steps=40, batch_size=8, lr=3e-3, warmup_steps=3, ttt_steps=3),
+        progress=False,
+    )
+    return {
+        "root": root,
+        "target": target,
+        "drafter": root / "train" / "drafter",
+        "prompts": root / "w/corpus/heldout_new.jsonl",
+    }
 
 
 @pytest.mark.slow
 def test_vllm_accept_length_agrees_with_offline(micro):
     k = 3
-    on, raw = serve.measure(micro["target"], micro["drafter"], micro["prompts"], 16, k, 32,
-                            raw_out=micro["root"] / "online_raw.json", log_path=micro["root"] / "vllm.log",
-                            max_num_seqs=8, return_raw=True)
+    on, raw = serve.measure(
+        micro["target"],
+        micro["drafter"],
+        micro["prompts"],
+        16,
+        k,
+        32,
+        raw_out=micro["root"] / "online_raw.json",
+        log_path=micro["root"] / "vllm.log",
+        max_num_seqs=8,
+        return_raw=True,
+    )
     assert on["online_num_drafts"] > 0 and raw["num_prompts"] == 16
     assert len(raw["requests"]) == 16 and all(r["output_token_ids"] for r in raw["requests"])
-    off = serve.offline_same_prompts(micro["drafter"], micro["target"], k=k,
-                                     online_raw=micro["root"] / "online_raw.json")
+    off = serve.offline_same_prompts(
+        micro["drafter"], micro["target"], k=k, online_raw=micro["root"] / "online_raw.json"
+    )
     res = serve.agreement_check(on, off, tol=0.05)
     assert abs(res["difference"]) <= 0.05
     for i in range(k):
@@ -177,15 +239,25 @@ def test_embed_tokens_drop_and_target_serve_the_same(micro):
     save_safetensors(sd, foreign / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(DraftportError, match="embed_tokens differs from the target's"):
         validate_export(foreign, micro["target"])  # never served as is
-    exports = {"drop": serve.for_vllm(foreign, root / "export_drop", "vllm", "drop")[0],
-               "target": serve.for_vllm(foreign, root / "export_target", "vllm", "target",
-                                        target_dir=micro["target"])[0]}
+    exports = {
+        "drop": serve.for_vllm(foreign, root / "export_drop", "vllm", "drop")[0],
+        "target": serve.for_vllm(foreign, root / "export_target", "vllm", "target", target_dir=micro["target"])[0],
+    }
     new = find_target_embedding(micro["target"])
     assert tensor_sha256(find_target_embedding(exports["target"])) == tensor_sha256(new) != tensor_sha256(old)
     runs = {}
     for mode, d in exports.items():
-        runs[mode] = serve.measure(micro["target"], d, micro["prompts"], 8, k, 24, max_num_seqs=8,
-                                   log_path=root / f"vllm_{mode}.log", return_raw=True)
+        runs[mode] = serve.measure(
+            micro["target"],
+            d,
+            micro["prompts"],
+            8,
+            k,
+            24,
+            max_num_seqs=8,
+            log_path=root / f"vllm_{mode}.log",
+            return_raw=True,
+        )
     (on_d, raw_d), (on_t, raw_t) = runs["drop"], runs["target"]
     print(f"vLLM tau: drop {on_d['online_accept_length']:.4f}, target {on_t['online_accept_length']:.4f}")
     assert on_d["online_num_drafts"] > 0
@@ -197,7 +269,18 @@ def test_embed_tokens_drop_and_target_serve_the_same(micro):
     assert "without its own embed_tokens in the checkpoint. Sharing target model embedding" in logs["drop"]
     assert "embed_tokens identical to the target model. Sharing target model embedding" in logs["target"]
     # the foreign drafter served as is (validation skipped): vLLM keeps the old target's embedding
-    on_f = serve.measure(micro["target"], foreign, micro["prompts"], 8, k, 24, max_num_seqs=8, validate=False,
-                         log_path=root / "vllm_foreign.log")
+    on_f = serve.measure(
+        micro["target"],
+        foreign,
+        micro["prompts"],
+        8,
+        k,
+        24,
+        max_num_seqs=8,
+        validate=False,
+        log_path=root / "vllm_foreign.log",
+    )
     print(f"vLLM tau with the old target's embedding served as is: {on_f['online_accept_length']:.4f}")
-    assert "distinct embed_tokens weights. Keeping separate embedding weights" in (root / "vllm_foreign.log").read_text()
+    assert (
+        "distinct embed_tokens weights. Keeping separate embedding weights" in (root / "vllm_foreign.log").read_text()
+    )

@@ -28,8 +28,15 @@ from draftport.world import build_world_base
 from repo import ROOT, micro_copy
 from resume_copy import EVERY, STEP, STEPS, Copy, assert_same_result, kill_after_first_checkpoint
 
-KW = dict(n_samples=24, aux_layer_ids=[0, 1, 2], convention="vllm", max_new_tokens=16, dtype="float32",
-          batch_size=4, shard_samples=8)
+KW = dict(
+    n_samples=24,
+    aux_layer_ids=[0, 1, 2],
+    convention="vllm",
+    max_new_tokens=16,
+    dtype="float32",
+    batch_size=4,
+    shard_samples=8,
+)
 SPOOL = {"gb": 0.0005}  # 500 KB: about two shards of 8 samples, the producer waits on the trainer
 
 
@@ -37,24 +44,38 @@ SPOOL = {"gb": 0.0005}  # 500 KB: about two shards of 8 samples, the producer wa
 def micro(tmp_path_factory):
     """The micro world's new target, its answers to 24 prompts stored each way, the draft map."""
     root = tmp_path_factory.mktemp("online-storage")
-    build_world_base(root / "w", load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"],
-                     progress=False)
+    build_world_base(root / "w", load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"], progress=False)
     target, prompts = root / "w" / "target_new", root / "w" / "corpus" / "new.jsonl"
     for mode in ("disk", "online", "hybrid"):
         build_features(target, prompts, root / mode, storage=mode, **KW)
     tc = target_text_config(target)
     build_vocab(root / "disk", root / "vocab.safetensors", draft_vocab_size=100, vocab_size=tc["vocab_size"])
-    arch = new_drafter_config({"num_attention_heads": 2, "intermediate_size": 128}, vocab_size=tc["vocab_size"],
-                              hidden_size=tc["hidden_size"], aux_layer_ids=[0, 1, 2], convention="vllm",
-                              draft_vocab_size=100, max_positions=512)
+    arch = new_drafter_config(
+        {"num_attention_heads": 2, "intermediate_size": 128},
+        vocab_size=tc["vocab_size"],
+        hidden_size=tc["hidden_size"],
+        aux_layer_ids=[0, 1, 2],
+        convention="vllm",
+        draft_vocab_size=100,
+        max_positions=512,
+    )
     return {"root": root, "target": target, "arch": arch}
 
 
 def run(micro, mode, name, cfg, **kw):
     out = micro["root"] / name
-    rep = train_phase(out, features_dir=micro["root"] / mode, target_dir=micro["target"],
-                      vocab_path=micro["root"] / "vocab.safetensors", init="scratch", arch=micro["arch"],
-                      train_cfg=cfg, progress=False, spool=SPOOL, **kw)
+    rep = train_phase(
+        out,
+        features_dir=micro["root"] / mode,
+        target_dir=micro["target"],
+        vocab_path=micro["root"] / "vocab.safetensors",
+        init="scratch",
+        arch=micro["arch"],
+        train_cfg=cfg,
+        progress=False,
+        spool=SPOOL,
+        **kw,
+    )
     return rep, load_file(str(out / "drafter" / "model.safetensors"))
 
 
@@ -79,7 +100,8 @@ def test_sequences_folder_holds_the_answers_without_states(micro):
         assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         assert a["response_start"] == b["response_start"]
     assert (r / "online" / "sequences.safetensors").stat().st_size < 0.02 * sum(
-        p.stat().st_size for p in (r / "disk").iterdir())
+        p.stat().st_size for p in (r / "disk").iterdir()
+    )
     # the draft map reads tokens only: the same bytes from either folder
     tc = target_text_config(micro["target"])
     build_vocab(r / "online", r / "vocab_online.safetensors", draft_vocab_size=100, vocab_size=tc["vocab_size"])
@@ -158,9 +180,17 @@ def test_a_checkpoint_at_another_data_position_is_refused(micro, monkeypatch):
 
 def test_a_spool_below_one_shard_is_refused_before_training(micro):
     with pytest.raises(DraftportError, match=r"features.spool_gb: .* is less than one shard"):
-        train_phase(micro["root"] / "tiny", features_dir=micro["root"] / "online", target_dir=micro["target"],
-                    vocab_path=micro["root"] / "vocab.safetensors", init="scratch", arch=micro["arch"],
-                    train_cfg=cfg(2), progress=False, spool={"gb": 1e-6})
+        train_phase(
+            micro["root"] / "tiny",
+            features_dir=micro["root"] / "online",
+            target_dir=micro["target"],
+            vocab_path=micro["root"] / "vocab.safetensors",
+            init="scratch",
+            arch=micro["arch"],
+            train_cfg=cfg(2),
+            progress=False,
+            spool={"gb": 1e-6},
+        )
     assert not (micro["root"] / "tiny" / "drafter").exists()
 
 
@@ -179,8 +209,15 @@ def online_copy(tmp_path_factory):
     c = Copy(path)
     c.env["DRAFTPORT_STRICT_MODULES"] = "1"  # a step importing a module its registry row lacks fails
     c.run("git", "init", "-q")
-    c.run(Path(sys.executable).parent / "snakemake", "--cores", "2", "features_new", "features_eval",
-          "features_monitor", "vocab_new")
+    c.run(
+        Path(sys.executable).parent / "snakemake",
+        "--cores",
+        "2",
+        "features_new",
+        "features_eval",
+        "features_monitor",
+        "vocab_new",
+    )
     return c
 
 

@@ -25,12 +25,23 @@ pytestmark = pytest.mark.slow
 
 def draftport(*args, cwd):
     env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "draftport.cli", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "draftport.cli", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
-@pytest.mark.parametrize("world, arch", [("micro-deepseek", "DeepseekV3ForCausalLM"),   # Kimi's: MLA + MoE
-                                         ("micro-qwen3", "Qwen3ForCausalLM")])          # dense, q/k norms
+@pytest.mark.parametrize(
+    "world, arch",
+    [
+        ("micro-deepseek", "DeepseekV3ForCausalLM"),  # Kimi's: MLA + MoE
+        ("micro-qwen3", "Qwen3ForCausalLM"),
+    ],
+)  # dense, q/k norms
 def test_a_pair_from_init_to_the_decision(tmp_path, world, arch):
     repo = tmp_path / "repo"
     copy_repo(repo)
@@ -42,11 +53,36 @@ def test_a_pair_from_init_to_the_decision(tmp_path, world, arch):
     for t in ("target_old", "target_new"):
         assert json.loads((pair / t / "config.json").read_text())["architectures"] == [arch]
 
-    r = draftport("init", "micro-dsk", "--source", "draftport/world-k2-eagle3", "--cache-dir", "pairs/dsk/hub",
-                  "--offline", "--target-new", "pairs/dsk/target_new", "--target-old", "pairs/dsk/target_old",
-                  "--prompts", "pairs/dsk/corpus/new.jsonl", "--prompts-eval", "pairs/dsk/corpus/heldout_new.jsonl",
-                  "--like", "configs/micro.yaml", "--phase1-samples", "64", "--phase2-samples", "128",
-                  "--baseline-tok-s", "82", "--verify-ms", "30", "--draft-ms", "0", cwd=repo)
+    r = draftport(
+        "init",
+        "micro-dsk",
+        "--source",
+        "draftport/world-k2-eagle3",
+        "--cache-dir",
+        "pairs/dsk/hub",
+        "--offline",
+        "--target-new",
+        "pairs/dsk/target_new",
+        "--target-old",
+        "pairs/dsk/target_old",
+        "--prompts",
+        "pairs/dsk/corpus/new.jsonl",
+        "--prompts-eval",
+        "pairs/dsk/corpus/heldout_new.jsonl",
+        "--like",
+        "configs/micro.yaml",
+        "--phase1-samples",
+        "64",
+        "--phase2-samples",
+        "128",
+        "--baseline-tok-s",
+        "82",
+        "--verify-ms",
+        "30",
+        "--draft-ms",
+        "0",
+        cwd=repo,
+    )
     assert r.returncode == 0, r.stderr
     assert "nothing missing: snakemake --configfile=configs/micro-dsk.yaml" in r.stdout, r.stdout[-3000:]
     cfg = P.load(repo / "configs" / "micro-dsk.yaml", base=repo / "params.yaml")
@@ -55,8 +91,18 @@ def test_a_pair_from_init_to_the_decision(tmp_path, world, arch):
 
     smk("--configfile=configs/micro-dsk.yaml", "--cores", "2", "all", cwd=repo)
     art = repo / "artifacts"
-    for step in ("fetch", "compare", "eval_phase0", "drift", "eval_phase1_scratch", "eval_phase1", "eval_phase2",
-                 "eval_curves", "decision", "report"):
+    for step in (
+        "fetch",
+        "compare",
+        "eval_phase0",
+        "drift",
+        "eval_phase1_scratch",
+        "eval_phase1",
+        "eval_phase2",
+        "eval_curves",
+        "decision",
+        "report",
+    ):
         assert (art / step / "metrics.json").is_file(), step
     assert not (art / "world").exists()  # the pair is the user's folders, not a world the plan built
     compare = json.loads((art / "compare" / "compare.json").read_text())
@@ -67,10 +113,12 @@ def test_a_pair_from_init_to_the_decision(tmp_path, world, arch):
 
     r = draftport("decide", cwd=repo)
     assert r.returncode == 0 and "Recommendation: init " in r.stdout, r.stderr
-    r = draftport("publish", "--configfile", "configs/micro-dsk.yaml", "--out", tmp_path / "published", "--json",
-                  cwd=repo)
+    r = draftport(
+        "publish", "--configfile", "configs/micro-dsk.yaml", "--out", tmp_path / "published", "--json", cwd=repo
+    )
     assert r.returncode == 0, r.stderr
     pub = json.loads(r.stdout)
     assert pub["export"] and (tmp_path / "published" / "model.safetensors").is_file()
     assert json.loads((tmp_path / "published" / "config.json").read_text())["architectures"] == [
-        "LlamaForCausalLMEagle3"]
+        "LlamaForCausalLMEagle3"
+    ]

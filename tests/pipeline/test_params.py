@@ -68,18 +68,21 @@ def test_unknown_top_level_group(base):
     assert error_of(cfg).startswith("phase3: unknown key")
 
 
-@pytest.mark.parametrize("dotted,value,expect", [
-    ("phase1.train.steps", "many", "phase1.train.steps: expected an integer"),
-    ("phase1.train.lr", True, "phase1.train.lr: expected a number"),
-    ("phase1.vocab_policy", "rebuild", "phase1.vocab_policy: must be one of remap, keep"),
-    ("eval.k", 0, "eval.k: must be >= 1"),
-    ("features.aux_layer_ids", [1, "2"], "features.aux_layer_ids: expected a non-empty list of integers"),
-    ("source.repo_id", "no-slash", "source.repo_id: expected a hub id like org/name or a folder"),
-    ("costmodel.verify_ms", 0, "costmodel.verify_ms: must be >="),
-    ("world.model.hidden_size", 1.5, "world.model.hidden_size: expected an integer"),
-    ("world.target_old", 3, "world.target_old: expected a group of keys"),
-    ("profile", None, "profile: must be set"),
-])
+@pytest.mark.parametrize(
+    "dotted,value,expect",
+    [
+        ("phase1.train.steps", "many", "phase1.train.steps: expected an integer"),
+        ("phase1.train.lr", True, "phase1.train.lr: expected a number"),
+        ("phase1.vocab_policy", "rebuild", "phase1.vocab_policy: must be one of remap, keep"),
+        ("eval.k", 0, "eval.k: must be >= 1"),
+        ("features.aux_layer_ids", [1, "2"], "features.aux_layer_ids: expected a non-empty list of integers"),
+        ("source.repo_id", "no-slash", "source.repo_id: expected a hub id like org/name or a folder"),
+        ("costmodel.verify_ms", 0, "costmodel.verify_ms: must be >="),
+        ("world.model.hidden_size", 1.5, "world.model.hidden_size: expected an integer"),
+        ("world.target_old", 3, "world.target_old: expected a group of keys"),
+        ("profile", None, "profile: must be set"),
+    ],
+)
 def test_bad_values_are_one_line_naming_the_key(base, dotted, value, expect):
     assert error_of(bad(base, dotted, value)).startswith(expect)
 
@@ -96,22 +99,29 @@ def test_train_groups_take_defaults_for_left_out_keys(base):
     assert P.validate(cfg)["phase1"]["train"] == {"steps": 3}
 
 
-@pytest.mark.parametrize("dotted,value,expect", [
-    ("phase2.n_samples", 10, "phase2.n_samples: must exceed phase1.n_samples"),
-    ("features.aux_layer_ids", [1, 2, 9], "features.aux_layer_ids: [9] out of range"),
-    ("features.eval_samples", 10_000, "features.eval_samples:"),
-    ("vocab_new.draft_vocab_size", 100_000, "vocab_new.draft_vocab_size:"),
-    ("curves.arms_n_samples", [150, 300], "curves.arms_n_samples: [150, 300]: ascending, each among curves.n_samples"),
-    ("curves.arms_n_samples", [400, 150], "curves.arms_n_samples: [400, 150]: ascending"),
-    ("curves.recipes", {"Big-LR": {"lr": 0.01}}, "curves.recipes.Big-LR: a recipe's name: lowercase"),
-    ("curves.recipes", {"long": {"steps": 9}}, "curves.recipes.long.steps: set by the budget rule"),
-    ("curves.recipes", {"odd": {"lrr": 0.01}}, "curves.recipes.odd: unknown training key(s): lrr"),
-    ("curves.recipes", {"odd": {"l2sp_lambda": -1.0}}, "curves.recipes.odd.l2sp_lambda:"),
-    ("curves.recipes", {"empty": {}}, "curves.recipes.empty: a mapping of the train keys"),
-    ("curves.inits", ["scratch"], "curves.recipes: fine-tune the source: needs source among curves.inits"),
-    ("curves.train.l2sp_lambda", 1e-4, "curves.train.l2sp_lambda: the scratch points start from random weights"),
-    ("world.source_drafter.train.l2sp_lambda", 1e-4, "world.source_drafter.train.l2sp_lambda: the source drafter"),
-])
+@pytest.mark.parametrize(
+    "dotted,value,expect",
+    [
+        ("phase2.n_samples", 10, "phase2.n_samples: must exceed phase1.n_samples"),
+        ("features.aux_layer_ids", [1, 2, 9], "features.aux_layer_ids: [9] out of range"),
+        ("features.eval_samples", 10_000, "features.eval_samples:"),
+        ("vocab_new.draft_vocab_size", 100_000, "vocab_new.draft_vocab_size:"),
+        (
+            "curves.arms_n_samples",
+            [150, 300],
+            "curves.arms_n_samples: [150, 300]: ascending, each among curves.n_samples",
+        ),
+        ("curves.arms_n_samples", [400, 150], "curves.arms_n_samples: [400, 150]: ascending"),
+        ("curves.recipes", {"Big-LR": {"lr": 0.01}}, "curves.recipes.Big-LR: a recipe's name: lowercase"),
+        ("curves.recipes", {"long": {"steps": 9}}, "curves.recipes.long.steps: set by the budget rule"),
+        ("curves.recipes", {"odd": {"lrr": 0.01}}, "curves.recipes.odd: unknown training key(s): lrr"),
+        ("curves.recipes", {"odd": {"l2sp_lambda": -1.0}}, "curves.recipes.odd.l2sp_lambda:"),
+        ("curves.recipes", {"empty": {}}, "curves.recipes.empty: a mapping of the train keys"),
+        ("curves.inits", ["scratch"], "curves.recipes: fine-tune the source: needs source among curves.inits"),
+        ("curves.train.l2sp_lambda", 1e-4, "curves.train.l2sp_lambda: the scratch points start from random weights"),
+        ("world.source_drafter.train.l2sp_lambda", 1e-4, "world.source_drafter.train.l2sp_lambda: the source drafter"),
+    ],
+)
 def test_values_that_do_not_fit_together(base, dotted, value, expect):
     assert error_of(bad(base, dotted, value)).startswith(expect)
 
@@ -154,8 +164,9 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
 def test_cli_exit_code_and_one_line(tmp_path, base):
     f = tmp_path / "params.yaml"
     f.write_text(yaml.safe_dump(bad(base, "eval.batch_size", -1)))
-    r = subprocess.run([sys.executable, "-m", "draftport.plan.params", "--params", str(f)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "draftport.plan.params", "--params", str(f)], capture_output=True, text=True
+    )
     assert r.returncode == 2
     assert r.stderr.strip() == "error: eval.batch_size: must be >= 1, got -1"
 
@@ -179,8 +190,14 @@ OPTIONAL_LEAVES = (
     lambda k: k.startswith("resources.") and not k.startswith("resources.default."),
     # the source drafter's shape: a key left out is derived from the target by
     # draftport.model.bind.new_drafter_config (key/value heads = heads, head_dim = hidden / heads, ...)
-    lambda k: k in ("world.source_drafter.arch.num_key_value_heads", "world.source_drafter.arch.head_dim",
-                    "world.source_drafter.arch.rope_theta"),
+    lambda k: (
+        k
+        in (
+            "world.source_drafter.arch.num_key_value_heads",
+            "world.source_drafter.arch.head_dim",
+            "world.source_drafter.arch.rope_theta",
+        )
+    ),
     # the targets' architecture (left out: llama, the embedded world) and DeepSeek-V3's keys (left
     # out: derived by draftport.world.targets.target_config); configs/micro-deepseek.yaml sets them
     lambda k: k == "world.model.arch" or k in {f"world.model.{n}" for n in P.WorldModel.DEEPSEEK_KEYS},
@@ -198,7 +215,8 @@ def test_params_yaml_shows_every_value_a_step_uses(base):
             assert k in written or any(w.startswith(k + ".") for w in written), f"{k} is not written out in params.yaml"
     kimi = P.read_yaml(ROOT / "configs/kimi-k2.5.yaml")
     assert set(P.flatten({"reference": kimi["reference"]})) == {
-        f"reference.{k}" for k in P.ReferenceParams.model_fields}
+        f"reference.{k}" for k in P.ReferenceParams.model_fields
+    }
     # and nothing in params.yaml is outside the tree
     assert {w for w in written if not w.startswith("curves.recipes.")} <= set(model_leaves(P.Params)) | {"reference"}
 
@@ -210,27 +228,80 @@ def test_every_field_has_a_description():
             sub = P._model_of(f.annotation)
             if sub is not None:
                 walk(sub, f"{prefix}{name}.")
+
     walk(P.Params)
     P.Params.model_json_schema()  # the schema renders (docs, editors)
 
 
 # TrainConfig's defaults (those of the dataclass it replaced, plus held-out tau and the port recipes
 # off): params.yaml's train groups spell every value out, equal to the defaults but for the keys below
-OLD_TRAIN_DEFAULTS = {"steps": 200, "batch_size": 8, "lr": 1e-3, "min_lr_ratio": 0.1, "warmup_steps": 20,
-                      "weight_decay": 0.0, "grad_clip": 1.0, "ttt_steps": 3, "gamma": 0.8, "seed": 0,
-                      "checkpoint_every": 50, "keep_checkpoints": 2, "log_every": 10, "dtype": "auto",
-                      "device": "auto", "train_lm_head": True, "impl": "auto", "parallel": "ddp", "eval_every": 0, "patience": 0,
-                      "packing": False, "l2sp_lambda": 0.0, "freeze": [],
-                      "fast": {"attention": "flash", "packed_attention": "auto", "compile_tuning": True}}
+OLD_TRAIN_DEFAULTS = {
+    "steps": 200,
+    "batch_size": 8,
+    "lr": 1e-3,
+    "min_lr_ratio": 0.1,
+    "warmup_steps": 20,
+    "weight_decay": 0.0,
+    "grad_clip": 1.0,
+    "ttt_steps": 3,
+    "gamma": 0.8,
+    "seed": 0,
+    "checkpoint_every": 50,
+    "keep_checkpoints": 2,
+    "log_every": 10,
+    "dtype": "auto",
+    "device": "auto",
+    "train_lm_head": True,
+    "impl": "auto",
+    "parallel": "ddp",
+    "eval_every": 0,
+    "patience": 0,
+    "packing": False,
+    "l2sp_lambda": 0.0,
+    "freeze": [],
+    "fast": {"attention": "flash", "packed_attention": "auto", "compile_tuning": True},
+}
 OLD_EXPLICIT = {  # the keys each train group sets apart from the defaults
-    "world.source_drafter.train": {"steps": 1200, "batch_size": 16, "lr": 0.003, "warmup_steps": 20, "ttt_steps": 3,
-                                   "log_every": 50, "checkpoint_every": 1200, "eval_every": 100},
-    "phase1.train": {"steps": 38, "batch_size": 16, "lr": 0.002, "warmup_steps": 10, "ttt_steps": 3, "log_every": 5,
-                     "checkpoint_every": 38, "eval_every": 5},
-    "phase2.train": {"steps": 120, "batch_size": 16, "lr": 0.001, "warmup_steps": 10, "ttt_steps": 3,
-                     "log_every": 5, "checkpoint_every": 60, "eval_every": 20},
-    "curves.train": {"steps": 600, "batch_size": 16, "lr": 0.002, "warmup_steps": 10, "ttt_steps": 3,
-                     "log_every": 10, "checkpoint_every": 200, "eval_every": 25},
+    "world.source_drafter.train": {
+        "steps": 1200,
+        "batch_size": 16,
+        "lr": 0.003,
+        "warmup_steps": 20,
+        "ttt_steps": 3,
+        "log_every": 50,
+        "checkpoint_every": 1200,
+        "eval_every": 100,
+    },
+    "phase1.train": {
+        "steps": 38,
+        "batch_size": 16,
+        "lr": 0.002,
+        "warmup_steps": 10,
+        "ttt_steps": 3,
+        "log_every": 5,
+        "checkpoint_every": 38,
+        "eval_every": 5,
+    },
+    "phase2.train": {
+        "steps": 120,
+        "batch_size": 16,
+        "lr": 0.001,
+        "warmup_steps": 10,
+        "ttt_steps": 3,
+        "log_every": 5,
+        "checkpoint_every": 60,
+        "eval_every": 20,
+    },
+    "curves.train": {
+        "steps": 600,
+        "batch_size": 16,
+        "lr": 0.002,
+        "warmup_steps": 10,
+        "ttt_steps": 3,
+        "log_every": 10,
+        "checkpoint_every": 200,
+        "eval_every": 25,
+    },
 }
 
 
@@ -248,7 +319,9 @@ def test_world_model_defaults_are_the_embedded_world(base):
     assert P.WorldParams.model_validate(w).model_dump() == w
     micro = P.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"]
     assert micro["model"]["num_hidden_layers"] == 2 and micro["source_drafter"]["arch"] == {
-        "num_attention_heads": 2, "intermediate_size": 128}
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+    }
     # the world group on its own, keys named in the file's terms
     assert P.validate(base["world"], P.WorldParams, "world.") == base["world"]
     with pytest.raises(P.ParamsError, match=r"^world\.n_old: expected an integer"):
@@ -271,8 +344,10 @@ def test_kimi_resources_use_the_step_names(base):
 
 
 def test_import_is_light():
-    code = ("import sys, time; t = time.time(); import draftport.plan.params; dt = time.time() - t; "
-            "print('torch' in sys.modules, 'draftport.world' in sys.modules, dt)")
+    code = (
+        "import sys, time; t = time.time(); import draftport.plan.params; dt = time.time() - t; "
+        "print('torch' in sys.modules, 'draftport.world' in sys.modules, dt)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     torch, world, dt = r.stdout.split()
     assert (torch, world) == ("False", "False")
@@ -280,55 +355,77 @@ def test_import_is_light():
 
 
 def test_show_prints_the_merged_params(capsys):
-    assert P.main(["--params", str(ROOT / "params.yaml"), "--configfile", str(ROOT / "configs/micro.yaml"),
-                   "--show"]) == 0
+    assert (
+        P.main(["--params", str(ROOT / "params.yaml"), "--configfile", str(ROOT / "configs/micro.yaml"), "--show"]) == 0
+    )
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown == P.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
     assert shown["profile"] == "micro" and shown["phase1"]["train"]["steps"] == 12
 
 
 # ---- strict types, one line per problem --------------------------------------------------------
-@pytest.mark.parametrize("dotted,value,expect", [
-    ("eval.batch_size", "32", 'eval.batch_size: expected an integer, got "32"'),
-    ("eval.batch_size", 1.5, "eval.batch_size: expected an integer, got 1.5"),
-    ("eval.batch_size", True, "eval.batch_size: expected an integer, got True"),
-    ("costmodel.verify_ms", True, "costmodel.verify_ms: expected a number, got True"),
-    ("costmodel.verify_ms", "30", 'costmodel.verify_ms: expected a number, got "30"'),
-    ("costmodel.verify_ms", 0, "costmodel.verify_ms: must be >= 1e-09, got 0"),
-    ("online.enabled", 1, "online.enabled: expected true or false, got 1"),
-    ("online.enabled", "true", 'online.enabled: expected true or false, got "true"'),
-    ("phase1.train.lr", 5, "phase1.train.lr: must be <= 1, got 5"),
-    ("phase1.train.lr", 5.0, "phase1.train.lr: must be <= 1, got 5"),
-    ("phase1.train.ttt_steps", 17, "phase1.train.ttt_steps: must be <= 16, got 17"),
-    ("phase1.train.parallel", "zero3", 'phase1.train.parallel: must be one of ddp, fsdp; got "zero3"'),
-    ("phase1.train.impl", 3, "phase1.train.impl: expected a non-empty string, got 3"),
-    ("phase1.train", 3, "phase1.train: expected a group of keys, got 3"),
-    ("phase1.vocab_policy", "rebuild", 'phase1.vocab_policy: must be one of remap, keep; got "rebuild"'),
-    ("eval.k", 0, "eval.k: must be >= 1, got 0"),
-    ("eval.k", 17, "eval.k: must be <= 16, got 17"),
-    ("eval.max_samples", 0, "eval.max_samples: must be >= 1, got 0"),
-    ("eval", None, "eval: expected a group of keys, got null"),
-    ("features.aux_layer_ids", [1, "2"], 'features.aux_layer_ids: expected a non-empty list of integers, got [1, "2"]'),
-    ("features.aux_layer_ids", [], "features.aux_layer_ids: expected a non-empty list of integers, got []"),
-    ("features.aux_layer_ids", [-1, 2], "features.aux_layer_ids: every entry must be >= 0, got [-1, 2]"),
-    ("features.aux_layer_ids", [0, 1, 2, 3], "features.aux_layer_ids: expected at most 3 entries, got 4"),
-    ("features.aux_layer_ids", None, "features.aux_layer_ids: must be set (null is not allowed here)"),
-    ("features.base_url", "", 'features.base_url: expected a non-empty string, got ""'),
-    ("features.device", "  ", 'features.device: expected a non-empty string, got "  "'),
-    ("source.repo_id", "no-slash", 'source.repo_id: expected a hub id like org/name or a folder (./path, /path), got "no-slash"'),
-    ("source.repo_id", "a/b/c", 'source.repo_id: expected a hub id like org/name or a folder (./path, /path), got "a/b/c"'),
-    ("source.repo_id", 3, "source.repo_id: expected a non-empty string, got 3"),
-    ("targets.trust_remote_code", ["x"], 'targets.trust_remote_code: expected hub ids like org/name, got "x"'),
-    ("world.target_old", 3, "world.target_old: expected a group of keys, got 3"),
-    ("world.source_drafter.arch.head_dim", None, "world.source_drafter.arch.head_dim: must be set (null is not "
-                                                 "allowed here)"),
-    ("world.source_drafter.arch.heads", 2, "world.source_drafter.arch.heads: unknown key (did you mean "
-                                           "world.source_drafter.arch.head_dim?)"),
-    ("resources.phase1", {"threads": 2}, "resources.phase1: unknown key (did you mean resources.eval_phase1?)"),
-    ("resources.default", None, "resources.default: expected a group of keys, got null"),
-    ("reference", 3, "reference: expected a group of keys, got 3"),
-    ("profile", None, "profile: must be set (null is not allowed here)"),
-])
+@pytest.mark.parametrize(
+    "dotted,value,expect",
+    [
+        ("eval.batch_size", "32", 'eval.batch_size: expected an integer, got "32"'),
+        ("eval.batch_size", 1.5, "eval.batch_size: expected an integer, got 1.5"),
+        ("eval.batch_size", True, "eval.batch_size: expected an integer, got True"),
+        ("costmodel.verify_ms", True, "costmodel.verify_ms: expected a number, got True"),
+        ("costmodel.verify_ms", "30", 'costmodel.verify_ms: expected a number, got "30"'),
+        ("costmodel.verify_ms", 0, "costmodel.verify_ms: must be >= 1e-09, got 0"),
+        ("online.enabled", 1, "online.enabled: expected true or false, got 1"),
+        ("online.enabled", "true", 'online.enabled: expected true or false, got "true"'),
+        ("phase1.train.lr", 5, "phase1.train.lr: must be <= 1, got 5"),
+        ("phase1.train.lr", 5.0, "phase1.train.lr: must be <= 1, got 5"),
+        ("phase1.train.ttt_steps", 17, "phase1.train.ttt_steps: must be <= 16, got 17"),
+        ("phase1.train.parallel", "zero3", 'phase1.train.parallel: must be one of ddp, fsdp; got "zero3"'),
+        ("phase1.train.impl", 3, "phase1.train.impl: expected a non-empty string, got 3"),
+        ("phase1.train", 3, "phase1.train: expected a group of keys, got 3"),
+        ("phase1.vocab_policy", "rebuild", 'phase1.vocab_policy: must be one of remap, keep; got "rebuild"'),
+        ("eval.k", 0, "eval.k: must be >= 1, got 0"),
+        ("eval.k", 17, "eval.k: must be <= 16, got 17"),
+        ("eval.max_samples", 0, "eval.max_samples: must be >= 1, got 0"),
+        ("eval", None, "eval: expected a group of keys, got null"),
+        (
+            "features.aux_layer_ids",
+            [1, "2"],
+            'features.aux_layer_ids: expected a non-empty list of integers, got [1, "2"]',
+        ),
+        ("features.aux_layer_ids", [], "features.aux_layer_ids: expected a non-empty list of integers, got []"),
+        ("features.aux_layer_ids", [-1, 2], "features.aux_layer_ids: every entry must be >= 0, got [-1, 2]"),
+        ("features.aux_layer_ids", [0, 1, 2, 3], "features.aux_layer_ids: expected at most 3 entries, got 4"),
+        ("features.aux_layer_ids", None, "features.aux_layer_ids: must be set (null is not allowed here)"),
+        ("features.base_url", "", 'features.base_url: expected a non-empty string, got ""'),
+        ("features.device", "  ", 'features.device: expected a non-empty string, got "  "'),
+        (
+            "source.repo_id",
+            "no-slash",
+            'source.repo_id: expected a hub id like org/name or a folder (./path, /path), got "no-slash"',
+        ),
+        (
+            "source.repo_id",
+            "a/b/c",
+            'source.repo_id: expected a hub id like org/name or a folder (./path, /path), got "a/b/c"',
+        ),
+        ("source.repo_id", 3, "source.repo_id: expected a non-empty string, got 3"),
+        ("targets.trust_remote_code", ["x"], 'targets.trust_remote_code: expected hub ids like org/name, got "x"'),
+        ("world.target_old", 3, "world.target_old: expected a group of keys, got 3"),
+        (
+            "world.source_drafter.arch.head_dim",
+            None,
+            "world.source_drafter.arch.head_dim: must be set (null is not allowed here)",
+        ),
+        (
+            "world.source_drafter.arch.heads",
+            2,
+            "world.source_drafter.arch.heads: unknown key (did you mean world.source_drafter.arch.head_dim?)",
+        ),
+        ("resources.phase1", {"threads": 2}, "resources.phase1: unknown key (did you mean resources.eval_phase1?)"),
+        ("resources.default", None, "resources.default: expected a group of keys, got null"),
+        ("reference", 3, "reference: expected a group of keys, got 3"),
+        ("profile", None, "profile: must be set (null is not allowed here)"),
+    ],
+)
 def test_problems_word_for_word(base, dotted, value, expect):
     assert error_of(bad(base, dotted, value)) == expect
 
@@ -384,8 +481,10 @@ def test_cross_false_skips_only_the_cross_checks(base):
 
 def test_cross_checks_name_the_training_steps(base):
     cfg = P.merge(base, {"resources": {"compare": {"torchrun": True, "gpu": 1}}})
-    assert error_of(cfg) == ("resources.compare.torchrun: only training rules run under torchrun "
-                             "(train_phase1_scratch, train_phase1, train_phase2, train_curves, budget)")
+    assert error_of(cfg) == (
+        "resources.compare.torchrun: only training rules run under torchrun "
+        "(train_phase1_scratch, train_phase1, train_phase2, train_curves, budget)"
+    )
     cfg = P.merge(base, {"resources": {"train_phase1": {"torchrun": True}}})
     assert error_of(cfg) == "resources.train_phase1.torchrun: needs gpu >= 1 (one process per GPU)"
     ok = P.merge(base, {"resources": {"train_phase1": {"torchrun": True, "gpu": 2}}})
@@ -404,10 +503,12 @@ def test_train_config_is_the_train_group():
     assert cfg.lr == 1.0 and type(cfg.lr) is float and cfg.gamma == 0.8
     assert cfg.model_dump() == {**OLD_TRAIN_DEFAULTS, "steps": 3, "lr": 1.0}
     assert TrainConfig.from_dict({"steps": 3}) == TrainConfig(steps=3)
-    for kw, msg in [({"steps": "3"}, 'train.steps: expected an integer, got "3"'),
-                    ({"lr": True}, "train.lr: expected a number, got True"),
-                    ({"parallel": "zero3"}, 'train.parallel: must be one of ddp, fsdp; got "zero3"'),
-                    ({"stesp": 3}, "train.stesp: unknown key (did you mean train.steps?)")]:
+    for kw, msg in [
+        ({"steps": "3"}, 'train.steps: expected an integer, got "3"'),
+        ({"lr": True}, "train.lr: expected a number, got True"),
+        ({"parallel": "zero3"}, 'train.parallel: must be one of ddp, fsdp; got "zero3"'),
+        ({"stesp": 3}, "train.stesp: unknown key (did you mean train.steps?)"),
+    ]:
         with pytest.raises(P.ParamsError) as e:
             TrainConfig(**kw)
         assert str(e.value) == msg
@@ -444,26 +545,57 @@ def micro(base):
     return P.merge(base, P.read_yaml(ROOT / "configs/micro.yaml"))
 
 
-@pytest.mark.parametrize("case,edit,where,problem", [
-    ("params-typo", lambda c: set_key(c, "eval.kk", 3), "eval.kk", "unknown key (did you mean eval.k?)"),
-    ("params-wrong-type", lambda c: set_key(c, "eval.batch_size", "32"), "eval.batch_size",
-     'expected an integer, got "32"'),
-    ("params-out-of-range", lambda c: set_key(c, "phase1.train.lr", 5.0), "phase1.train.lr", "must be <= 1, got 5"),
-    ("params-eval-k-zero", lambda c: set_key(c, "eval.k", 0), "eval.k", "must be >= 1, got 0"),
-    ("params-missing-key", lambda c: drop_key(c, "eval.batch_size"), "eval.batch_size", "missing"),
-    ("params-null", lambda c: set_key(c, "source.revision", None), "source.revision",
-     "must be set (null is not allowed here)"),
-    ("params-aux-out-of-range", lambda c: set_key(c, "features.aux_layer_ids", [0, 1, 7]), "features.aux_layer_ids",
-     "[7] out of range for the world's 2-layer targets"),
-    ("params-aux-sglang-out-of-range", lambda c: set_key(c, "features.aux_convention", "sglang"),
-     "features.aux_layer_ids", "[2] out of range for the world's 2-layer targets (sglang convention)"),
-    ("params-phase2-not-larger", lambda c: set_key(c, "phase2.n_samples", 10), "phase2.n_samples",
-     "must exceed phase1.n_samples"),
-    ("profile-typo", lambda c: P.merge(c, yaml.safe_load("eval: {kk: 3}\n")), "eval.kk",
-     "unknown key (did you mean eval.k?)"),
-    ("params-cli-profile-wrong-type", lambda c: P.merge(c, yaml.safe_load("phase1: {n_samples: many}\n")),
-     "phase1.n_samples", 'expected an integer, got "many"'),
-])
+@pytest.mark.parametrize(
+    "case,edit,where,problem",
+    [
+        ("params-typo", lambda c: set_key(c, "eval.kk", 3), "eval.kk", "unknown key (did you mean eval.k?)"),
+        (
+            "params-wrong-type",
+            lambda c: set_key(c, "eval.batch_size", "32"),
+            "eval.batch_size",
+            'expected an integer, got "32"',
+        ),
+        ("params-out-of-range", lambda c: set_key(c, "phase1.train.lr", 5.0), "phase1.train.lr", "must be <= 1, got 5"),
+        ("params-eval-k-zero", lambda c: set_key(c, "eval.k", 0), "eval.k", "must be >= 1, got 0"),
+        ("params-missing-key", lambda c: drop_key(c, "eval.batch_size"), "eval.batch_size", "missing"),
+        (
+            "params-null",
+            lambda c: set_key(c, "source.revision", None),
+            "source.revision",
+            "must be set (null is not allowed here)",
+        ),
+        (
+            "params-aux-out-of-range",
+            lambda c: set_key(c, "features.aux_layer_ids", [0, 1, 7]),
+            "features.aux_layer_ids",
+            "[7] out of range for the world's 2-layer targets",
+        ),
+        (
+            "params-aux-sglang-out-of-range",
+            lambda c: set_key(c, "features.aux_convention", "sglang"),
+            "features.aux_layer_ids",
+            "[2] out of range for the world's 2-layer targets (sglang convention)",
+        ),
+        (
+            "params-phase2-not-larger",
+            lambda c: set_key(c, "phase2.n_samples", 10),
+            "phase2.n_samples",
+            "must exceed phase1.n_samples",
+        ),
+        (
+            "profile-typo",
+            lambda c: P.merge(c, yaml.safe_load("eval: {kk: 3}\n")),
+            "eval.kk",
+            "unknown key (did you mean eval.k?)",
+        ),
+        (
+            "params-cli-profile-wrong-type",
+            lambda c: P.merge(c, yaml.safe_load("phase1: {n_samples: many}\n")),
+            "phase1.n_samples",
+            'expected an integer, got "many"',
+        ),
+    ],
+)
 def test_bad_input_params_cases(micro, case, edit, where, problem):
     cfg = edit(micro)
     # through a file, as the scripts read it (yaml.safe_dump as test_bad_inputs.edit_params writes)
@@ -475,12 +607,17 @@ def test_bad_input_params_files(tmp_path, micro):
     """params-yaml-syntax and params-cli-unknown-profile: through the CLI, one line on stderr."""
     f = tmp_path / "params.yaml"
     f.write_text(yaml.safe_dump(micro, sort_keys=False) + "eval: {k: 3, batch_size: 32\n")
-    r = subprocess.run([sys.executable, "-m", "draftport.plan.params", "--params", str(f)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "draftport.plan.params", "--params", str(f)], capture_output=True, text=True
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"error: {f}:") and "not valid YAML (" in r.stderr
     f.write_text(yaml.safe_dump(micro, sort_keys=False))
-    r = subprocess.run([sys.executable, "-m", "draftport.plan.params", "--params", str(f), "--configfile",
-                        "configs/nope.yaml"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "draftport.plan.params", "--params", str(f), "--configfile", "configs/nope.yaml"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr == "error: configs/nope.yaml: no such parameter file\n"
 
 

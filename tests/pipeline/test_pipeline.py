@@ -80,13 +80,22 @@ def repo(tmp_path_factory):
     micro_copy(path, _online_and_reference)
     server = MlflowServer(tmp)
     uri = server.uri
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(path / "src"),
-           "MLFLOW_TRACKING_URI": uri, "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1",
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-           "DRAFTPORT_VLLM_PYTHON": str(VLLM_PY),
-           # a step that runs a draftport module its registry row does not list fails
-           "DRAFTPORT_STRICT_MODULES": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(path / "src"),
+        "MLFLOW_TRACKING_URI": uri,
+        "DVC_NO_ANALYTICS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "DRAFTPORT_VLLM_PYTHON": str(VLLM_PY),
+        # a step that runs a draftport module its registry row does not list fails
+        "DRAFTPORT_STRICT_MODULES": "1",
+    }
     env.pop("OMP_NUM_THREADS", None)
     r = Repo(path, env)
     r.run("git", "init", "-q")
@@ -115,14 +124,30 @@ def runs_by_name(uri, profile="micro") -> dict[str, list[dict]]:
 
 def test_phase1_from_scratch(repo):
     r = repo.smk("--cores", "2", "phase1")
-    for step in ("world", "fetch", "compare", "eval_phase0", "features_new", "train_phase1", "eval_phase1",
-                 "train_phase1_scratch", "eval_phase1_scratch"):
+    for step in (
+        "world",
+        "fetch",
+        "compare",
+        "eval_phase0",
+        "features_new",
+        "train_phase1",
+        "eval_phase1",
+        "train_phase1_scratch",
+        "eval_phase1_scratch",
+    ):
         assert (repo.path / "artifacts" / step / "metrics.json").is_file(), step
     assert (repo.path / "artifacts/train_phase1/drafter/model.safetensors").is_file()
     assert "dvc.lock: committed" in r.stderr
     m = repo.metrics("eval_phase1")
-    for key in ("accept_length", "projected_tok_s", "break_even_accept_length", "gain_vs_phase0",
-                "gain_vs_phase1_scratch", "accept_rate_pos_0", "cond_acc_0"):
+    for key in (
+        "accept_length",
+        "projected_tok_s",
+        "break_even_accept_length",
+        "gain_vs_phase0",
+        "gain_vs_phase1_scratch",
+        "accept_rate_pos_0",
+        "cond_acc_0",
+    ):
         assert key in m, key
     assert m["break_even_accept_length"] == pytest.approx(82.0 * 0.030)
     assert not (repo.path / "artifacts/train_phase2").exists()
@@ -195,15 +220,20 @@ def test_online_step_agrees_with_offline(repo):
     # online steps are Snakemake-only: DVC still has nothing to do up to phase1, a rerun plans nothing
     assert json.loads(repo.dvc("status", "--json", "eval_phase1").stdout) == {}
     assert "Nothing to be done" in repo.smk("-n", "online").stdout
-    print("\nonline (micro): " + ", ".join(
-        f"{ph}: vLLM {repo.metrics('online_' + ph)['online_accept_length']:.4f} / offline "
-        f"{repo.metrics('online_' + ph)['offline_same_prompts_accept_length']:.4f}" for ph in ("phase0", "phase1")))
+    print(
+        "\nonline (micro): "
+        + ", ".join(
+            f"{ph}: vLLM {repo.metrics('online_' + ph)['online_accept_length']:.4f} / offline "
+            f"{repo.metrics('online_' + ph)['offline_same_prompts_accept_length']:.4f}"
+            for ph in ("phase0", "phase1")
+        )
+    )
 
 
 def test_all_and_the_report(repo):
     repo.smk("--cores", "2", "all")
     assert json.loads(repo.dvc("status", "--json").stdout) == {}
-    assert planned(repo) == set()   # the rerun matrix below starts from here
+    assert planned(repo) == set()  # the rerun matrix below starts from here
     repo.smk("--report", "report.html")
     html = (repo.path / "report.html").read_text()
     assert len(html) > 50_000 and "Summary" in html
@@ -214,8 +244,17 @@ def test_all_and_the_report(repo):
     summary = (repo.path / "artifacts/report/summary.html").read_text()
     # the drift probe (micro: both targets), in its step, the report and phase0's MLflow run
     d = repo.metrics("drift")
-    for key in ("cos_layer_0", "cka_layer_0", "rel_norm_change_layer_0", "cos_final", "cka_final",
-                "greedy_agreement", "tau_source_old_features", "tau_source_new_features", "tau_gap"):
+    for key in (
+        "cos_layer_0",
+        "cka_layer_0",
+        "rel_norm_change_layer_0",
+        "cos_final",
+        "cka_final",
+        "greedy_agreement",
+        "tau_source_old_features",
+        "tau_source_new_features",
+        "tau_gap",
+    ):
         assert key in d, key
     assert 0 < d["cos_final"] <= 1 and 0 <= d["greedy_agreement"] <= 1
     assert d["tau_source_new_features"] == pytest.approx(repo.metrics("eval_phase0")["accept_length"])
@@ -226,19 +265,40 @@ def test_all_and_the_report(repo):
     dec = json.loads((repo.path / "artifacts/decision/decision.json").read_text())
     assert dec["schema"] == "draftport.decision/1"
     assert [row["n_samples"] for row in dec["curves"]["source"]] == [32, 128]
-    assert all(row["n_seeds"] == 2 and row["ci"][0] <= row["accept_length"] <= row["ci"][1]
-               for init in ("source", "scratch") for row in dec["curves"][init])
+    assert all(
+        row["n_seeds"] == 2 and row["ci"][0] <= row["accept_length"] <= row["ci"][1]
+        for init in ("source", "scratch")
+        for row in dec["curves"][init]
+    )
     assert [g["n_samples"] for g in dec["gain"]] == [32, 128]
     assert set(dec["phases"]) == {"phase0", "phase1_scratch", "phase1", "phase2"}
     assert dec["drift"]["tau_gap"] == pytest.approx(d["tau_gap"])
     rec = dec["recommendation"]
-    assert rec["init"] in ("source", "scratch", "either") and [r["id"] for r in rec["rules"]] == \
-        ["R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8"]
+    assert rec["init"] in ("source", "scratch", "either") and [r["id"] for r in rec["rules"]] == [
+        "R1",
+        "R2",
+        "R3",
+        "R4",
+        "R5",
+        "R6",
+        "R7",
+        "R8",
+    ]
     # the arms at n=32 (each init on the dataset's own answers, three recipes), each paired with plain
-    assert set(dec["curves"]) == {"source", "scratch", "source-dataset", "scratch-dataset", "source-l2sp",
-                                  "source-lr_low", "source-frozen"}
+    assert set(dec["curves"]) == {
+        "source",
+        "scratch",
+        "source-dataset",
+        "scratch-dataset",
+        "source-l2sp",
+        "source-lr_low",
+        "source-frozen",
+    }
     assert [g["n_samples"] for g in dec["answers_gain"]["source"]] == [32] and set(dec["recipe_gain"]) == {
-        "l2sp", "lr_low", "frozen"}
+        "l2sp",
+        "lr_low",
+        "frozen",
+    }
     assert says_what_the_numbers_show(dec) == []
     # the hours: measured by the steps, in every curve row and phase; the dataset arm regenerates nothing
     assert all(row["hours"]["total"] > 0 for rows in dec["curves"].values() for row in rows)
@@ -252,13 +312,22 @@ def test_all_and_the_report(repo):
     runs = [r for rs in runs_by_name(repo.uri).values() for r in rs]
     parent = [r for r in runs if r["info"]["run_name"] == "curves"]
     assert len(parent) == 1
-    kids = [r for r in runs if {t["key"]: t["value"] for t in r["data"].get("tags", [])}.get("mlflow.parentRunId")
-            == parent[0]["info"]["run_id"]]
-    tags = sorted((t["arm"], t["init"], int(t["n_samples"]), int(t["seed"])) for t in
-                  ({x["key"]: x["value"] for x in k["data"]["tags"]} for k in kids))
+    kids = [
+        r
+        for r in runs
+        if {t["key"]: t["value"] for t in r["data"].get("tags", [])}.get("mlflow.parentRunId")
+        == parent[0]["info"]["run_id"]
+    ]
+    tags = sorted(
+        (t["arm"], t["init"], int(t["n_samples"]), int(t["seed"]))
+        for t in ({x["key"]: x["value"] for x in k["data"]["tags"]} for k in kids)
+    )
     plain = sorted((i, i, n, sd) for i in ("source", "scratch") for n in (32, 128) for sd in (0, 1))
-    arms = sorted((a, a.split("-")[0], 32, sd) for a in ("source-dataset", "scratch-dataset", "source-l2sp",
-                                                         "source-lr_low", "source-frozen") for sd in (0, 1))
+    arms = sorted(
+        (a, a.split("-")[0], 32, sd)
+        for a in ("source-dataset", "scratch-dataset", "source-l2sp", "source-lr_low", "source-frozen")
+        for sd in (0, 1)
+    )
     assert tags == sorted(plain + arms)
     assert all("accept_length" in {m["key"] for m in k["data"]["metrics"]} for k in kids)
     # the world's source drafter: teacher-forced on the old corpus, its held-out tau on the old
@@ -294,45 +363,79 @@ def dvc_changed(repo) -> set[str]:
 
 
 EVALS = {"eval_phase0", "eval_phase1_scratch", "eval_phase1", "eval_phase2"}
-TRAINED = {"train_phase1_scratch", "train_phase1", "train_phase2", "eval_phase1_scratch", "eval_phase1",
-           "train_phase2", "eval_phase2"}
+TRAINED = {
+    "train_phase1_scratch",
+    "train_phase1",
+    "train_phase2",
+    "eval_phase1_scratch",
+    "eval_phase1",
+    "train_phase2",
+    "eval_phase2",
+}
 
 
 CURVE_EVAL = {"eval_curves", "decision"}  # the curves' evaluation and the decision reading it
 CAPTURES = {"features_new", "features_eval", "features_monitor", "features_phase2", "features_dataset"}
 ONLINE = {"online_phase0", "online_phase1"} if HAVE_VLLM else set()  # online.enabled when vLLM is here
-ALL = ({"world", "fetch", "vocab_new", "compare", "eval_phase0", "drift", "train_curves", "report"} | CAPTURES | TRAINED
-       | EVALS | CURVE_EVAL | ONLINE)   # the test copy's whole plan (publish is off)
+ALL = (
+    {"world", "fetch", "vocab_new", "compare", "eval_phase0", "drift", "train_curves", "report"}
+    | CAPTURES
+    | TRAINED
+    | EVALS
+    | CURVE_EVAL
+    | ONLINE
+)  # the test copy's whole plan (publish is off)
 
 
-@pytest.mark.parametrize("edit,value,smk_plans,dvc_sees", [
-    # evaluation settings rerun evaluations only (and what reads them); no drafter is retrained
-    ("eval.k", 4, EVALS | CURVE_EVAL | {"drift", "report"} | ONLINE, EVALS | CURVE_EVAL | {"drift", "report"}),
-    ("costmodel.verify_ms", 15.0, EVALS | {"drift", "decision", "report"} | ONLINE, EVALS | {"decision", "report"}),
-    # a training value reruns that training and what depends on it, nothing upstream
-    ("phase1.train.lr", 0.001, TRAINED | {"decision", "report"} | (ONLINE & {"online_phase1"}),
-     {"train_phase1_scratch", "train_phase1"}),
-    # the eval set's size: that feature step and the evaluations, never the training data
-    ("features.eval_samples", 30, {"features_eval"} | EVALS | CURVE_EVAL | {"drift", "report"} | ONLINE,
-     {"features_eval"}),
-    # the curves' training: its points and what reads them; no phase
-    ("curves.epochs", 2.0, {"train_curves"} | CURVE_EVAL | {"report"}, {"train_curves"}),
-    ("decision.level", 0.9, {"decision", "report"}, {"decision"}),
-    # code is a dependency: a library module reruns the steps that run it
-    ("src/draftport/outputs/report.py", None, {"report"}, {"report"}),
-    ("src/draftport/evaluation/costmodel.py", None, EVALS | {"drift", "decision", "report"} | ONLINE, EVALS | {"decision"}),
-    ("src/draftport/evaluation/drift.py", None, {"drift", "decision", "report"}, {"drift"}),
-    ("src/draftport/evaluation/decision.py", None, CURVE_EVAL | {"report"}, CURVE_EVAL),
-    # the plumbing is no step's code: a help text of the params' schema, the runner, the step table
-    ("src/draftport/plan/params.py", None, set(), set()),
-    ("src/draftport/pipeline/runner.py", None, set(), set()),
-    ("src/draftport/plan/registry.py", None, set(), set()),
-    # the capture's serving path: every capture and what reads the captures, never the world or fetch
-    ("src/draftport/engines/openai.py", None, ALL - {"world", "fetch"}, CAPTURES),
-    # the compare step's tables: Phase 1's fine-tune reads its verdict, the control does not
-    ("src/draftport/outputs/tables.py", None, {"compare", "train_phase1", "eval_phase1", "train_phase2", "eval_phase2",
-                                       "decision", "report"} | (ONLINE & {"online_phase1"}), {"compare", "report"}),
-])
+@pytest.mark.parametrize(
+    "edit,value,smk_plans,dvc_sees",
+    [
+        # evaluation settings rerun evaluations only (and what reads them); no drafter is retrained
+        ("eval.k", 4, EVALS | CURVE_EVAL | {"drift", "report"} | ONLINE, EVALS | CURVE_EVAL | {"drift", "report"}),
+        ("costmodel.verify_ms", 15.0, EVALS | {"drift", "decision", "report"} | ONLINE, EVALS | {"decision", "report"}),
+        # a training value reruns that training and what depends on it, nothing upstream
+        (
+            "phase1.train.lr",
+            0.001,
+            TRAINED | {"decision", "report"} | (ONLINE & {"online_phase1"}),
+            {"train_phase1_scratch", "train_phase1"},
+        ),
+        # the eval set's size: that feature step and the evaluations, never the training data
+        (
+            "features.eval_samples",
+            30,
+            {"features_eval"} | EVALS | CURVE_EVAL | {"drift", "report"} | ONLINE,
+            {"features_eval"},
+        ),
+        # the curves' training: its points and what reads them; no phase
+        ("curves.epochs", 2.0, {"train_curves"} | CURVE_EVAL | {"report"}, {"train_curves"}),
+        ("decision.level", 0.9, {"decision", "report"}, {"decision"}),
+        # code is a dependency: a library module reruns the steps that run it
+        ("src/draftport/outputs/report.py", None, {"report"}, {"report"}),
+        (
+            "src/draftport/evaluation/costmodel.py",
+            None,
+            EVALS | {"drift", "decision", "report"} | ONLINE,
+            EVALS | {"decision"},
+        ),
+        ("src/draftport/evaluation/drift.py", None, {"drift", "decision", "report"}, {"drift"}),
+        ("src/draftport/evaluation/decision.py", None, CURVE_EVAL | {"report"}, CURVE_EVAL),
+        # the plumbing is no step's code: a help text of the params' schema, the runner, the step table
+        ("src/draftport/plan/params.py", None, set(), set()),
+        ("src/draftport/pipeline/runner.py", None, set(), set()),
+        ("src/draftport/plan/registry.py", None, set(), set()),
+        # the capture's serving path: every capture and what reads the captures, never the world or fetch
+        ("src/draftport/engines/openai.py", None, ALL - {"world", "fetch"}, CAPTURES),
+        # the compare step's tables: Phase 1's fine-tune reads its verdict, the control does not
+        (
+            "src/draftport/outputs/tables.py",
+            None,
+            {"compare", "train_phase1", "eval_phase1", "train_phase2", "eval_phase2", "decision", "report"}
+            | (ONLINE & {"online_phase1"}),
+            {"compare", "report"},
+        ),
+    ],
+)
 def test_rerun_matrix_plans_exactly_what_an_edit_affects(repo, edit, value, smk_plans, dvc_sees):
     """After `snakemake all`: one edit in the copy, then what `snakemake -n` and `dvc status` see;
     the edit is undone (content and mtime) before the next case, and each case ends by checking
@@ -364,12 +467,19 @@ def test_registry_modules_are_the_ones_each_step_ran(repo):
     """Each step's registry row lists the draftport modules it imported (logs/<step>.json records
     them; under DRAFTPORT_STRICT_MODULES an unlisted one fails the step), and lists no module it
     never ran except the engine paths another profile takes (vLLM capture, a served target)."""
-    branch = {"data.vllm_capture", "engines.vllm.venv", "engines.vllm.runners.features_vllm", "engines.openai",
-              "engines.vllm.runners.online_vllm",   # run as a file inside the vLLM venv
-              "data.packing",  # imported only by a training with train.packing: true
-              # a training step captures (features, its storage check, the spool) only with features.storage
-              # online / hybrid: tests/pipeline/test_online_storage.py runs those under DRAFTPORT_STRICT_MODULES
-              "training.spool", "data.storage", "data.features"}
+    branch = {
+        "data.vllm_capture",
+        "engines.vllm.venv",
+        "engines.vllm.runners.features_vllm",
+        "engines.openai",
+        "engines.vllm.runners.online_vllm",  # run as a file inside the vLLM venv
+        "data.packing",  # imported only by a training with train.packing: true
+        # a training step captures (features, its storage check, the spool) only with features.storage
+        # online / hybrid: tests/pipeline/test_online_storage.py runs those under DRAFTPORT_STRICT_MODULES
+        "training.spool",
+        "data.storage",
+        "data.features",
+    }
     checked = 0
     for row in R.STEPS:
         rec = repo.path / "logs" / f"{row.name}.json"
@@ -390,8 +500,13 @@ def test_mlflow_has_every_phase_with_the_same_metrics(repo):
     for name in ("phase0", "phase1", "phase1_scratch", "phase2"):
         run = runs[name][0]
         metrics = {m["key"] for m in run["data"].get("metrics", [])}
-        assert {"accept_length", "projected_tok_s", "break_even_accept_length", "accept_rate_pos_0",
-                "cond_acc_0"} <= metrics, (name, metrics)
+        assert {
+            "accept_length",
+            "projected_tok_s",
+            "break_even_accept_length",
+            "accept_rate_pos_0",
+            "cond_acc_0",
+        } <= metrics, (name, metrics)
         tags = {t["key"]: t["value"] for t in run["data"].get("tags", [])}
         assert tags["mlflow.source.git.commit"].startswith(sha), tags
         assert tags["draftport.source_revision"] == rev
@@ -418,7 +533,10 @@ def test_dvc_repro_reruns_only_what_a_param_edit_touches(repo):
     assert "Nothing to be done" in r.stdout, r.stdout[-3000:]
     runs = runs_by_name(repo.uri)["phase2"]
     assert len(runs) == 2
-    assert {t["value"] for run in runs for t in run["data"]["tags"] if t["key"] == "draftport.runner"} == {"dvc", "snakemake"}
+    assert {t["value"] for run in runs for t in run["data"]["tags"] if t["key"] == "draftport.runner"} == {
+        "dvc",
+        "snakemake",
+    }
 
 
 def test_dvc_repro_with_nothing_changed(repo):
@@ -449,17 +567,18 @@ def test_dvc_push_to_a_local_remote(repo, tmp_path):
 def test_unreachable_tracking_server_fails_before_compute(repo):
     bad = "http://127.0.0.1:9"
     t = time.time()
-    r = repo.smk("--cores", "1", "--forcerun", "eval_phase0", "phase0", check=False,
-                 env={"MLFLOW_TRACKING_URI": bad})
+    r = repo.smk("--cores", "1", "--forcerun", "eval_phase0", "phase0", check=False, env={"MLFLOW_TRACKING_URI": bad})
     assert r.returncode != 0
     assert f"{bad}: MLflow tracking server unreachable" in r.stdout + r.stderr
     assert "Execute 1 jobs" not in r.stdout + r.stderr  # stopped in onstart, before the job
     assert time.time() - t < 120
     r = repo.run(sys.executable, "scripts/eval_phase0.py", check=False, env={"MLFLOW_TRACKING_URI": bad})
-    assert r.returncode == 2 and r.stderr.strip().endswith(f"error: {bad}: MLflow tracking server "
-                                                           f"unreachable ([Errno 111] Connection refused); "
-                                                           f"start it or unset MLFLOW_TRACKING_URI to log "
-                                                           f"to sqlite:///mlflow.db")
+    assert r.returncode == 2 and r.stderr.strip().endswith(
+        f"error: {bad}: MLflow tracking server "
+        f"unreachable ([Errno 111] Connection refused); "
+        f"start it or unset MLFLOW_TRACKING_URI to log "
+        f"to sqlite:///mlflow.db"
+    )
 
 
 def test_dvc_exp_run_sweeps_one_training_value(repo):
@@ -467,7 +586,7 @@ def test_dvc_exp_run_sweeps_one_training_value(repo):
     key (and what reads them), nothing upstream; `dvc exp show` lists the value and the phases'
     accept length per experiment. Last in the module: it leaves the experiment in the workspace."""
     repo.run("git", "add", "-A")
-    repo.run("git", "commit", "-qm", "the plan as run", check=False)   # experiments start from a commit
+    repo.run("git", "commit", "-qm", "the plan as run", check=False)  # experiments start from a commit
     out = repo.dvc("exp", "run", "-n", "lr-low", "-S", "phase1.train.lr=0.001", "eval_phase1").stdout
     ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
     assert ran == {"train_phase1_scratch", "eval_phase1_scratch", "train_phase1", "eval_phase1"}, out
@@ -477,8 +596,10 @@ def test_dvc_exp_run_sweeps_one_training_value(repo):
 
     def figures(rec):
         d = rec["data"]
-        return (d["params"]["params.yaml"]["data"]["phase1"]["train"]["lr"],
-                d["metrics"]["artifacts/eval_phase1/metrics.json"]["data"]["accept_length"])
+        return (
+            d["params"]["params.yaml"]["data"]["phase1"]["train"]["lr"],
+            d["metrics"]["artifacts/eval_phase1/metrics.json"]["data"]["accept_length"],
+        )
 
     exps = [e["revs"][0] for e in base.get("experiments") or []]
     named = [e for e in exps if e.get("name") == "lr-low"]
@@ -486,9 +607,16 @@ def test_dvc_exp_run_sweeps_one_training_value(repo):
     lr, tau = figures(named[0])
     assert lr == 0.001 and tau == pytest.approx(repo.metrics("eval_phase1")["accept_length"])
     lr0, tau0 = figures(base)
-    assert lr0 != lr and tau0 != tau   # the committed plan's own figures, beside the experiment's
-    table = repo.dvc("exp", "show", "--md", "--drop", ".*", "--keep",
-                     "Experiment|artifacts/eval_phase1/metrics.json:accept_length$|phase1.train.lr").stdout
+    assert lr0 != lr and tau0 != tau  # the committed plan's own figures, beside the experiment's
+    table = repo.dvc(
+        "exp",
+        "show",
+        "--md",
+        "--drop",
+        ".*",
+        "--keep",
+        "Experiment|artifacts/eval_phase1/metrics.json:accept_length$|phase1.train.lr",
+    ).stdout
     assert "lr-low" in table and "accept_length" in table
 
 
@@ -497,7 +625,10 @@ def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments
     (the uncached feature folders copied in with -C, so nothing upstream reruns), logs its phases
     to the tracking store tagged with its name, and `dvc exp show` / `dvc plots diff` put the grid
     side by side. After the workspace experiment above (it queues from the same commit)."""
-    grid = {"grid-lr-1.7e-3": 0.0017, "grid-lr-2.3e-3": 0.0023}   # values no earlier test ran (the run-cache would restore those)
+    grid = {
+        "grid-lr-1.7e-3": 0.0017,
+        "grid-lr-2.3e-3": 0.0023,
+    }  # values no earlier test ran (the run-cache would restore those)
     copies = [a for f in ("features_new", "features_eval", "features_monitor") for a in ("-C", f"artifacts/{f}")]
     for name, lr in grid.items():
         repo.dvc("exp", "run", "--queue", "-n", name, "-S", f"phase1.train.lr={lr}", *copies, "eval_phase1")
@@ -530,13 +661,16 @@ def test_dvc_queue_runs_a_grid_with_runs_in_mlflow_and_plots_between_experiments
         taus[name] = d["metrics"]["artifacts/eval_phase1/metrics.json"]["data"]["accept_length"]
     assert taus["grid-lr-1.7e-3"] != taus["grid-lr-2.3e-3"]
     changed = repo.dvc("exp", "show", "--only-changed", "--md").stdout
-    assert "grid-lr-1.7e-3" in changed and "!" not in changed, changed   # no column an experiment lacks
+    assert "grid-lr-1.7e-3" in changed and "!" not in changed, changed  # no column an experiment lacks
 
     # the copies logged to the tracking store the user compares in, each run tagged with its experiment
     runs = [r for rs in runs_by_name(repo.uri).values() for r in rs]
     for name in grid:
-        tagged = {r["info"]["run_name"]: r for r in runs
-                  if {"key": "draftport.dvc_exp", "value": name} in r["data"].get("tags", [])}
+        tagged = {
+            r["info"]["run_name"]: r
+            for r in runs
+            if {"key": "draftport.dvc_exp", "value": name} in r["data"].get("tags", [])
+        }
         assert set(tagged) == {"phase1_scratch", "phase1"}, (name, set(tagged))
         m = {x["key"]: x["value"] for x in tagged["phase1"]["data"]["metrics"]}
         assert m["accept_length"] == pytest.approx(taus[name])
@@ -584,8 +718,10 @@ def test_mlflow_ui_in_a_browser(repo):
         assert rep["serving"] and rep["ui"].startswith("http://127.0.0.1:")
         ids = {p: r["run_id"] for p, r in rep["runs"].items()}
         assert ids == {p: r["run_id"] for p, r in at_server["runs"].items()}  # the same runs, by their records
-        tau = {p: next(m["value"] for m in run_of(rid)["data"]["metrics"] if m["key"] == "accept_length")
-               for p, rid in ids.items()}
+        tau = {
+            p: next(m["value"] for m in run_of(rid)["data"]["metrics"] if m["key"] == "accept_length")
+            for p, rid in ids.items()
+        }
 
         # the compare page: each phase's name over its accept_length (shown to 3 decimals)
         shown = U.compare_metric(U.new_page(b), rep["urls"]["compare"])
@@ -618,6 +754,7 @@ def test_mlflow_ui_in_a_browser(repo):
         kids = rep["curves"]["children"]
         c = yaml.safe_load((repo.path / "params.yaml").read_text())["curves"]
         from draftport.plan.curves import points
+
         assert len(kids) == len(points(c)), kids  # one per point, the arms' included
         table = U.runs_table(U.new_page(b, 1600, 1400), rep["urls"]["runs"], "curves", expect={*phases, "curves"})
         assert {*phases, "curves"} <= set(table["before"]) and not set(kids) & set(table["before"]), table

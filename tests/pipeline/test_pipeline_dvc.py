@@ -49,7 +49,8 @@ def test_stages_are_the_registry_rows_with_their_commands_keys_code_and_outs(gen
             assert f in st["deps"] and (ROOT / f).is_file(), (name, f)
     # the evaluation of Phase 1 reaches its drafter's training, the control and Phase 0
     assert {"artifacts/train_phase1", "artifacts/eval_phase1_scratch", "artifacts/eval_phase0"} <= set(
-        stages["eval_phase1"]["deps"])
+        stages["eval_phase1"]["deps"]
+    )
     # evaluations and trainings are apart: no evaluation key reaches a training stage
     for name in R.TRAINING_STEPS:
         assert not [k for k in stages[name]["params"] if k.split(".")[0] in ("eval", "costmodel")], name
@@ -89,8 +90,19 @@ def test_dry_run_plans_phase1_with_the_dvc_commands(tmp_path):
     # --forceall: the plan must be the whole chain even where a user's `make phase1` already ran
     r = smk("-n", "-p", "--forceall", "phase1", "--directory", str(ROOT))
     out = r.stdout + r.stderr
-    for step in ("world", "fetch", "features_new", "features_eval", "vocab_new", "compare", "eval_phase0",
-                 "train_phase1_scratch", "eval_phase1_scratch", "train_phase1", "eval_phase1"):
+    for step in (
+        "world",
+        "fetch",
+        "features_new",
+        "features_eval",
+        "vocab_new",
+        "compare",
+        "eval_phase0",
+        "train_phase1_scratch",
+        "eval_phase1_scratch",
+        "train_phase1",
+        "eval_phase1",
+    ):
         assert f"python scripts/{step}.py " in out and f" --logfile logs/{step}.log" in out, step
     assert "phase2" not in out.split("Job stats")[-1]
 
@@ -137,8 +149,11 @@ def test_dropping_snakemake_records_matches_snakemakes_file_layout(tmp_path):
         def _fetch_max_len(self, subject):
             return os.pathconf(subject, "PC_NAME_MAX")
 
-    names = ["artifacts/phase1/metrics.json", "artifacts/phase1_scratch/metrics.json",
-             "artifacts/phase1/" + "x" * 400 + ".json"]
+    names = [
+        "artifacts/phase1/metrics.json",
+        "artifacts/phase1_scratch/metrics.json",
+        "artifacts/phase1/" + "x" * 400 + ".json",
+    ]
     for n in names:
         rec = Path(FilePersistence._record_path(Fake(), str(meta), n))
         rec.parent.mkdir(parents=True, exist_ok=True)
@@ -179,8 +194,12 @@ def test_report_builds_from_metrics(tmp_path):
     k = 3
     for i, ph in enumerate(("phase0", "phase1_scratch", "phase1", "phase2")):
         tau = 1.2 + 0.5 * i
-        m = {"accept_length": tau, "accept_length_all_positions": tau, "eval_samples": 10,
-             **cost_metrics(tau, {"baseline_tok_s": 82.0, "verify_ms": 30.0, "draft_ms": 0.0}, k)}
+        m = {
+            "accept_length": tau,
+            "accept_length_all_positions": tau,
+            "eval_samples": 10,
+            **cost_metrics(tau, {"baseline_tok_s": 82.0, "verify_ms": 30.0, "draft_ms": 0.0}, k),
+        }
         for j in range(k):
             m[f"accept_rate_pos_{j}"] = 0.5 ** (j + 1)
             m[f"cond_acc_{j}"] = 0.5

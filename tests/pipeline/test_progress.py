@@ -61,8 +61,11 @@ def test_interval_zero_writes_every_update(no_tty, monkeypatch):
         for _ in range(3):
             bar.update(2)
     lines = buf.getvalue().splitlines()
-    assert [ln.split(",")[0] for ln in lines] == ["capture: 2/3 sample (67%)", "capture: 4/3 sample (133%)",
-                                                  "capture: 6/3 sample (200%)"]  # no repeat at the end
+    assert [ln.split(",")[0] for ln in lines] == [
+        "capture: 2/3 sample (67%)",
+        "capture: 4/3 sample (133%)",
+        "capture: 6/3 sample (200%)",
+    ]  # no repeat at the end
 
 
 def test_unknown_total_resume_and_disabled(no_tty, monkeypatch):
@@ -123,9 +126,9 @@ def test_logwriter_collapses_carriage_return_updates_and_keeps_the_last_state():
     lines = out.splitlines()
     assert lines[0] == "loading the target" and lines[-1] == "train: done"
     bars = lines[1:-1]
-    assert 5 <= len(bars) <= 12, bars            # ~one per second, not 1000
-    assert bars[-1].endswith("| 1000/1000")      # the state before the newline
-    assert bars[0].endswith("| 1/1000")          # the first state, at once
+    assert 5 <= len(bars) <= 12, bars  # ~one per second, not 1000
+    assert bars[-1].endswith("| 1000/1000")  # the state before the newline
+    assert bars[0].endswith("| 1/1000")  # the first state, at once
 
 
 def test_logwriter_with_a_real_tqdm_stream():

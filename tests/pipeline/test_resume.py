@@ -31,8 +31,9 @@ def base(tmp_path_factory):
     """The micro profile with a longer control phase; everything upstream of it built once."""
     root = tmp_path_factory.mktemp("resume")
     path = root / "base"
-    micro_copy(path, lambda cfg: cfg["phase1"]["train"].update(steps=STEPS, checkpoint_every=EVERY,
-                                                               log_every=EVERY // 2))
+    micro_copy(
+        path, lambda cfg: cfg["phase1"]["train"].update(steps=STEPS, checkpoint_every=EVERY, log_every=EVERY // 2)
+    )
     c = Copy(path)
     c.run("git", "init", "-q")
     if not (path / ".dvc").is_dir():
@@ -82,14 +83,25 @@ def test_checkpoint_of_other_inputs_is_set_aside_not_resumed(tmp_path):
     fs, head = make_features(tmp_path)
     cfg = TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2)
     ck = tmp_path / "ck"
-    train(toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, progress=False, stop_after=2, ckpt_dir=ck,
-          inputs={"features": "a"})
+    train(
+        toy_drafter(seed=5),
+        fs,
+        head,
+        tmp_path / "run",
+        cfg,
+        progress=False,
+        stop_after=2,
+        ckpt_dir=ck,
+        inputs={"features": "a"},
+    )
     assert [p.name for p in ck.iterdir()] == ["step_0000002"]
-    again = train(toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, progress=False, ckpt_dir=ck,
-                  inputs={"features": "a"})
+    again = train(
+        toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, progress=False, ckpt_dir=ck, inputs={"features": "a"}
+    )
     assert again["resumed_from"] == 2
-    other = train(toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, progress=False, ckpt_dir=ck,
-                  inputs={"features": "b"})
+    other = train(
+        toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, progress=False, ckpt_dir=ck, inputs={"features": "b"}
+    )
     assert other["resumed_from"] == 0 and other["steps"] == 4
     assert list(tmp_path.glob("ck.stale-*"))
 
@@ -132,8 +144,9 @@ def test_non_finite_loss_names_the_step_and_keeps_the_last_good_checkpoint(tmp_p
     ck = tmp_path / "ck"
     with pytest.raises(DraftportError) as e:
         train(toy_drafter(seed=5), fs, head, tmp_path / "run", cfg, logger=Poison(), progress=False, ckpt_dir=ck)
-    assert str(e.value) == (f"train step 4: loss is not finite (at or before this step); "
-                            f"last good checkpoint kept in {ck}")
+    assert str(e.value) == (
+        f"train step 4: loss is not finite (at or before this step); last good checkpoint kept in {ck}"
+    )
     assert [p.name for p in ck.iterdir()] == ["step_0000002"]
     assert resumable(latest_checkpoint(ck), cfg)
 

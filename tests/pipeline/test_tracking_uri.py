@@ -21,7 +21,7 @@ def test_a_queued_experiments_copy_logs_to_the_repo_it_came_from(tmp_path, monke
     assert tracking.dvc_exp_root() == (tmp_path / "repo").resolve()
     uri = tracking.tracking_uri()
     assert uri == f"sqlite:///{(tmp_path / 'repo' / 'mlflow.db').resolve()}"
-    assert Path(uri[len("sqlite:///"):]).is_absolute()
+    assert Path(uri[len("sqlite:///") :]).is_absolute()
 
 
 def test_the_environment_wins(tmp_path, monkeypatch):

@@ -28,8 +28,9 @@ def ui(cwd, *args, env=None):
     e = {**os.environ, **(env or {})}
     e.pop("MLFLOW_TRACKING_URI", None)
     e.update(env or {})
-    return subprocess.run([str(BIN / "draftport"), "ui", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env=e)
+    return subprocess.run(
+        [str(BIN / "draftport"), "ui", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=e
+    )
 
 
 def one_line_error(r, *words):
@@ -69,8 +70,12 @@ def store(tmp_path, monkeypatch):
     parent = PhaseRun(PROFILE, "curves", uri=uri)
     runs["curves"] = parent.run_id
     for init in ("source", "scratch"):
-        kid = PhaseRun(PROFILE, f"curves {init} n=32 seed=0", uri=uri,
-                       tags={"mlflow.parentRunId": parent.run_id, "init": init, "n_samples": 32, "seed": 0})
+        kid = PhaseRun(
+            PROFILE,
+            f"curves {init} n=32 seed=0",
+            uri=uri,
+            tags={"mlflow.parentRunId": parent.run_id, "init": init, "n_samples": 32, "seed": 0},
+        )
         kid.log_metrics({"accept_length": 1.5}, step=4)
         kid.finish()
     parent.finish()
@@ -96,11 +101,14 @@ def test_print_urls_finds_the_phase_runs_and_the_curves(store):
     # no record in .draftport/runs: each phase's latest top-level run, in the plan's order
     assert list(rep["runs"]) == ["phase0", "phase1_scratch", "phase1"]
     assert {p: v["run_id"] for p, v in rep["runs"].items()} == {
-        p: runs[p] for p in ("phase0", "phase1_scratch", "phase1")}
+        p: runs[p] for p in ("phase0", "phase1_scratch", "phase1")
+    }
     assert rep["runs"]["phase1"]["accept_length"] == 2.0
     assert rep["missing"] == ["phase2"]
-    assert rep["curves"] == {"run_id": runs["curves"],
-                             "children": ["curves scratch n=32 seed=0", "curves source n=32 seed=0"]}
+    assert rep["curves"] == {
+        "run_id": runs["curves"],
+        "children": ["curves scratch n=32 seed=0", "curves source n=32 seed=0"],
+    }
     exp = rep["experiment_id"]
     u = rep["urls"]
     assert u["compare"].startswith("http://127.0.0.1:5123/#/compare-runs?")
@@ -115,9 +123,15 @@ def test_print_urls_finds_the_phase_runs_and_the_curves(store):
     assert u["runs"] == f"http://127.0.0.1:5123/#/experiments/{exp}/runs?workflowType=machine_learning"
     text = ui(cwd, "--print-urls", "--port", "5123")
     assert text.returncode == 0
-    for line in (u["compare"], u["tau_by_step"], u["runs"], "phase1 accept_length 2.000", "not run yet: phase2",
-                 '"Model training"',
-                 "mlflow server --host 127.0.0.1 --port 5123 --backend-store-uri sqlite:///mlflow.db"):
+    for line in (
+        u["compare"],
+        u["tau_by_step"],
+        u["runs"],
+        "phase1 accept_length 2.000",
+        "not run yet: phase2",
+        '"Model training"',
+        "mlflow server --host 127.0.0.1 --port 5123 --backend-store-uri sqlite:///mlflow.db",
+    ):
         assert line in text.stdout, line
 
 
@@ -136,7 +150,10 @@ def test_the_workspace_records_pick_the_run(store):
     assert json.loads(ui(cwd, "--print-urls", "--json").stdout)["runs"]["phase1"]["run_id"] == runs["phase1_old"]
     rec.write_text(json.dumps({"run_id": "0" * 32, "uri": "sqlite:///mlflow.db", "experiment_id": "1"}))
     assert json.loads(ui(cwd, "--print-urls", "--json").stdout)["runs"]["phase1"] == {
-        "run_id": runs["phase1"], "accept_length": 2.0, "by": "latest"}
+        "run_id": runs["phase1"],
+        "accept_length": 2.0,
+        "by": "latest",
+    }
 
 
 def test_errors_are_one_line(tmp_path, store):
@@ -146,8 +163,13 @@ def test_errors_are_one_line(tmp_path, store):
     one_line_error(ui(empty), "sqlite:///mlflow.db: no tracking store", "run `make phase1` first")
     assert not (empty / "mlflow.db").exists()  # looking never creates a store
     (cwd / "micro.yaml").write_text("profile: micro\n")
-    one_line_error(ui(cwd, "--configfile", "micro.yaml", "--print-urls"), "no experiment draftport-micro",
-                   "draftport-other", "draftport-tiny", "run `make phase1` first")
+    one_line_error(
+        ui(cwd, "--configfile", "micro.yaml", "--print-urls"),
+        "no experiment draftport-micro",
+        "draftport-other",
+        "draftport-tiny",
+        "run `make phase1` first",
+    )
     bare = tmp_path / "bare"
     bare.mkdir()
 
@@ -157,12 +179,17 @@ def test_errors_are_one_line(tmp_path, store):
     (bare / "params.yaml").write_text("world: {}\n")
     one_line_error(ui(bare, "--print-urls"), "params.yaml: no `profile` key")
     one_line_error(ui(cwd, "--configfile", "nope.yaml", "--print-urls"), "nope.yaml: no such parameter file")
-    one_line_error(ui(cwd, "--print-urls", env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}),
-                   "http://127.0.0.1:9: MLflow tracking server unreachable")
+    one_line_error(
+        ui(cwd, "--print-urls", env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}),
+        "http://127.0.0.1:9: MLflow tracking server unreachable",
+    )
     other = tmp_path / "other.db"
     other.write_bytes(b"")
-    one_line_error(ui(cwd, "--print-urls", env={"MLFLOW_TRACKING_URI": f"sqlite:///{other}"}),
-                   "not an MLflow tracking store", "no experiments and runs tables")
+    one_line_error(
+        ui(cwd, "--print-urls", env={"MLFLOW_TRACKING_URI": f"sqlite:///{other}"}),
+        "not an MLflow tracking store",
+        "no experiments and runs tables",
+    )
     assert other.stat().st_size == 0  # a sqlite file that is not a store is left as it was
 
 
@@ -181,13 +208,21 @@ def test_serves_until_ctrl_c(store):
     cwd, runs = store
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    p = subprocess.Popen([str(BIN / "draftport"), "ui", "--port", str(port)], cwd=cwd, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    p = subprocess.Popen(
+        [str(BIN / "draftport"), "ui", "--port", str(port)],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         first = p.stdout.readline()  # printed once the server answers
         assert first.startswith(f"MLflow UI at http://127.0.0.1:{port} on sqlite:///mlflow.db"), (first, p.poll())
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={runs['phase1']}",
-                                    timeout=10) as r:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={runs['phase1']}", timeout=10
+        ) as r:
             assert json.loads(r.read())["run"]["info"]["run_name"] == "phase1"
         assert "runs table:" in "".join(p.stdout.readline() for _ in range(8))
         p.send_signal(signal.SIGINT)

@@ -38,9 +38,11 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the wheelhouse 
 def tiny_wheel(folder: Path, name: str, version: str) -> Path:
     """A minimal valid pure-Python wheel (module, METADATA, WHEEL, RECORD), made without a build."""
     dist = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": f"VERSION = {version!r}\n",
-             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n",
-             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test_wheelhouse\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        f"{name}/__init__.py": f"VERSION = {version!r}\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test_wheelhouse\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     record = []
     for path, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
@@ -77,8 +79,9 @@ def built(tmp_path_factory, index, lock) -> tuple[Path, dict]:
     (out / "stale.whl").write_text("left by an older build")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(W, "requirements", lambda wheel_set, torch: ["dp-probe"])
-        manifest = W.build(out, PY, [PLATFORM], "core", False, lock=lock,
-                           pip_args=["--no-index", "--find-links", str(index)])
+        manifest = W.build(
+            out, PY, [PLATFORM], "core", False, lock=lock, pip_args=["--no-index", "--find-links", str(index)]
+        )
     return out, manifest
 
 
@@ -107,8 +110,9 @@ def test_build_holds_the_pinned_wheel_and_draftport_and_replaces_the_old_folder(
     out, manifest = built
     names = sorted(p.name for p in out.iterdir())
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    assert names == sorted(["MANIFEST.json", "dp_probe-1.0-py3-none-any.whl",
-                            f"draftport-{version}-py3-none-any.whl"])  # the lock's 1.0, not the newer 2.0
+    assert names == sorted(
+        ["MANIFEST.json", "dp_probe-1.0-py3-none-any.whl", f"draftport-{version}-py3-none-any.whl"]
+    )  # the lock's 1.0, not the newer 2.0
     assert not list(out.parent.glob("wheelhouse.*")), "a temp or old folder was left beside the wheelhouse"
 
 
@@ -126,7 +130,13 @@ def test_manifest_lists_every_file_with_size_and_sha256(built, lock):
 def test_manifest_records_target_set_version_commit_and_lock(built, lock):
     _, m = built
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert (m["python"], m["implementation"], m["set"], m["install"], m["torch"]) == (PY, "cp", "core", "draftport", False)
+    assert (m["python"], m["implementation"], m["set"], m["install"], m["torch"]) == (
+        PY,
+        "cp",
+        "core",
+        "draftport",
+        False,
+    )
     assert m["platforms"][0] == PLATFORM and f"manylinux2014_{platform.machine()}" in m["platforms"]
     assert m["draftport"]["version"] == project["version"]
     assert m["draftport"]["commit"] is None or len(m["draftport"]["commit"]) == 40
@@ -159,8 +169,16 @@ def test_a_package_without_a_binary_wheel_fails_naming_it(tmp_path, lock):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(W, "requirements", lambda wheel_set, torch: ["dp-probe"])
         with pytest.raises(W.NoWheel) as e:
-            W.build(out, "3.12", ["manylinux_2_28_x86_64"], "core", False, lock=lock, sdists=(),
-                    pip_args=["--no-index", "--find-links", str(tmp_path / "index")])
+            W.build(
+                out,
+                "3.12",
+                ["manylinux_2_28_x86_64"],
+                "core",
+                False,
+                lock=lock,
+                sdists=(),
+                pip_args=["--no-index", "--find-links", str(tmp_path / "index")],
+            )
     assert e.value.name == "dp-probe" and "\n" not in str(e.value) and "no binary wheel" in str(e.value)
     assert "cp312" in str(e.value), str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index"], "a half-built wheelhouse was left"
@@ -216,15 +234,21 @@ def site_packages(env: Path) -> Path:
 def test_torch_must_satisfy_the_requirement_cuda_label_or_not():
     """The cluster's torch carries a local label (+cu130) and may be another release than the lock's
     pin: draftport's requirement (pyproject, `torch>=2.9`) is what counts."""
-    found = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    found = subprocess.run(
+        [sys.executable, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert W.torch_requirement() == "torch>=2.9"
     W.check_torch(sys.executable, {"torch": False, "torch_pin": "0.0.1", "torch_requires": "torch>=2.9"})
-    W.check_torch(sys.executable, {"torch": False, "torch_pin": None, "torch_requires": f"torch=={found.split('+')[0]}"})
+    W.check_torch(
+        sys.executable, {"torch": False, "torch_pin": None, "torch_requires": f"torch=={found.split('+')[0]}"}
+    )
     with pytest.raises(W.WheelhouseError, match=r"torch: .* installed for .*, draftport requires torch>=99\.0"):
         W.check_torch(sys.executable, {"torch": False, "torch_pin": None, "torch_requires": "torch>=99.0"})
     with pytest.raises(W.WheelhouseError, match=r"draftport requires torch==0\.0\.1"):
-        W.check_torch(sys.executable, {"torch": False, "torch_pin": "0.0.1"})   # an older manifest: the pin
+        W.check_torch(sys.executable, {"torch": False, "torch_pin": "0.0.1"})  # an older manifest: the pin
     assert W._release("2.11.0+cu130") == (2, 11, 0) < W._release("2.13.0") and W._release("2.9") >= (2, 9)
 
 
@@ -252,13 +276,19 @@ def test_offline_install_into_a_fresh_venv(house, tmp_path):
     (outer / torch_meta.name).symlink_to(torch_meta)
     (site_packages(env) / "node_torch.pth").write_text(f"{outer}\n")
 
-    one_line_error(run_tool("install", "--wheelhouse", str(house), "--venv", str(env)),
-                   "pip install draftport failed")  # transformers & co. are on no index it may read
+    one_line_error(
+        run_tool("install", "--wheelhouse", str(house), "--venv", str(env)), "pip install draftport failed"
+    )  # transformers & co. are on no index it may read
     assert not list(site_packages(env).glob("draftport*"))
 
     r = run_tool("install", "--wheelhouse", str(house), "--venv", str(env), "--no-deps")
     assert r.returncode == 0 and "installed offline" in r.stdout, r.stdout + r.stderr
-    where = subprocess.run([str(env / "bin" / "python"), "-c", "import draftport; print(draftport.__file__)"],
-                           capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
+    where = subprocess.run(
+        [str(env / "bin" / "python"), "-c", "import draftport; print(draftport.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    ).stdout.strip()
     assert Path(where).is_relative_to(site_packages(env)), where
     assert (env / "bin" / "draftport").exists()

@@ -23,8 +23,11 @@ requires_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks t
 def test_auto_and_cpu_pick_the_cpu_and_cuda_is_refused_by_its_key():
     assert D.pick("auto", "train.device") == torch.device("cpu")
     assert D.pick("cpu", "eval.device") == torch.device("cpu")
-    with pytest.raises(DraftportError, match=r"^phase1\.train\.device: cuda asked for, but torch sees no CUDA "
-                                             r"device on this machine .*use auto or cpu$"):
+    with pytest.raises(
+        DraftportError,
+        match=r"^phase1\.train\.device: cuda asked for, but torch sees no CUDA "
+        r"device on this machine .*use auto or cpu$",
+    ):
         D.pick("cuda", "phase1.train.device")
     with pytest.raises(DraftportError, match=r"^eval\.device: 'gpu' is not one of auto, cuda, cpu$"):
         D.pick("gpu", "eval.device")
@@ -87,10 +90,10 @@ def test_training_reports_where_it_ran_and_its_real_token_rate(tmp_path):
 
     lengths = [int(fs.sample(i)["tokens"].shape[0]) for s in range(5) for i in batch_ids(s, len(fs), 4, cfg.seed)]
     assert run["device"] == "cpu" and run["gpu"] is None and run["processes"] == 1 and run["steps"] == 5
-    assert run["tokens"] == sum(lengths)               # real tokens, no padding counted
+    assert run["tokens"] == sum(lengths)  # real tokens, no padding counted
     assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["step_seconds"], rel=0.01)  # seconds rounded
-    assert run["mfu"] is None and run["steady_mfu"] is None   # no GPU peak to count against
-    assert run["steady_tokens_per_s"] > 0                # past the warm-up (step 1 of 5): what the bench compares with
+    assert run["mfu"] is None and run["steady_mfu"] is None  # no GPU peak to count against
+    assert run["steady_tokens_per_s"] > 0  # past the warm-up (step 1 of 5): what the bench compares with
     assert next(d.parameters()).device.type == "cpu"
     # the FLOPs behind MFU: the benchmark's count, per sample at its own length
     shp = shape_of(d.cfg)
@@ -107,9 +110,13 @@ def test_evaluation_reports_where_it_ran(tmp_path):
     save_drafter(tmp_path / "drafter", d.cfg, d.export_state())
     target = tmp_path / "target"
     target.mkdir()
-    save_safetensors({"model.embed_tokens.weight": d.embed_tokens.weight.detach().clone(),
-                      "lm_head.weight": head}, target / "model.safetensors")
-    (target / "config.json").write_text('{"hidden_size": %d, "vocab_size": %d}\n' % (d.cfg.hidden_size, d.cfg.vocab_size))
+    save_safetensors(
+        {"model.embed_tokens.weight": d.embed_tokens.weight.detach().clone(), "lm_head.weight": head},
+        target / "model.safetensors",
+    )
+    (target / "config.json").write_text(
+        '{"hidden_size": %d, "vocab_size": %d}\n' % (d.cfg.hidden_size, d.cfg.vocab_size)
+    )
     res = evaluate_drafter(tmp_path / "drafter", target, tmp_path / "feats", k=2, batch_size=8, device="auto")
     total = sum(int(fs.sample(i)["tokens"].shape[0]) for i in range(len(fs)))
     assert res["run"]["device"] == "cpu" and res["run"]["tokens"] == total

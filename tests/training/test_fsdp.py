@@ -25,8 +25,17 @@ ENV = dict(os.environ, PYTHONPATH=str(HELPERS), OMP_NUM_THREADS="1")
 
 
 def run(feats: Path, out: Path, nproc: int, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), str(feats), str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(WORKER),
+        str(feats),
+        str(out),
+        *args,
+    ]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
@@ -57,8 +66,9 @@ def runs(tmp_path_factory):
     out = {"feats": feats}
     for name, nproc, impl in (("one", 1, "reference"), ("fsdp", 2, "reference"), ("fsdp_fused", 2, "fused")):
         out[name] = tmp / name
-        out[name + "_res"] = run(feats, tmp / name, nproc, "--impl", impl, "--parallel", "fsdp",
-                                 "--checkpoint-every", "3")
+        out[name + "_res"] = run(
+            feats, tmp / name, nproc, "--impl", impl, "--parallel", "fsdp", "--checkpoint-every", "3"
+        )
     return out
 
 
@@ -67,16 +77,22 @@ def test_fsdp_two_gloo_ranks_equal_one_process(runs):
     same_losses(runs["one_res"]["losses"], runs["fsdp_res"]["losses"])
     assert len(runs["one_res"]["losses"]) == 6
     # train() hands back full weights on every rank, as DDP or one process would
-    close(load_file(str(runs["one"] / "weights.safetensors")), load_file(str(runs["fsdp"] / "weights.safetensors")),
-          atol=1e-4)
+    close(
+        load_file(str(runs["one"] / "weights.safetensors")),
+        load_file(str(runs["fsdp"] / "weights.safetensors")),
+        atol=1e-4,
+    )
 
 
 def test_fsdp_fused_path_with_inplace_wgrad_sums_equals_one_process(runs):
     """The fused loss applies lm_head outside the drafter's forward and sums weight gradients in
     place across TTT steps; under FSDP both must still be reduce-scattered."""
     same_losses(runs["one_res"]["losses"], runs["fsdp_fused_res"]["losses"])
-    close(load_file(str(runs["one"] / "weights.safetensors")),
-          load_file(str(runs["fsdp_fused"] / "weights.safetensors")), atol=1e-4)
+    close(
+        load_file(str(runs["one"] / "weights.safetensors")),
+        load_file(str(runs["fsdp_fused"] / "weights.safetensors")),
+        atol=1e-4,
+    )
 
 
 def test_fsdp_checkpoint_files_are_the_flat_single_process_files(runs):
@@ -97,21 +113,29 @@ def test_fsdp_resume_is_exact_and_a_single_process_can_resume_it(runs, tmp_path)
     for name in ("again", "alone"):
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         shutil.copytree(ck, tmp_path / name / "checkpoints" / ck.name)
-    again = run(runs["feats"], tmp_path / "again", 2, "--parallel", "fsdp", "--checkpoint-every", "3",
-                "--drafter-seed", "99")
-    alone = run(runs["feats"], tmp_path / "alone", 1, "--parallel", "fsdp", "--checkpoint-every", "3",
-                "--drafter-seed", "99")
+    again = run(
+        runs["feats"], tmp_path / "again", 2, "--parallel", "fsdp", "--checkpoint-every", "3", "--drafter-seed", "99"
+    )
+    alone = run(
+        runs["feats"], tmp_path / "alone", 1, "--parallel", "fsdp", "--checkpoint-every", "3", "--drafter-seed", "99"
+    )
     # a resumed run first replays the checkpoint's loss history to its logger (the new MLflow run
     # shows the whole curve), then logs steps 4-6
     assert again["steps"] == alone["steps"] == 6 and len(again["losses"]) == len(alone["losses"]) == 6
     assert again["losses"][:3] == alone["losses"][:3]  # from the checkpoint, stored to 6 decimals
     assert again["losses"][:3] == pytest.approx(runs["fsdp_res"]["losses"][:3], abs=1e-6)
     assert again["losses"][3:] == runs["fsdp_res"]["losses"][3:]
-    close(load_file(str(runs["fsdp"] / "weights.safetensors")), load_file(str(tmp_path / "again" / "weights.safetensors")),
-          atol=0.0 + 1e-12)
+    close(
+        load_file(str(runs["fsdp"] / "weights.safetensors")),
+        load_file(str(tmp_path / "again" / "weights.safetensors")),
+        atol=0.0 + 1e-12,
+    )
     same_losses(runs["one_res"]["losses"][3:], alone["losses"][3:])
-    close(load_file(str(runs["one"] / "weights.safetensors")), load_file(str(tmp_path / "alone" / "weights.safetensors")),
-          atol=1e-4)
+    close(
+        load_file(str(runs["one"] / "weights.safetensors")),
+        load_file(str(tmp_path / "alone" / "weights.safetensors")),
+        atol=1e-4,
+    )
 
 
 def test_unknown_parallel_mode_is_refused(tmp_path):
@@ -123,9 +147,32 @@ def test_unknown_parallel_mode_is_refused(tmp_path):
 
 def test_multigpu_bench_runs_toy_on_cpu_with_two_gloo_processes(tmp_path):
     out, log = tmp_path / "r.json", tmp_path / "r.log"
-    r = subprocess.run([sys.executable, str(BENCH), "--size", "toy", "--device", "cpu", "--nproc", "2",
-                        "--iters", "2", "--warmup", "1", "--loss-steps", "3", "--json", str(out), "--log", str(log)],
-                       capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--size",
+            "toy",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--loss-steps",
+            "3",
+            "--json",
+            str(out),
+            "--log",
+            str(log),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["tokens_per_s_1gpu"] > 0 and res["config"]["global_batch"] == 2

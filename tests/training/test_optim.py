@@ -33,7 +33,7 @@ def _run(kind, dtype, steps=6, compiled=False, scale=True):
     for i in range(steps):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g).to(dtype)
-        if i == 3:   # a learning-rate change mid-run (the schedule)
+        if i == 3:  # a learning-rate change mid-run (the schedule)
             for grp in opt.param_groups:
                 grp["lr"] = 1e-2
         opt.grad_scale = torch.tensor(2.5 + i) if scale else None
@@ -79,7 +79,7 @@ def test_compiled_equals_eager():
     eager, _ = _run("draftport", torch.float32)
     comp, _ = _run("draftport", torch.float32, compiled=True)
     for a, b in zip(eager, comp):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)   # fused multiply-adds round differently
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)  # fused multiply-adds round differently
     ref, _ = _run("torch", torch.bfloat16)
     comp16, _ = _run("draftport", torch.bfloat16, compiled=True)
     for a, b in zip(ref, comp16):
@@ -108,10 +108,10 @@ def test_checkpoint_round_trip_and_resume_under_either_optimizer(tmp_path):
     opt = AdamW(list(trainable(d).values()), lr=1e-2, compiled=False)
     steps(d, opt, 2)
     ck = save_checkpoint(tmp_path / "ck", 2, d, opt, [], tcfg)
-    steps(d, opt, 1)                          # the uninterrupted run's third step
+    steps(d, opt, 1)  # the uninterrupted run's third step
     want = {n: p.detach().clone() for n, p in trainable(d).items()}
     for make in (lambda ps: AdamW(ps, lr=1e-2, compiled=False), lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)):
-        d2 = toy_drafter(cfg, seed=4)         # its init (and the frozen embedding), then step 2's state
+        d2 = toy_drafter(cfg, seed=4)  # its init (and the frozen embedding), then step 2's state
         load_model_state(ck, d2)
         opt2 = make(list(trainable(d2).values()))
         load_optimizer_state(ck, d2, opt2)

@@ -44,7 +44,7 @@ def test_off_is_the_training_without_the_keys_and_an_older_checkpoint_resumes(fe
     assert a["history"] == b["history"] and not any("l2sp_penalty" in r for r in b["history"])
     wa, wb = weights(plain), weights(off)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert {n for n, p in off.named_parameters() if p.requires_grad} == set(trained(off))   # all but the embedding
+    assert {n for n, p in off.named_parameters() if p.requires_grad} == set(trained(off))  # all but the embedding
     # a checkpoint written before the keys existed (its config without them, no anchor) resumes
     part = tmp_path / "part" / "checkpoints"
     train(toy_drafter(seed=5), fs, head, tmp_path / "part", TrainConfig(**BASE), progress=False, stop_after=5)
@@ -56,7 +56,7 @@ def test_off_is_the_training_without_the_keys_and_an_older_checkpoint_resumes(fe
     state.write_text(json.dumps(s) + "\n")
     res = train(toy_drafter(seed=5), fs, head, tmp_path / "part", TrainConfig(**BASE), progress=False)
     assert res["resumed_from"] == 4
-    last = load_file(str(part / "step_0000008" / "model.safetensors"))   # what the resumed run ended with
+    last = load_file(str(part / "step_0000008" / "model.safetensors"))  # what the resumed run ended with
     assert all(torch.equal(wa[k], last[k]) for k in wa)
 
 
@@ -68,7 +68,7 @@ def test_the_anchor_is_the_gradient_of_its_loss_term():
     d = toy_drafter(seed=2)
     params = {n: p for n, p in d.named_parameters() if p.requires_grad}
     w0 = {n: p.detach().clone() for n, p in params.items()}
-    with torch.no_grad():   # away from the anchor, as after some steps
+    with torch.no_grad():  # away from the anchor, as after some steps
         for p in params.values():
             p.add_(0.01 * torch.randn_like(p))
     lam = 0.37
@@ -96,20 +96,23 @@ def test_a_large_lambda_holds_the_weights_near_their_start(feats, tmp_path):
     train(free, fs, head, tmp_path / "free", TrainConfig(**cfg), progress=False)
     res = train(held, fs, head, tmp_path / "held", TrainConfig(**cfg, l2sp_lambda=10.0), progress=False)
     moved_free, moved_held = dist2(trained(free), w0) ** 0.5, dist2(trained(held), w0) ** 0.5
-    assert moved_held < 0.3 * moved_free, (moved_held, moved_free)   # measured: 0.05
-    rec = res["history"][-1]   # logged before the last update: the distance then, and lambda times its square
+    assert moved_held < 0.3 * moved_free, (moved_held, moved_free)  # measured: 0.05
+    rec = res["history"][-1]  # logged before the last update: the distance then, and lambda times its square
     assert 0 < rec["anchor_distance"] <= 1.5 * moved_held
     assert rec["l2sp_penalty"] == pytest.approx(10.0 * rec["anchor_distance"] ** 2, rel=1e-3)
 
 
-@pytest.mark.parametrize("impl, freeze", [("reference", ["fc", "input_norms"]),
-                                          ("fused", ["attention", "mlp", "post_attention_norm", "final_norm"])])
+@pytest.mark.parametrize(
+    "impl, freeze",
+    [("reference", ["fc", "input_norms"]), ("fused", ["attention", "mlp", "post_attention_norm", "final_norm"])],
+)
 def test_frozen_parts_stay_bit_identical_and_get_no_optimizer_state(feats, tmp_path, impl, freeze):
     fs, head = feats
     d = toy_drafter(seed=5)
     start = trained(d)
-    train(d, fs, head, tmp_path / "run", TrainConfig(**BASE, impl=impl, freeze=freeze, l2sp_lambda=0.01),
-          progress=False)
+    train(
+        d, fs, head, tmp_path / "run", TrainConfig(**BASE, impl=impl, freeze=freeze, l2sp_lambda=0.01), progress=False
+    )
     frozen = {n for part in freeze for n in TrainConfig.FREEZE_PARTS[part]}
     after = trained(d)
     for n in start:
@@ -123,7 +126,7 @@ def test_the_parts_name_every_trained_weight_but_lm_head():
     names = [n for ns in TrainConfig.FREEZE_PARTS.values() for n in ns]
     d = toy_drafter()
     assert sorted(names + ["lm_head.weight"]) == sorted(n for n, p in d.named_parameters() if p.requires_grad)
-    (literal,) = typing.get_args(TrainConfig.model_fields["freeze"].annotation)   # list[Literal[...]]
+    (literal,) = typing.get_args(TrainConfig.model_fields["freeze"].annotation)  # list[Literal[...]]
     assert list(TrainConfig.FREEZE_PARTS) == list(typing.get_args(literal))
 
 
@@ -144,21 +147,32 @@ def test_resume_with_the_anchor_is_bit_exact_and_needs_the_same_start(feats, tmp
 
 
 def test_refused_with_one_line_naming_the_key(tmp_path):
-    with pytest.raises(DraftportError) as e:   # before any file is read
-        train_phase(tmp_path, features_dir=tmp_path, target_dir=tmp_path, vocab_path=tmp_path, init="scratch",
-                    train_cfg=TrainConfig(l2sp_lambda=1e-4))
+    with pytest.raises(DraftportError) as e:  # before any file is read
+        train_phase(
+            tmp_path,
+            features_dir=tmp_path,
+            target_dir=tmp_path,
+            vocab_path=tmp_path,
+            init="scratch",
+            train_cfg=TrainConfig(l2sp_lambda=1e-4),
+        )
     assert str(e.value).startswith("train.l2sp_lambda: 0.0001: ") and "\n" not in str(e.value)
     parts = "fc, input_norms, attention, post_attention_norm, mlp, final_norm"
     for kw, msg in [
-            ({"freeze": ["fcc"]}, f'phase1.train.freeze: unknown part "fcc"; parts: {parts}'),
-            ({"freeze": ["lm_head"]}, f"phase1.train.freeze: lm_head: set train_lm_head: false to freeze it; "
-                                      f"parts: {parts}"),
-            ({"freeze": "fc"}, f'phase1.train.freeze: expected a list of part names ({parts}), got "fc"'),
-            ({"freeze": ["fc", "fc"]}, 'phase1.train.freeze: "fc" twice'),
-            ({"freeze": list(TrainConfig.FREEZE_PARTS), "train_lm_head": False},
-             "phase1.train.freeze: every part frozen and train_lm_head false: nothing left to train"),
-            ({"l2sp_lambda": -1e-4}, "phase1.train.l2sp_lambda: must be >= 0, got -0.0001"),
-            ({"l2sp_lambda": float("inf")}, "phase1.train.l2sp_lambda: expected a finite number, got inf")]:
+        ({"freeze": ["fcc"]}, f'phase1.train.freeze: unknown part "fcc"; parts: {parts}'),
+        (
+            {"freeze": ["lm_head"]},
+            f"phase1.train.freeze: lm_head: set train_lm_head: false to freeze it; parts: {parts}",
+        ),
+        ({"freeze": "fc"}, f'phase1.train.freeze: expected a list of part names ({parts}), got "fc"'),
+        ({"freeze": ["fc", "fc"]}, 'phase1.train.freeze: "fc" twice'),
+        (
+            {"freeze": list(TrainConfig.FREEZE_PARTS), "train_lm_head": False},
+            "phase1.train.freeze: every part frozen and train_lm_head false: nothing left to train",
+        ),
+        ({"l2sp_lambda": -1e-4}, "phase1.train.l2sp_lambda: must be >= 0, got -0.0001"),
+        ({"l2sp_lambda": float("inf")}, "phase1.train.l2sp_lambda: expected a finite number, got inf"),
+    ]:
         with pytest.raises(P.ParamsError) as e:
             TrainConfig.from_dict({"steps": 3, **kw}, "phase1.train")
         assert str(e.value) == msg

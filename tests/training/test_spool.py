@@ -14,7 +14,7 @@ from tiny_targets import H, LLAMA_AUX, LLAMA_VOCAB, tiny_llama
 from toys import toy_cfg, toy_drafter, weights
 
 META = {"aux_layer_ids": LLAMA_AUX, "aux_convention": "vllm"}
-BIG = 10 ** 9
+BIG = 10**9
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,16 @@ def sequences(n=12, seed=0, lengths=(10, 20)):
 
 
 def spool(tmp, seqs, featurize, order, **kw):
-    args = dict(order=order, spool_dir=tmp / "spool", spool_bytes=BIG, shard_samples=4, batch_size=1,
-                hidden_size=H, meta=META, dtype="float32")
+    args = dict(
+        order=order,
+        spool_dir=tmp / "spool",
+        spool_bytes=BIG,
+        shard_samples=4,
+        batch_size=1,
+        hidden_size=H,
+        meta=META,
+        dtype="float32",
+    )
     args.update(kw)
     return SpoolFeatures(seqs, featurize, **args)
 

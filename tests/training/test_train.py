@@ -67,8 +67,16 @@ def test_ddp_two_gloo_ranks_equal_one_process(tmp_path):
     script = HELPERS / "ddp_worker.py"
     env = dict(os.environ, PYTHONPATH=str(HELPERS), OMP_NUM_THREADS="1")
     for nproc in (1, 2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), str(tmp_path / "feats"), str(tmp_path / f"ddp{nproc}")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+            str(tmp_path / "feats"),
+            str(tmp_path / f"ddp{nproc}"),
+        ]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
     one = json.loads((tmp_path / "ddp1" / "result.json").read_text())
@@ -87,8 +95,17 @@ def test_ddp_fused_path_two_gloo_ranks_equal_reference_one_process(tmp_path):
     runs = {}
     for impl, nproc in (("reference", 1), ("fused", 2)):
         out = tmp_path / f"{impl}{nproc}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), str(tmp_path / "feats"), str(out), impl]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+            str(tmp_path / "feats"),
+            str(out),
+            impl,
+        ]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         runs[impl] = json.loads((out / "result.json").read_text())
@@ -116,17 +133,31 @@ def test_fast_params_describe_each_step_and_a_change_of_them_still_resumes(tmp_p
     seen = []
     step = loop.train_step
     monkeypatch.setattr(loop, "train_step", lambda *a, **kw: seen.append(kw["fast"]) or step(*a, **kw))
-    base = dict(steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2, impl="fused",
-                packing=True)
-    train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, fast={"attention": "cudnn"}),
-          progress=False, stop_after=2)
+    base = dict(
+        steps=4, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=2, log_every=2, impl="fused", packing=True
+    )
+    train(
+        toy_drafter(seed=5),
+        fs,
+        head,
+        tmp_path / "run",
+        TrainConfig(**base, fast={"attention": "cudnn"}),
+        progress=False,
+        stop_after=2,
+    )
     assert seen[-1] == FastPath(attention="cudnn", accumulate_wgrad=True) and seen[-1].packed == "segments"
     other = {"attention": "fa4", "packed_attention": "segments", "compile_tuning": False}
     res = train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, fast=other), progress=False)
     assert res["resumed_from"] == 2 and res["steps"] == 4
     assert set(seen[2:]) == {FastPath(**other, accumulate_wgrad=True)}
-    train(toy_drafter(seed=5), fs, head, tmp_path / "ref", TrainConfig(**dict(base, steps=1, impl="reference")),
-          progress=False)
+    train(
+        toy_drafter(seed=5),
+        fs,
+        head,
+        tmp_path / "ref",
+        TrainConfig(**dict(base, steps=1, impl="reference")),
+        progress=False,
+    )
     assert seen[-1] is None
     assert loop.fast_path(TrainConfig(), "compiled", False) == FastPath(compile=True)
     with pytest.raises(DraftportError, match=r"train\.fast\.attention: must be one of flash, cudnn, fa4"):
@@ -157,11 +188,19 @@ def test_monitor_logs_tau_by_step_and_changes_no_update(tmp_path):
                 logged.append((step, m["accept_length"]))
 
     watched = toy_drafter(seed=3)
-    res = train(watched, fs, head, tmp_path / "watched", TrainConfig(**base, eval_every=5), progress=False,
-                logger=Rec(), monitor=_monitor(tmp_path, head))
-    assert [c["step"] for c in res["curve"]] == [5, 10, 12]        # every 5 steps and the last one
+    res = train(
+        watched,
+        fs,
+        head,
+        tmp_path / "watched",
+        TrainConfig(**base, eval_every=5),
+        progress=False,
+        logger=Rec(),
+        monitor=_monitor(tmp_path, head),
+    )
+    assert [c["step"] for c in res["curve"]] == [5, 10, 12]  # every 5 steps and the last one
     assert [s for s, _ in logged] == [5, 10, 12]
-    assert all(1.0 <= c["accept_length"] <= 3.0 for c in res["curve"])   # 1 + at most k=2 drafts
+    assert all(1.0 <= c["accept_length"] <= 3.0 for c in res["curve"])  # 1 + at most k=2 drafts
     assert not res["stopped_early"]
     a, b = weights(plain), weights(watched)
     for k in a:
@@ -170,15 +209,16 @@ def test_monitor_logs_tau_by_step_and_changes_no_update(tmp_path):
 
 def test_patience_stops_and_a_resume_stays_stopped(tmp_path):
     fs, head = make_features(tmp_path)
-    cfg = TrainConfig(steps=40, batch_size=4, lr=3e-3, warmup_steps=2, checkpoint_every=40, log_every=10,
-                      eval_every=2, patience=2)
-    flat = iter([1.5, 1.6, 1.6, 1.55] + [9.0] * 100)   # best 1.6 at step 4; steps 6, 8 no better -> stop at 8
-    res = train(toy_drafter(seed=1), fs, head, tmp_path / "run", cfg, progress=False,
-                monitor=lambda d: next(flat))
+    cfg = TrainConfig(
+        steps=40, batch_size=4, lr=3e-3, warmup_steps=2, checkpoint_every=40, log_every=10, eval_every=2, patience=2
+    )
+    flat = iter([1.5, 1.6, 1.6, 1.55] + [9.0] * 100)  # best 1.6 at step 4; steps 6, 8 no better -> stop at 8
+    res = train(toy_drafter(seed=1), fs, head, tmp_path / "run", cfg, progress=False, monitor=lambda d: next(flat))
     assert res["stopped_early"] and res["steps"] == 8
     assert res["history"][-1]["early_stop"] == 1 and res["history"][-1]["step"] == 8
-    again = train(toy_drafter(seed=1), fs, head, tmp_path / "run", cfg, progress=False,
-                  monitor=lambda d: 9.0)   # resumed from the stop's checkpoint: no more steps
+    again = train(
+        toy_drafter(seed=1), fs, head, tmp_path / "run", cfg, progress=False, monitor=lambda d: 9.0
+    )  # resumed from the stop's checkpoint: no more steps
     assert again["steps"] == 8 and again["stopped_early"] and again["resumed_from"] == 8
 
 
@@ -198,11 +238,18 @@ def test_feature_chain_is_a_prefix_and_checks_continuity(tmp_path):
         seqs = [Sequence(torch.randint(0, cfg.vocab_size, (8,), generator=g).tolist(), 2) for _ in range(n)]
 
         def featurize(batch):
-            return torch.randn(len(batch), 8, 3 * cfg.hidden_size, generator=g), \
-                torch.randn(len(batch), 8, cfg.hidden_size, generator=g)
+            return torch.randn(len(batch), 8, 3 * cfg.hidden_size, generator=g), torch.randn(
+                len(batch), 8, cfg.hidden_size, generator=g
+            )
 
-        write_features(tmp_path / name, seqs, featurize, shard_samples=4, dtype="float32",
-                       meta={"aux_layer_ids": [1, 2, 3], "samples_file": "p.jsonl", "offset": offset})
+        write_features(
+            tmp_path / name,
+            seqs,
+            featurize,
+            shard_samples=4,
+            dtype="float32",
+            meta={"aux_layer_ids": [1, 2, 3], "samples_file": "p.jsonl", "offset": offset},
+        )
         return FeatureSet(tmp_path / name)
 
     a, b = capture("a", 0, 6), capture("b", 6, 5)
@@ -217,4 +264,4 @@ def test_feature_chain_is_a_prefix_and_checks_continuity(tmp_path):
     held = capture("held", 7, 3)
     with pytest.raises(DraftportError, match="overlaps the training"):
         check_disjoint(chain, held, "monitor")
-    check_disjoint(FeatureChain([a, b], 7), held, "monitor")   # prompts 0-6 vs 7-9: disjoint
+    check_disjoint(FeatureChain([a, b], 7), held, "monitor")  # prompts 0-6 vs 7-9: disjoint

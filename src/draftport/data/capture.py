@@ -71,7 +71,9 @@ def check_aux_ids(aux_ids, num_layers: int, convention: str, where=None):
     limit = num_layers if convention == "vllm" else num_layers - 1
     bad = [i for i in aux_ids if not 0 <= i <= limit]
     if bad:
-        raise DraftportError(where, f"aux layer ids {bad} out of range for a target with {num_layers} layers ({convention} convention)")
+        raise DraftportError(
+            where, f"aux layer ids {bad} out of range for a target with {num_layers} layers ({convention} convention)"
+        )
 
 
 # Where a multimodal wrapper keeps its text decoder (Kimi-K2.5: language_model.model.layers.*,
@@ -84,8 +86,11 @@ def remote_code_refused(path):
     except ValueError as e:
         if "trust_remote_code" not in str(e):
             raise
-        raise DraftportError(path, "the model needs its own code (auto_map) and trust_remote_code is off: add "
-                             "its repo id to targets.trust_remote_code to run it") from None
+        raise DraftportError(
+            path,
+            "the model needs its own code (auto_map) and trust_remote_code is off: add "
+            "its repo id to targets.trust_remote_code to run it",
+        ) from None
 
 
 def capture_dtype(device, storage: str = "bfloat16") -> torch.dtype:
@@ -123,13 +128,17 @@ def load_target(path: str | Path, *, dtype=torch.float32, device="cpu", trust_re
         if prefix is None:
             raise DraftportError(path, "a multimodal config but no language_model.* weights")
         # the wrapper's names -> the text model's (model.layers.*, lm_head.*)
-        kw["key_mapping"] = ({r"^language_model\.": ""} if prefix == "language_model." else
-                             {r"^model\.language_model\.": "model.", r"^lm_head\.": "lm_head."})
+        kw["key_mapping"] = (
+            {r"^language_model\.": ""}
+            if prefix == "language_model."
+            else {r"^model\.language_model\.": "model.", r"^lm_head\.": "lm_head."}
+        )
     if device == "auto":
         kw["device_map"] = "auto"
     with remote_code_refused(path):
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, **kw)
+            str(path), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, **kw
+        )
     return (model if device == "auto" else model.to(device)).eval()
 
 
@@ -154,22 +163,27 @@ class Capture:
     def __enter__(self):
         for slot, k in enumerate(self.aux_ids):
             if self.convention == "vllm":
+
                 def pre(mod, args, kwargs, slot=slot):
                     hs = args[0] if args else kwargs["hidden_states"]
                     self.states[slot] = hs.detach()
+
                 # id L: what enters the final norm (the state leaving the last layer)
                 where = self.layers[k] if k < len(self.layers) else self.norm
                 self.handles.append(where.register_forward_pre_hook(pre, with_kwargs=True))
             else:
+
                 def post(mod, args, out, slot=slot):
                     hs = out[0] if isinstance(out, tuple) else out
                     self.states[slot] = hs.detach()
+
                 self.handles.append(self.layers[k].register_forward_hook(post))
 
         def fin(mod, args, out):
             self.final = out.detach()
             if self.stop:
                 raise _Stop
+
         self.handles.append(self.norm.register_forward_hook(fin))
         return self
 
@@ -198,21 +212,35 @@ def capture_features(model, input_ids, attention_mask, aux_ids, convention="vllm
 
 
 @torch.no_grad()
-def regenerate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
-               batch_size: int = 32, progress=None) -> list[list[int]]:
+def regenerate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    batch_size: int = 32,
+    progress=None,
+) -> list[list[int]]:
     """Greedy responses of the target itself (what it will verify), stopping at eos (kept)."""
     out: list[list[int]] = []
     dev = next(model.parameters()).device
     for s in range(0, len(prompts), batch_size):
-        chunk = prompts[s: s + batch_size]
+        chunk = prompts[s : s + batch_size]
         L = max(len(p) for p in chunk)
         ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), L), dtype=torch.long)
         for i, p in enumerate(chunk):  # left padding for generation
-            ids[i, L - len(p):] = torch.tensor(p)
-            mask[i, L - len(p):] = 1
-        gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+            ids[i, L - len(p) :] = torch.tensor(p)
+            mask[i, L - len(p) :] = 1
+        gen = model.generate(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+        )
         for row in gen[:, L:].tolist():
             resp = []
             for t in row:

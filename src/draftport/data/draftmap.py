@@ -31,8 +31,11 @@ def build_vocab(features_dir, out_path, *, draft_vocab_size: int, vocab_size: in
     d2t, t2d = build_maps(counts, draft_vocab_size)
     covered = counts[t2d].sum() / max(counts.sum(), 1)
     save_safetensors({"d2t": d2t, "t2d": t2d, "counts": counts}, out_path)  # mkdirs, temp + rename
-    return {"draft_vocab_size": draft_vocab_size, "coverage": float(covered),
-            "distinct_tokens_seen": int((counts > 0).sum())}
+    return {
+        "draft_vocab_size": draft_vocab_size,
+        "coverage": float(covered),
+        "distinct_tokens_seen": int((counts > 0).sum()),
+    }
 
 
 def read_vocab(path, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -51,7 +54,9 @@ def read_vocab(path, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndar
         if t is None:
             raise DraftportError(path, f"no {name} tensor in the draft map file")
         if t.dtype not in dtypes or len(t.shape) != 1:
-            raise DraftportError(path, f"{name} must be a 1-D {' or '.join(dtypes)} tensor, got {t.dtype}{list(t.shape)}")
+            raise DraftportError(
+                path, f"{name} must be a 1-D {' or '.join(dtypes)} tensor, got {t.dtype}{list(t.shape)}"
+            )
     d2t = read_tensor_np(table["d2t"]).astype(np.int64)
     t2d = read_tensor_np(table["t2d"]).astype(bool)
     check_maps(d2t, t2d, vocab_size or t2d.shape[0], d2t.shape[0], where=path)

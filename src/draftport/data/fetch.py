@@ -31,8 +31,15 @@ from draftport.files import atomic_dir, atomic_write_text, sha256
 from draftport.errors import DraftportError
 
 DRAFTER_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
-TARGET_PATTERNS = DRAFTER_PATTERNS + ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                      "generation_config.json", "tokenizer.model", "*.tiktoken", "draftport_target.json"]
+TARGET_PATTERNS = DRAFTER_PATTERNS + [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "*.tiktoken",
+    "draftport_target.json",
+]
 
 
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "pytorch_model.bin.index.json"]
@@ -61,7 +68,9 @@ def convert_pickles(src: Path, pickles: list[Path], out: Path) -> dict[str, str]
         try:
             obj = torch.load(p, map_location="cpu", weights_only=True)
         except Exception as e:  # pickle.UnpicklingError for anything but tensors
-            raise DraftportError(p, f"refused by torch.load(weights_only=True): {str(e).splitlines()[0][:200]}") from None
+            raise DraftportError(
+                p, f"refused by torch.load(weights_only=True): {str(e).splitlines()[0][:200]}"
+            ) from None
         if isinstance(obj, dict) and len(obj) == 1 and isinstance(next(iter(obj.values())), dict):
             obj = next(iter(obj.values()))  # {"state_dict": {...}} / {"model": {...}}
         if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -107,8 +116,9 @@ def publish_to_cache(folder, cache_dir, repo_id: str, branch: str = "main") -> s
     return commit
 
 
-def resolve(source: str, revision: str | None, cache_dir=None, patterns=DRAFTER_PATTERNS,
-            offline: bool | None = None) -> tuple[Path, str]:
+def resolve(
+    source: str, revision: str | None, cache_dir=None, patterns=DRAFTER_PATTERNS, offline: bool | None = None
+) -> tuple[Path, str]:
     """(folder holding the files, commit) for a hub id or a local folder."""
     local = Path(source)
     if local.exists():
@@ -121,19 +131,36 @@ def resolve(source: str, revision: str | None, cache_dir=None, patterns=DRAFTER_
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
     try:
-        path = snapshot_download(repo_id=source, revision=revision or "main", cache_dir=cache_dir,
-                                 allow_patterns=patterns, local_files_only=offline)
+        path = snapshot_download(
+            repo_id=source,
+            revision=revision or "main",
+            cache_dir=cache_dir,
+            allow_patterns=patterns,
+            local_files_only=offline,
+        )
     except LocalEntryNotFoundError:
-        raise DraftportError(source, f"revision {revision or 'main'} is not in the hub cache {cache_dir or '(default)'} and the hub is offline") from None
+        raise DraftportError(
+            source,
+            f"revision {revision or 'main'} is not in the hub cache {cache_dir or '(default)'} and the hub is offline",
+        ) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise DraftportError(source, f"cannot fetch revision {revision or 'main'}: {str(e).splitlines()[0]}") from None
     path = Path(path)
     return path, path.name  # snapshot folders are named by commit
 
 
-def fetch(source: str, out_dir, *, revision: str | None = None, cache_dir=None,
-          patterns=DRAFTER_PATTERNS, lock_file=None, offline: bool | None = None,
-          allow_pickle: bool = False, trust_remote_code: bool = False) -> dict:
+def fetch(
+    source: str,
+    out_dir,
+    *,
+    revision: str | None = None,
+    cache_dir=None,
+    patterns=DRAFTER_PATTERNS,
+    lock_file=None,
+    offline: bool | None = None,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+) -> dict:
     """Copy the allowed files of `source` into out_dir (atomically) and write out_dir/fetch.lock.json.
 
     lock_file: a lock kept outside the outputs (e.g. next to params.yaml); when it exists for the
@@ -150,8 +177,11 @@ def fetch(source: str, out_dir, *, revision: str | None = None, cache_dir=None,
     refused = sorted(p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES)
     pickles = [p for p in files if p.suffix in PICKLE_SUFFIXES]
     if not any(p.suffix == ".safetensors" for p in files) and not pickles:
-        what = (f" (only pickle files: {', '.join(refused)}, refused because they can run code; {PICKLE_HINT})"
-                if refused else f" (pickle weights are refused unless allowed: {PICKLE_HINT})")
+        what = (
+            f" (only pickle files: {', '.join(refused)}, refused because they can run code; {PICKLE_HINT})"
+            if refused
+            else f" (pickle weights are refused unless allowed: {PICKLE_HINT})"
+        )
         raise DraftportError(src, f"no *.safetensors weights to fetch{what}")
     if not any(p.name == "config.json" for p in files):
         raise DraftportError(src, "no config.json to fetch")

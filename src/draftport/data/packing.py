@@ -31,20 +31,31 @@ from draftport.data.shards import Batch, batch_buffers
 
 @dataclass
 class PackedBatch(Batch):
-    doc: torch.Tensor | None = None        # [B, T] long: segment id of each row
+    doc: torch.Tensor | None = None  # [B, T] long: segment id of each row
     positions: torch.Tensor | None = None  # [B, T] long: position inside its sample
     cu_seqlens: list[int] = field(default_factory=list)  # segment starts over B*T, + B*T
     max_seqlen: int = 0
     n_samples: int = 0
-    cu_seqlens_t: torch.Tensor | None = None   # the same as int32, on the batch's device
+    cu_seqlens_t: torch.Tensor | None = None  # the same as int32, on the batch's device
 
     def to(self, device, dtype=None):
         b = Batch.to(self, device, dtype)
         cu = torch.tensor(self.cu_seqlens, dtype=torch.int32) if self.cu_seqlens_t is None else self.cu_seqlens_t
-        return PackedBatch(b.aux, b.final, b.tokens, b.loss_mask, b.valid, b.target_arg, b.loss_share,
-                           doc=self.doc.to(device), positions=self.positions.to(device),
-                           cu_seqlens=list(self.cu_seqlens), max_seqlen=self.max_seqlen,
-                           n_samples=self.n_samples, cu_seqlens_t=cu.to(device))
+        return PackedBatch(
+            b.aux,
+            b.final,
+            b.tokens,
+            b.loss_mask,
+            b.valid,
+            b.target_arg,
+            b.loss_share,
+            doc=self.doc.to(device),
+            positions=self.positions.to(device),
+            cu_seqlens=list(self.cu_seqlens),
+            max_seqlen=self.max_seqlen,
+            n_samples=self.n_samples,
+            cu_seqlens_t=cu.to(device),
+        )
 
     @property
     def real_tokens(self) -> int:
@@ -71,7 +82,7 @@ def plan_rows(lengths: list[int], row_len: int | None = None) -> list[list[int]]
         else:
             rows.append([i])
             fill.append(lengths[i])
-    return [sorted(r) for r in rows]   # samples in their original order inside a row
+    return [sorted(r) for r in rows]  # samples in their original order inside a row
 
 
 # train() packs a step's samples into one row of their total length rounded up to this many
@@ -79,8 +90,9 @@ def plan_rows(lengths: list[int], row_len: int | None = None) -> list[list[int]]
 ROW_MULTIPLE = 64
 
 
-def pack(samples: list[dict], row_len: int | None = None, multiple: int = 1,
-         dtype=torch.float32) -> tuple[PackedBatch, list[int]]:
+def pack(
+    samples: list[dict], row_len: int | None = None, multiple: int = 1, dtype=torch.float32
+) -> tuple[PackedBatch, list[int]]:
     """Pack samples (FeatureSet.sample dicts, as data.collate takes) into rows; -> (PackedBatch,
     response starts in the order given). Every row has the same length: row_len when given,
     else the fullest row's fill; rounded up to `multiple` (fewer distinct shapes to compile)."""
@@ -98,25 +110,34 @@ def pack(samples: list[dict], row_len: int | None = None, multiple: int = 1,
         o = 0
         for i in r:
             s, n = samples[i], lengths[i]
-            aux[b, o:o + n], final[b, o:o + n] = s["aux"].to(dtype), s["final"].to(dtype)
-            tokens[b, o:o + n], mask[b, o:o + n], valid[b, o:o + n] = s["tokens"], s["loss_mask"], True
+            aux[b, o : o + n], final[b, o : o + n] = s["aux"].to(dtype), s["final"].to(dtype)
+            tokens[b, o : o + n], mask[b, o : o + n], valid[b, o : o + n] = s["tokens"], s["loss_mask"], True
             if has_arg:
-                t_arg[b, o:o + n] = s["target_arg"]
-            doc[b, o:o + n] = seg
-            pos[b, o:o + n] = torch.arange(n)
+                t_arg[b, o : o + n] = s["target_arg"]
+            doc[b, o : o + n] = seg
+            pos[b, o : o + n] = torch.arange(n)
             o += n
             seg += 1
             cu.append(b * T + o)
             longest = max(longest, n)
-        if o < T:   # the row's padding tail: a segment of its own (valid False)
+        if o < T:  # the row's padding tail: a segment of its own (valid False)
             doc[b, o:] = seg
             pos[b, o:] = torch.arange(T - o)
             seg += 1
             cu.append((b + 1) * T)
             longest = max(longest, T - o)
-    batch = PackedBatch(aux, final, tokens, mask, valid, t_arg, doc=doc, positions=pos, cu_seqlens=cu,
-                        max_seqlen=longest, n_samples=len(samples),
-                        cu_seqlens_t=torch.tensor(cu, dtype=torch.int32))
+    batch = PackedBatch(
+        aux,
+        final,
+        tokens,
+        mask,
+        valid,
+        t_arg,
+        doc=doc,
+        positions=pos,
+        cu_seqlens=cu,
+        max_seqlen=longest,
+        n_samples=len(samples),
+        cu_seqlens_t=torch.tensor(cu, dtype=torch.int32),
+    )
     return batch, [s["response_start"] for s in samples]
-
-

@@ -33,14 +33,19 @@ import torch
 from safetensors.torch import load_file
 
 # the layout of save_safetensors' files, used to write a shard in place (see _ShardFile)
-from draftport.model.formats import (TORCH_CODES, atomic_dir, atomic_write_text, disk_full_error, layout_header,
-    save_safetensors)
+from draftport.model.formats import (
+    TORCH_CODES,
+    atomic_dir,
+    atomic_write_text,
+    disk_full_error,
+    layout_header,
+    save_safetensors,
+)
 from draftport.files import sha256 as sha256_file
 from draftport.errors import DraftportError
 
 FP8 = "fp8_e4m3"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          FP8: torch.float8_e4m3fn}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, FP8: torch.float8_e4m3fn}
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 SCALE_BYTES = 4  # fp8: one float32 scale per token per state (each aux layer, the final state)
 
@@ -72,11 +77,11 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Batch:
-    aux: torch.Tensor        # [B, T, 3*Ht]
-    final: torch.Tensor      # [B, T, Ht] target's last hidden state after its final norm
-    tokens: torch.Tensor     # [B, T] long
+    aux: torch.Tensor  # [B, T, 3*Ht]
+    final: torch.Tensor  # [B, T, Ht] target's last hidden state after its final norm
+    tokens: torch.Tensor  # [B, T] long
     loss_mask: torch.Tensor  # [B, T] bool: token t is an assistant token
-    valid: torch.Tensor      # [B, T] bool: not padding
+    valid: torch.Tensor  # [B, T] bool: not padding
     # [B, T] long, optional: the target's full-vocab argmax at each position, when the capture
     # stored it; the fused loss then needs only the draft-vocab rows of the target head.
     target_arg: torch.Tensor | None = None
@@ -93,10 +98,15 @@ class Batch:
 
     def to(self, device, dtype=None):
         f = (lambda t: t.to(device=device, dtype=dtype)) if dtype else (lambda t: t.to(device))
-        return Batch(f(self.aux), f(self.final), self.tokens.to(device), self.loss_mask.to(device),
-                     self.valid.to(device),
-                     None if self.target_arg is None else self.target_arg.to(device),
-                     loss_share=self.host_loss_share())
+        return Batch(
+            f(self.aux),
+            f(self.final),
+            self.tokens.to(device),
+            self.loss_mask.to(device),
+            self.valid.to(device),
+            None if self.target_arg is None else self.target_arg.to(device),
+            loss_share=self.host_loss_share(),
+        )
 
 
 def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -> int:
@@ -120,10 +130,20 @@ class Sequence:
     response_start: int
 
 
-def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *, meta: dict,
-                   shard_samples: int = 256, batch_size: int = 16, dtype: str = "bfloat16",
-                   progress=None, by_length: bool = False, sort_window: int | None = None,
-                   writers: int | None = None) -> dict:
+def write_features(
+    out_dir: str | Path,
+    sequences: list[Sequence],
+    featurize,
+    *,
+    meta: dict,
+    shard_samples: int = 256,
+    batch_size: int = 16,
+    dtype: str = "bfloat16",
+    progress=None,
+    by_length: bool = False,
+    sort_window: int | None = None,
+    writers: int | None = None,
+) -> dict:
     """Run featurize(batch_of_sequences) -> (aux [B,T,3H], final [B,T,H][, target_arg [B,T]]),
     right-padded, on any device, and write shards. featurize must return new tensors at each
     call (they are written while the next batch runs).
@@ -151,8 +171,18 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
         raise DraftportError("features.dtype", f"{dtype!r} is not a storage dtype ({', '.join(DTYPES)})")
     try:
         window = -(-(sort_window or max(shard_samples, 16 * batch_size)) // shard_samples) * shard_samples
-        return _write_shards(out_dir, sequences, featurize, meta, shard_samples, batch_size, dtype, progress,
-                             window if by_length else None, writers)
+        return _write_shards(
+            out_dir,
+            sequences,
+            featurize,
+            meta,
+            shard_samples,
+            batch_size,
+            dtype,
+            progress,
+            window if by_length else None,
+            writers,
+        )
     except Exception as e:
         full = disk_full_error(e, out_dir)
         if full is None:
@@ -160,8 +190,9 @@ def write_features(out_dir: str | Path, sequences: list[Sequence], featurize, *,
         raise DraftportError(out_dir, f"{full}; no features written (the folder is as it was before)") from None
 
 
-def _write_shards(out_dir: Path, sequences, featurize, meta, shard_samples, batch_size, dtype, progress,
-                  window, writers) -> dict:
+def _write_shards(
+    out_dir: Path, sequences, featurize, meta, shard_samples, batch_size, dtype, progress, window, writers
+) -> dict:
     """window: the samples (whole shards) batched longest first together; None: each shard's in
     input order, as the former writer batched them."""
     with atomic_dir(out_dir) as tmp:
@@ -171,13 +202,14 @@ def _write_shards(out_dir: Path, sequences, featurize, meta, shard_samples, batc
             for w0 in range(0, len(sequences), window or shard_samples):
                 group = []
                 for s0 in range(w0, min(w0 + (window or shard_samples), len(sequences)), shard_samples):
-                    files.append(_ShardFile(tmp / f"shard_{len(files):05d}.safetensors",
-                                            sequences[s0: s0 + shard_samples]))
+                    files.append(
+                        _ShardFile(tmp / f"shard_{len(files):05d}.safetensors", sequences[s0 : s0 + shard_samples])
+                    )
                     group += [(files[-1], i) for i in range(len(files[-1].chunk))]
                 if window:  # longest first (stable): a batch too large for the device fails at once
                     group.sort(key=lambda fi: -len(fi[0].chunk[fi[1]].tokens))
                 for b0 in range(0, len(group), batch_size):
-                    part = group[b0: b0 + batch_size]
+                    part = group[b0 : b0 + batch_size]
                     bseq = [f.chunk[i] for f, i in part]
                     aux, final, *arg = featurize(bseq)
                     writer.put(part, _Rows(_pack(bseq, aux, final, arg[0] if arg else None, dtype)))
@@ -189,8 +221,14 @@ def _write_shards(out_dir: Path, sequences, featurize, meta, shard_samples, batc
             raise
         hidden, n_aux = files[-1].hidden, files[-1].n_aux
         index = dict(meta)
-        index.update(samples=len(sequences), tokens=sum(sh["tokens"] for sh in shards), dtype=dtype,
-                     hidden_size=hidden, bytes_per_token=bytes_per_token(hidden, dtype, n_aux), shards=shards)
+        index.update(
+            samples=len(sequences),
+            tokens=sum(sh["tokens"] for sh in shards),
+            dtype=dtype,
+            hidden_size=hidden,
+            bytes_per_token=bytes_per_token(hidden, dtype, n_aux),
+            shards=shards,
+        )
         atomic_write_text(tmp / "index.json", json.dumps(index, indent=2) + "\n")
     return index
 
@@ -200,14 +238,22 @@ def _pack(bseq: list[Sequence], aux, final, arg, dtype: str) -> dict[str, torch.
     the storage dtype (fp8: with their scales), on the device that computed them."""
     lens = [len(sq.tokens) for sq in bseq]
     B, T = aux.shape[0], aux.shape[1]
-    if B != len(bseq) or T < max(lens) or tuple(final.shape[:2]) != (B, T) or (
-            arg is not None and tuple(arg.shape[:2]) != (B, T)):
-        raise DraftportError("featurize", f"returned states of shapes {list(aux.shape)}, {list(final.shape)} for "
-                             f"{len(bseq)} sequences of up to {max(lens)} tokens")
+    if (
+        B != len(bseq)
+        or T < max(lens)
+        or tuple(final.shape[:2]) != (B, T)
+        or (arg is not None and tuple(arg.shape[:2]) != (B, T))
+    ):
+        raise DraftportError(
+            "featurize",
+            f"returned states of shapes {list(aux.shape)}, {list(final.shape)} for "
+            f"{len(bseq)} sequences of up to {max(lens)} tokens",
+        )
     H = final.shape[-1]
     if aux.shape[-1] % H:
         raise DraftportError("featurize", f"aux width {aux.shape[-1]} is not a multiple of the hidden size {H}")
     if all(n == T for n in lens):
+
         def take(t):
             return t.reshape(B * T, *t.shape[2:])
     else:  # the row index is built here (a mask's nonzero would wait for the forward)
@@ -215,6 +261,7 @@ def _pack(bseq: list[Sequence], aux, final, arg, dtype: str) -> dict[str, torch.
 
         def take(t):
             return t.reshape(B * T, *t.shape[2:]).index_select(0, idx)
+
     src = {"aux": aux, "final": final}
     a, f = take(aux), take(final)
     if dtype == FP8:
@@ -292,11 +339,14 @@ def sequence_tensors(seqs: list[Sequence], offsets: torch.Tensor) -> dict[str, t
     masks = []
     for sq in seqs:
         m = torch.zeros(len(sq.tokens), dtype=torch.bool)
-        m[sq.response_start:] = True
+        m[sq.response_start :] = True
         masks.append(m)
-    return {"tokens": torch.tensor([t for sq in seqs for t in sq.tokens], dtype=torch.int32),
-            "loss_mask": torch.cat(masks), "offsets": offsets,
-            "response_start": torch.tensor([sq.response_start for sq in seqs], dtype=torch.int64)}
+    return {
+        "tokens": torch.tensor([t for sq in seqs for t in sq.tokens], dtype=torch.int32),
+        "loss_mask": torch.cat(masks),
+        "offsets": offsets,
+        "response_start": torch.tensor([sq.response_start for sq in seqs], dtype=torch.int64),
+    }
 
 
 class _ShardFile:
@@ -319,8 +369,10 @@ class _ShardFile:
     def _open(self, host: dict[str, torch.Tensor]) -> None:
         chunk, N = self.chunk, self.tokens
         small = sequence_tensors(chunk, self.offsets)
-        items = [(k, TORCH_CODES[str(v.dtype).removeprefix("torch.")], list(v.shape), v.numel() * v.element_size())
-                 for k, v in small.items()]
+        items = [
+            (k, TORCH_CODES[str(v.dtype).removeprefix("torch.")], list(v.shape), v.numel() * v.element_size())
+            for k, v in small.items()
+        ]
         for k, v in host.items():
             row = v[0].numel() * v.element_size() if v.shape[0] else 0
             items.append((k, TORCH_CODES[str(v.dtype).removeprefix("torch.")], [N, *v.shape[1:]], N * row))
@@ -331,7 +383,9 @@ class _ShardFile:
             at[name], pos = pos, pos + size[name]
         self.rows = {k: (at[k], size[k] // N, v.dtype, tuple(v.shape[1:])) for k, v in host.items()}
         self.hidden = int(host["final"].shape[1])
-        self.n_aux = int(host["aux_scale"].shape[1]) if "aux_scale" in host else int(host["aux"].shape[1]) // self.hidden
+        self.n_aux = (
+            int(host["aux_scale"].shape[1]) if "aux_scale" in host else int(host["aux"].shape[1]) // self.hidden
+        )
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         _pwrite_all(self.fd, head, 0)
         for k, v in small.items():
@@ -355,7 +409,7 @@ class _ShardFile:
         for k, (at, row, _, _) in self.rows.items():
             b = _as_bytes(host[k])
             for s, d, n in runs:
-                _pwrite_all(self.fd, b[s: s + n], at + d * row)
+                _pwrite_all(self.fd, b[s : s + n], at + d * row)
         self.left -= len(pieces)
 
     def finish(self) -> dict:
@@ -499,8 +553,11 @@ class FeatureSet:
         if not self.index.get("samples"):
             raise DraftportError(idx_path, "feature folder holds no samples (empty dataset)")
         if self.index.get("storage") in ("online", "hybrid"):
-            raise DraftportError(self.folder, f"holds sequences without their states (features.storage "
-                                 f"{self.index['storage']}): the training step captures them")
+            raise DraftportError(
+                self.folder,
+                f"holds sequences without their states (features.storage "
+                f"{self.index['storage']}): the training step captures them",
+            )
         self.shards = []
         self.where = []  # sample -> (shard, local index)
         for si, sh in enumerate(self.index["shards"]):
@@ -533,8 +590,11 @@ class FeatureSet:
         fp8 = [k for k in ("aux", "final") if k in sh and sh[k].dtype == torch.float8_e4m3fn]
         if not self.fp8:
             if fp8:
-                raise DraftportError(path, f"{fp8[0]} is stored as float8_e4m3fn but index.json says "
-                                     f"{self.index.get('dtype')}: its scales would be ignored")
+                raise DraftportError(
+                    path,
+                    f"{fp8[0]} is stored as float8_e4m3fn but index.json says "
+                    f"{self.index.get('dtype')}: its scales would be ignored",
+                )
             return
         n = sh["tokens"].shape[0]
         H = sh["final"].shape[1] if sh["final"].dim() == 2 else 0
@@ -547,8 +607,11 @@ class FeatureSet:
             if s is None:
                 raise DraftportError(path, f"fp8_e4m3 shard without {k} (the states cannot be dequantized)")
             if s.dtype != torch.float32 or tuple(s.shape) != shape:
-                raise DraftportError(path, f"{k} is {s.dtype} {list(s.shape)}, expected float32 {list(shape)} "
-                                     f"(one scale per token{' and aux layer' if k == 'aux_scale' else ''})")
+                raise DraftportError(
+                    path,
+                    f"{k} is {s.dtype} {list(s.shape)}, expected float32 {list(shape)} "
+                    f"(one scale per token{' and aux layer' if k == 'aux_scale' else ''})",
+                )
             bad = int((~torch.isfinite(s) | (s <= 0)).sum())
             if bad:
                 raise DraftportError(path, f"{k} holds {bad} non-finite or non-positive scales (corrupt shard)")
@@ -561,8 +624,13 @@ class FeatureSet:
         if self.fp8:  # float32, as a float32 folder reads
             aux = dequantize_fp8(aux, sh["aux_scale"][a:b])
             final = dequantize_fp8(final, sh["final_scale"][a:b, None])
-        out = {"tokens": sh["tokens"][a:b].long(), "loss_mask": sh["loss_mask"][a:b], "aux": aux, "final": final,
-               "response_start": int(sh["response_start"][li])}
+        out = {
+            "tokens": sh["tokens"][a:b].long(),
+            "loss_mask": sh["loss_mask"][a:b],
+            "aux": aux,
+            "final": final,
+            "response_start": int(sh["response_start"][li]),
+        }
         if "target_arg" in sh:
             out["target_arg"] = sh["target_arg"][a:b].long()
         return out
@@ -571,8 +639,15 @@ class FeatureSet:
 SEQUENCES = "sequences.safetensors"
 # what a feature folder's index.json says of where its samples come from (build_features' meta):
 # a capture of a sequences folder's samples carries it over to the shards it writes
-CAPTURE_META = ("aux_layer_ids", "aux_convention", "target", "regenerated", "samples_file", "offset",
-                "num_target_layers")
+CAPTURE_META = (
+    "aux_layer_ids",
+    "aux_convention",
+    "target",
+    "regenerated",
+    "samples_file",
+    "offset",
+    "num_target_layers",
+)
 
 
 def capture_meta(index: dict) -> dict:
@@ -601,10 +676,17 @@ def write_sequences(out_dir: str | Path, sequences: list[Sequence], *, meta: dic
     with atomic_dir(out_dir) as tmp:
         save_safetensors(tensors, tmp / SEQUENCES)
         index = dict(meta)
-        index.update(samples=len(sequences), tokens=int(lens.sum()), storage=capture["storage"], dtype=dtype,
-                     hidden_size=hidden, bytes_per_token=bytes_per_token(hidden, dtype, n_aux),
-                     capture=dict(capture), sequences={"file": SEQUENCES, "sha256": sha256_file(tmp / SEQUENCES)},
-                     shards=[])
+        index.update(
+            samples=len(sequences),
+            tokens=int(lens.sum()),
+            storage=capture["storage"],
+            dtype=dtype,
+            hidden_size=hidden,
+            bytes_per_token=bytes_per_token(hidden, dtype, n_aux),
+            capture=dict(capture),
+            sequences={"file": SEQUENCES, "sha256": sha256_file(tmp / SEQUENCES)},
+            shards=[],
+        )
         atomic_write_text(tmp / "index.json", json.dumps(index, indent=2) + "\n")
     return index
 
@@ -626,7 +708,11 @@ class SequenceSet:
         self.folder = Path(folder)
         idx_path, self.index = read_index(self.folder, "sequences")
         ent = self.index.get("sequences")
-        if not isinstance(ent, dict) or not self.index.get("samples") or not isinstance(self.index.get("capture"), dict):
+        if (
+            not isinstance(ent, dict)
+            or not self.index.get("samples")
+            or not isinstance(self.index.get("capture"), dict)
+        ):
             raise DraftportError(idx_path, "not a sequences index (no sequences file, samples or capture settings)")
         path = self.folder / str(ent.get("file"))
         if not path.is_file():
@@ -638,10 +724,14 @@ class SequenceSet:
         except Exception as e:  # safetensors raises its own error types
             raise DraftportError(path, f"cannot read the sequences ({e})") from None
         want = {"tokens": 1, "loss_mask": 1, "offsets": 1, "response_start": 1}
-        if any(k not in t or t[k].dim() != d for k, d in want.items()) or \
-                t["offsets"].shape[0] != self.index["samples"] + 1 or int(t["offsets"][-1]) != t["tokens"].shape[0]:
-            raise DraftportError(path, f"does not hold {self.index['samples']} sequences (tokens, loss_mask, "
-                                 "offsets, response_start)")
+        if (
+            any(k not in t or t[k].dim() != d for k, d in want.items())
+            or t["offsets"].shape[0] != self.index["samples"] + 1
+            or int(t["offsets"][-1]) != t["tokens"].shape[0]
+        ):
+            raise DraftportError(
+                path, f"does not hold {self.index['samples']} sequences (tokens, loss_mask, offsets, response_start)"
+            )
         self.t = t
 
     def __len__(self):
@@ -656,8 +746,11 @@ class SequenceSet:
 
     def sample(self, i: int) -> dict:
         a, b = int(self.t["offsets"][i]), int(self.t["offsets"][i + 1])
-        return {"tokens": self.t["tokens"][a:b].long(), "loss_mask": self.t["loss_mask"][a:b],
-                "response_start": int(self.t["response_start"][i])}
+        return {
+            "tokens": self.t["tokens"][a:b].long(),
+            "loss_mask": self.t["loss_mask"][a:b],
+            "response_start": int(self.t["response_start"][i]),
+        }
 
 
 def open_set(folder: str | Path, verify: bool = True):
@@ -678,7 +771,7 @@ def chain_parts(folder) -> list[Path]:
     try:
         parts = json.loads(f.read_text())["parts"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise DraftportError(f, "not a chain of feature folders (no readable \"parts\" list)") from None
+        raise DraftportError(f, 'not a chain of feature folders (no readable "parts" list)') from None
     return [folder / p for p in parts]
 
 
@@ -704,20 +797,31 @@ class FeatureChain:
         for prev, fs in zip(sets, sets[1:]):
             for key in self.META:
                 if fs.index.get(key) != first.get(key):
-                    raise DraftportError(fs.folder, f"{key} {fs.index.get(key)} differs from {sets[0].folder}'s "
-                                         f"{first.get(key)}: not one capture")
+                    raise DraftportError(
+                        fs.folder,
+                        f"{key} {fs.index.get(key)} differs from {sets[0].folder}'s {first.get(key)}: not one capture",
+                    )
             end = prev.index.get("offset", 0) + len(prev)
             if fs.index.get("samples_file") != prev.index.get("samples_file") or fs.index.get("offset", 0) != end:
-                raise DraftportError(fs.folder, f"does not continue {prev.folder} (prompts "
-                                     f"{fs.index.get('samples_file')} from {fs.index.get('offset', 0)}, expected "
-                                     f"{prev.index.get('samples_file')} from {end})")
+                raise DraftportError(
+                    fs.folder,
+                    f"does not continue {prev.folder} (prompts "
+                    f"{fs.index.get('samples_file')} from {fs.index.get('offset', 0)}, expected "
+                    f"{prev.index.get('samples_file')} from {end})",
+                )
         total = sum(len(fs) for fs in sets)
         if n is not None and not 1 <= n <= total:
-            raise DraftportError("n_samples", f"{n} samples asked, the features hold {total} "
-                                 f"({', '.join(str(fs.folder) for fs in sets)})")
+            raise DraftportError(
+                "n_samples",
+                f"{n} samples asked, the features hold {total} ({', '.join(str(fs.folder) for fs in sets)})",
+            )
         self.sets, self.n = sets, total if n is None else n
-        self.index = {**{k: first.get(k) for k in self.META}, "samples": self.n,
-                      "samples_file": first.get("samples_file"), "offset": first.get("offset", 0)}
+        self.index = {
+            **{k: first.get(k) for k in self.META},
+            "samples": self.n,
+            "samples_file": first.get("samples_file"),
+            "offset": first.get("offset", 0),
+        }
         self.where = [(j, i) for j, fs in enumerate(sets) for i in range(len(fs))][: self.n]
 
     @property
@@ -756,8 +860,11 @@ def check_disjoint(train, held_out, where: str) -> None:
     fa, a0, a1 = prompt_range(train)
     fb, b0, b1 = prompt_range(held_out)
     if fa is not None and fa == fb and a0 < b1 and b0 < a1:
-        raise DraftportError(where, f"the held-out set (prompts {b0}-{b1 - 1} of {fb}) overlaps the training "
-                             f"prompts ({a0}-{a1 - 1}): it would measure memorized answers")
+        raise DraftportError(
+            where,
+            f"the held-out set (prompts {b0}-{b1 - 1} of {fb}) overlaps the training "
+            f"prompts ({a0}-{a1 - 1}): it would measure memorized answers",
+        )
 
 
 def batch_buffers(samples: list[dict], B: int, T: int, dtype=torch.float32):
@@ -765,9 +872,14 @@ def batch_buffers(samples: list[dict], B: int, T: int, dtype=torch.float32):
     target_arg (None unless every sample has one)."""
     H3, H = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
     has_arg = all("target_arg" in s for s in samples)
-    return (torch.zeros(B, T, H3, dtype=dtype), torch.zeros(B, T, H, dtype=dtype),
-            torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool),
-            torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.long) if has_arg else None)
+    return (
+        torch.zeros(B, T, H3, dtype=dtype),
+        torch.zeros(B, T, H, dtype=dtype),
+        torch.zeros(B, T, dtype=torch.long),
+        torch.zeros(B, T, dtype=torch.bool),
+        torch.zeros(B, T, dtype=torch.bool),
+        torch.zeros(B, T, dtype=torch.long) if has_arg else None,
+    )
 
 
 def collate(samples: list[dict], dtype=torch.float32) -> tuple[Batch, list[int]]:
@@ -786,4 +898,4 @@ def collate(samples: list[dict], dtype=torch.float32) -> tuple[Batch, list[int]]
 
 def iter_batches(fs: FeatureSet, ids: list[int], batch_size: int, dtype=torch.float32):
     for s in range(0, len(ids), batch_size):
-        yield collate([fs.sample(i) for i in ids[s: s + batch_size]], dtype)
+        yield collate([fs.sample(i) for i in ids[s : s + batch_size]], dtype)

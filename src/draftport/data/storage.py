@@ -15,14 +15,19 @@ from pathlib import Path
 from draftport.errors import DraftportError
 
 MODES = ("disk", "online", "hybrid")
-SPOOL_GB = 64.0           # features.spool_gb's default: the online spool bound
-TOKEN_BYTES = 4 + 1       # a stored token: its id (int32) and its loss-mask bit (bool)
-DISK_MARGIN = 1.05        # check_storage refuses unless 5% more than the need is free
+SPOOL_GB = 64.0  # features.spool_gb's default: the online spool bound
+TOKEN_BYTES = 4 + 1  # a stored token: its id (int32) and its loss-mask bit (bool)
+DISK_MARGIN = 1.05  # check_storage refuses unless 5% more than the need is free
 
 
 def _positive(name: str, value, *, at_most: float | None = None) -> None:
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
-            at_most is not None and value > at_most):
+    if (
+        value is None
+        or isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or (at_most is not None and value > at_most)
+    ):
         rng = f"in (0, {at_most:g}]" if at_most is not None else "> 0"
         raise DraftportError(name, f"must be {rng}, got {value!r}")
 
@@ -39,8 +44,9 @@ def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -
         raise DraftportError("features.dtype", f"{dtype!r}: no storage size known") from None
 
 
-def storage_need(mode: str, *, tokens: int, hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3,
-                 spool_gb: float = SPOOL_GB) -> dict:
+def storage_need(
+    mode: str, *, tokens: int, hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3, spool_gb: float = SPOOL_GB
+) -> dict:
     """Bytes a capture (or an online training) needs on disk before it starts, by storage mode:
     disk: tokens x bytes per token at dtype; online: the spool bound + the answers as token ids;
     hybrid: online's need, plus the first epoch's cache (tokens x bytes per token) when it fits."""
@@ -51,17 +57,33 @@ def storage_need(mode: str, *, tokens: int, hidden_size: int, dtype: str = "bflo
     per_tok, how = bytes_per_token(hidden_size, dtype, n_aux)
     full = tokens * per_tok
     if mode == "disk":
-        return {"mode": mode, "need_bytes": full, "tokens": tokens, "bytes_per_token": per_tok, "dtype": dtype,
-                "formula": f"{tokens:,} tokens x {per_tok:,} B/token ({dtype}, {how})"}
+        return {
+            "mode": mode,
+            "need_bytes": full,
+            "tokens": tokens,
+            "bytes_per_token": per_tok,
+            "dtype": dtype,
+            "formula": f"{tokens:,} tokens x {per_tok:,} B/token ({dtype}, {how})",
+        }
     _positive("features.spool_gb", spool_gb)
     spool = min(int(spool_gb * 1e9), full)  # the spool never holds more than all the states
     ids = tokens * TOKEN_BYTES
-    out = {"mode": mode, "need_bytes": spool + ids, "tokens": tokens, "spool_bytes": spool, "ids_bytes": ids,
-           "formula": f"spool min({spool_gb:g} GB, all states {full:,} B) + {tokens:,} tokens x {TOKEN_BYTES} B "
-                      "(ids + mask)"}
+    out = {
+        "mode": mode,
+        "need_bytes": spool + ids,
+        "tokens": tokens,
+        "spool_bytes": spool,
+        "ids_bytes": ids,
+        "formula": f"spool min({spool_gb:g} GB, all states {full:,} B) + {tokens:,} tokens x {TOKEN_BYTES} B "
+        "(ids + mask)",
+    }
     if mode == "hybrid":
-        out.update(cache_bytes=full, bytes_per_token=per_tok, dtype=dtype,
-                   formula=out["formula"] + f"; first-epoch cache {tokens:,} x {per_tok:,} B/token ({dtype})")
+        out.update(
+            cache_bytes=full,
+            bytes_per_token=per_tok,
+            dtype=dtype,
+            formula=out["formula"] + f"; first-epoch cache {tokens:,} x {per_tok:,} B/token ({dtype})",
+        )
     return out
 
 
@@ -79,14 +101,15 @@ def check_storage(folder, need: dict, log=print) -> dict:
     out = dict(need, free_bytes=free)
     if mode == "hybrid":
         out["cache"] = (n + need["cache_bytes"]) * DISK_MARGIN <= free
-        log(f"storage ({mode}): need ~{human(n)} ({need['formula']}), free {human(free)} at {folder}; first epoch "
-            + ("cached" if out["cache"] else f"not cached (~{human(need['cache_bytes'])} does not fit): online"))
+        log(
+            f"storage ({mode}): need ~{human(n)} ({need['formula']}), free {human(free)} at {folder}; first epoch "
+            + ("cached" if out["cache"] else f"not cached (~{human(need['cache_bytes'])} does not fit): online")
+        )
     else:
         log(f"storage ({mode}): need ~{human(n)} ({need['formula']}), free {human(free)} at {folder}")
     if n * DISK_MARGIN > free:
         what = "the features" if mode == "disk" else f"the {mode} spool"
-        raise DraftportError(folder, f"not enough disk for {what}: need ~{human(n)}, {human(free)} free "
-                             f"(features.storage {mode})")
+        raise DraftportError(
+            folder, f"not enough disk for {what}: need ~{human(n)}, {human(free)} free (features.storage {mode})"
+        )
     return out
-
-

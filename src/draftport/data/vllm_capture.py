@@ -44,23 +44,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
-def run_extraction(target_dir, sequences: list[list[int]], out_dir, layer_ids: list[int], *,
-                   tensor_parallel_size: int = 1, dtype: str = "float32", max_model_len: int | None = None,
-                   max_num_seqs: int = 8, vllm_python_path=None, timeout: float | None = None,
-                   log_path=None) -> dict:
+def run_extraction(
+    target_dir,
+    sequences: list[list[int]],
+    out_dir,
+    layer_ids: list[int],
+    *,
+    tensor_parallel_size: int = 1,
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 8,
+    vllm_python_path=None,
+    timeout: float | None = None,
+    log_path=None,
+) -> dict:
     """Run runners/features_vllm.py; returns its result.json (one file per sequence, in order)."""
     py = vllm_python(vllm_python_path)  # before anything is written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sequences.json").write_text(json.dumps({"token_ids": sequences}))
-    args = ["--target", target_dir, "--sequences", out_dir / "sequences.json",
-            "--layer-ids", ",".join(map(str, layer_ids)), "--out-dir", out_dir,
-            "--tensor-parallel-size", tensor_parallel_size, "--dtype", dtype, "--max-num-seqs", max_num_seqs]
+    args = [
+        "--target",
+        target_dir,
+        "--sequences",
+        out_dir / "sequences.json",
+        "--layer-ids",
+        ",".join(map(str, layer_ids)),
+        "--out-dir",
+        out_dir,
+        "--tensor-parallel-size",
+        tensor_parallel_size,
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        max_num_seqs,
+    ]
     if max_model_len:
         args += ["--max-model-len", max_model_len]
     res_path = out_dir / "result.json"
-    wall = run_runner("features_vllm.py", args, log_path or out_dir / "vllm.log", res_path, where=target_dir,
-                      what="vLLM hidden-state extraction", vllm_python_path=py, timeout=timeout)
+    wall = run_runner(
+        "features_vllm.py",
+        args,
+        log_path or out_dir / "vllm.log",
+        res_path,
+        where=target_dir,
+        what="vLLM hidden-state extraction",
+        vllm_python_path=py,
+        timeout=timeout,
+    )
     res = json.loads(res_path.read_text())
     if len(res["files"]) != len(sequences):
         raise DraftportError(res_path, f"{len(res['files'])} files for {len(sequences)} sequences")
@@ -68,10 +99,23 @@ def run_extraction(target_dir, sequences: list[list[int]], out_dir, layer_ids: l
     return res
 
 
-def capture_features_vllm(target_dir, seqs: list[Sequence], out_dir, *, aux_ids, convention: str,
-                          meta: dict, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                          engine_dtype: str | None = None, batch_size: int = 16, shard_samples: int = 256,
-                          vllm_python_path=None, work_dir=None, progress=None) -> dict:
+def capture_features_vllm(
+    target_dir,
+    seqs: list[Sequence],
+    out_dir,
+    *,
+    aux_ids,
+    convention: str,
+    meta: dict,
+    tensor_parallel_size: int = 1,
+    dtype: str = "bfloat16",
+    engine_dtype: str | None = None,
+    batch_size: int = 16,
+    shard_samples: int = 256,
+    vllm_python_path=None,
+    work_dir=None,
+    progress=None,
+) -> dict:
     """Feature shards (data.write_features' format) of `seqs`, captured by vLLM."""
     tcfg = target_text_config(target_dir)
     L = int(tcfg["num_hidden_layers"])
@@ -86,9 +130,16 @@ def capture_features_vllm(target_dir, seqs: list[Sequence], out_dir, *, aux_ids,
     engine_dtype = engine_dtype or ("float32" if dtype == "float32" else "bfloat16")
     work = Path(tempfile.mkdtemp(prefix=".vllm-features.", dir=work_dir or Path(out_dir).parent))
     try:
-        res = run_extraction(target_dir, [s.tokens for s in seqs], work, asked, tensor_parallel_size=tensor_parallel_size,
-                             dtype=engine_dtype, max_model_len=int(tcfg.get("max_position_embeddings", 0)) or None,
-                             vllm_python_path=vllm_python_path)
+        res = run_extraction(
+            target_dir,
+            [s.tokens for s in seqs],
+            work,
+            asked,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=engine_dtype,
+            max_model_len=int(tcfg.get("max_position_embeddings", 0)) or None,
+            vllm_python_path=vllm_python_path,
+        )
         files = iter(res["files"])
 
         def featurize(batch: list[Sequence]):
@@ -98,7 +149,7 @@ def capture_features_vllm(target_dir, seqs: list[Sequence], out_dir, *, aux_ids,
             final = torch.zeros(len(batch), T, H)
             for i, s in enumerate(batch):
                 f = next(files)
-                hs = load_file(f["path"])["hidden_states"]   # [T, n_ids, H]
+                hs = load_file(f["path"])["hidden_states"]  # [T, n_ids, H]
                 if hs.shape[0] != len(s.tokens):
                     raise DraftportError(f["path"], f"{hs.shape[0]} states for a {len(s.tokens)}-token sequence")
                 aux[i, : len(s.tokens)] = hs[:, slots[:-1]].reshape(len(s.tokens), -1).float()
@@ -107,9 +158,22 @@ def capture_features_vllm(target_dir, seqs: list[Sequence], out_dir, *, aux_ids,
             t_arg = (final @ head.t()).argmax(-1)
             return aux, final, t_arg
 
-        meta = {**meta, "engine": "vllm", "vllm_layer_ids": asked, "vllm_version": res.get("vllm_version"),
-                "tensor_parallel_size": tensor_parallel_size}
-        return write_features(out_dir, seqs, featurize, meta=meta, batch_size=batch_size, dtype=dtype,
-                              shard_samples=shard_samples, progress=progress)
+        meta = {
+            **meta,
+            "engine": "vllm",
+            "vllm_layer_ids": asked,
+            "vllm_version": res.get("vllm_version"),
+            "tensor_parallel_size": tensor_parallel_size,
+        }
+        return write_features(
+            out_dir,
+            seqs,
+            featurize,
+            meta=meta,
+            batch_size=batch_size,
+            dtype=dtype,
+            shard_samples=shard_samples,
+            progress=progress,
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -21,8 +21,15 @@ import torch
 from safetensors import safe_open
 
 from draftport.model.target import read_target_tensor
-from draftport.model.formats import (OPTIONAL_KEYS, REQUIRED_KEYS, expected_shapes, find_target_embedding,
-    read_header, read_tensor_np, tensor_sha256)
+from draftport.model.formats import (
+    OPTIONAL_KEYS,
+    REQUIRED_KEYS,
+    expected_shapes,
+    find_target_embedding,
+    read_header,
+    read_tensor_np,
+    tensor_sha256,
+)
 from draftport.model.config import FLAT_ARCH, parse_config, target_text_config
 from draftport.errors import DraftportError
 
@@ -50,8 +57,14 @@ def _read(info):
 EMBED_CHOICES = ("drop", "target")
 
 
-def export_problems(drafter_dir, target_dir, *, context: int | None = None,
-                    convention: str | None = "vllm", embed_tokens: str | None = None) -> list[str]:
+def export_problems(
+    drafter_dir,
+    target_dir,
+    *,
+    context: int | None = None,
+    convention: str | None = "vllm",
+    embed_tokens: str | None = None,
+) -> list[str]:
     """Everything that would make vLLM/SGLang serve this export wrongly next to target_dir.
 
     context: the longest sequence that will be served (default: the target's
@@ -83,14 +96,23 @@ def export_problems(drafter_dir, target_dir, *, context: int | None = None,
     if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
         problems.append("config is in the speculators format; the online step serves the flat format")
     if FLAT_ARCH not in (raw.get("architectures") or []):
-        problems.append(f"config architectures {raw.get('architectures')} lack {FLAT_ARCH!r} (the engine would not pick the EAGLE-3 head)")
+        problems.append(
+            f"config architectures {raw.get('architectures')} lack {FLAT_ARCH!r} "
+            "(the engine would not pick the EAGLE-3 head)"
+        )
     tables = _raw_tables(folder)
     names = set(tables)
     not_flat = sorted(n for n in names if n not in REQUIRED_KEYS and n not in OPTIONAL_KEYS)
     if not_flat:
-        hint = " (speculators names: convert layers.0.* to midlayer.*)" if any(n.startswith("layers.0.") for n in not_flat) else ""
-        problems.append(f"tensor names outside the flat EAGLE-3 layout: {', '.join(not_flat[:6])}"
-                        f"{' ...' if len(not_flat) > 6 else ''}{hint}")
+        hint = (
+            " (speculators names: convert layers.0.* to midlayer.*)"
+            if any(n.startswith("layers.0.") for n in not_flat)
+            else ""
+        )
+        problems.append(
+            f"tensor names outside the flat EAGLE-3 layout: {', '.join(not_flat[:6])}"
+            f"{' ...' if len(not_flat) > 6 else ''}{hint}"
+        )
     missing = sorted(set(REQUIRED_KEYS) - names - {"t2d"})
     if "d2t" in missing:
         problems.append("d2t is missing: the engine would read draft slot i as target id i")
@@ -106,7 +128,9 @@ def export_problems(drafter_dir, target_dir, *, context: int | None = None,
     # -- draft vocab ------------------------------------------------------------------------------
     dv = cfg.draft_vocab_size
     if "lm_head.weight" in tables and tables["lm_head.weight"].shape[0] != dv:
-        problems.append(f"draft_vocab_size {dv} in config.json but lm_head has {tables['lm_head.weight'].shape[0]} rows")
+        problems.append(
+            f"draft_vocab_size {dv} in config.json but lm_head has {tables['lm_head.weight'].shape[0]} rows"
+        )
     vocab_t = tcfg.get("vocab_size")
     if vocab_t is not None and cfg.vocab_size != vocab_t:
         problems.append(f"drafter vocab_size {cfg.vocab_size} != target's {vocab_t}")
@@ -118,20 +142,28 @@ def export_problems(drafter_dir, target_dir, *, context: int | None = None,
             ids = np.arange(d2t.size) + d2t
             bad = np.nonzero((ids < 0) | (ids >= (vocab_t or cfg.vocab_size)))[0]
             if bad.size:
-                problems.append(f"d2t slot {int(bad[0])} maps to target id {int(ids[bad[0]])}, outside the vocab of {vocab_t or cfg.vocab_size} ({bad.size} slots out of range)")
+                problems.append(
+                    f"d2t slot {int(bad[0])} maps to target id {int(ids[bad[0]])}, "
+                    f"outside the vocab of {vocab_t or cfg.vocab_size} ({bad.size} slots out of range)"
+                )
             elif np.unique(ids).size != ids.size:
                 problems.append("d2t maps two draft slots to the same target id")
             elif "t2d" in tables:
                 t2d = _read(tables["t2d"]).astype(bool)
                 if t2d.shape == (cfg.vocab_size,) and not (t2d.sum() == ids.size and t2d[ids].all()):
-                    problems.append("t2d disagrees with d2t (SGLang reads t2d, vLLM d2t: they would draft different vocabularies)")
+                    problems.append(
+                        "t2d disagrees with d2t (SGLang reads t2d, vLLM d2t: they would draft different vocabularies)"
+                    )
 
     # -- aux layers: explicit, in range, and the convention the engine uses -----------------------
     eagle = raw.get("eagle_config") or {}
     aux = eagle.get("eagle_aux_hidden_state_layer_ids")
     n_layers = tcfg.get("num_hidden_layers")
     if not aux:
-        problems.append("eagle_config.eagle_aux_hidden_state_layer_ids is missing: the engine would fall back to its default layers (2, L/2, L-3)")
+        problems.append(
+            "eagle_config.eagle_aux_hidden_state_layer_ids is missing: "
+            "the engine would fall back to its default layers (2, L/2, L-3)"
+        )
     elif n_layers is not None and not all(0 <= i <= n_layers for i in aux):
         # vLLM: id k = the state entering layer k, id L = the state leaving the last layer
         problems.append(f"aux layer ids {aux} out of range 0..{n_layers} for a target with {n_layers} layers")
@@ -142,7 +174,9 @@ def export_problems(drafter_dir, target_dir, *, context: int | None = None,
     if aux and eagle.get("use_aux_hidden_state") is False:
         problems.append("eagle_config.use_aux_hidden_state is false: the engine would feed only the last hidden state")
     if convention and cfg.aux_convention and cfg.aux_convention != convention:
-        problems.append(f"drafter was trained under the {cfg.aux_convention} aux-layer convention, the engine uses {convention}")
+        problems.append(
+            f"drafter was trained under the {cfg.aux_convention} aux-layer convention, the engine uses {convention}"
+        )
     th = cfg.target_hidden_size or cfg.hidden_size
     if tcfg.get("hidden_size") is not None and th != tcfg["hidden_size"]:
         problems.append(f"fc expects target hidden size {th}, the target has {tcfg['hidden_size']}")
@@ -157,8 +191,10 @@ def export_problems(drafter_dir, target_dir, *, context: int | None = None,
     # two engines draft differently, so it is never servable.
     embed = tables.get("embed_tokens.weight")
     if embed_tokens == "drop" and embed is not None:
-        problems.append("the export carries embed_tokens but online.embed_tokens is drop (vLLM would serve "
-                        "the drafter's copy, SGLang the target's)")
+        problems.append(
+            "the export carries embed_tokens but online.embed_tokens is drop (vLLM would serve "
+            "the drafter's copy, SGLang the target's)"
+        )
     elif embed_tokens == "target":
         if embed is None:
             problems.append("online.embed_tokens is target but the export carries no embed_tokens")
@@ -176,11 +212,15 @@ def _embed_bits_problems(info, target_dir) -> list[str]:
     except DraftportError as e:
         return [f"cannot compare embed_tokens with the target's: {e.problem}"]
     if (tuple(info.shape), info.dtype) != (tuple(theirs.shape), theirs.dtype):
-        return [f"embed_tokens {info.dtype}{list(info.shape)} is not the target's {theirs.name} "
-                f"{theirs.dtype}{list(theirs.shape)} (online.embed_tokens: target wants it bit for bit)"]
+        return [
+            f"embed_tokens {info.dtype}{list(info.shape)} is not the target's {theirs.name} "
+            f"{theirs.dtype}{list(theirs.shape)} (online.embed_tokens: target wants it bit for bit)"
+        ]
     if tensor_sha256(info) != tensor_sha256(theirs):
-        return [f"embed_tokens differs from the target's {theirs.name} (sha256 of the bytes): a random or "
-                "foreign embedding was exported"]
+        return [
+            f"embed_tokens differs from the target's {theirs.name} (sha256 of the bytes): a random or "
+            "foreign embedding was exported"
+        ]
     return []
 
 
@@ -200,20 +240,34 @@ def _embed_problems(info, target_dir) -> list[str]:
     # Exported in the drafter's dtype: compare at that precision.
     if not torch.equal(mine, theirs.to(mine.dtype)):
         diff = (mine.float() - theirs.float()).abs().max().item()
-        return [f"embed_tokens differs from the target's (max |diff| {diff:.3g}): a random or foreign embedding was exported"]
+        return [
+            f"embed_tokens differs from the target's (max |diff| {diff:.3g}): "
+            "a random or foreign embedding was exported"
+        ]
     return []
 
 
-def validate_export(drafter_dir, target_dir, *, context: int | None = None,
-                    convention: str | None = "vllm", embed_tokens: str | None = None) -> dict:
+def validate_export(
+    drafter_dir,
+    target_dir,
+    *,
+    context: int | None = None,
+    convention: str | None = "vllm",
+    embed_tokens: str | None = None,
+) -> dict:
     """Raise DraftportError listing every problem; return a short summary when servable."""
-    problems = export_problems(drafter_dir, target_dir, context=context, convention=convention,
-                               embed_tokens=embed_tokens)
+    problems = export_problems(
+        drafter_dir, target_dir, context=context, convention=convention, embed_tokens=embed_tokens
+    )
     if problems:
         raise DraftportError(drafter_dir, "export is not servable: " + "; ".join(problems))
     raw = json.loads((Path(drafter_dir) / "config.json").read_text())
     tables = _raw_tables(Path(drafter_dir))
-    return {"aux_layer_ids": raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-            "draft_vocab_size": raw.get("draft_vocab_size"),
-            "max_position_embeddings": raw.get("max_position_embeddings"),
-            "embed_tokens": "exported (equal to the target's)" if "embed_tokens.weight" in tables else "shared from the target"}
+    return {
+        "aux_layer_ids": raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        "draft_vocab_size": raw.get("draft_vocab_size"),
+        "max_position_embeddings": raw.get("max_position_embeddings"),
+        "embed_tokens": "exported (equal to the target's)"
+        if "embed_tokens.weight" in tables
+        else "shared from the target",
+    }

@@ -31,7 +31,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from draftport.errors import DraftportError
 
-WAIT_FIRST_S = 0.5   # the first backoff; doubling (plus up to WAIT_JITTER_S) up to WAIT_MAX_S
+WAIT_FIRST_S = 0.5  # the first backoff; doubling (plus up to WAIT_JITTER_S) up to WAIT_MAX_S
 WAIT_MAX_S = 30.0
 WAIT_JITTER_S = 0.5
 
@@ -71,25 +71,48 @@ def post_json(url: str, body: dict, *, timeout: float = 600.0, retry_s: float | 
 
     def first_warning(rs) -> None:
         if rs.attempt_number == 1:
-            print(f"warning: {url}: {rs.outcome.exception()}; retrying for up to {budget:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: {url}: {rs.outcome.exception()}; retrying for up to {budget:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    retrying = Retrying(retry=retry_if_exception_type(_Transient), stop=stop_after_delay(budget),
-                        wait=wait_exponential(multiplier=WAIT_FIRST_S, max=WAIT_MAX_S) + wait_random(0, WAIT_JITTER_S),
-                        before_sleep=first_warning, reraise=True)
+    retrying = Retrying(
+        retry=retry_if_exception_type(_Transient),
+        stop=stop_after_delay(budget),
+        wait=wait_exponential(multiplier=WAIT_FIRST_S, max=WAIT_MAX_S) + wait_random(0, WAIT_JITTER_S),
+        before_sleep=first_warning,
+        reraise=True,
+    )
     try:
         return retrying(_post_once, url, body, timeout)
     except _Transient as e:
         tries = retrying.statistics.get("attempt_number", 1)
-        raise DraftportError(url, f"{e}; gave up after {tries} tries in {time.monotonic() - t0:.0f} s "
-                                  f"(retry budget {budget:.0f} s)") from None
+        raise DraftportError(
+            url, f"{e}; gave up after {tries} tries in {time.monotonic() - t0:.0f} s (retry budget {budget:.0f} s)"
+        ) from None
 
 
-def complete_ids(base_url: str, model: str, prompt: list[int], *, max_new_tokens: int, eos_id: int,
-                 timeout: float = 600.0, retry_s: float | None = None) -> list[int]:
+def complete_ids(
+    base_url: str,
+    model: str,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    timeout: float = 600.0,
+    retry_s: float | None = None,
+) -> list[int]:
     """One greedy completion of a token-id prompt; the answer's token ids."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.0,
-            "stop_token_ids": [eos_id], "return_token_ids": True, "skip_special_tokens": False}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "stop_token_ids": [eos_id],
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
     url = base_url.rstrip("/") + "/completions"
     out = post_json(url, body, timeout=timeout, retry_s=retry_s)
     choice = (out.get("choices") or [{}])[0]
@@ -102,16 +125,26 @@ def complete_ids(base_url: str, model: str, prompt: list[int], *, max_new_tokens
     return ids
 
 
-def regenerate_openai(base_url: str, model: str, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int,
-                      concurrency: int = 16, progress=None, timeout: float = 600.0,
-                      retry_s: float | None = None) -> list[list[int]]:
+def regenerate_openai(
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    concurrency: int = 16,
+    progress=None,
+    timeout: float = 600.0,
+    retry_s: float | None = None,
+) -> list[list[int]]:
     """Greedy answers of the served target to every prompt, in order (requests in parallel)."""
     if not base_url or not model:
         raise DraftportError("features.base_url", "regenerate openai needs base_url and served_model")
 
     def one(p):
-        ids = complete_ids(base_url, model, p, max_new_tokens=max_new_tokens, eos_id=eos_id,
-                           timeout=timeout, retry_s=retry_s)
+        ids = complete_ids(
+            base_url, model, p, max_new_tokens=max_new_tokens, eos_id=eos_id, timeout=timeout, retry_s=retry_s
+        )
         if progress is not None:
             progress(1)
         return ids

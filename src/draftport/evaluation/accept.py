@@ -118,8 +118,9 @@ def summarize(cycles: list[int], all_rows: list[int], k: int) -> dict:
     return out
 
 
-def offline_accept_length(drafter: Eagle3Drafter, batches: Iterable[tuple[Batch, list[int]]],
-                          target_head: torch.Tensor, k: int, progress=None) -> dict:
+def offline_accept_length(
+    drafter: Eagle3Drafter, batches: Iterable[tuple[Batch, list[int]]], target_head: torch.Tensor, k: int, progress=None
+) -> dict:
     """batches yields (Batch, response_start per sequence). Returns the summary dict, with
     `per_sample`: each sequence's accepted drafts and cycles (in order), what bootstrap CIs over
     prompts resample (draftport.evaluation.decision)."""
@@ -159,8 +160,16 @@ def held_out_monitor(fs, target_head: torch.Tensor, *, k: int, batch_size: int =
     return tau
 
 
-def evaluate_drafter(drafter_dir, target_dir, features_dir, *, k: int, batch_size: int = 16,
-                     max_samples: int | None = None, device: str = "auto") -> dict:
+def evaluate_drafter(
+    drafter_dir,
+    target_dir,
+    features_dir,
+    *,
+    k: int,
+    batch_size: int = 16,
+    max_samples: int | None = None,
+    device: str = "auto",
+) -> dict:
     """Offline accept length of a saved drafter on held-out features of a target, drafted on
     `device` (eval.device: draftport.model.device's rule). `run` in the result says where it ran
     and at what rate (tokens evaluated per second); the caller keeps it out of artifacts."""
@@ -176,7 +185,7 @@ def evaluate_drafter(drafter_dir, target_dir, features_dir, *, k: int, batch_siz
     def batches():
         nonlocal tokens
         for batch, starts in iter_batches(fs, ids, batch_size):
-            tokens += int(batch.valid.sum())   # real tokens, on the host before the batch moves
+            tokens += int(batch.valid.sum())  # real tokens, on the host before the batch moves
             yield batch, starts
 
     t0 = time.time()
@@ -186,6 +195,9 @@ def evaluate_drafter(drafter_dir, target_dir, features_dir, *, k: int, batch_siz
         torch.cuda.synchronize(dev)
     res["eval_seconds"] = time.time() - t0
     res["eval_samples"] = len(ids)
-    res["run"] = {**describe_device(dev), "tokens": tokens,
-                  "tokens_per_s": tokens / res["eval_seconds"] if res["eval_seconds"] > 0 else None}
+    res["run"] = {
+        **describe_device(dev),
+        "tokens": tokens,
+        "tokens_per_s": tokens / res["eval_seconds"] if res["eval_seconds"] > 0 else None,
+    }
     return res

@@ -23,8 +23,11 @@ def prompt_counts(accepted, cycles, where: str):
     if c.ndim == 1:
         c = c[None, :]
     if a.ndim != 2 or c.ndim != 2:
-        raise DraftportError(where, f"accepted and cycles must be [prompts] or [seeds, prompts], got shapes "
-                                    f"{list(a.shape)} and {list(c.shape)}")
+        raise DraftportError(
+            where,
+            f"accepted and cycles must be [prompts] or [seeds, prompts], got shapes "
+            f"{list(a.shape)} and {list(c.shape)}",
+        )
     if a.shape != c.shape:
         raise DraftportError(where, f"accepted and cycles differ in shape: {list(a.shape)} vs {list(c.shape)}")
     if a.size == 0:
@@ -58,7 +61,7 @@ def boot_taus(rng, per_prompt_pairs, P: int, n_boot: int):
             num = A[idx].sum(axis=1)
             den = C[idx].sum(axis=1)
             with np.errstate(divide="ignore", invalid="ignore"):
-                out[done:done + m] = np.where(den > 0, 1.0 + num / np.where(den > 0, den, 1.0), np.nan)
+                out[done : done + m] = np.where(den > 0, 1.0 + num / np.where(den > 0, den, 1.0), np.nan)
         done += m
     return outs
 
@@ -71,8 +74,7 @@ def percentile_ci(samples, level: float) -> list[float]:
     return [float(lo), float(hi)]
 
 
-def tau_ci(accepted, cycles, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
-           where: str = "tau_ci") -> dict:
+def tau_ci(accepted, cycles, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0, where: str = "tau_ci") -> dict:
     """Pooled accept length of [S, P] counts (S seeds, P prompts; 1-D = one seed) and its percentile
     bootstrap CI over prompts (the same drawn prompts for every seed row).
 
@@ -88,13 +90,18 @@ def tau_ci(accepted, cycles, *, n_boot: int = 2000, level: float = 0.95, seed: i
     tau = 1.0 + a.sum() / c.sum()
     P = a.shape[1]
     (boot,) = boot_taus(np.random.default_rng(seed), [(a.sum(axis=0), c.sum(axis=0))], P, n_boot)
-    return {"accept_length": float(tau), "ci": percentile_ci(boot, level),
-            "seeds": [float(t) for t in rows],
-            "seed_std": float(np.std(rows)) if len(rows) > 1 else 0.0, "n_prompts": int(P)}
+    return {
+        "accept_length": float(tau),
+        "ci": percentile_ci(boot, level),
+        "seeds": [float(t) for t in rows],
+        "seed_std": float(np.std(rows)) if len(rows) > 1 else 0.0,
+        "n_prompts": int(P),
+    }
 
 
-def paired_diff_ci(a_acc, a_cyc, b_acc, b_cyc, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
-                   where: str = "paired_diff_ci") -> dict:
+def paired_diff_ci(
+    a_acc, a_cyc, b_acc, b_cyc, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0, where: str = "paired_diff_ci"
+) -> dict:
     """tau_a - tau_b (each pooled over its own seeds) on the SAME P prompts, with a percentile
     bootstrap CI from one shared prompt draw per replicate.
 
@@ -103,11 +110,16 @@ def paired_diff_ci(a_acc, a_cyc, b_acc, b_cyc, *, n_boot: int = 2000, level: flo
     a, ac = prompt_counts(a_acc, a_cyc, f"{where} (a)")
     b, bc = prompt_counts(b_acc, b_cyc, f"{where} (b)")
     if a.shape[1] != b.shape[1]:
-        raise DraftportError(where, f"a and b must be measured on the same prompts: a has {a.shape[1]} "
-                                    f"prompts, b has {b.shape[1]}")
+        raise DraftportError(
+            where, f"a and b must be measured on the same prompts: a has {a.shape[1]} prompts, b has {b.shape[1]}"
+        )
     diff = (1.0 + a.sum() / ac.sum()) - (1.0 + b.sum() / bc.sum())
-    ta, tb = boot_taus(np.random.default_rng(seed),
-                        [(a.sum(axis=0), ac.sum(axis=0)), (b.sum(axis=0), bc.sum(axis=0))], a.shape[1], n_boot)
+    ta, tb = boot_taus(
+        np.random.default_rng(seed),
+        [(a.sum(axis=0), ac.sum(axis=0)), (b.sum(axis=0), bc.sum(axis=0))],
+        a.shape[1],
+        n_boot,
+    )
     ci = percentile_ci(ta - tb, level)
     significant = ci[0] > 0.0 or ci[1] < 0.0
     better = ("a" if ci[0] > 0.0 else "b") if significant else None

@@ -46,15 +46,19 @@ def _projection(taus: list, ns: list[int], n_next: int):
     if len(slopes) >= 2:
         prev = slopes[-2]
         with np.errstate(divide="ignore", invalid="ignore"):
-            rho = np.where(np.asarray(prev) > 0, np.clip(np.asarray(last) / np.where(np.asarray(prev) > 0, prev, 1.0),
-                                                         0.0, 1.0), 1.0)
+            rho = np.where(
+                np.asarray(prev) > 0,
+                np.clip(np.asarray(last) / np.where(np.asarray(prev) > 0, prev, 1.0), 0.0, 1.0),
+                1.0,
+            )
     else:
         rho = 1.0
     return last * rho * math.log(n_next / ns[-1])
 
 
-def project_next_gain(rounds: list[dict], n_next: int, *, n_boot: int = 2000, level: float = 0.95,
-                      seed: int = 0) -> dict:
+def project_next_gain(
+    rounds: list[dict], n_next: int, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> dict:
     """rounds: [{"n_samples", "accepted": [S][P], "cycles": [S][P]}, ...] in order (at least two,
     every one on the same P prompts). Returns {"taus", "gains" (round over round), "projected_gain",
     "ci": [lo, hi]} for the round at n_next."""
@@ -68,16 +72,28 @@ def project_next_gain(rounds: list[dict], n_next: int, *, n_boot: int = 2000, le
     if len({a.shape[1] for a, _ in counts}) != 1:
         raise DraftportError("budget", "every round must be scored on the same prompts")
     taus = [float(1.0 + a.sum() / c.sum()) for a, c in counts]
-    boots = boot_taus(np.random.default_rng(seed), [(a.sum(axis=0), c.sum(axis=0)) for a, c in counts],
-                       counts[0][0].shape[1], n_boot)
+    boots = boot_taus(
+        np.random.default_rng(seed), [(a.sum(axis=0), c.sum(axis=0)) for a, c in counts], counts[0][0].shape[1], n_boot
+    )
     proj = np.asarray(_projection(boots, ns, n_next)) + 0.0  # + 0.0: no -0.0 (a clipped rho) in the text
-    return {"taus": taus, "gains": [taus[j] - taus[j - 1] for j in range(1, len(taus))],
-            "projected_gain": float(_projection(taus, ns, n_next)) + 0.0,
-            "ci": [v + 0.0 for v in percentile_ci(proj, level)]}
+    return {
+        "taus": taus,
+        "gains": [taus[j] - taus[j - 1] for j in range(1, len(taus))],
+        "projected_gain": float(_projection(taus, ns, n_next)) + 0.0,
+        "ci": [v + 0.0 for v in percentile_ci(proj, level)],
+    }
 
 
-def stop_reason(projection: dict | None, *, n: int, cap: int, min_gain: float, hours_spent: float,
-                next_hours: float, max_hours: float | None) -> str | None:
+def stop_reason(
+    projection: dict | None,
+    *,
+    n: int,
+    cap: int,
+    min_gain: float,
+    hours_spent: float,
+    next_hours: float,
+    max_hours: float | None,
+) -> str | None:
     """Why the rounds stop after the one at n, or None to go on (projection: project_next_gain's,
     None when n is already the cap)."""
     if projection is not None and projection["ci"][1] < min_gain:
@@ -89,16 +105,32 @@ def stop_reason(projection: dict | None, *, n: int, cap: int, min_gain: float, h
     return None
 
 
-def explain(reason: str, *, n: int, projection: dict | None, min_gain: float, next_n_: int | None,
-            hours_spent: float, next_hours: float, max_hours: float | None) -> str:
+def explain(
+    reason: str,
+    *,
+    n: int,
+    projection: dict | None,
+    min_gain: float,
+    next_n_: int | None,
+    hours_spent: float,
+    next_hours: float,
+    max_hours: float | None,
+) -> str:
     """The stop in a sentence (budget.json and the decision's text)."""
     if reason == FLATTENED:
         p = projection
-        return (f"stopped at n = {n:,}: the next round (n = {next_n_:,}) projects a gain of {p['projected_gain']:+.3f} "
-                f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}], its upper bound below min_gain {min_gain}")
+        return (
+            f"stopped at n = {n:,}: the next round (n = {next_n_:,}) projects a gain of {p['projected_gain']:+.3f} "
+            f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}], its upper bound below min_gain {min_gain}"
+        )
     if reason == CAP_SAMPLES:
         return f"stopped at n = {n:,}: the cap (phase2.n_samples) reached" + (
             f"; a further round (n = {next_n_:,}) would still gain {projection['projected_gain']:+.3f} "
-            f"[{projection['ci'][0]:+.3f}, {projection['ci'][1]:+.3f}] (projected)" if projection is not None else "")
-    return (f"stopped at n = {n:,}: the next round's {next_hours:.3g} h on top of {hours_spent:.3g} h spent "
-            f"would pass data.max_hours {max_hours}")
+            f"[{projection['ci'][0]:+.3f}, {projection['ci'][1]:+.3f}] (projected)"
+            if projection is not None
+            else ""
+        )
+    return (
+        f"stopped at n = {n:,}: the next round's {next_hours:.3g} h on top of {hours_spent:.3g} h spent "
+        f"would pass data.max_hours {max_hours}"
+    )

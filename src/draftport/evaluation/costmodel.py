@@ -62,8 +62,10 @@ class CostModel:
             tau = self.accept_length_for(t)
             rows.append({"tok_s": t, "accept_length": tau, "cond_acc": self.cond_acc_for(tau)})
         return {
-            "baseline_tok_s": self.baseline_tok_s, "verify_ms": self.verify_ms,
-            "draft_ms": self.draft_ms, "k": self.k,
+            "baseline_tok_s": self.baseline_tok_s,
+            "verify_ms": self.verify_ms,
+            "draft_ms": self.draft_ms,
+            "k": self.k,
             "break_even_accept_length": self.break_even_accept_length,
             "break_even_cond_acc": self.cond_acc_for(self.break_even_accept_length),
             "targets": rows,

@@ -1,4 +1,6 @@
-"""The decision: which init, which recipe, whether to regenerate the answers, how much data, whether Phase 2 pays, and what it costs in hours, from bootstrap CIs on accept length and the cost model's break-even (decision.json, rules R1-R8).
+"""The decision: which init, which recipe, whether to regenerate the answers, how much data, whether
+Phase 2 pays, and what it costs in hours, from bootstrap CIs on accept length and the cost model's
+break-even (decision.json, rules R1-R8).
 
 Accept length over a set of prompts is a ratio of sums, tau = 1 + sum(accepted) / sum(cycles),
 pooled over every seed (replicate) and prompt. Its uncertainty is the prompts': a percentile
@@ -26,36 +28,37 @@ DEFAULT_PATH = Path("artifacts/decision/decision.json")
 # The rules, word for word as docs/decision.md states them (a test keeps the two equal).
 RULES = {
     "R1": "init: N = the largest n measured with both inits. If the gain (source - scratch) at N is "
-          "significant, init = its winner. Else, if the gain is significant at some smaller n and every "
-          "significant n has the same winner, init = that winner (the text says the advantage is not "
-          "significant at N). Else init = \"either\".",
-    "R2": "data: n_samples = smallest_n_beating_break_even of the recommended init; for \"either\" the "
-          "smaller of the two (null if neither). When it is null, the text says that none of the measured "
-          "n reaches break-even with significance and that more data than the largest n is needed (or a "
-          "cheaper verify).",
-    "R3": "phase2: phase2_gain significant and > 0 -> \"helps\"; significant and < 0 -> \"hurts\"; not "
-          "significant -> \"no significant gain\"; missing -> \"not measured\".",
-    "R4": "deploy_source_now: phases.phase0.beats_break_even == \"yes\" (false when phase0 is missing).",
-    "R5": "confidence: \"high\" when R1's init comes from a significant gain at N and R2 found an n; "
-          "\"medium\" when exactly one of those holds; else \"low\".",
-    "R6": "enough data: for the recommended init (for \"either\": source), n_enough = the smallest measured n "
-          "whose accept length is not below the largest n's by more than min_gain with significance (the "
-          "paired difference, largest n - n, over the same prompts: its CI's lower end <= min_gain); when "
-          "every smaller n is, n_enough = the largest n and the text says the curve is still rising there "
-          "(more data may still help).",
-    "R7": "regenerate: for the recommended init (for \"either\": source), at the largest n measured with both "
-          "its regenerated and its dataset-answers arm, the paired gain regenerated - dataset. Significant and "
-          "> 0 -> regenerate; significant and < 0 -> do not (the dataset's answers train better); not "
-          "significant -> do not (no measured gain; the text states the regeneration hours it saves at R2's "
-          "n); no dataset arm -> null (not measured).",
+    "significant, init = its winner. Else, if the gain is significant at some smaller n and every "
+    "significant n has the same winner, init = that winner (the text says the advantage is not "
+    'significant at N). Else init = "either".',
+    "R2": 'data: n_samples = smallest_n_beating_break_even of the recommended init; for "either" the '
+    "smaller of the two (null if neither). When it is null, the text says that none of the measured "
+    "n reaches break-even with significance and that more data than the largest n is needed (or a "
+    "cheaper verify).",
+    "R3": 'phase2: phase2_gain significant and > 0 -> "helps"; significant and < 0 -> "hurts"; not '
+    'significant -> "no significant gain"; missing -> "not measured".',
+    "R4": 'deploy_source_now: phases.phase0.beats_break_even == "yes" (false when phase0 is missing).',
+    "R5": 'confidence: "high" when R1\'s init comes from a significant gain at N and R2 found an n; '
+    '"medium" when exactly one of those holds; else "low".',
+    "R6": 'enough data: for the recommended init (for "either": source), n_enough = the smallest measured n '
+    "whose accept length is not below the largest n's by more than min_gain with significance (the "
+    "paired difference, largest n - n, over the same prompts: its CI's lower end <= min_gain); when "
+    "every smaller n is, n_enough = the largest n and the text says the curve is still rising there "
+    "(more data may still help).",
+    "R7": 'regenerate: for the recommended init (for "either": source), at the largest n measured with both '
+    "its regenerated and its dataset-answers arm, the paired gain regenerated - dataset. Significant and "
+    "> 0 -> regenerate; significant and < 0 -> do not (the dataset's answers train better); not "
+    "significant -> do not (no measured gain; the text states the regeneration hours it saves at R2's "
+    "n); no dataset arm -> null (not measured).",
     "R8": "recipe: at the largest n measured with every recipe arm, the paired gain of each recipe over "
-          "plain fine-tuning of the source. The recipe with the largest significant gain > 0 is chosen; "
-          "none significant and > 0 -> \"plain\" (the text lists each recipe's gain). Only for init "
-          "source (else \"plain\"); no recipe arm -> \"plain\" (not measured).",
+    "plain fine-tuning of the source. The recipe with the largest significant gain > 0 is chosen; "
+    'none significant and > 0 -> "plain" (the text lists each recipe\'s gain). Only for init '
+    'source (else "plain"); no recipe arm -> "plain" (not measured).',
 }
 
 
 # ---------------------------------------------------------------- statistics
+
 
 def _fmt_ci(ci) -> str:
     return f"[{ci[0]:.3f}, {ci[1]:.3f}]"
@@ -74,8 +77,9 @@ def _cost(costmodel, k):
     from draftport.evaluation.costmodel import CostModel
 
     if not isinstance(costmodel, dict):
-        raise DraftportError("costmodel", f"expected a mapping with baseline_tok_s, verify_ms, draft_ms, got "
-                                          f"{type(costmodel).__name__}")
+        raise DraftportError(
+            "costmodel", f"expected a mapping with baseline_tok_s, verify_ms, draft_ms, got {type(costmodel).__name__}"
+        )
     missing = [key for key in ("baseline_tok_s", "verify_ms", "draft_ms") if key not in costmodel]
     if missing:
         raise DraftportError("costmodel", f"missing key(s) {missing}")
@@ -120,7 +124,9 @@ def _curve_groups(curves) -> dict:
             raise DraftportError("curves", f"points[{i}]: init must be 'source' or 'scratch', got {init!r}")
         arm = pt.get("arm", init)
         if not isinstance(arm, str) or not arm.startswith(init):
-            raise DraftportError("curves", f"points[{i}]: arm must be a name starting with its init {init!r}, got {arm!r}")
+            raise DraftportError(
+                "curves", f"points[{i}]: arm must be a name starting with its init {init!r}, got {arm!r}"
+            )
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise DraftportError("curves", f"points[{i}]: n_samples must be an integer >= 0, got {n!r}")
         ps = _per_sample(pt, f"curves: points[{i}] (init={init}, n={n})")
@@ -129,9 +135,12 @@ def _curve_groups(curves) -> dict:
         if P is None:
             P, first = len(ps[0]), (init, n, sd)
         elif len(ps[0]) != P:
-            raise DraftportError("curves", f"points[{i}] (init={init}, n={n}, seed={sd}) has {len(ps[0])} prompts, "
-                                           f"but init={first[0]}, n={first[1]}, seed={first[2]} has {P}: every "
-                                           "point must be evaluated on the same prompts")
+            raise DraftportError(
+                "curves",
+                f"points[{i}] (init={init}, n={n}, seed={sd}) has {len(ps[0])} prompts, "
+                f"but init={first[0]}, n={first[1]}, seed={first[2]} has {P}: every "
+                "point must be evaluated on the same prompts",
+            )
         rows = groups.setdefault((arm, n), [])
         if any(r[0] == sd for r in rows):
             raise DraftportError("curves", f"two points for arm={arm}, n={n}, seed={sd}")
@@ -143,6 +152,7 @@ def _curve_groups(curves) -> dict:
 
 # ---------------------------------------------------------------- rules
 
+
 def rule_r1_init(gain: list[dict]) -> tuple[str, bool, str, str]:
     """(init, from_significant_gain_at_N, fired, sentence)."""
     if not gain:
@@ -153,24 +163,36 @@ def rule_r1_init(gain: list[dict]) -> tuple[str, bool, str, str]:
     g = f"{at_n['diff']:+.3f}, CI {_fmt_ci(at_n['ci'])}"
     if at_n["significant"]:
         w, other = at_n["better"], ("scratch" if at_n["better"] == "source" else "source")
-        return (w, True, f"gain source - scratch at N={N} is {g}, significant: {w} wins",
-                f"Init from {w}: at the largest n measured with both inits (n={N}) {w} beats {other} "
-                f"by {abs(at_n['diff']):.3f} in accept length (source - scratch {g}).")
+        return (
+            w,
+            True,
+            f"gain source - scratch at N={N} is {g}, significant: {w} wins",
+            f"Init from {w}: at the largest n measured with both inits (n={N}) {w} beats {other} "
+            f"by {abs(at_n['diff']):.3f} in accept length (source - scratch {g}).",
+        )
     sig = [x for x in gain[:-1] if x["significant"]]
     winners = {x["better"] for x in sig}
     if sig and len(winners) == 1:
         w = winners.pop()
         ns = ", ".join(f"n={x['n_samples']} ({x['diff']:+.3f}, CI {_fmt_ci(x['ci'])})" for x in sig)
-        return (w, False, f"gain at N={N} is {g}, not significant; significant at {ns}, all won by {w}",
-                f"Init from {w}, with less certainty: its advantage is significant at {ns}, but not "
-                f"significant at the largest n={N} (source - scratch {g}).")
+        return (
+            w,
+            False,
+            f"gain at N={N} is {g}, not significant; significant at {ns}, all won by {w}",
+            f"Init from {w}, with less certainty: its advantage is significant at {ns}, but not "
+            f"significant at the largest n={N} (source - scratch {g}).",
+        )
     if sig:
         ns = ", ".join(f"n={x['n_samples']} ({x['better']}, {x['diff']:+.3f})" for x in sig)
         why = f"significant gains disagree on the winner: {ns}"
     else:
         why = "no measured n shows a significant gain"
-    return ("either", False, f"gain at N={N} is {g}, not significant; {why}",
-            f"Init: either; source - scratch at n={N} is {g}, not significant, and {why}.")
+    return (
+        "either",
+        False,
+        f"gain at N={N} is {g}, not significant; {why}",
+        f"Init: either; source - scratch at n={N} is {g}, not significant, and {why}.",
+    )
 
 
 def rule_r2_data(init: str, smallest: dict, curves_out: dict, break_even: float) -> tuple[int | None, str, str]:
@@ -182,55 +204,88 @@ def rule_r2_data(init: str, smallest: dict, curves_out: dict, break_even: float)
         n, which = smallest.get(init), init
     if n is not None:
         row = next(r for r in curves_out[which] if r["n_samples"] == n)
-        return (n, f"smallest n with CI lo > break-even {break_even:.3f} for {which}: n={n} "
-                   f"(tau {row['accept_length']:.3f}, CI {_fmt_ci(row['ci'])})",
-                f"Train on n={n} samples: the smallest measured n at which {which}'s accept length "
-                f"{row['accept_length']:.3f} (CI {_fmt_ci(row['ci'])}) is above the break-even {break_even:.3f}.")
+        return (
+            n,
+            f"smallest n with CI lo > break-even {break_even:.3f} for {which}: n={n} "
+            f"(tau {row['accept_length']:.3f}, CI {_fmt_ci(row['ci'])})",
+            f"Train on n={n} samples: the smallest measured n at which {which}'s accept length "
+            f"{row['accept_length']:.3f} (CI {_fmt_ci(row['ci'])}) is above the break-even {break_even:.3f}.",
+        )
     ns = sorted({r["n_samples"] for i in (INITS if init == "either" else (init,)) for r in curves_out[i]})
     if not ns:
         msg = f"no learning-curve point was measured{'' if init == 'either' else ' for ' + init}"
-        return None, msg, (f"Data: {msg}, so no n is known to reach the break-even accept length "
-                           f"{break_even:.3f} with significance.")
-    best = max((r for i in (INITS if init == "either" else (init,)) for r in curves_out[i]),
-               key=lambda r: r["ci"][0])
-    return (None, f"no n up to {ns[-1]} has CI lo > break-even {break_even:.3f} (best CI lo "
-                  f"{best['ci'][0]:.3f} at n={best['n_samples']})",
-            f"None of the measured n (up to n={ns[-1]}) reaches the break-even accept length "
-            f"{break_even:.3f} with significance (best: tau {best['accept_length']:.3f}, CI "
-            f"{_fmt_ci(best['ci'])} at n={best['n_samples']}): more data than n={ns[-1]} is needed, "
-            "or a cheaper verify.")
+        return (
+            None,
+            msg,
+            (
+                f"Data: {msg}, so no n is known to reach the break-even accept length "
+                f"{break_even:.3f} with significance."
+            ),
+        )
+    best = max((r for i in (INITS if init == "either" else (init,)) for r in curves_out[i]), key=lambda r: r["ci"][0])
+    return (
+        None,
+        f"no n up to {ns[-1]} has CI lo > break-even {break_even:.3f} (best CI lo "
+        f"{best['ci'][0]:.3f} at n={best['n_samples']})",
+        f"None of the measured n (up to n={ns[-1]}) reaches the break-even accept length "
+        f"{break_even:.3f} with significance (best: tau {best['accept_length']:.3f}, CI "
+        f"{_fmt_ci(best['ci'])} at n={best['n_samples']}): more data than n={ns[-1]} is needed, "
+        "or a cheaper verify.",
+    )
 
 
 def rule_r3_phase2(phase2_gain: dict | None) -> tuple[str, str, str]:
     """(verdict, fired, sentence)."""
     if phase2_gain is None:
-        return ("not measured", "phase1 or phase2 has no per-sample evaluation",
-                "Phase 2: not measured (phase1 or phase2 has no per-sample evaluation).")
+        return (
+            "not measured",
+            "phase1 or phase2 has no per-sample evaluation",
+            "Phase 2: not measured (phase1 or phase2 has no per-sample evaluation).",
+        )
     g = f"{phase2_gain['diff']:+.3f} (CI {_fmt_ci(phase2_gain['ci'])})"
     if not phase2_gain["significant"]:
-        return ("no significant gain", f"phase2 - phase1 = {g}, CI contains 0",
-                f"Phase 2: no significant gain over Phase 1 (phase2 - phase1 {g}).")
+        return (
+            "no significant gain",
+            f"phase2 - phase1 = {g}, CI contains 0",
+            f"Phase 2: no significant gain over Phase 1 (phase2 - phase1 {g}).",
+        )
     v = "helps" if phase2_gain["diff"] > 0 else "hurts"
-    return (v, f"phase2 - phase1 = {g}, significant",
-            f"Phase 2 {v}: phase2 - phase1 accept length {g}.")
+    return (v, f"phase2 - phase1 = {g}, significant", f"Phase 2 {v}: phase2 - phase1 accept length {g}.")
 
 
 def rule_r4_deploy(phases_out: dict, break_even: float) -> tuple[bool, str, str]:
     """(deploy_source_now, fired, sentence)."""
     p0 = phases_out.get("phase0")
     if p0 is None:
-        return False, "phase0 has no per-sample evaluation", "Deploy the source drafter now: unknown (Phase 0 not measured)."
+        return (
+            False,
+            "phase0 has no per-sample evaluation",
+            "Deploy the source drafter now: unknown (Phase 0 not measured).",
+        )
     yes = p0["beats_break_even"] == "yes"
     t = f"{p0['accept_length']:.3f} (CI {_fmt_ci(p0['ci'])})"
     fired = f"phase0 tau {t} vs break-even {break_even:.3f}: {p0['beats_break_even']}"
     if yes:
-        return True, fired, f"Deploy the source drafter now: as fetched, its accept length {t} is above the break-even {break_even:.3f}."
+        return (
+            True,
+            fired,
+            f"Deploy the source drafter now: as fetched, its accept length {t} is above "
+            f"the break-even {break_even:.3f}.",
+        )
     where = "below" if p0["beats_break_even"] == "no" else "not clearly above"
-    return False, fired, (f"Do not deploy the source drafter as fetched: its accept length {t} is {where} "
-                          f"the break-even {break_even:.3f}.")
+    return (
+        False,
+        fired,
+        (
+            f"Do not deploy the source drafter as fetched: its accept length {t} is {where} "
+            f"the break-even {break_even:.3f}."
+        ),
+    )
 
 
-def rule_r6_enough(init: str, groups: dict, opts: dict, min_gain: float = 0.0) -> tuple[int | None, list[dict], str, str]:
+def rule_r6_enough(
+    init: str, groups: dict, opts: dict, min_gain: float = 0.0
+) -> tuple[int | None, list[dict], str, str]:
     """(n_enough, the paired differences largest n - each smaller n, fired, sentence)."""
     which = "source" if init == "either" else init
     ns = sorted(n for (i, n) in groups if i == which)
@@ -241,22 +296,44 @@ def rule_r6_enough(init: str, groups: dict, opts: dict, min_gain: float = 0.0) -
     steps = []
     for n in ns[:-1]:
         low = groups[(which, n)]
-        d = paired_diff_ci([r[1] for r in top], [r[2] for r in top], [r[1] for r in low], [r[2] for r in low],
-                           where=f"curves: {which} n={N} - n={n}", **opts)
-        steps.append({"n_samples": n, "diff_to_largest": d["diff"], "ci": d["ci"],
-                      "significantly_below": bool(d["ci"][0] > min_gain)})
+        d = paired_diff_ci(
+            [r[1] for r in top],
+            [r[2] for r in top],
+            [r[1] for r in low],
+            [r[2] for r in low],
+            where=f"curves: {which} n={N} - n={n}",
+            **opts,
+        )
+        steps.append(
+            {
+                "n_samples": n,
+                "diff_to_largest": d["diff"],
+                "ci": d["ci"],
+                "significantly_below": bool(d["ci"][0] > min_gain),
+            }
+        )
     enough = next((x["n_samples"] for x in steps if not x["significantly_below"]), N)
     if enough == N:
-        below = (f"every smaller n is below n={N} by more than {min_gain:g} with significance" if steps
-                 else f"only n={N} was measured")
-        return (N, steps, f"{which}: {below}",
-                f"Enough data: the {which} curve is still rising at the largest n={N} ({below}): more data "
-                "may still help.")
+        below = (
+            f"every smaller n is below n={N} by more than {min_gain:g} with significance"
+            if steps
+            else f"only n={N} was measured"
+        )
+        return (
+            N,
+            steps,
+            f"{which}: {below}",
+            f"Enough data: the {which} curve is still rising at the largest n={N} ({below}): more data may still help.",
+        )
     x = next(x for x in steps if x["n_samples"] == enough)
-    return (enough, steps, f"{which}: n={N} - n={enough} is {x['diff_to_largest']:+.3f} (CI {_fmt_ci(x['ci'])}), "
-                           f"not above min_gain {min_gain:g} with significance",
-            f"Enough data: beyond n={enough} the {which} drafter gains no accept length above {min_gain:g} with "
-            f"significance (n={N} is {x['diff_to_largest']:+.3f}, CI {_fmt_ci(x['ci'])}, above it).")
+    return (
+        enough,
+        steps,
+        f"{which}: n={N} - n={enough} is {x['diff_to_largest']:+.3f} (CI {_fmt_ci(x['ci'])}), "
+        f"not above min_gain {min_gain:g} with significance",
+        f"Enough data: beyond n={enough} the {which} drafter gains no accept length above {min_gain:g} with "
+        f"significance (n={N} is {x['diff_to_largest']:+.3f}, CI {_fmt_ci(x['ci'])}, above it).",
+    )
 
 
 def _arm_gain(groups: dict, a: str, b: str, opts: dict, names: tuple[str, str] | None = None) -> list[dict]:
@@ -266,10 +343,23 @@ def _arm_gain(groups: dict, a: str, b: str, opts: dict, names: tuple[str, str] |
     out = []
     for n in sorted({n for (x, n) in groups if x == a} & {n for (x, n) in groups if x == b}):
         ra, rb = groups[(a, n)], groups[(b, n)]
-        d = paired_diff_ci([r[1] for r in ra], [r[2] for r in ra], [r[1] for r in rb], [r[2] for r in rb],
-                           where=f"curves: {a} - {b} at n={n}", **opts)
-        out.append({"n_samples": n, "diff": d["diff"], "ci": d["ci"], "significant": d["significant"],
-                    "better": {"a": names[0], "b": names[1], None: None}[d["better"]]})
+        d = paired_diff_ci(
+            [r[1] for r in ra],
+            [r[2] for r in ra],
+            [r[1] for r in rb],
+            [r[2] for r in rb],
+            where=f"curves: {a} - {b} at n={n}",
+            **opts,
+        )
+        out.append(
+            {
+                "n_samples": n,
+                "diff": d["diff"],
+                "ci": d["ci"],
+                "significant": d["significant"],
+                "better": {"a": names[0], "b": names[1], None: None}[d["better"]],
+            }
+        )
     return out
 
 
@@ -280,65 +370,102 @@ def rule_r7_regenerate(init: str, groups: dict, opts: dict, regen_hours=None) ->
     gains = {i: _arm_gain(groups, i, f"{i}-dataset", opts, ("regenerated", "dataset")) for i in INITS}
     gains = {i: g for i, g in gains.items() if g}
     if which not in gains:
-        return (None, gains, f"no {which}-dataset arm measured",
-                "Regenerate the answers: not measured (no arm trained on the dataset's own answers).")
+        return (
+            None,
+            gains,
+            f"no {which}-dataset arm measured",
+            "Regenerate the answers: not measured (no arm trained on the dataset's own answers).",
+        )
     at = gains[which][-1]
     g = f"{at['diff']:+.3f}, CI {_fmt_ci(at['ci'])}"
     where = f"{which} at n={at['n_samples']}"
     if at["significant"] and at["diff"] > 0:
         cost = "" if regen_hours is None else f"; it costs {regen_hours:.3g} device-hours of regeneration"
-        return (True, gains, f"regenerated - dataset for {where}: {g}, significant",
-                f"Regenerate the answers: the new target's own answers train a better {which} drafter than the "
-                f"dataset's (regenerated - dataset {g} at n={at['n_samples']}){cost}.")
+        return (
+            True,
+            gains,
+            f"regenerated - dataset for {where}: {g}, significant",
+            f"Regenerate the answers: the new target's own answers train a better {which} drafter than the "
+            f"dataset's (regenerated - dataset {g} at n={at['n_samples']}){cost}.",
+        )
     saves = "" if regen_hours is None else f", and saves {regen_hours:.3g} device-hours of regeneration"
     if at["significant"]:
-        return (False, gains, f"regenerated - dataset for {where}: {g}, significant, dataset better",
-                f"Do not regenerate: the dataset's own answers train a better {which} drafter (regenerated - "
-                f"dataset {g} at n={at['n_samples']}){saves}.")
-    return (False, gains, f"regenerated - dataset for {where}: {g}, not significant",
-            f"Do not regenerate: the new target's own answers bring no significant gain for {which} "
-            f"(regenerated - dataset {g} at n={at['n_samples']}){saves}.")
+        return (
+            False,
+            gains,
+            f"regenerated - dataset for {where}: {g}, significant, dataset better",
+            f"Do not regenerate: the dataset's own answers train a better {which} drafter (regenerated - "
+            f"dataset {g} at n={at['n_samples']}){saves}.",
+        )
+    return (
+        False,
+        gains,
+        f"regenerated - dataset for {where}: {g}, not significant",
+        f"Do not regenerate: the new target's own answers bring no significant gain for {which} "
+        f"(regenerated - dataset {g} at n={at['n_samples']}){saves}.",
+    )
 
 
 def rule_r8_recipe(init: str, groups: dict, opts: dict) -> tuple[str, dict, str, str]:
     """(recipe, gains per recipe, fired, sentence)."""
-    names = sorted({a[len("source-"):] for (a, _) in groups if a.startswith("source-") and a != "source-dataset"})
+    names = sorted({a[len("source-") :] for (a, _) in groups if a.startswith("source-") and a != "source-dataset"})
     gains = {r: _arm_gain(groups, f"source-{r}", "source", opts, (r, "plain")) for r in names}
     gains = {r: g for r, g in gains.items() if g}
     if not gains:
         return "plain", {}, "no recipe arm measured", "Recipe: plain fine-tuning (no recipe was measured)."
     N = min(g[-1]["n_samples"] for g in gains.values())
     at = {r: next(x for x in g if x["n_samples"] == N) for r, g in gains.items()}
-    listed = "; ".join(f"{r} {x['diff']:+.3f} (CI {_fmt_ci(x['ci'])}"
-                       f"{', significant' if x['significant'] else ''})" for r, x in at.items())
+    listed = "; ".join(
+        f"{r} {x['diff']:+.3f} (CI {_fmt_ci(x['ci'])}{', significant' if x['significant'] else ''})"
+        for r, x in at.items()
+    )
     if init == "scratch":
-        return ("plain", gains, f"init scratch: recipes fine-tune the source ({listed})",
-                f"Recipe: plain (the recipes fine-tune the source; init is scratch). Over plain fine-tuning at "
-                f"n={N}: {listed}.")
+        return (
+            "plain",
+            gains,
+            f"init scratch: recipes fine-tune the source ({listed})",
+            f"Recipe: plain (the recipes fine-tune the source; init is scratch). Over plain fine-tuning at "
+            f"n={N}: {listed}.",
+        )
     good = [(x["diff"], r) for r, x in at.items() if x["significant"] and x["diff"] > 0]
     if not good:
-        return ("plain", gains, f"no recipe's gain at n={N} is significant and > 0: {listed}",
-                f"Recipe: plain fine-tuning; no recipe beats it significantly at n={N} ({listed}).")
+        return (
+            "plain",
+            gains,
+            f"no recipe's gain at n={N} is significant and > 0: {listed}",
+            f"Recipe: plain fine-tuning; no recipe beats it significantly at n={N} ({listed}).",
+        )
     r = max(good)[1]
-    return (r, gains, f"largest significant gain at n={N}: {r} ({listed})",
-            f"Recipe: {r}: it beats plain fine-tuning at n={N} by {at[r]['diff']:+.3f} (CI {_fmt_ci(at[r]['ci'])}); "
-            f"all recipes: {listed}.")
+    return (
+        r,
+        gains,
+        f"largest significant gain at n={N}: {r} ({listed})",
+        f"Recipe: {r}: it beats plain fine-tuning at n={N} by {at[r]['diff']:+.3f} (CI {_fmt_ci(at[r]['ci'])}); "
+        f"all recipes: {listed}.",
+    )
 
 
 def rule_r5_confidence(init_from_sig_at_n: bool, n_found: bool) -> tuple[str, str]:
     held = int(init_from_sig_at_n) + int(n_found)
     conf = {2: "high", 1: "medium", 0: "low"}[held]
-    return conf, (f"init from a significant gain at N: {'yes' if init_from_sig_at_n else 'no'}; "
-                  f"R2 found an n: {'yes' if n_found else 'no'} -> {conf}")
+    return conf, (
+        f"init from a significant gain at N: {'yes' if init_from_sig_at_n else 'no'}; "
+        f"R2 found an n: {'yes' if n_found else 'no'} -> {conf}"
+    )
 
 
 # ---------------------------------------------------------------- the decision
 
+
 def _point(tau: dict, cm, break_even: float) -> dict:
     tok_s = cm.tok_s(tau["accept_length"])
-    return {"accept_length": tau["accept_length"], "ci": tau["ci"], "projected_tok_s": float(tok_s),
-            "speedup_vs_baseline": float(tok_s / cm.baseline_tok_s),
-            "beats_break_even": _verdict(tau["ci"], break_even)}
+    return {
+        "accept_length": tau["accept_length"],
+        "ci": tau["ci"],
+        "projected_tok_s": float(tok_s),
+        "speedup_vs_baseline": float(tok_s / cm.baseline_tok_s),
+        "beats_break_even": _verdict(tau["ci"], break_even),
+    }
 
 
 def _arm_facts(curves) -> tuple[dict, dict]:
@@ -357,9 +484,20 @@ def _arm_order(arm: str) -> tuple:
     return (arm not in INITS, INITS.index(arm) if arm in INITS else 0, arm)
 
 
-def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000, level: float = 0.95,
-           seed: int = 0, min_gain: float = 0.0, hours: dict | None = None,
-           serving_tokens_per_day: float | None = None) -> dict:
+def decide(
+    curves,
+    phases,
+    *,
+    costmodel,
+    k: int,
+    drift=None,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+    min_gain: float = 0.0,
+    hours: dict | None = None,
+    serving_tokens_per_day: float | None = None,
+) -> dict:
     """decision.json: CIs per (arm, n) and per phase, the paired gains, and the recommendation of
     rules R1-R8 (RULES; docs/decision.md). hours: {"rates": draftport.evaluation.hours.rates,
     "phases": {phase: device-hours split}, "plan": the whole plan's split} (measured; None: the
@@ -373,8 +511,7 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
     secs, answers_of = _arm_facts(curves)
     curves_out = _curves_table(groups, cm, be, opts, secs, rates, answers_of)
     gain = _source_gains(groups, opts)
-    smallest = {i: next((r["n_samples"] for r in curves_out[i] if r["beats_break_even"] == "yes"), None)
-                for i in INITS}
+    smallest = {i: next((r["n_samples"] for r in curves_out[i] if r["beats_break_even"] == "yes"), None) for i in INITS}
     counts = _phase_counts(phases)
     phases_out = {name: _point(tau_ci(*ps, where=f"phases: {name}", **opts), cm, be) for name, ps in counts.items()}
     for name, h in ((hours or {}).get("phases") or {}).items():
@@ -395,9 +532,17 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
     pay = _payback(chosen, cm, hours, serving_tokens_per_day)
     text = [s1, s8, s7, s2, s6, s3, s4, *_evidence_text(chosen, pay, hours, p1, drift), f"Confidence: {conf}."]
     return {
-        "schema": SCHEMA, "level": float(level), "n_boot": n_boot, "k": k, "min_gain": float(min_gain),
-        "costmodel": {"baseline_tok_s": cm.baseline_tok_s, "verify_ms": cm.verify_ms, "draft_ms": cm.draft_ms,
-                      "break_even_accept_length": be},
+        "schema": SCHEMA,
+        "level": float(level),
+        "n_boot": n_boot,
+        "k": k,
+        "min_gain": float(min_gain),
+        "costmodel": {
+            "baseline_tok_s": cm.baseline_tok_s,
+            "verify_ms": cm.verify_ms,
+            "draft_ms": cm.draft_ms,
+            "break_even_accept_length": be,
+        },
         "curves": curves_out,
         "gain": gain,
         "smallest_n_beating_break_even": smallest,
@@ -410,8 +555,16 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
         "drift": drift,
         "hours": hours,
         "recommendation": {
-            "init": init, "recipe": recipe, "regenerate": regenerate, "n_samples": n_rec, "n_enough": n_enough,
-            "phase2": ph2, "deploy_source_now": deploy, "confidence": conf, "chosen": chosen, "payback": pay,
+            "init": init,
+            "recipe": recipe,
+            "regenerate": regenerate,
+            "n_samples": n_rec,
+            "n_enough": n_enough,
+            "phase2": ph2,
+            "deploy_source_now": deploy,
+            "confidence": conf,
+            "chosen": chosen,
+            "payback": pay,
             "rules": [{"id": f"R{i}", "fired": f} for i, f in enumerate((f1, f2, f3, f4, f5, f6, f7, f8), 1)],
             "text": text,
         },
@@ -419,8 +572,18 @@ def decide(curves, phases, *, costmodel, k: int, drift=None, n_boot: int = 2000,
 
 
 # Every curve row's keys, in this order (n_samples first, then the CI, then the seeds, then the verdicts)
-CURVE_ROW_KEYS = ("n_samples", "accept_length", "ci", "seeds", "seed_std", "n_seeds", "projected_tok_s",
-                  "speedup_vs_baseline", "beats_break_even", "hours")
+CURVE_ROW_KEYS = (
+    "n_samples",
+    "accept_length",
+    "ci",
+    "seeds",
+    "seed_std",
+    "n_seeds",
+    "projected_tok_s",
+    "speedup_vs_baseline",
+    "beats_break_even",
+    "hours",
+)
 
 
 def _curves_table(groups: dict, cm, be: float, opts: dict, secs: dict, rates, answers_of: dict) -> dict:
@@ -429,16 +592,23 @@ def _curves_table(groups: dict, cm, be: float, opts: dict, secs: dict, rates, an
     from draftport.evaluation.hours import split
 
     out: dict = {i: [] for i in INITS}
-    for (arm, n) in sorted(groups, key=lambda key: (_arm_order(key[0]), key[1])):
+    for arm, n in sorted(groups, key=lambda key: (_arm_order(key[0]), key[1])):
         rows = groups[(arm, n)]
         t = tau_ci([r[1] for r in rows], [r[2] for r in rows], where=f"curves: arm={arm}, n={n}", **opts)
-        row = {"n_samples": n, **_point(t, cm, be), "seeds": t["seeds"], "seed_std": t["seed_std"],
-               "n_seeds": len(rows)}
+        row = {
+            "n_samples": n,
+            **_point(t, cm, be),
+            "seeds": t["seeds"],
+            "seed_std": t["seed_std"],
+            "n_seeds": len(rows),
+        }
         if rates is not None and (arm, n) in secs:
             row["hours"] = split(n, secs[(arm, n)], rates, answers_of.get(arm, "regenerated"))
         out.setdefault(arm, []).append(row)
-    return {arm: [{key: r[key] for key in CURVE_ROW_KEYS if key in r} for r in sorted(rows, key=lambda r: r["n_samples"])]
-            for arm, rows in out.items()}
+    return {
+        arm: [{key: r[key] for key in CURVE_ROW_KEYS if key in r} for r in sorted(rows, key=lambda r: r["n_samples"])]
+        for arm, rows in out.items()
+    }
 
 
 def _source_gains(groups: dict, opts: dict) -> list[dict]:
@@ -446,10 +616,23 @@ def _source_gains(groups: dict, opts: dict) -> list[dict]:
     gain = []
     for n in sorted({n for (i, n) in groups if i == "source"} & {n for (i, n) in groups if i == "scratch"}):
         s, c = groups[("source", n)], groups[("scratch", n)]
-        d = paired_diff_ci([r[1] for r in s], [r[2] for r in s], [r[1] for r in c], [r[2] for r in c],
-                           where=f"curves: gain at n={n}", **opts)
-        gain.append({"n_samples": n, "diff": d["diff"], "ci": d["ci"], "significant": d["significant"],
-                     "better": {"a": "source", "b": "scratch", None: None}[d["better"]]})
+        d = paired_diff_ci(
+            [r[1] for r in s],
+            [r[2] for r in s],
+            [r[1] for r in c],
+            [r[2] for r in c],
+            where=f"curves: gain at n={n}",
+            **opts,
+        )
+        gain.append(
+            {
+                "n_samples": n,
+                "diff": d["diff"],
+                "ci": d["ci"],
+                "significant": d["significant"],
+                "better": {"a": "source", "b": "scratch", None: None}[d["better"]],
+            }
+        )
     return gain
 
 
@@ -467,14 +650,18 @@ def _phase_counts(phases) -> dict:
         if P_ph is None:
             P_ph, first = len(ps[0]), name
         elif len(ps[0]) != P_ph:
-            raise DraftportError("phases", f"{name} has {len(ps[0])} prompts but {first} has {P_ph}: the phases "
-                                           "must be evaluated on the same prompts")
+            raise DraftportError(
+                "phases",
+                f"{name} has {len(ps[0])} prompts but {first} has {P_ph}: the phases "
+                "must be evaluated on the same prompts",
+            )
         counts[name] = ps
     return counts
 
 
 def _phase_gains(counts: dict, opts: dict) -> tuple[dict | None, dict | None]:
     """(Phase 1 - its scratch control, Phase 2 - Phase 1), paired over prompts; None where a phase is missing."""
+
     def pair(x, y):
         if x not in counts or y not in counts:
             return None
@@ -498,8 +685,9 @@ def _payback(chosen, cm, hours, serving_tokens_per_day) -> dict | None:
         return None
     pay = payback(h["total"], chosen["projected_tok_s"], cm.baseline_tok_s, float(serving_tokens_per_day))
     if (hours or {}).get("plan"):
-        pay["plan"] = payback(hours["plan"]["total"], chosen["projected_tok_s"], cm.baseline_tok_s,
-                              float(serving_tokens_per_day))
+        pay["plan"] = payback(
+            hours["plan"]["total"], chosen["projected_tok_s"], cm.baseline_tok_s, float(serving_tokens_per_day)
+        )
     return pay
 
 
@@ -509,29 +697,42 @@ def _evidence_text(chosen, pay, hours, p1, drift) -> list[str]:
     text = []
     if chosen is not None:
         h = chosen.get("hours")
-        text.append(f"The recommended drafter ({chosen['arm']} at n={chosen['n_samples']}"
-                    f"{'' if chosen['measured'] else ', figures of the plain ' + chosen['figures_from'] + ' arm'}): "
-                    f"accept length {chosen['accept_length']:.3f} (CI {_fmt_ci(chosen['ci'])}), "
-                    f"{chosen['projected_tok_s']:.1f} tok/s"
-                    + ("" if h is None else f", {h['total']:.3g} device-hours (regenerate {h['regenerate']:.3g}, "
-                                            f"capture {h['capture']:.3g}, train {h['train']:.3g})") + ".")
+        text.append(
+            f"The recommended drafter ({chosen['arm']} at n={chosen['n_samples']}"
+            f"{'' if chosen['measured'] else ', figures of the plain ' + chosen['figures_from'] + ' arm'}): "
+            f"accept length {chosen['accept_length']:.3f} (CI {_fmt_ci(chosen['ci'])}), "
+            f"{chosen['projected_tok_s']:.1f} tok/s"
+            + (
+                ""
+                if h is None
+                else f", {h['total']:.3g} device-hours (regenerate {h['regenerate']:.3g}, "
+                f"capture {h['capture']:.3g}, train {h['train']:.3g})"
+            )
+            + "."
+        )
         if pay is not None:
             text.append(_payback_text(pay))
     if (hours or {}).get("plan"):
         ph = hours["plan"]
-        text.append(f"This plan's training data and trainings took {ph['total']:.3g} device-hours: regenerate "
-                    f"{ph['regenerate']:.3g}, capture "
-                    f"{ph['capture']:.3g}, train {ph['train']:.3g} (the learning curves {ph.get('curves', 0):.3g}"
-                    + (f"; the adaptive budget's rounds {ph['budget_rounds']:.3g}" if "budget_rounds" in ph else "")
-                    + "); "
-                    f"measured ({hours['rates'].get('source', 'this run')}).")
+        text.append(
+            f"This plan's training data and trainings took {ph['total']:.3g} device-hours: regenerate "
+            f"{ph['regenerate']:.3g}, capture "
+            f"{ph['capture']:.3g}, train {ph['train']:.3g} (the learning curves {ph.get('curves', 0):.3g}"
+            + (f"; the adaptive budget's rounds {ph['budget_rounds']:.3g}" if "budget_rounds" in ph else "")
+            + "); "
+            f"measured ({hours['rates'].get('source', 'this run')})."
+        )
     if p1 is not None:
-        text.append(f"Phase 1 (fine-tuned source) - Phase 1 scratch control: {p1['diff']:+.3f} (CI "
-                    f"{_fmt_ci(p1['ci'])}), {'significant' if p1['significant'] else 'not significant'}.")
+        text.append(
+            f"Phase 1 (fine-tuned source) - Phase 1 scratch control: {p1['diff']:+.3f} (CI "
+            f"{_fmt_ci(p1['ci'])}), {'significant' if p1['significant'] else 'not significant'}."
+        )
     gap = drift.get("tau_gap") if isinstance(drift, dict) else None
     if isinstance(gap, (int, float)) and not isinstance(gap, bool) and math.isfinite(gap):
-        text.append(f"Drift probe: the source drafter's accept length on the old target's states minus on the "
-                    f"new target's states of the same tokens is {gap:+.3f} (tau_gap).")
+        text.append(
+            f"Drift probe: the source drafter's accept length on the old target's states minus on the "
+            f"new target's states of the same tokens is {gap:+.3f} (tau_gap)."
+        )
     return text
 
 
@@ -553,8 +754,14 @@ def _chosen(init, recipe, regenerate, n, curves_out, secs, rates) -> dict | None
             break
     if row is None:
         return None
-    out = {"arm": arm, "answers": answers, "n_samples": n, "measured": cand == arm, "figures_from": cand,
-           **{key: row[key] for key in ("accept_length", "ci", "projected_tok_s", "speedup_vs_baseline")}}
+    out = {
+        "arm": arm,
+        "answers": answers,
+        "n_samples": n,
+        "measured": cand == arm,
+        "figures_from": cand,
+        **{key: row[key] for key in ("accept_length", "ci", "projected_tok_s", "speedup_vs_baseline")},
+    }
     train_s = secs.get((cand, n))
     if rates is not None and train_s is not None:
         out["hours"] = split(n, train_s, rates, answers)
@@ -563,18 +770,26 @@ def _chosen(init, recipe, regenerate, n, curves_out, secs, rates) -> dict | None
 
 def _payback_text(pay: dict) -> str:
     if pay["days"] is None:
-        return (f"Payback: never at {pay['tokens_per_day']:.3g} tokens a day: the recommended drafter is not "
-                "faster than the break-even.")
+        return (
+            f"Payback: never at {pay['tokens_per_day']:.3g} tokens a day: the recommended drafter is not "
+            "faster than the break-even."
+        )
     plan = pay.get("plan")
-    more = "" if not plan or plan["days"] is None else f"; the whole plan's {plan['port_hours']:.3g} h in " \
-                                                      f"{plan['days']:.3g} days"
-    return (f"Payback: at {pay['tokens_per_day']:.3g} tokens a day the drafter saves {pay['saved_hours_per_day']:.3g} "
-            "hours of decoding a day against the break-even (the cost model's per-request speed); an hour of "
-            f"decoding counted as a device-hour, its {pay['port_hours']:.3g} device-hours are recovered in "
-            f"{pay['days']:.3g} days{more}.")
+    more = (
+        ""
+        if not plan or plan["days"] is None
+        else f"; the whole plan's {plan['port_hours']:.3g} h in {plan['days']:.3g} days"
+    )
+    return (
+        f"Payback: at {pay['tokens_per_day']:.3g} tokens a day the drafter saves {pay['saved_hours_per_day']:.3g} "
+        "hours of decoding a day against the break-even (the cost model's per-request speed); an hour of "
+        f"decoding counted as a device-hour, its {pay['port_hours']:.3g} device-hours are recovered in "
+        f"{pay['days']:.3g} days{more}."
+    )
 
 
 # ---------------------------------------------------------------- reading and rendering
+
 
 def load_decision(path: str | Path = DEFAULT_PATH) -> dict:
     """A decision.json, checked to be one (its schema)."""
@@ -582,8 +797,9 @@ def load_decision(path: str | Path = DEFAULT_PATH) -> dict:
     if path.is_dir():
         path = path / "decision.json"
     if not path.is_file():
-        raise DraftportError(path, "no decision file here; run `snakemake --cores 8 decision` (or `make decision`) "
-                                   "first")
+        raise DraftportError(
+            path, "no decision file here; run `snakemake --cores 8 decision` (or `make decision`) first"
+        )
     try:
         obj = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -603,23 +819,31 @@ def render_text(decision: dict) -> str:
     n = "none" if r["n_samples"] is None else str(r["n_samples"])
     ne = r.get("n_enough")
     regen = {True: "yes", False: "no", None: "not measured"}[r.get("regenerate")]
-    out = [f"Recommendation: init {r['init']}, recipe {r.get('recipe', 'plain')}, regenerate {regen}, "
-           f"n_samples {n}{'' if ne is None else f' (enough: {ne})'}, phase2 {r['phase2']}, deploy source now "
-           f"{'yes' if r['deploy_source_now'] else 'no'} (confidence {r['confidence']})"]
+    out = [
+        f"Recommendation: init {r['init']}, recipe {r.get('recipe', 'plain')}, regenerate {regen}, "
+        f"n_samples {n}{'' if ne is None else f' (enough: {ne})'}, phase2 {r['phase2']}, deploy source now "
+        f"{'yes' if r['deploy_source_now'] else 'no'} (confidence {r['confidence']})"
+    ]
     out += [f"  {s}" for s in r["text"]]
-    out.append(f"Break-even accept length {be:.3f} (baseline {cmd['baseline_tok_s']:g} tok/s, verify "
-               f"{cmd['verify_ms']:g} ms, draft {cmd['draft_ms']:g} ms, k={decision['k']}); {pct} CIs, "
-               f"{decision['n_boot']} bootstrap draws over prompts")
+    out.append(
+        f"Break-even accept length {be:.3f} (baseline {cmd['baseline_tok_s']:g} tok/s, verify "
+        f"{cmd['verify_ms']:g} ms, draft {cmd['draft_ms']:g} ms, k={decision['k']}); {pct} CIs, "
+        f"{decision['n_boot']} bootstrap draws over prompts"
+    )
     rows = [(arm, p) for arm in sorted(decision["curves"], key=_arm_order) for p in decision["curves"][arm]]
     if rows:
         w = max(8, *(len(a) + 2 for a, _ in rows))
-        out.append(f"Learning curves:  {'arm':<{w}}{'n':>6}  {'tau':>6}  {'CI':<17}{'seeds':>5}  {'tok/s':>8}  "
-                   f"{'hours':>8}  beats break-even")
+        out.append(
+            f"Learning curves:  {'arm':<{w}}{'n':>6}  {'tau':>6}  {'CI':<17}{'seeds':>5}  {'tok/s':>8}  "
+            f"{'hours':>8}  beats break-even"
+        )
         for arm, p in rows:
             hrs = f"{p['hours']['total']:>8.3g}" if p.get("hours") else f"{'-':>8}"
-            out.append(f"                  {arm:<{w}}{p['n_samples']:>6}  {p['accept_length']:>6.3f}  "
-                       f"{_fmt_ci(p['ci']):<17}{p['n_seeds']:>5}  {p['projected_tok_s']:>8.1f}  {hrs}  "
-                       f"{p['beats_break_even']}")
+            out.append(
+                f"                  {arm:<{w}}{p['n_samples']:>6}  {p['accept_length']:>6.3f}  "
+                f"{_fmt_ci(p['ci']):<17}{p['n_seeds']:>5}  {p['projected_tok_s']:>8.1f}  {hrs}  "
+                f"{p['beats_break_even']}"
+            )
     if decision["gain"]:
         out.append("Gain source - scratch:")
         for g in decision["gain"]:
@@ -634,19 +858,28 @@ def render_text(decision: dict) -> str:
         out.append("Phases:")
         for name, p in decision["phases"].items():
             hrs = f"  {p['hours']['total']:.3g} device-hours" if p.get("hours") else ""
-            out.append(f"  {name:<15} tau {p['accept_length']:.3f} {_fmt_ci(p['ci'])}  {p['projected_tok_s']:.1f} "
-                       f"tok/s (x{p['speedup_vs_baseline']:.2f})  beats break-even: {p['beats_break_even']}{hrs}")
+            out.append(
+                f"  {name:<15} tau {p['accept_length']:.3f} {_fmt_ci(p['ci'])}  {p['projected_tok_s']:.1f} "
+                f"tok/s (x{p['speedup_vs_baseline']:.2f})  beats break-even: {p['beats_break_even']}{hrs}"
+            )
     for key, label in (("phase1_gain_vs_scratch", "Phase 1 - Phase 1 scratch"), ("phase2_gain", "Phase 2 - Phase 1")):
         g = decision.get(key)
         if g is not None:
-            out.append(f"{label}: {g['diff']:+.3f} {_fmt_ci(g['ci'])}  "
-                       f"{'significant' if g['significant'] else 'not significant'}")
+            out.append(
+                f"{label}: {g['diff']:+.3f} {_fmt_ci(g['ci'])}  "
+                f"{'significant' if g['significant'] else 'not significant'}"
+            )
     b = decision.get("data_budget")
     if b:
-        out.append(f"Adaptive data budget: Phase 2's data {b['why']} ({len(b['rounds'])} rounds, x{b['factor']:g} each):")
+        out.append(
+            f"Adaptive data budget: Phase 2's data {b['why']} ({len(b['rounds'])} rounds, x{b['factor']:g} each):"
+        )
         for row in b["rounds"]:
-            proj = (f", gain {row['gain']:+.3f}; next round projected {row['projected_gain']:+.3f} "
-                    f"[{row['projected_gain_ci_low']:+.3f}, {row['projected_gain_ci_high']:+.3f}]"
-                    if "gain" in row else "")
+            proj = (
+                f", gain {row['gain']:+.3f}; next round projected {row['projected_gain']:+.3f} "
+                f"[{row['projected_gain_ci_low']:+.3f}, {row['projected_gain_ci_high']:+.3f}]"
+                if "gain" in row
+                else ""
+            )
             out.append(f"  round {row['round']}: n={row['n_samples']:<8} tau {row['accept_length']:.3f}{proj}")
     return "\n".join(out) + "\n"

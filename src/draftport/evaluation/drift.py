@@ -1,4 +1,5 @@
-"""The drift probe: the old and the new target on the same tokens (the new target's eval answers), how far their hidden states moved, and what that costs the source drafter.
+"""The drift probe: the old and the new target on the same tokens (the new target's eval answers), how
+far their hidden states moved, and what that costs the source drafter.
 
 The seeds' Assumption 1 (K2's and K2.5's hidden states at the aux layers are similar, so the
 source drafter's fc and midlayer still make sense of them) is a claim about representations;
@@ -84,8 +85,11 @@ def read_sequences(fs: FeatureSet, max_samples: int | None = None) -> list[Seque
             mask = sh["loss_mask"][a:b]
             want = torch.arange(b - a) >= start
             if not torch.equal(mask.bool(), want):
-                raise DraftportError(fs.folder, f"sample {len(out)}: its loss mask is not 'answer from the response "
-                                     f"start on' ({start}): a capture could not keep it exactly")
+                raise DraftportError(
+                    fs.folder,
+                    f"sample {len(out)}: its loss mask is not 'answer from the response "
+                    f"start on' ({start}): a capture could not keep it exactly",
+                )
             out.append(Sequence(sh["tokens"][a:b].long().tolist(), start))
     return out
 
@@ -106,18 +110,27 @@ def check_compatible(target_dir, fs: FeatureSet, *, like_target=None, sequences:
     hidden, vocab = int(tcfg["hidden_size"]), int(tcfg["vocab_size"])
     fh = int(_index_field(fs, "hidden_size"))
     if hidden != fh:
-        raise DraftportError(target_dir, f"hidden size {hidden}, but {fs.folder} holds states of hidden size {fh}: "
-                             "the drift probe compares two versions of one target (same hidden and vocab size)")
+        raise DraftportError(
+            target_dir,
+            f"hidden size {hidden}, but {fs.folder} holds states of hidden size {fh}: "
+            "the drift probe compares two versions of one target (same hidden and vocab size)",
+        )
     if like_target is not None:
         lcfg = target_text_config(like_target)
         if int(lcfg["hidden_size"]) != hidden or int(lcfg["vocab_size"]) != vocab:
-            raise DraftportError(target_dir, f"hidden {hidden} / vocab {vocab}, but {like_target} (the target of "
-                                 f"{fs.folder}) has hidden {lcfg['hidden_size']} / vocab {lcfg['vocab_size']}: "
-                                 "the drift probe needs the same hidden and vocab size")
+            raise DraftportError(
+                target_dir,
+                f"hidden {hidden} / vocab {vocab}, but {like_target} (the target of "
+                f"{fs.folder}) has hidden {lcfg['hidden_size']} / vocab {lcfg['vocab_size']}: "
+                "the drift probe needs the same hidden and vocab size",
+            )
     fv = fs.index.get("vocab_size")
     if fv is not None and int(fv) != vocab:
-        raise DraftportError(target_dir, f"vocab size {vocab}, but {fs.folder} was captured with a vocab of {fv}: "
-                             "the drift probe needs the same vocab (the same token ids)")
+        raise DraftportError(
+            target_dir,
+            f"vocab size {vocab}, but {fs.folder} was captured with a vocab of {fv}: "
+            "the drift probe needs the same vocab (the same token ids)",
+        )
     aux_ids = _index_field(fs, "aux_layer_ids")
     conv = _index_field(fs, "aux_convention")
     layers = int(tcfg.get("num_hidden_layers", 0))
@@ -132,8 +145,9 @@ def check_compatible(target_dir, fs: FeatureSet, *, like_target=None, sequences:
         ctx = int(tcfg.get("max_position_embeddings", 0) or 0)
         longest = max(len(s.tokens) for s in sequences)
         if ctx and longest > ctx:
-            raise DraftportError(target_dir, f"a sequence of {longest} tokens in {fs.folder} does not fit this "
-                                 f"target's context of {ctx}")
+            raise DraftportError(
+                target_dir, f"a sequence of {longest} tokens in {fs.folder} does not fit this target's context of {ctx}"
+            )
     return tcfg
 
 
@@ -143,10 +157,21 @@ def _open(features) -> FeatureSet:
     return features if isinstance(features, FeatureSet) else FeatureSet(features)
 
 
-def capture_same_tokens(target_dir, features_dir, out_dir, *, batch_size: int = 16, dtype: str = "bfloat16",
-                        device: str = "cpu", trust_remote_code: bool = False, like_target=None,
-                        max_samples: int | None = None, engine: str = "transformers",
-                        tensor_parallel_size: int = 1, shard_samples: int | None = None) -> dict:
+def capture_same_tokens(
+    target_dir,
+    features_dir,
+    out_dir,
+    *,
+    batch_size: int = 16,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    like_target=None,
+    max_samples: int | None = None,
+    engine: str = "transformers",
+    tensor_parallel_size: int = 1,
+    shard_samples: int | None = None,
+) -> dict:
     """Run `target_dir` over exactly the token sequences stored in `features_dir` and write a
     feature folder of the same format to `out_dir` (evaluate_drafter reads it): the same ids, loss
     masks, response starts, sample order, aux layer ids and convention as that folder's
@@ -167,9 +192,15 @@ def capture_same_tokens(target_dir, features_dir, out_dir, *, batch_size: int = 
     tcfg = check_compatible(target_dir, fs, like_target=like_target, sequences=seqs)
     aux_ids, conv = list(fs.index["aux_layer_ids"]), fs.index["aux_convention"]
     shard_samples = shard_samples or int(fs.index["shards"][0]["samples"])
-    meta = {"aux_layer_ids": aux_ids, "aux_convention": conv, "target": target_identity(target_dir),
-            "regenerated": False, "tokens_from": {"features": str(features_dir), "target": fs.index.get("target")},
-            "num_target_layers": int(tcfg.get("num_hidden_layers", 0)), "vocab_size": int(tcfg["vocab_size"])}
+    meta = {
+        "aux_layer_ids": aux_ids,
+        "aux_convention": conv,
+        "target": target_identity(target_dir),
+        "regenerated": False,
+        "tokens_from": {"features": str(features_dir), "target": fs.index.get("target")},
+        "num_target_layers": int(tcfg.get("num_hidden_layers", 0)),
+        "vocab_size": int(tcfg["vocab_size"]),
+    }
     for key in ("samples_file", "offset"):  # where the prompts came from: the input folder's
         if key in fs.index:
             meta[key] = fs.index[key]
@@ -178,19 +209,39 @@ def capture_same_tokens(target_dir, features_dir, out_dir, *, batch_size: int = 
 
     if engine == "vllm":
         with progress(len(seqs), "capture same tokens (vLLM)", "sample") as bar:
-            return capture_features_vllm(target_dir, seqs, out_dir, aux_ids=aux_ids, convention=conv, meta=meta,
-                                         tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                                         batch_size=batch_size, shard_samples=shard_samples, progress=bar.update)
+            return capture_features_vllm(
+                target_dir,
+                seqs,
+                out_dir,
+                aux_ids=aux_ids,
+                convention=conv,
+                meta=meta,
+                tensor_parallel_size=tensor_parallel_size,
+                dtype=dtype,
+                batch_size=batch_size,
+                shard_samples=shard_samples,
+                progress=bar.update,
+            )
     if engine != "transformers":
         raise DraftportError("features.engine", f"unknown engine {engine!r} (transformers or vllm)")
 
-    model = load_target(target_dir, dtype=capture_dtype(device, dtype), device=device,
-                        trust_remote_code=trust_remote_code)
+    model = load_target(
+        target_dir, dtype=capture_dtype(device, dtype), device=device, trust_remote_code=trust_remote_code
+    )
     featurize = featurizer(model, aux_ids, conv, device)
 
     with progress(len(seqs), "capture same tokens", "sample") as bar:
-        return write_features(out_dir, seqs, featurize, meta=meta, batch_size=batch_size, dtype=dtype,
-                              shard_samples=shard_samples, progress=bar.update, by_length=on_gpu(model, device))
+        return write_features(
+            out_dir,
+            seqs,
+            featurize,
+            meta=meta,
+            batch_size=batch_size,
+            dtype=dtype,
+            shard_samples=shard_samples,
+            progress=bar.update,
+            by_length=on_gpu(model, device),
+        )
 
 
 # ---- 2. how far the states moved --------------------------------------------------------------
@@ -233,7 +284,7 @@ def _slots(fs: FeatureSet) -> list[str]:
 
 def _split(sample: dict, n_aux: int, H: int) -> list[torch.Tensor]:
     aux = sample["aux"].float()
-    return [aux[:, i * H:(i + 1) * H] for i in range(n_aux)] + [sample["final"].float()]
+    return [aux[:, i * H : (i + 1) * H] for i in range(n_aux)] + [sample["final"].float()]
 
 
 def _iter_samples(fs: FeatureSet, n: int):
@@ -252,8 +303,11 @@ def _iter_samples(fs: FeatureSet, n: int):
 def _check_pair(fa: FeatureSet, fb: FeatureSet, max_samples: int | None) -> int:
     for key in ("aux_layer_ids", "aux_convention", "hidden_size"):
         if fa.index.get(key) != fb.index.get(key):
-            raise DraftportError(fb.folder, f"{key} {fb.index.get(key)}, but {fa.folder} holds {fa.index.get(key)}: "
-                                 "the drift probe compares the same layers of the same tokens")
+            raise DraftportError(
+                fb.folder,
+                f"{key} {fb.index.get(key)}, but {fa.folder} holds {fa.index.get(key)}: "
+                "the drift probe compares the same layers of the same tokens",
+            )
     if max_samples is None and len(fa) != len(fb):
         raise DraftportError(fb.folder, f"{len(fb)} samples, but {fa.folder} holds {len(fa)}: not the same sequences")
     n = min(len(fa), len(fb)) if max_samples is None else min(len(fa), len(fb), max_samples)
@@ -261,8 +315,16 @@ def _check_pair(fa: FeatureSet, fb: FeatureSet, max_samples: int | None) -> int:
 
 
 @torch.no_grad()
-def drift_stats(features_a, features_b, *, max_tokens: int = DEFAULT_MAX_TOKENS, max_samples: int | None = None,
-                head_a: torch.Tensor | None = None, head_b: torch.Tensor | None = None, seed: int = CKA_SEED) -> dict:
+def drift_stats(
+    features_a,
+    features_b,
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_samples: int | None = None,
+    head_a: torch.Tensor | None = None,
+    head_b: torch.Tensor | None = None,
+    seed: int = CKA_SEED,
+) -> dict:
     """How far the states of folder b moved from folder a's, over the same sequences (checked:
     equal token ids and loss masks, sample by sample), on the assistant tokens (loss mask) only.
 
@@ -297,8 +359,9 @@ def drift_stats(features_a, features_b, *, max_tokens: int = DEFAULT_MAX_TOKENS,
     seen = 0
     for i, (sa, sb) in enumerate(zip(_iter_samples(fa, n), _iter_samples(fb, n))):
         if not torch.equal(sa["tokens"], sb["tokens"]) or not torch.equal(sa["loss_mask"], sb["loss_mask"]):
-            raise DraftportError(fb.folder, f"sample {i}: its tokens or loss mask differ from {fa.folder}'s: "
-                                 "not the same sequences")
+            raise DraftportError(
+                fb.folder, f"sample {i}: its tokens or loss mask differ from {fa.folder}'s: not the same sequences"
+            )
         mask = sa["loss_mask"].bool()
         lo = seen
         seen += int(mask.sum())
@@ -351,8 +414,17 @@ def _eval_json(path: Path, res: dict) -> None:
 
 
 @torch.no_grad()
-def tau_with_choices(drafter_dir, target_dir, features_dir, choices_dir, *, k: int, batch_size: int = 16,
-                     max_samples: int | None = None, device: str = "auto") -> dict:
+def tau_with_choices(
+    drafter_dir,
+    target_dir,
+    features_dir,
+    choices_dir,
+    *,
+    k: int,
+    batch_size: int = 16,
+    max_samples: int | None = None,
+    device: str = "auto",
+) -> dict:
     """evaluate_drafter's offline accept length with the drafter bound to target_dir and reading
     features_dir's states, its drafts checked against another folder's greedy choices (choices_dir:
     the same sequences, captured from another target)."""
@@ -383,11 +455,26 @@ def tau_with_choices(drafter_dir, target_dir, features_dir, choices_dir, *, k: i
     return res
 
 
-def drift_probe(source_drafter, target_old, target_new, features_new, out_dir, *, k: int, batch_size: int = 16,
-                max_samples: int | None = None, feature_batch_size: int = 16, dtype: str = "bfloat16",
-                device: str = "cpu", trust_remote_code: bool = False, engine: str = "transformers",
-                tensor_parallel_size: int = 1, max_tokens: int = DEFAULT_MAX_TOKENS,
-                keep_features: bool = True, eval_device: str = "auto") -> dict:
+def drift_probe(
+    source_drafter,
+    target_old,
+    target_new,
+    features_new,
+    out_dir,
+    *,
+    k: int,
+    batch_size: int = 16,
+    max_samples: int | None = None,
+    feature_batch_size: int = 16,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    engine: str = "transformers",
+    tensor_parallel_size: int = 1,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    keep_features: bool = True,
+    eval_device: str = "auto",
+) -> dict:
     """The drift probe. features_new: the new target's features on its own answers to the eval
     prompts (features_eval/eval_new). Writes out_dir/features_old (the old target over the same
     tokens, capture_same_tokens; removed at the end unless keep_features) and
@@ -422,9 +509,19 @@ def drift_probe(source_drafter, target_old, target_new, features_new, out_dir, *
     out_dir.mkdir(parents=True, exist_ok=True)
     old_dir = out_dir / "features_old"
     fs_new = _open(features_new)  # each FeatureSet checks every shard's sha256: open each folder once
-    idx = capture_same_tokens(target_old, fs_new, old_dir, batch_size=feature_batch_size, dtype=dtype,
-                              device=device, trust_remote_code=trust_remote_code, like_target=target_new,
-                              max_samples=max_samples, engine=engine, tensor_parallel_size=tensor_parallel_size)
+    idx = capture_same_tokens(
+        target_old,
+        fs_new,
+        old_dir,
+        batch_size=feature_batch_size,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        like_target=target_new,
+        max_samples=max_samples,
+        engine=engine,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     n = int(idx["samples"])
     fs_old = FeatureSet(old_dir)
     stats = drift_stats(fs_old, fs_new, max_tokens=max_tokens, max_samples=n)
@@ -435,9 +532,16 @@ def drift_probe(source_drafter, target_old, target_new, features_new, out_dir, *
     for name, res in (("old_features", ev_old), ("new_features", ev_new), ("new_features_old_choices", ev_cross)):
         _eval_json(out_dir / f"eval_{name}.json", res)
     t_old, t_new, t_x = ev_old["accept_length"], ev_new["accept_length"], ev_cross["accept_length"]
-    out = {**stats, "k": k,
-           "tau_source_old_features": t_old, "tau_source_new_features": t_new, "tau_gap": t_old - t_new,
-           "tau_source_new_features_old_choices": t_x, "tau_gap_states": t_old - t_x, "tau_gap_choices": t_x - t_new}
+    out = {
+        **stats,
+        "k": k,
+        "tau_source_old_features": t_old,
+        "tau_source_new_features": t_new,
+        "tau_gap": t_old - t_new,
+        "tau_source_new_features_old_choices": t_x,
+        "tau_gap_states": t_old - t_x,
+        "tau_gap_choices": t_x - t_new,
+    }
     for i in range(k):
         out[f"accept_rate_pos_{i}_old_features"] = ev_old[f"accept_rate_pos_{i}"]
         out[f"accept_rate_pos_{i}_new_features"] = ev_new[f"accept_rate_pos_{i}"]

@@ -50,10 +50,16 @@ def split(n: int, train_s: float, r: dict, answers: str = "regenerated") -> dict
     """Device-hours of a drafter trained on n samples: regenerate (0 for the dataset's answers),
     capture, train (train_s: its training's device-seconds)."""
     dataset = answers == "dataset"
-    cap = r["capture_dataset_s_per_sample"] if dataset and r["capture_dataset_s_per_sample"] is not None \
+    cap = (
+        r["capture_dataset_s_per_sample"]
+        if dataset and r["capture_dataset_s_per_sample"] is not None
         else r["capture_s_per_sample"]
-    h = {"regenerate": 0.0 if dataset else n * r["regenerate_s_per_sample"] / 3600, "capture": n * cap / 3600,
-         "train": train_s / 3600}
+    )
+    h = {
+        "regenerate": 0.0 if dataset else n * r["regenerate_s_per_sample"] / 3600,
+        "capture": n * cap / 3600,
+        "train": train_s / 3600,
+    }
     return {**h, "total": sum(h.values())}
 
 
@@ -64,5 +70,9 @@ def payback(port_hours: float, tok_s_chosen: float, tok_s_break_even: float, tok
     G GPUs decoding c requests at once spends G / c device-hours on one: scale by that). None when
     the drafter is not faster than break-even."""
     saved_h = tokens_per_day * (1.0 / tok_s_break_even - 1.0 / tok_s_chosen) / 3600
-    return {"tokens_per_day": tokens_per_day, "saved_hours_per_day": saved_h, "port_hours": port_hours,
-            "days": port_hours / saved_h if saved_h > 0 else None}
+    return {
+        "tokens_per_day": tokens_per_day,
+        "saved_hours_per_day": saved_h,
+        "port_hours": port_hours,
+        "days": port_hours / saved_h if saved_h > 0 else None,
+    }

@@ -46,8 +46,16 @@ from draftport.evaluation.accept import acceptance_rate, accepted_counts, simula
 from draftport.model.bind import drafter_for_target, target_head
 from draftport.model.config import target_text_config
 from draftport.files import load_json
-from draftport.model.formats import (atomic_dir, atomic_write_text, copy_tensors_safetensors, find_target_embedding,
-    load_drafter_state, read_header, tensor_sha256, to_flat_name)
+from draftport.model.formats import (
+    atomic_dir,
+    atomic_write_text,
+    copy_tensors_safetensors,
+    find_target_embedding,
+    load_drafter_state,
+    read_header,
+    tensor_sha256,
+    to_flat_name,
+)
 from draftport.engines.export import EMBED_CHOICES, validate_export
 
 
@@ -71,9 +79,22 @@ def _target_context(target_dir) -> int:
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------
-def run_vllm(target_dir, drafter_dir, prompt_ids: list[list[int]], *, k: int, max_new_tokens: int,
-             vllm_python_path=None, work_dir=None, max_num_seqs: int = 8, dtype: str = "float32",
-             script=None, timeout: float | None = 3600, log_path=None, tensor_parallel_size: int = 1) -> dict:
+def run_vllm(
+    target_dir,
+    drafter_dir,
+    prompt_ids: list[list[int]],
+    *,
+    k: int,
+    max_new_tokens: int,
+    vllm_python_path=None,
+    work_dir=None,
+    max_num_seqs: int = 8,
+    dtype: str = "float32",
+    script=None,
+    timeout: float | None = 3600,
+    log_path=None,
+    tensor_parallel_size: int = 1,
+) -> dict:
     """Run runners/online_vllm.py in the vLLM venv; return its result (counters + outputs)."""
     py = vllm_python(vllm_python_path)
     script = Path(script) if script else runner("online_vllm.py")
@@ -82,18 +103,41 @@ def run_vllm(target_dir, drafter_dir, prompt_ids: list[list[int]], *, k: int, ma
     ctx = _target_context(target_dir)
     longest = max(len(p) for p in prompt_ids)
     if longest + max_new_tokens + k > ctx:
-        raise DraftportError(target_dir, f"prompt of {longest} tokens + {max_new_tokens} new + {k} drafts "
-                             f"exceeds the target's context of {ctx}")
+        raise DraftportError(
+            target_dir,
+            f"prompt of {longest} tokens + {max_new_tokens} new + {k} drafts exceeds the target's context of {ctx}",
+        )
     with tempfile.TemporaryDirectory(prefix="draftport-vllm-", dir=work_dir) as tmp:
         tmp = Path(tmp)
         (tmp / "prompts.json").write_text(json.dumps({"prompt_token_ids": prompt_ids}))
         out = tmp / "result.json"
-        cmd = [str(py), str(script), "--target", str(target_dir), "--drafter", str(drafter_dir),
-               "--prompts", str(tmp / "prompts.json"), "--out", str(out), "--k", str(k),
-               "--max-tokens", str(max_new_tokens), "--max-num-seqs", str(max_num_seqs),
-               "--dtype", dtype, "--max-model-len", str(ctx), "--tensor-parallel-size", str(tensor_parallel_size)]
-        wall = run_in_vllm_venv(cmd, log_path or tmp / "vllm.log", out, where=drafter_dir, what="vLLM run",
-                                timeout=timeout)
+        cmd = [
+            str(py),
+            str(script),
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--prompts",
+            str(tmp / "prompts.json"),
+            "--out",
+            str(out),
+            "--k",
+            str(k),
+            "--max-tokens",
+            str(max_new_tokens),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            str(ctx),
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
+        ]
+        wall = run_in_vllm_venv(
+            cmd, log_path or tmp / "vllm.log", out, where=drafter_dir, what="vLLM run", timeout=timeout
+        )
         res = json.loads(out.read_text())
     res["wall_seconds"] = wall
     return res
@@ -126,16 +170,31 @@ def summarize_online(raw: dict) -> dict:
         prev = rate
     # SpecForge's and vLLM's log's definitions on vLLM's own counters (draftport.evaluation.accept)
 
-    out["online_simulated_acc_len"] = simulated_acc_len(out[f"online_cond_acc_{i}"]
-                                                        for i in range(len(raw["accepted_per_pos"])))
+    out["online_simulated_acc_len"] = simulated_acc_len(
+        out[f"online_cond_acc_{i}"] for i in range(len(raw["accepted_per_pos"]))
+    )
     out["online_acceptance_rate"] = acceptance_rate(raw["num_accepted_tokens"], raw["num_draft_tokens"])
     return out
 
 
-def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_new_tokens: int,
-            vllm_python_path=None, *, offset: int = 0, max_num_seqs: int = 8, dtype: str = "float32",
-            validate: bool = True, raw_out=None, log_path=None, return_raw: bool = False,
-            tensor_parallel_size: int = 1):
+def measure(
+    target_dir,
+    drafter_dir,
+    prompts_path,
+    n_prompts: int,
+    k: int,
+    max_new_tokens: int,
+    vllm_python_path=None,
+    *,
+    offset: int = 0,
+    max_num_seqs: int = 8,
+    dtype: str = "float32",
+    validate: bool = True,
+    raw_out=None,
+    log_path=None,
+    return_raw: bool = False,
+    tensor_parallel_size: int = 1,
+):
     """Online accept length of an exported drafter served by vLLM next to target_dir.
 
     Validates the export first (see draftport.engines.export). Returns the `online_*` metrics (with
@@ -150,11 +209,23 @@ def measure(target_dir, drafter_dir, prompts_path, n_prompts: int, k: int, max_n
     too_long = [i for i, ids in enumerate(prompts) if len(ids) + max_new_tokens + k > ctx]
     if too_long:  # named by its line, before vLLM is even looked for
         i = too_long[0]
-        raise DraftportError(f"{prompts_path}:{offset + i + 1}", f"prompt of {len(prompts[i])} tokens + {max_new_tokens} "
-                             f"new + {k} drafts exceeds the target's context of {ctx}")
-    raw = run_vllm(target_dir, drafter_dir, prompts, k=k, max_new_tokens=max_new_tokens,
-                   vllm_python_path=vllm_python_path, max_num_seqs=max_num_seqs, dtype=dtype,
-                   log_path=log_path, tensor_parallel_size=tensor_parallel_size)
+        raise DraftportError(
+            f"{prompts_path}:{offset + i + 1}",
+            f"prompt of {len(prompts[i])} tokens + {max_new_tokens} "
+            f"new + {k} drafts exceeds the target's context of {ctx}",
+        )
+    raw = run_vllm(
+        target_dir,
+        drafter_dir,
+        prompts,
+        k=k,
+        max_new_tokens=max_new_tokens,
+        vllm_python_path=vllm_python_path,
+        max_num_seqs=max_num_seqs,
+        dtype=dtype,
+        log_path=log_path,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     raw["prompt_token_ids"] = prompts
     if raw_out is not None:
         atomic_write_text(raw_out, json.dumps(raw) + "\n")
@@ -171,26 +242,40 @@ def _extend_greedy(model, seqs: list[list[int]], n: int, pad: int, batch_size: i
     dev = next(model.parameters()).device
     out: list[list[int]] = [list(x) for x in seqs]
     for s0 in range(0, len(out), batch_size):
-        chunk = out[s0: s0 + batch_size]
+        chunk = out[s0 : s0 + batch_size]
         for _ in range(n):
             L = max(len(x) for x in chunk)
             ids = torch.full((len(chunk), L), pad, dtype=torch.long)
             mask = torch.zeros((len(chunk), L), dtype=torch.long)
             for i, x in enumerate(chunk):
-                ids[i, L - len(x):] = torch.tensor(x)
-                mask[i, L - len(x):] = 1
+                ids[i, L - len(x) :] = torch.tensor(x)
+                mask[i, L - len(x) :] = 1
             pos = (mask.cumsum(-1) - 1).clamp_min(0)
             with torch.no_grad():
-                logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                               use_cache=False, logits_to_keep=1).logits[:, -1]
+                logits = model(
+                    input_ids=ids.to(dev),
+                    attention_mask=mask.to(dev),
+                    position_ids=pos.to(dev),
+                    use_cache=False,
+                    logits_to_keep=1,
+                ).logits[:, -1]
             for x, t in zip(chunk, logits.argmax(-1).tolist()):
                 x.append(int(t))
     return out
 
 
-def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[list[int]] | None = None,
-                         responses: list[list[int]] | None = None, online_raw: dict | str | None = None,
-                         max_new_tokens: int = 128, batch_size: int = 16, device: str = "cpu") -> dict:
+def offline_same_prompts(
+    drafter_dir,
+    target_dir,
+    *,
+    k: int,
+    prompt_ids: list[list[int]] | None = None,
+    responses: list[list[int]] | None = None,
+    online_raw: dict | str | None = None,
+    max_new_tokens: int = 128,
+    batch_size: int = 16,
+    device: str = "cpu",
+) -> dict:
     """Offline accept length on exactly the sequences vLLM served.
 
     Give `online_raw` (the dict or the raw JSON file `measure` wrote), or prompt_ids and the
@@ -213,7 +298,9 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
     t0 = time.time()
     cfg, state = load_drafter_state(drafter_dir)
     if cfg.aux_convention and cfg.aux_convention != "vllm":
-        raise DraftportError(drafter_dir, f"drafter trained under the {cfg.aux_convention} aux convention; vLLM reads vllm's")
+        raise DraftportError(
+            drafter_dir, f"drafter trained under the {cfg.aux_convention} aux convention; vLLM reads vllm's"
+        )
     drafter = drafter_for_target(cfg, target_dir, state).to(device).eval()
     head = target_head(target_dir).to(device)
     model = load_target(target_dir, device=device)
@@ -221,8 +308,9 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     if responses is None:
-        responses = regenerate(model, prompt_ids, max_new_tokens=max_new_tokens, eos_id=eos, pad_id=pad,
-                               batch_size=batch_size)
+        responses = regenerate(
+            model, prompt_ids, max_new_tokens=max_new_tokens, eos_id=eos, pad_id=pad, batch_size=batch_size
+        )
     seqs = [Sequence(list(p) + list(r), len(p)) for p, r in zip(prompt_ids, responses)]
     t_load = time.time() - t0
     t1 = time.time()
@@ -237,7 +325,7 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
     t_feat = t_eval = 0.0
     cycles_exact, cycles_plain, rows_all, per_request = [], [], [], []
     for b0 in range(0, len(seqs), batch_size):
-        chunk, ext = seqs[b0: b0 + batch_size], extended[b0: b0 + batch_size]
+        chunk, ext = seqs[b0 : b0 + batch_size], extended[b0 : b0 + batch_size]
         ids, mask = _right_padded(ext, pad)
         t1 = time.time()
         aux, final = capture_features(model, ids.to(device), mask.to(device), cfg.aux_layer_ids, "vllm")
@@ -260,10 +348,10 @@ def offline_same_prompts(drafter_dir, target_dir, *, k: int, prompt_ids: list[li
     res["num_prompts"] = len(seqs)
     res["output_tokens"] = sum(len(s.tokens) - s.response_start for s in seqs)
     res["offline_seconds"] = time.time() - t0
-    res["offline_load_seconds"] = t_load        # imports, target + drafter (+ regeneration)
-    res["offline_extend_seconds"] = t_ext       # k greedy tokens past each end
-    res["offline_feature_seconds"] = t_feat     # the target's aux/final states
-    res["offline_eval_seconds"] = t_eval        # the drafter: the offline evaluator proper
+    res["offline_load_seconds"] = t_load  # imports, target + drafter (+ regeneration)
+    res["offline_extend_seconds"] = t_ext  # k greedy tokens past each end
+    res["offline_feature_seconds"] = t_feat  # the target's aux/final states
+    res["offline_eval_seconds"] = t_eval  # the drafter: the offline evaluator proper
     res["per_request_cycles"] = per_request
     return res
 
@@ -298,11 +386,15 @@ def agreement_check(online: dict, offline: dict, tol: float = 0.05) -> dict:
     diff = on - off
     k = int(online.get("online_k", offline.get("k", 0)))
     pos = {i: (online.get(f"online_accept_rate_pos_{i}"), offline.get(f"accept_rate_pos_{i}")) for i in range(k)}
-    detail = ", ".join(f"pos {i}: vLLM {a:.3f} / offline {b:.3f}" for i, (a, b) in pos.items()
-                       if a is not None and b is not None)
+    detail = ", ".join(
+        f"pos {i}: vLLM {a:.3f} / offline {b:.3f}" for i, (a, b) in pos.items() if a is not None and b is not None
+    )
     if abs(diff) > tol:
-        raise DraftportError("online", f"vLLM accept length {on:.4f} and offline {off:.4f} differ by {diff:+.4f} "
-                             f"(> {tol}): a bug in aux layers, masks, RoPE positions or d2t handling ({detail})")
+        raise DraftportError(
+            "online",
+            f"vLLM accept length {on:.4f} and offline {off:.4f} differ by {diff:+.4f} "
+            f"(> {tol}): a bug in aux layers, masks, RoPE positions or d2t handling ({detail})",
+        )
     return {"online_accept_length": on, "offline_accept_length": off, "difference": diff, "tolerance": tol}
 
 
@@ -314,27 +406,42 @@ def cycle_mismatches(online_raw: dict, offline: dict, limit: int = 5) -> dict:
         on = r.get("per_step_accepted")
         if on is not None and list(on) != list(cyc):
             first = next((j for j, (x, y) in enumerate(zip(on, cyc)) if x != y), min(len(on), len(cyc)))
-            bad.append({"request": i, "first_step": first, "vllm": on[first: first + 6], "offline": cyc[first: first + 6],
-                        "vllm_steps": len(on), "offline_steps": len(cyc)})
+            bad.append(
+                {
+                    "request": i,
+                    "first_step": first,
+                    "vllm": on[first : first + 6],
+                    "offline": cyc[first : first + 6],
+                    "vllm_steps": len(on),
+                    "offline_steps": len(cyc),
+                }
+            )
     return {"requests_differing": len(bad), "requests": len(reqs), "examples": bad[:limit]}
 
 
 def side_by_side(online: dict, offline: dict) -> list[dict]:
     """Rows for a report: tau and each position's acceptance rate, vLLM next to offline."""
     k = int(online.get("online_k", offline.get("k", 0)))
-    rows = [{"metric": "accept length (tau)", "vllm": online["online_accept_length"],
-             "offline": offline["accept_length"]}]
+    rows = [
+        {"metric": "accept length (tau)", "vllm": online["online_accept_length"], "offline": offline["accept_length"]}
+    ]
     for i in range(k):
-        rows.append({"metric": f"accept rate pos {i}", "vllm": online[f"online_accept_rate_pos_{i}"],
-                     "offline": offline[f"accept_rate_pos_{i}"]})
+        rows.append(
+            {
+                "metric": f"accept rate pos {i}",
+                "vllm": online[f"online_accept_rate_pos_{i}"],
+                "offline": offline[f"accept_rate_pos_{i}"],
+            }
+        )
     rows.append({"metric": "drafts (cycles)", "vllm": online["online_num_drafts"], "offline": offline["num_cycles"]})
     rows.append({"metric": "seconds", "vllm": online["online_seconds"], "offline": offline["offline_seconds"]})
     return rows
 
 
 # ---- the pipeline's step ----------------------------------------------------------------------
-def for_vllm(drafter_dir, out_dir, convention: str | None, embed_tokens: str = "drop",
-             target_dir=None) -> tuple[Path, str]:
+def for_vllm(
+    drafter_dir, out_dir, convention: str | None, embed_tokens: str = "drop", target_dir=None
+) -> tuple[Path, str]:
     """The drafter as vLLM must be given it, and what was done.
 
     Aux ids: vLLM's aux id k is the state entering decoder layer k; SGLang's (the capture
@@ -393,8 +500,9 @@ def _renumbered(raw: dict, conv: str | None, cpath: Path, done: list[str]) -> di
     return raw
 
 
-def _embed_plan(tables: dict, files: list[Path], drafter_dir: Path, embed_tokens: str, target_dir,
-                done: list[str]) -> tuple[dict, dict]:
+def _embed_plan(
+    tables: dict, files: list[Path], drafter_dir: Path, embed_tokens: str, target_dir, done: list[str]
+) -> tuple[dict, dict]:
     """(file -> the tensors it will hold, weight-map changes) for online.embed_tokens: embed_tokens
     dropped, or the target's, bit for bit."""
     holders = [(f, n) for f, (t, _) in tables.items() for n in t if to_flat_name(n) == "embed_tokens.weight"]
@@ -404,32 +512,42 @@ def _embed_plan(tables: dict, files: list[Path], drafter_dir: Path, embed_tokens
         for f, n in holders:
             rewrite.setdefault(f, dict(tables[f][0])).pop(n)
             index_patch[n] = None
-        done.append("embed_tokens dropped (vLLM embeds with the target's, as SGLang does)" if holders
-                    else "no embed_tokens: vLLM and SGLang embed with the target's")
+        done.append(
+            "embed_tokens dropped (vLLM embeds with the target's, as SGLang does)"
+            if holders
+            else "no embed_tokens: vLLM and SGLang embed with the target's"
+        )
         return rewrite, index_patch
     theirs = find_target_embedding(target_dir)
     keep = False
     if len(holders) == 1 and holders[0][1] == "embed_tokens.weight":
         mine = tables[holders[0][0]][0][holders[0][1]]
-        keep = ((tuple(mine.shape), mine.dtype) == (tuple(theirs.shape), theirs.dtype)
-                and tensor_sha256(mine) == tensor_sha256(theirs))
+        keep = (tuple(mine.shape), mine.dtype) == (tuple(theirs.shape), theirs.dtype) and tensor_sha256(
+            mine
+        ) == tensor_sha256(theirs)
     if keep:
         done.append("embed_tokens kept: it is the target's, bit for bit")
         return rewrite, index_patch
     for f, n in holders:
         rewrite.setdefault(f, dict(tables[f][0])).pop(n)
         index_patch[n] = None
-    home = holders[0][0] if holders else (drafter_dir / "model.safetensors"
-                                          if drafter_dir / "model.safetensors" in tables else files[0])
+    home = (
+        holders[0][0]
+        if holders
+        else (drafter_dir / "model.safetensors" if drafter_dir / "model.safetensors" in tables else files[0])
+    )
     rewrite.setdefault(home, dict(tables[home][0]))["embed_tokens.weight"] = theirs
     index_patch["embed_tokens.weight"] = home.name
-    done.append(f"embed_tokens {'replaced by' if holders else 'set to'} the target's "
-                f"({theirs.file.parent.name}/{theirs.file.name}: {theirs.name}, {theirs.dtype}), bit for bit")
+    done.append(
+        f"embed_tokens {'replaced by' if holders else 'set to'} the target's "
+        f"({theirs.file.parent.name}/{theirs.file.name}: {theirs.name}, {theirs.dtype}), bit for bit"
+    )
     return rewrite, index_patch
 
 
-def _write_export(out_dir: Path, drafter_dir: Path, rewrite: dict, tables: dict, new_config: dict | None,
-                  index_patch: dict) -> None:
+def _write_export(
+    out_dir: Path, drafter_dir: Path, rewrite: dict, tables: dict, new_config: dict | None, index_patch: dict
+) -> None:
     """The export folder, atomically: rewritten safetensors files (tensors copied bit for bit), the
     renumbered config, the patched weight map, every other file hard-linked (copied across devices)."""
     index_name = "model.safetensors.index.json"
@@ -457,10 +575,25 @@ def _write_export(out_dir: Path, drafter_dir: Path, rewrite: dict, tables: dict,
                     shutil.copy2(f, tmp / f.name)
 
 
-def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, k: int,
-             max_new_tokens: int, tol: float = 0.05, vllm_python_path=None, max_num_seqs: int = 8,
-             offset: int = 0, dtype: str = "float32", tensor_parallel_size: int = 1,
-             check: bool = True, log_path=None, embed_tokens: str | None = None) -> dict:
+def run_step(
+    target_dir,
+    drafter_dir,
+    prompts_path,
+    out_dir,
+    *,
+    n_prompts: int,
+    k: int,
+    max_new_tokens: int,
+    tol: float = 0.05,
+    vllm_python_path=None,
+    max_num_seqs: int = 8,
+    offset: int = 0,
+    dtype: str = "float32",
+    tensor_parallel_size: int = 1,
+    check: bool = True,
+    log_path=None,
+    embed_tokens: str | None = None,
+) -> dict:
     """The pipeline's online step: validate the export, serve it through vLLM, replay the same
     sequences offline, compare. Writes under out_dir: vllm.log, online_raw.json (vLLM's tokens
     and per-request cycles), online.json (both sides, per position, cycle mismatches, times).
@@ -474,11 +607,23 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
     out_dir = Path(out_dir)
     # out_dir is created by the first file written into it (vLLM's log): bad input leaves nothing
     export = validate_export(drafter_dir, target_dir, embed_tokens=embed_tokens)
-    on, raw = measure(target_dir, drafter_dir, prompts_path, n_prompts, k, max_new_tokens, vllm_python_path,
-                      offset=offset, max_num_seqs=max_num_seqs, dtype=dtype, validate=False,
-                      tensor_parallel_size=tensor_parallel_size,
-                      raw_out=out_dir / "online_raw.json", log_path=log_path or out_dir / "vllm.log",
-                      return_raw=True)
+    on, raw = measure(
+        target_dir,
+        drafter_dir,
+        prompts_path,
+        n_prompts,
+        k,
+        max_new_tokens,
+        vllm_python_path,
+        offset=offset,
+        max_num_seqs=max_num_seqs,
+        dtype=dtype,
+        validate=False,
+        tensor_parallel_size=tensor_parallel_size,
+        raw_out=out_dir / "online_raw.json",
+        log_path=log_path or out_dir / "vllm.log",
+        return_raw=True,
+    )
     off = offline_same_prompts(drafter_dir, target_dir, k=k, online_raw=raw)
     mism = cycle_mismatches(raw, off)
     metrics = dict(on)
@@ -496,10 +641,22 @@ def run_step(target_dir, drafter_dir, prompts_path, out_dir, *, n_prompts: int, 
     metrics["online_time_ratio_eval"] = on["online_seconds"] / max(off["offline_eval_seconds"], 1e-9)
     metrics["online_requests_with_differing_cycles"] = mism["requests_differing"]
     metrics["online_tolerance"] = tol
-    report = {"metrics": metrics, "export": export, "rows": side_by_side(on, off), "cycle_mismatches": mism,
-              "offline": {key: v for key, v in off.items() if key != "per_request_cycles"},
-              "settings": {"n_prompts": n_prompts, "k": k, "max_new_tokens": max_new_tokens, "offset": offset,
-                           "prompts": str(prompts_path), "target": str(target_dir), "drafter": str(drafter_dir)}}
+    report = {
+        "metrics": metrics,
+        "export": export,
+        "rows": side_by_side(on, off),
+        "cycle_mismatches": mism,
+        "offline": {key: v for key, v in off.items() if key != "per_request_cycles"},
+        "settings": {
+            "n_prompts": n_prompts,
+            "k": k,
+            "max_new_tokens": max_new_tokens,
+            "offset": offset,
+            "prompts": str(prompts_path),
+            "target": str(target_dir),
+            "drafter": str(drafter_dir),
+        },
+    }
     atomic_write_text(out_dir / "online.json", json.dumps(report, indent=2) + "\n")
     if check:
         agreement_check(on, off, tol)
@@ -521,20 +678,32 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=0.05)
     a = ap.parse_args(argv)
     try:
-        m = run_step(a.target, a.drafter, a.prompts, a.out_dir, n_prompts=a.n, k=a.k,
-                     max_new_tokens=a.max_new_tokens, tol=a.tol, max_num_seqs=a.max_num_seqs,
-                     offset=a.offset, check=False)
+        m = run_step(
+            a.target,
+            a.drafter,
+            a.prompts,
+            a.out_dir,
+            n_prompts=a.n,
+            k=a.k,
+            max_new_tokens=a.max_new_tokens,
+            tol=a.tol,
+            max_num_seqs=a.max_num_seqs,
+            offset=a.offset,
+            check=False,
+        )
     except DraftportError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     rep = json.loads((Path(a.out_dir) / "online.json").read_text())
     for row in rep["rows"]:
         log(f"{row['metric']:>22}: vLLM {row['vllm']:.4f}  offline {row['offline']:.4f}")
-    log(f"plain evaluator on the same sequences: {m['offline_same_prompts_accept_length_plain']:.4f}; "
+    log(
+        f"plain evaluator on the same sequences: {m['offline_same_prompts_accept_length_plain']:.4f}; "
         f"requests with differing cycles: {m['online_requests_with_differing_cycles']}/{a.n}; "
         f"time: vLLM {m['online_seconds']:.1f}s (generate {m['online_generate_seconds']:.1f}s), offline replay "
         f"{m['offline_same_prompts_seconds']:.1f}s (evaluator {m['offline_same_prompts_eval_seconds']:.1f}s): "
-        f"{m['online_time_ratio']:.1f}x / {m['online_time_ratio_eval']:.1f}x")
+        f"{m['online_time_ratio']:.1f}x / {m['online_time_ratio_eval']:.1f}x"
+    )
     try:
         agreement_check({**m, "online_k": a.k}, {"accept_length": m["offline_same_prompts_accept_length"]}, a.tol)
     except DraftportError as e:

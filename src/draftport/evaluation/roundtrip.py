@@ -35,8 +35,14 @@ from draftport.engines.speculators import RUNNERS
 from draftport.errors import DraftportError
 from draftport.model.bind import drafter_for_target
 from draftport.model.config import read_config
-from draftport.model.formats import (find_target_embedding, load_drafter_state, read_header, read_tensor_np,
-    tensor_sha256, to_flat_name)
+from draftport.model.formats import (
+    find_target_embedding,
+    load_drafter_state,
+    read_header,
+    read_tensor_np,
+    tensor_sha256,
+    to_flat_name,
+)
 
 VENV_DIR = ".venv-speculators"
 
@@ -48,24 +54,39 @@ def default_speculators_python() -> Path:
 
 
 def speculators_python(path: str | os.PathLike | None = None) -> Path:
-    return require_interpreter(Path(path) if path else default_speculators_python(),
-                               "DRAFTPORT_SPECULATORS_PYTHON", VENV_DIR, "speculators")
+    return require_interpreter(
+        Path(path) if path else default_speculators_python(), "DRAFTPORT_SPECULATORS_PYTHON", VENV_DIR, "speculators"
+    )
 
 
 def convert_kwargs(cfg) -> dict:
     """--algorithm-kwargs for a drafter (DrafterConfig): its aux ids and norm_before_residual,
     which speculators 0.9.0's converter does not read from the flat config."""
     if not cfg.aux_layer_ids:
-        raise DraftportError("config.json", "no eagle_aux_hidden_state_layer_ids: speculators would fall back "
-                                            "to the verifier's default layers")
-    return {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-            "norm_before_residual": bool(cfg.norm_before_residual)}
+        raise DraftportError(
+            "config.json",
+            "no eagle_aux_hidden_state_layer_ids: speculators would fall back to the verifier's default layers",
+        )
+    return {
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "norm_before_residual": bool(cfg.norm_before_residual),
+    }
 
 
 def convert_args(drafter: str, verifier: str, output: str, cfg) -> list[str]:
     """`speculators` arguments converting a flat EAGLE-3 drafter (a folder or a hub id)."""
-    return ["convert", str(drafter), "--algorithm", "eagle3", "--verifier", str(verifier),
-            "--output-path", str(output), "--algorithm-kwargs", json.dumps(convert_kwargs(cfg))]
+    return [
+        "convert",
+        str(drafter),
+        "--algorithm",
+        "eagle3",
+        "--verifier",
+        str(verifier),
+        "--output-path",
+        str(output),
+        "--algorithm-kwargs",
+        json.dumps(convert_kwargs(cfg)),
+    ]
 
 
 def convert_command(drafter: str, verifier: str, output: str, cfg) -> str:
@@ -82,16 +103,23 @@ def convert(drafter_dir, verifier, out_dir, *, python=None, log_path=None, timeo
     """`speculators convert` on a flat drafter folder -> out_dir (speculators' format)."""
     cfg, raw = read_config(drafter_dir)
     if cfg.format != "flat":
-        raise DraftportError(drafter_dir, "speculators convert takes the flat format (this folder is already "
-                                          "in speculators' format)")
+        raise DraftportError(
+            drafter_dir, "speculators convert takes the flat format (this folder is already in speculators' format)"
+        )
     v = Path(verifier)
     if v.exists() and not (v / "config.json").is_file():
         # speculators 0.9.0 converts anyway and writes a folder its own loader then refuses
         raise DraftportError(v, "the verifier is not a model folder (no config.json)")
     out_dir = Path(out_dir)
     cmd = [str(speculators_python(python)), "-m", "speculators", *convert_args(drafter_dir, verifier, out_dir, cfg)]
-    _run(cmd, log_path or out_dir.with_name(out_dir.name + ".log"), out_dir / "config.json", where=drafter_dir,
-         what="speculators convert", timeout=timeout)
+    _run(
+        cmd,
+        log_path or out_dir.with_name(out_dir.name + ".log"),
+        out_dir / "config.json",
+        where=drafter_dir,
+        what="speculators convert",
+        timeout=timeout,
+    )
     return out_dir
 
 
@@ -114,8 +142,17 @@ def draftport_forward(drafter_dir, target_dir, sequences, steps: int) -> list:
     return [torch.cat(rows) for rows in out]
 
 
-def speculators_forward(model_dir, sequences, steps: int, *, python=None, attn: str | None = None,
-                        work_dir=None, dump_embedding: bool = False, timeout: float | None = 1800):
+def speculators_forward(
+    model_dir,
+    sequences,
+    steps: int,
+    *,
+    python=None,
+    attn: str | None = None,
+    work_dir=None,
+    dump_embedding: bool = False,
+    timeout: float | None = 1800,
+):
     """speculators' logits of each TTT step (runners/forward_speculators.py in its venv); ->
     (logits per step, meta, embed_tokens as loaded or None)."""
     script = RUNNERS / "forward_speculators.py"
@@ -123,12 +160,28 @@ def speculators_forward(model_dir, sequences, steps: int, *, python=None, attn: 
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     with tempfile.TemporaryDirectory(prefix="draftport-speculators-", dir=work_dir) as tmp:
         tmp = Path(tmp)
-        save_file({"aux": torch.cat([a for a, _ in sequences]).contiguous(),
-                   "tokens": torch.cat([t for _, t in sequences]).contiguous(), "offsets": offsets},
-                  str(tmp / "inputs.safetensors"))
-        cmd = [str(speculators_python(python)), str(script), "--model", str(model_dir), "--inputs",
-               str(tmp / "inputs.safetensors"), "--steps", str(steps), "--out", str(tmp / "out.safetensors"),
-               "--meta", str(tmp / "meta.json")]
+        save_file(
+            {
+                "aux": torch.cat([a for a, _ in sequences]).contiguous(),
+                "tokens": torch.cat([t for _, t in sequences]).contiguous(),
+                "offsets": offsets,
+            },
+            str(tmp / "inputs.safetensors"),
+        )
+        cmd = [
+            str(speculators_python(python)),
+            str(script),
+            "--model",
+            str(model_dir),
+            "--inputs",
+            str(tmp / "inputs.safetensors"),
+            "--steps",
+            str(steps),
+            "--out",
+            str(tmp / "out.safetensors"),
+            "--meta",
+            str(tmp / "meta.json"),
+        ]
         if attn:
             cmd += ["--attn", attn]
         if dump_embedding:
@@ -147,13 +200,16 @@ def compare_logits(ours: list, theirs: list, lengths: list[int]) -> dict:
     rows, total = [], {"max_abs_diff": 0.0, "argmax_agree": 0, "rows": 0}
     for j, (a, b) in enumerate(zip(ours, theirs)):
         if a.shape != b.shape:
-            raise DraftportError("speculators", f"step {j}: logits of shape {list(b.shape)}, draftport's {list(a.shape)}")
+            raise DraftportError(
+                "speculators", f"step {j}: logits of shape {list(b.shape)}, draftport's {list(a.shape)}"
+            )
         keep = torch.cat([torch.arange(T) + 1 + j < T for T in lengths])
         diff = float((a - b).abs().max())
         agree = int((a.argmax(-1) == b.argmax(-1))[keep].sum())
         n = int(keep.sum())
-        rows.append({"step": j, "max_abs_diff": diff, "argmax_agree": agree, "rows": n,
-                     "max_abs_logit": float(a.abs().max())})
+        rows.append(
+            {"step": j, "max_abs_diff": diff, "argmax_agree": agree, "rows": n, "max_abs_logit": float(a.abs().max())}
+        )
         total["max_abs_diff"] = max(total["max_abs_diff"], diff)
         total["argmax_agree"] += agree
         total["rows"] += n
@@ -163,6 +219,7 @@ def compare_logits(ours: list, theirs: list, lengths: list[int]) -> dict:
 def tensors_renamed_equal(flat_dir, spec_dir) -> dict:
     """Every tensor of the flat folder under its speculators name in the other, bit for bit
     (sha256 of the stored bytes, dtype and shape); names present on one side only."""
+
     def table(folder):
         out = {}
         for f in sorted(Path(folder).glob("*.safetensors")):
@@ -171,35 +228,63 @@ def tensors_renamed_equal(flat_dir, spec_dir) -> dict:
         return out
 
     a, b = table(flat_dir), table(spec_dir)
-    same = sorted(n for n in set(a) & set(b) if (a[n].dtype, tuple(a[n].shape)) == (b[n].dtype, tuple(b[n].shape))
-                  and tensor_sha256(a[n]) == tensor_sha256(b[n]))
-    return {"identical": same, "differ": sorted(set(a) & set(b) - set(same)),
-            "only_flat": sorted(set(a) - set(b)), "only_speculators": sorted(set(b) - set(a))}
+    same = sorted(
+        n
+        for n in set(a) & set(b)
+        if (a[n].dtype, tuple(a[n].shape)) == (b[n].dtype, tuple(b[n].shape))
+        and tensor_sha256(a[n]) == tensor_sha256(b[n])
+    )
+    return {
+        "identical": same,
+        "differ": sorted(set(a) & set(b) - set(same)),
+        "only_flat": sorted(set(a) - set(b)),
+        "only_speculators": sorted(set(b) - set(a)),
+    }
 
 
-def roundtrip(published_dir, target_dir, features_dir, work_dir, *, n_samples: int = 8, steps: int = 3,
-              verifier=None, python=None, attn: str | None = None) -> dict:
+def roundtrip(
+    published_dir,
+    target_dir,
+    features_dir,
+    work_dir,
+    *,
+    n_samples: int = 8,
+    steps: int = 3,
+    verifier=None,
+    python=None,
+    attn: str | None = None,
+) -> dict:
     """Convert the published folder with speculators and compare (see the module docstring).
     verifier: what `--verifier` names (default target_dir: AutoConfig must be able to read it)."""
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    conv = convert(published_dir, verifier or target_dir, work_dir / "speculators", python=python,
-                   log_path=work_dir / "convert.log")
+    conv = convert(
+        published_dir,
+        verifier or target_dir,
+        work_dir / "speculators",
+        python=python,
+        log_path=work_dir / "convert.log",
+    )
     seqs = sequences_from_features(features_dir, n_samples)
     lengths = [len(t) for _, t in seqs]
     ours = draftport_forward(published_dir, target_dir, seqs, steps)
-    theirs, meta, embed = speculators_forward(conv, seqs, steps, python=python, attn=attn, work_dir=work_dir,
-                                              dump_embedding=True)
+    theirs, meta, embed = speculators_forward(
+        conv, seqs, steps, python=python, attn=attn, work_dir=work_dir, dump_embedding=True
+    )
     target_embed = torch.from_numpy(read_tensor_np(find_target_embedding(target_dir)).copy())
     back = draftport_forward(conv, target_dir, seqs, steps)  # draftport's loader on speculators' folder
-    return {"speculators": meta, "convert": " ".join(convert_args(published_dir, verifier or target_dir, conv,
-                                                                   _cfg(published_dir))),
-            "tensors": tensors_renamed_equal(published_dir, conv),
-            "embed_tokens_equal_target": bool(embed is not None and embed.shape == target_embed.shape
-                                              and torch.equal(embed.float(), target_embed.float())),
-            "forward": compare_logits(ours, theirs, lengths),
-            "draftport_on_converted": compare_logits(ours, back, lengths),
-            "sequences": len(seqs), "tokens": sum(lengths)}
+    return {
+        "speculators": meta,
+        "convert": " ".join(convert_args(published_dir, verifier or target_dir, conv, _cfg(published_dir))),
+        "tensors": tensors_renamed_equal(published_dir, conv),
+        "embed_tokens_equal_target": bool(
+            embed is not None and embed.shape == target_embed.shape and torch.equal(embed.float(), target_embed.float())
+        ),
+        "forward": compare_logits(ours, theirs, lengths),
+        "draftport_on_converted": compare_logits(ours, back, lengths),
+        "sequences": len(seqs),
+        "tokens": sum(lengths),
+    }
 
 
 def _cfg(folder):
@@ -220,8 +305,16 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         with tempfile.TemporaryDirectory(prefix="draftport-roundtrip-") as tmp:
-            rep = roundtrip(a.published, a.target, a.features, a.work or tmp, n_samples=a.n, steps=a.steps,
-                            verifier=a.verifier, attn=a.attn)
+            rep = roundtrip(
+                a.published,
+                a.target,
+                a.features,
+                a.work or tmp,
+                n_samples=a.n,
+                steps=a.steps,
+                verifier=a.verifier,
+                attn=a.attn,
+            )
     except DraftportError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

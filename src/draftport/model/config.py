@@ -123,7 +123,9 @@ def _from_llama_fields(llama: dict, top: dict, path, where: str, fmt: str) -> Dr
     heads = _req(llama, "num_attention_heads", path, where)
     kv = _opt_int(llama, "num_key_value_heads", heads, path, where)
     if heads % kv:
-        raise DraftportError(path, f"config {where}num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+        raise DraftportError(
+            path, f"config {where}num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
+        )
     # head_dim from the config wins (Kimi: 128, not 7168 / 64 = 112).
     head_dim = _opt_int(llama, "head_dim", hidden // heads, path, where)
     vocab = _req(llama, "vocab_size", path, where)
@@ -131,18 +133,37 @@ def _from_llama_fields(llama: dict, top: dict, path, where: str, fmt: str) -> Dr
         draft_vocab = _req(top, "draft_vocab_size", path)
     else:
         draft_vocab = _opt_int(llama, "draft_vocab_size", vocab, path, where)
-    target_hidden = (_opt_int(top, "target_hidden_size", None, path) if top.get("target_hidden_size") is not None
-                     else _opt_int(llama, "target_hidden_size", None, path, where))
+    target_hidden = (
+        _opt_int(top, "target_hidden_size", None, path)
+        if top.get("target_hidden_size") is not None
+        else _opt_int(llama, "target_hidden_size", None, path, where)
+    )
     # A target_hidden_size equal to hidden_size says nothing new: normalize it away so that the
     # flat (omits it) and speculators (always writes it) forms of one drafter compare equal.
     if target_hidden == hidden:
         target_hidden = None
     known = {
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "vocab_size", "draft_vocab_size", "num_hidden_layers",
-        "max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "hidden_act",
-        "architectures", "eagle_config", "target_hidden_size", "norm_before_residual",
-        "model_type", "tie_word_embeddings", "draftport_aux_convention", "rope_parameters",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "draft_vocab_size",
+        "num_hidden_layers",
+        "max_position_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rms_norm_eps",
+        "hidden_act",
+        "architectures",
+        "eagle_config",
+        "target_hidden_size",
+        "norm_before_residual",
+        "model_type",
+        "tie_word_embeddings",
+        "draftport_aux_convention",
+        "rope_parameters",
     }
     extra = {k: v for k, v in top.items() if k not in known and fmt == "flat"}
     # transformers 5 writes RoPE as rope_parameters {rope_theta, rope_type, ...} (speculators 0.9.0's
@@ -160,8 +181,9 @@ def _from_llama_fields(llama: dict, top: dict, path, where: str, fmt: str) -> Dr
         target_hidden_size=target_hidden,
         num_hidden_layers=_opt_int(llama, "num_hidden_layers", 1, path, where),
         max_position_embeddings=_opt_int(llama, "max_position_embeddings", 2048, path, where),
-        rope_theta=_opt_float(llama, "rope_theta", _opt_float(rope, "rope_theta", 10000.0, path,
-                                                               f"{where}rope_parameters."), path, where),
+        rope_theta=_opt_float(
+            llama, "rope_theta", _opt_float(rope, "rope_theta", 10000.0, path, f"{where}rope_parameters."), path, where
+        ),
         rope_scaling=llama.get("rope_scaling") or _scaling_of(rope),
         rms_norm_eps=_opt_float(llama, "rms_norm_eps", 1e-6, path, where),
         hidden_act=llama.get("hidden_act", "silu"),
@@ -206,7 +228,9 @@ def parse_config(raw: dict, path: str | Path = "config.json") -> DrafterConfig:
     if cfg.aux_layer_ids is not None:
         ids = cfg.aux_layer_ids
         if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
-            raise DraftportError(path, f"eagle_aux_hidden_state_layer_ids must be a list of non-negative ints, got {ids!r}")
+            raise DraftportError(
+                path, f"eagle_aux_hidden_state_layer_ids must be a list of non-negative ints, got {ids!r}"
+            )
         if len(ids) != 3:
             raise DraftportError(path, f"EAGLE-3 needs 3 aux layer ids, got {len(ids)}: {ids}")
     if cfg.draft_vocab_size > cfg.vocab_size:

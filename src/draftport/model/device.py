@@ -33,9 +33,12 @@ def pick(choice: str, key: str) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise DraftportError(key, "cuda asked for, but torch sees no CUDA device on this machine "
-                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
-                             "use auto or cpu")
+        raise DraftportError(
+            key,
+            "cuda asked for, but torch sees no CUDA device on this machine "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+            "use auto or cpu",
+        )
     n = torch.cuda.device_count()
     rank = local_rank()
     if rank >= n:
@@ -69,5 +72,8 @@ def out_of_memory(where: str, knob: str):
         yield
     except torch.OutOfMemoryError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
-        raise DraftportError(where, f"out of GPU memory ({first[:160]}); lower {knob} and run again: "
-                             "the last checkpoint is kept and the rerun resumes from it") from None
+        raise DraftportError(
+            where,
+            f"out of GPU memory ({first[:160]}); lower {knob} and run again: "
+            "the last checkpoint is kept and the rerun resumes from it",
+        ) from None

@@ -236,8 +236,18 @@ class Eagle3Drafter(nn.Module):
         normed = self.norm(out)
         return out, (self.lm_head(normed) if head else normed)
 
-    def unroll(self, aux, tokens, steps: int, *, teacher_tokens: bool = True, valid=None,
-               return_normed: bool = False, doc=None, positions=None):
+    def unroll(
+        self,
+        aux,
+        tokens,
+        steps: int,
+        *,
+        teacher_tokens: bool = True,
+        valid=None,
+        return_normed: bool = False,
+        doc=None,
+        positions=None,
+    ):
         """Run `steps` draft steps over a batch of sequences.
 
         aux: [B, T, 3*Ht] target aux states at positions 0..T-1.

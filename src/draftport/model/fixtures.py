@@ -16,28 +16,57 @@ from typing import Iterable
 
 import numpy as np
 
-from draftport.model.formats import (DTYPE_BYTES, OPTIONAL_KEYS, REQUIRED_KEYS, expected_shapes,
-    speculators_config_dict, to_speculators_name)
+from draftport.model.formats import (
+    DTYPE_BYTES,
+    OPTIONAL_KEYS,
+    REQUIRED_KEYS,
+    expected_shapes,
+    speculators_config_dict,
+    to_speculators_name,
+)
 from draftport.model.config import DrafterConfig
 
-ST_DTYPES = {np.dtype(np.bool_): "BOOL", np.dtype(np.int64): "I64", np.dtype(np.int32): "I32",
-             np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint8): "U8"}
+ST_DTYPES = {
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.uint8): "U8",
+}
 
 
 def kimi_k2_config(**overrides) -> DrafterConfig:
     """The public Kimi-K2 EAGLE-3 drafter's architecture (head_dim 128, not 7168 / 64)."""
-    base = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
-                num_key_value_heads=64, head_dim=128, vocab_size=163840, draft_vocab_size=32000,
-                aux_layer_ids=[2, 30, 58], max_position_embeddings=131072, rope_theta=50000.0)
+    base = dict(
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        head_dim=128,
+        vocab_size=163840,
+        draft_vocab_size=32000,
+        aux_layer_ids=[2, 30, 58],
+        max_position_embeddings=131072,
+        rope_theta=50000.0,
+    )
     base.update(overrides)
     return DrafterConfig(**base)
 
 
 def small_config(**overrides) -> DrafterConfig:
     """A drafter small enough to write densely, shaped like the real thing (head_dim != H / heads)."""
-    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=32, vocab_size=1000, draft_vocab_size=200, aux_layer_ids=[1, 3, 5],
-                max_position_embeddings=4096)
+    base = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        draft_vocab_size=200,
+        aux_layer_ids=[1, 3, 5],
+        max_position_embeddings=4096,
+    )
     base.update(overrides)
     return DrafterConfig(**base)
 
@@ -71,10 +100,19 @@ def swap_hot_ids(d2t: np.ndarray, vocab_size: int, n: int, seed: int = 0) -> tup
     return new - np.arange(new.size, dtype=np.int64), t2d
 
 
-def write_header_only_drafter(folder: str | Path, cfg: DrafterConfig, d2t: np.ndarray | None,
-                              t2d: np.ndarray | None, with_embed: bool = False, fmt: str = "flat", *,
-                              dtype: str = "BF16", shapes: dict[str, tuple[int, ...]] | None = None,
-                              drop: Iterable[str] = (), config_patch: dict | None = None) -> Path:
+def write_header_only_drafter(
+    folder: str | Path,
+    cfg: DrafterConfig,
+    d2t: np.ndarray | None,
+    t2d: np.ndarray | None,
+    with_embed: bool = False,
+    fmt: str = "flat",
+    *,
+    dtype: str = "BF16",
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    drop: Iterable[str] = (),
+    config_patch: dict | None = None,
+) -> Path:
     """Write config.json + a sparse model.safetensors for `cfg`; returns the folder.
 
     d2t / t2d: written with their real bytes (None leaves the tensor out). The weights get

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "draft_vocab_size")
+SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "draft_vocab_size",
+)
 
 
 def shape_of(cfg) -> dict:
@@ -31,8 +37,7 @@ def flops_per_token(shape: dict, T: int, steps: int, lm_head_trainable: bool, fc
     qkv, o, mlp, head = 2 * 2 * H * (q + 2 * kv), 2 * q * H, 2 * 3 * H * I, 2 * H * Vd
     attn = sum(2 * 2 * q * ((T + 1) / 2 + j) for j in range(steps))
     fc = 2 * (fc_in or shape.get("fc_in") or 3 * H) * H
-    return (steps * 3 * (qkv + o + mlp) + 3 * attn + steps * (3 if lm_head_trainable else 2) * head
-            + 2 * fc + head)
+    return steps * 3 * (qkv + o + mlp) + 3 * attn + steps * (3 if lm_head_trainable else 2) * head + 2 * fc + head
 
 
 def sample_flops(shape: dict, lengths: Iterable[int], steps: int, lm_head_trainable: bool) -> float:

@@ -29,25 +29,60 @@ import numpy as np
 from draftport.model.config import DrafterConfig, read_config
 from draftport.errors import DraftportError
 from draftport.files import (  # noqa: F401 - their old home, re-exported
-    atomic_dir, atomic_write_bytes, atomic_write_text, disk_full_error, sha256)
+    atomic_dir,
+    atomic_write_bytes,
+    atomic_write_text,
+    disk_full_error,
+    sha256,
+)
 
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
-NP_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32,
-             "I64": np.int64, "F16": np.float16, "F32": np.float32, "F64": np.float64}
+NP_DTYPES = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 MAX_HEADER = 100 * 1024 * 1024
 
 # Tensors every EAGLE-3 drafter holds (flat names). embed_tokens is optional: frozen, from the target.
 LAYER_KEYS = (
-    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
 )
 REQUIRED_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d") + tuple(
-    f"midlayer.{k}" for k in LAYER_KEYS)
+    f"midlayer.{k}" for k in LAYER_KEYS
+)
 OPTIONAL_KEYS = ("embed_tokens.weight",)
 
 
@@ -68,6 +103,7 @@ class TensorInfo:
 @dataclass
 class DrafterInfo:
     """What a drafter folder holds, read from headers only."""
+
     folder: Path
     config: DrafterConfig
     raw_config: dict
@@ -105,7 +141,9 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict]:
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER or 8 + n > size:
         # Random bytes land here too: the first 8 bytes read as an absurd header length.
-        raise DraftportError(path, f"not a safetensors file or truncated: header length field says {n} bytes, the file has {size}")
+        raise DraftportError(
+            path, f"not a safetensors file or truncated: header length field says {n} bytes, the file has {size}"
+        )
 
     from safetensors import SafetensorError, safe_open
 
@@ -168,7 +206,10 @@ def _explain_header(path: Path, n: int, size: int) -> None:
         # math.prod: Python ints cannot overflow, so a huge lying shape cannot wrap around.
         want = math.prod(shape) * DTYPE_BYTES[dtype]
         if e - s != want:
-            raise DraftportError(path, f"header lies about tensor {name!r}: {dtype}{list(shape)} needs {want} bytes, offsets give {e - s}")
+            raise DraftportError(
+                path,
+                f"header lies about tensor {name!r}: {dtype}{list(shape)} needs {want} bytes, offsets give {e - s}",
+            )
         if base + e > size:
             raise DraftportError(path, f"truncated: tensor {name!r} ends at byte {base + e} but the file has {size}")
         spans.append((s, e, name))
@@ -251,8 +292,12 @@ def tensors_equal_values(a: TensorInfo, b: TensorInfo, rows: int = 4096) -> bool
 # decoder, a multimodal wrapper (Kimi-K2.5: language_model.model.embed_tokens.weight), newer
 # transformers' wrapper layout (model.language_model.embed_tokens.weight). draftport.data.capture reads
 # the same names through its TEXT_PREFIXES.
-TARGET_EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight",
-                      "language_model.model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+TARGET_EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+)
 
 
 def find_target_embedding(target_dir: str | Path) -> TensorInfo:
@@ -282,14 +327,14 @@ def find_target_embedding(target_dir: str | Path) -> TensorInfo:
 def to_flat_name(name: str) -> str:
     """speculators -> flat naming (layers.0.* -> midlayer.*); strips a leading 'model.'."""
     if name.startswith("model."):
-        name = name[len("model."):]
+        name = name[len("model.") :]
     if name.startswith("layers.0."):
-        return "midlayer." + name[len("layers.0."):]
+        return "midlayer." + name[len("layers.0.") :]
     return name
 
 
 def to_speculators_name(name: str) -> str:
-    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+    return "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
 
 
 def weight_files(folder: str | Path, kind: str = "drafter") -> list[Path]:
@@ -306,7 +351,9 @@ def weight_files(folder: str | Path, kind: str = "drafter") -> list[Path]:
     if not files:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
-            raise DraftportError(folder / pickles[0], "pickle checkpoints are refused (they can run code); convert to safetensors")
+            raise DraftportError(
+                folder / pickles[0], "pickle checkpoints are refused (they can run code); convert to safetensors"
+            )
         raise DraftportError(folder, f"no *.safetensors weights in the {kind} folder")
     return files
 
@@ -373,8 +420,10 @@ def inspect_report(folder: str | Path) -> dict[str, Any]:
         "format": info.format,
         "files": [f.name for f in info.files],
         "config": info.config.summary(),
-        "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "nbytes": t.nbytes,
-                     "file": t.file.name} for t in info.tensors.values()],
+        "tensors": [
+            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "nbytes": t.nbytes, "file": t.file.name}
+            for t in info.tensors.values()
+        ],
         "trainable_params": sum(math.prod(t.shape) for n, t in info.tensors.items() if n not in frozen),
         "total_bytes": sum(t.nbytes for t in info.tensors.values()),
         "problems": problems,
@@ -387,14 +436,20 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     m = "midlayer."
     return {
         "fc.weight": (h, cfg.fc_in),
-        m + "input_layernorm.weight": (h,), m + "hidden_norm.weight": (h,),
+        m + "input_layernorm.weight": (h,),
+        m + "hidden_norm.weight": (h,),
         m + "post_attention_layernorm.weight": (h,),
-        m + "self_attn.q_proj.weight": (q, 2 * h), m + "self_attn.k_proj.weight": (kv, 2 * h),
-        m + "self_attn.v_proj.weight": (kv, 2 * h), m + "self_attn.o_proj.weight": (h, q),
-        m + "mlp.gate_proj.weight": (i, h), m + "mlp.up_proj.weight": (i, h),
+        m + "self_attn.q_proj.weight": (q, 2 * h),
+        m + "self_attn.k_proj.weight": (kv, 2 * h),
+        m + "self_attn.v_proj.weight": (kv, 2 * h),
+        m + "self_attn.o_proj.weight": (h, q),
+        m + "mlp.gate_proj.weight": (i, h),
+        m + "mlp.up_proj.weight": (i, h),
         m + "mlp.down_proj.weight": (h, i),
-        "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
-        "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
         "embed_tokens.weight": (cfg.vocab_size, h),
     }
 
@@ -413,7 +468,9 @@ def check_shapes(info: DrafterInfo) -> None:
                 hint = f" (draft_vocab_size {cfg.draft_vocab_size})"
             elif name in ("t2d", "embed_tokens.weight"):
                 hint = f" (vocab_size {cfg.vocab_size})"
-            raise DraftportError(t.file, f"tensor {name} has shape {list(t.shape)}, config.json implies {list(want)}{hint}")
+            raise DraftportError(
+                t.file, f"tensor {name} has shape {list(t.shape)}, config.json implies {list(want)}{hint}"
+            )
 
 
 def load_drafter_state(folder: str | Path, *, require_vocab_maps: bool = True):
@@ -446,17 +503,56 @@ def load_drafter_state(folder: str | Path, *, require_vocab_maps: bool = True):
 
 # safetensors dtype codes, in the order of safetensors' Dtype enum: its writer lays the data out
 # by this rank, largest first, then by name, so every tensor stays aligned to its element size.
-ST_RANK = {"BOOL": 0, "U8": 1, "I8": 2, "F8_E5M2": 3, "F8_E4M3": 4, "I16": 5, "U16": 6, "F16": 7,
-           "BF16": 8, "I32": 9, "U32": 10, "F32": 11, "F64": 12, "I64": 13, "U64": 14}
+ST_RANK = {
+    "BOOL": 0,
+    "U8": 1,
+    "I8": 2,
+    "F8_E5M2": 3,
+    "F8_E4M3": 4,
+    "I16": 5,
+    "U16": 6,
+    "F16": 7,
+    "BF16": 8,
+    "I32": 9,
+    "U32": 10,
+    "F32": 11,
+    "F64": 12,
+    "I64": 13,
+    "U64": 14,
+}
 # numpy: by kind and size (any byte order); by name for ml_dtypes' bfloat16 / float8, if present
-_NP_CODES = {("b", 1): "BOOL", ("u", 1): "U8", ("i", 1): "I8", ("i", 2): "I16", ("u", 2): "U16",
-             ("f", 2): "F16", ("i", 4): "I32", ("u", 4): "U32", ("f", 4): "F32", ("f", 8): "F64",
-             ("i", 8): "I64", ("u", 8): "U64"}
+_NP_CODES = {
+    ("b", 1): "BOOL",
+    ("u", 1): "U8",
+    ("i", 1): "I8",
+    ("i", 2): "I16",
+    ("u", 2): "U16",
+    ("f", 2): "F16",
+    ("i", 4): "I32",
+    ("u", 4): "U32",
+    ("f", 4): "F32",
+    ("f", 8): "F64",
+    ("i", 8): "I64",
+    ("u", 8): "U64",
+}
 _NP_NAMED = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-TORCH_CODES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "float8_e5m2": "F8_E5M2",
-                "float8_e4m3fn": "F8_E4M3", "int16": "I16", "uint16": "U16", "float16": "F16",
-                "bfloat16": "BF16", "int32": "I32", "uint32": "U32", "float32": "F32",
-                "float64": "F64", "int64": "I64", "uint64": "U64"}
+TORCH_CODES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fn": "F8_E4M3",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "float64": "F64",
+    "int64": "I64",
+    "uint64": "U64",
+}
 
 
 def _tensor_bytes(name: str, value) -> tuple[str, list[int], memoryview]:
@@ -484,8 +580,9 @@ def _tensor_bytes(name: str, value) -> tuple[str, list[int], memoryview]:
     return code, shape, memoryview(arr.reshape(-1).view(np.uint8))
 
 
-def safetensors_bytes_layout(tensors: dict[str, Any], metadata: dict[str, str] | None = None
-                             ) -> tuple[bytes, list[memoryview]]:
+def safetensors_bytes_layout(
+    tensors: dict[str, Any], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[memoryview]]:
     """(8-byte length + header, the data buffers in file order) of a safetensors file: tensors
     ordered as safetensors' writer orders them (dtype rank descending, then name), `__metadata__`
     first with its keys sorted, compact JSON, the header padded with spaces to a multiple of 8."""
@@ -505,8 +602,9 @@ def safetensors_bytes_layout(tensors: dict[str, Any], metadata: dict[str, str] |
     return head, [bufs[name] for name in order]
 
 
-def layout_header(items: list[tuple[str, str, list[int], int]], metadata: dict[str, str] | None
-                   ) -> tuple[bytes, list[str]]:
+def layout_header(
+    items: list[tuple[str, str, list[int], int]], metadata: dict[str, str] | None
+) -> tuple[bytes, list[str]]:
     """(8-byte length + header, the tensor names in file order) for (name, dtype code, shape,
     nbytes) items, laid out as safetensors' writer lays them out (see safetensors_bytes_layout)."""
     items = sorted(items, key=lambda it: (-ST_RANK[it[1]], it[0]))
@@ -522,8 +620,9 @@ def layout_header(items: list[tuple[str, str, list[int], int]], metadata: dict[s
     return struct.pack("<Q", len(blob)) + blob, [it[0] for it in items]
 
 
-def copy_tensors_safetensors(tensors: dict[str, TensorInfo], path: str | Path,
-                             metadata: dict[str, str] | None = None) -> Path:
+def copy_tensors_safetensors(
+    tensors: dict[str, TensorInfo], path: str | Path, metadata: dict[str, str] | None = None
+) -> Path:
     """Write a safetensors file whose tensors are byte ranges of other safetensors files (the
     TensorInfo of each, under the name given here), copied bit for bit and streamed a block at a
     time (no torch, never a whole tensor in memory): a checkpoint with a tensor dropped, renamed
@@ -568,8 +667,14 @@ def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[s
     return path
 
 
-def save_drafter(folder: str | Path, cfg: DrafterConfig, state: dict[str, Any], *,
-                 fmt: str = "flat", metadata: dict[str, str] | None = None) -> Path:
+def save_drafter(
+    folder: str | Path,
+    cfg: DrafterConfig,
+    state: dict[str, Any],
+    *,
+    fmt: str = "flat",
+    metadata: dict[str, str] | None = None,
+) -> Path:
     """Write config.json + model.safetensors into a fresh folder, atomically (temp dir + rename).
 
     `state` holds exactly the tensors that were loaded or trained; nothing is invented here, so
@@ -598,12 +703,20 @@ def save_drafter(folder: str | Path, cfg: DrafterConfig, state: dict[str, Any], 
 
 def speculators_config_dict(cfg: DrafterConfig) -> dict[str, Any]:
     layer = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "num_hidden_layers": 1, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling, "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": cfg.hidden_act,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_act": cfg.hidden_act,
     }
     out = {
         "architectures": ["Eagle3Speculator"],

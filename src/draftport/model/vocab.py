@@ -68,17 +68,24 @@ def d2t_format(d2t: np.ndarray, vocab_size: int, t2d: np.ndarray | None = None) 
     return "invalid"
 
 
-def check_maps(d2t: np.ndarray, t2d: np.ndarray | None, vocab_size: int, draft_vocab_size: int,
-               where: Any = None) -> dict:
+def check_maps(
+    d2t: np.ndarray, t2d: np.ndarray | None, vocab_size: int, draft_vocab_size: int, where: Any = None
+) -> dict:
     """Validate a (d2t, t2d) pair. Raises DraftportError on what would break an engine."""
     d2t = np.asarray(d2t)
     if d2t.ndim != 1 or d2t.shape[0] != draft_vocab_size:
-        raise DraftportError(where, f"d2t has shape {list(d2t.shape)}, expected [{draft_vocab_size}] (draft_vocab_size)")
+        raise DraftportError(
+            where, f"d2t has shape {list(d2t.shape)}, expected [{draft_vocab_size}] (draft_vocab_size)"
+        )
     ids = hot_ids(d2t)
     bad = np.nonzero((ids < 0) | (ids >= vocab_size))[0]
     if bad.size:
         i = int(bad[0])
-        raise DraftportError(where, f"d2t slot {i} points to target id {int(ids[i])}, outside the vocab of {vocab_size} ({bad.size} slots out of range)")
+        raise DraftportError(
+            where,
+            f"d2t slot {i} points to target id {int(ids[i])}, outside the vocab of {vocab_size} "
+            f"({bad.size} slots out of range)",
+        )
     if np.unique(ids).size != ids.size:
         raise DraftportError(where, "d2t maps two draft slots to the same target id")
     if t2d is not None:
@@ -86,7 +93,11 @@ def check_maps(d2t: np.ndarray, t2d: np.ndarray | None, vocab_size: int, draft_v
         if t2d.ndim != 1 or t2d.shape[0] != vocab_size:
             raise DraftportError(where, f"t2d has shape {list(t2d.shape)}, expected [{vocab_size}] (vocab_size)")
         if not t2d_consistent(d2t, t2d):
-            raise DraftportError(where, f"t2d disagrees with d2t ({int(t2d.sum())} ids set in t2d, d2t's hot set has {ids.size}, {len(set(np.nonzero(t2d)[0]) ^ set(ids.tolist()))} differ)")
+            raise DraftportError(
+                where,
+                f"t2d disagrees with d2t ({int(t2d.sum())} ids set in t2d, d2t's hot set has {ids.size}, "
+                f"{len(set(np.nonzero(t2d)[0]) ^ set(ids.tolist()))} differ)",
+            )
     return {"format": "delta", "sorted": bool(np.all(np.diff(ids) > 0))}
 
 
@@ -164,7 +175,13 @@ def _remap_rows(lm_head, src_d2t, dst_d2t, init_rows, policy):
             out[new] = (rows.float() * scale).to(lm_head.dtype)
         else:
             out[new] = lm_head.float().mean(0, keepdim=True).to(lm_head.dtype)
-    return out, np.asarray(dst_d2t, dtype=np.int64), {
-        "policy": "remap", "kept_rows": len(kept), "new_rows": len(new),
-        "init": "target_lm_head" if init_rows is not None else "mean_row",
-    }
+    return (
+        out,
+        np.asarray(dst_d2t, dtype=np.int64),
+        {
+            "policy": "remap",
+            "kept_rows": len(kept),
+            "new_rows": len(new),
+            "init": "target_lm_head" if init_rows is not None else "mean_row",
+        },
+    )

@@ -41,8 +41,10 @@ from draftport.errors import DraftportError
 from draftport.evaluation.budget import schedule
 from draftport.plan.cluster import rule_resources
 from draftport.plan.curves import budget_steps, points
-from draftport.data.storage import (DISK_MARGIN, MODES, SPOOL_GB, TOKEN_BYTES, _positive, bytes_per_token,  # noqa: F401
-    check_storage, storage_need)   # DISK_MARGIN, TOKEN_BYTES, check_storage: the estimate's storage terms, read through it
+from draftport.data.storage import MODES, SPOOL_GB, _positive, bytes_per_token, storage_need
+
+# the estimate's storage terms, read through it (draftport estimate's tests and callers)
+from draftport.data.storage import DISK_MARGIN, TOKEN_BYTES, check_storage  # noqa: F401
 from draftport.model.config import target_text_config
 from draftport.outputs.render import estimate_renderables
 
@@ -57,8 +59,10 @@ PEAK_TFLOPS = 790.0  # H200 dense bf16, the roofline of the training and capture
 # Stated until a capture benchmark file lands (CAPTURE_STATED_SOURCE: where the figure comes from);
 # no capture-only figure was quoted, so online is billed at capture + write's fraction (conservative).
 CAPTURE_STATED = {"capture_write": 0.42, "capture": 0.42}
-CAPTURE_STATED_SOURCE = ("H200 2026-12-01, 32B dense bf16 random weights, B x T 16 x 2048: capture+write "
-                         "42% of roofline (forward alone 65%), quoted, no result file")
+CAPTURE_STATED_SOURCE = (
+    "H200 2026-12-01, 32B dense bf16 random weights, B x T 16 x 2048: capture+write "
+    "42% of roofline (forward alone 65%), quoted, no result file"
+)
 # The adaptive data budget (data.budget adaptive) on the embedded world stopped after this many rounds
 # of x2 from Phase 1's n, its curve flattened (benchmarks/results/2026-12-04-embedded-adaptive.md): the
 # estimate bills a real pair's rounds as if its curve had that shape.
@@ -67,61 +71,107 @@ EMBEDDED_STOP_ROUND = 3
 # ---- the regeneration's serving rate: every assumption of `serve_rate`, in one place ---------------
 # per GPU: HBM bandwidth and memory (NVIDIA's datasheets: H100 SXM 3.35 TB/s, 80 GB; H200 4.8 TB/s,
 # 141 GB); both are the same GH100 compute die, so PEAK_TFLOPS (the measured H200 roofline) serves both
-GPUS = {"H100": {"hbm_bytes_s": 3.35e12, "memory_bytes": 80e9},
-        "H200": {"hbm_bytes_s": 4.8e12, "memory_bytes": 141e9}}
-SERVE_GPU = "H200"            # the estimate's device throughout (its benchmarks ran on H200; no params key names one)
-SERVE_CONCURRENCY = 64        # requests in flight per serving instance: the published figure's; a batch job can run
-                              # more (more tokens per weight read), so the rate is on the low side
-SERVE_HBM_UTIL = 0.43         # the fraction of HBM bandwidth a decode step gets end to end (prefills, TP all-reduces,
-                              # scheduling included): fitted to SERVE_REFERENCE's 64-concurrent point, checked on its
-                              # 16 and 32 (tests/outputs/test_estimate.py); dense kernels do better: low side for dense
+GPUS = {"H100": {"hbm_bytes_s": 3.35e12, "memory_bytes": 80e9}, "H200": {"hbm_bytes_s": 4.8e12, "memory_bytes": 141e9}}
+SERVE_GPU = "H200"  # the estimate's device throughout (its benchmarks ran on H200; no params key names one)
+SERVE_CONCURRENCY = 64  # requests in flight per serving instance: the published figure's; a batch job can run
+# more (more tokens per weight read), so the rate is on the low side
+SERVE_HBM_UTIL = 0.43  # the fraction of HBM bandwidth a decode step gets end to end (prefills, TP all-reduces,
+# scheduling included): fitted to SERVE_REFERENCE's 64-concurrent point, checked on its
+# 16 and 32 (tests/outputs/test_estimate.py); dense kernels do better: low side for dense
 SERVE_COMPUTE_FRACTION = 0.5  # of PEAK_TFLOPS in decode's skinny matmuls (assumed): binds only when the bytes are few
-KV_CACHE_BYTES = 2            # bytes per cached element: bf16, SGLang's and vLLM's default (kv_cache_dtype auto)
+KV_CACHE_BYTES = 2  # bytes per cached element: bf16, SGLang's and vLLM's default (kv_cache_dtype auto)
 # bytes per parameter read per decode step, by the target's weight format (weight_format): decoder layers,
 # routed experts, lm_head. The input embedding is not read at decode (C rows of it only).
 WEIGHT_BYTES = {
-    "bf16": {"layers": 2.0, "experts": 2.0, "lm_head": 2.0},    # no quantization_config: served as published
-    "fp8": {"layers": 1.0, "experts": 1.0, "lm_head": 2.0},     # DeepSeek-V3/R1, Kimi-K2: fp8 blocks (scales ~0)
+    "bf16": {"layers": 2.0, "experts": 2.0, "lm_head": 2.0},  # no quantization_config: served as published
+    "fp8": {"layers": 1.0, "experts": 1.0, "lm_head": 2.0},  # DeepSeek-V3/R1, Kimi-K2: fp8 blocks (scales ~0)
     # compressed-tensors 4-bit, a bf16 scale per 32 weights (Kimi-K2-Thinking, K2.5): a MoE's routed experts only
     "int4_experts": {"layers": 2.0, "experts": 0.5 + 2 / 32, "lm_head": 2.0},
-    "int4": {"layers": 0.5 + 2 / 32, "experts": 0.5 + 2 / 32, "lm_head": 2.0},   # a dense model's 4-bit layers
+    "int4": {"layers": 0.5 + 2 / 32, "experts": 0.5 + 2 / 32, "lm_head": 2.0},  # a dense model's 4-bit layers
 }
 FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-INT4_EXPERTS = {"quant_method": "compressed-tensors",   # abridged: its config_groups' weights (Kimi-K2.5's release)
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32,
-                                                                                 "type": "int", "symmetric": True}}}}
+INT4_EXPERTS = {
+    "quant_method": "compressed-tensors",  # abridged: its config_groups' weights (Kimi-K2.5's release)
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "group_size": 32, "type": "int", "symmetric": True},
+        }
+    },
+}
 # The one published figure the rate is checked against: DeepSeek-R1-0528 FP8 (the DeepSeek-V3 shape
 # Kimi-K2 shares) on 8 x H200, SGLang v0.5.7 TP8, 1K in / 1K out, output tok/s per GPU by concurrency
 # (SemiAnalysisAI/InferenceX#870, 2026-03-05)
-SERVE_REFERENCE = {"source": "DeepSeek-R1 FP8 on 8 x H200, SGLang TP8, 1K/1K (SemiAnalysisAI/InferenceX#870)",
-                   "gpu": "H200", "gpus": 8, "tp": 8, "input": 1024, "output": 1024,
-                   "tok_s_per_gpu": {8: 74.6, 16: 111.9, 32: 151.1, 64: 223.6}}
-DEEPSEEK_R1_TEXT = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-                    "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
-                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536,
-                    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                    "tie_word_embeddings": False, "quantization_config": FP8_BLOCKS}
+SERVE_REFERENCE = {
+    "source": "DeepSeek-R1 FP8 on 8 x H200, SGLang TP8, 1K/1K (SemiAnalysisAI/InferenceX#870)",
+    "gpu": "H200",
+    "gpus": 8,
+    "tp": 8,
+    "input": 1024,
+    "output": 1024,
+    "tok_s_per_gpu": {8: 74.6, 16: 111.9, 32: 151.1, 64: 223.6},
+}
+DEEPSEEK_R1_TEXT = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "tie_word_embeddings": False,
+    "quantization_config": FP8_BLOCKS,
+}
 
 # The text decoder of the targets the real profile names, as published in their config.json
 # (Kimi-K2.5: the `text_config` of its multimodal wrapper; the DeepseekV3 shape of Kimi-K2).
 # A folder at targets.new, or --target-config, takes precedence.
-KIMI_K2_TEXT = {"model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
-                "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
-                "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1,
-                "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1, "q_lora_rank": 1536,
-                "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                "tie_word_embeddings": False}
+KIMI_K2_TEXT = {
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "tie_word_embeddings": False,
+}
 # with the weight format each repo publishes (K2.5: int4 routed experts; K2-Instruct: fp8 blocks)
-KNOWN_TARGETS = {"moonshotai/Kimi-K2.5": {**KIMI_K2_TEXT, "quantization_config": INT4_EXPERTS},
-                 "moonshotai/Kimi-K2-Instruct": {**KIMI_K2_TEXT, "quantization_config": FP8_BLOCKS}}
+KNOWN_TARGETS = {
+    "moonshotai/Kimi-K2.5": {**KIMI_K2_TEXT, "quantization_config": INT4_EXPERTS},
+    "moonshotai/Kimi-K2-Instruct": {**KIMI_K2_TEXT, "quantization_config": FP8_BLOCKS},
+}
 
 
-def train_seconds(*, steps: int, batch_size: int, tokens_per_sample: int, tok_s_per_gpu: float, gpus: int,
-                  efficiency: float) -> float:
+def train_seconds(
+    *, steps: int, batch_size: int, tokens_per_sample: int, tok_s_per_gpu: float, gpus: int, efficiency: float
+) -> float:
     if min(steps, batch_size, tokens_per_sample, gpus) < 1 or tok_s_per_gpu <= 0 or not 0 < efficiency <= 1:
-        raise DraftportError("estimate", "steps, batch, tokens per sample, GPUs must be >= 1; "
-                             "throughput > 0; efficiency in (0, 1]")
+        raise DraftportError(
+            "estimate", "steps, batch, tokens per sample, GPUs must be >= 1; throughput > 0; efficiency in (0, 1]"
+        )
     return steps * batch_size * tokens_per_sample / (tok_s_per_gpu * gpus * efficiency)
 
 
@@ -145,29 +195,38 @@ def bench_throughput(path=DEFAULT_BENCH, cfg: dict | None = None) -> dict:
     `mix_results.padded_frozen_stored`), the greedy choice stored as the pipeline stores it.
     An older one gives its full-row rates for both
     (`tokens_per_s_lm_head_trainable`, `tokens_per_s_mask_precomputed`)."""
-    if cfg is not None and path is DEFAULT_BENCH:   # not given (the CLI passes this very object)
-        from draftport.outputs.train_rates import for_profile   # lazy: estimate's other callers pass a file
+    if cfg is not None and path is DEFAULT_BENCH:  # not given (the CLI passes this very object)
+        from draftport.outputs.train_rates import for_profile  # lazy: estimate's other callers pass a file
 
         return for_profile(cfg)
     path = Path(path)
     d = _read_json(path, "no such benchmark result")
     try:
-        out = {"device": d["device"], "date": d["date"], "seq": d["config"]["seq"],
-               "ttt_steps": d["config"]["ttt_steps"], "hidden_size": d["config"]["hidden_size"]}
+        out = {
+            "device": d["device"],
+            "date": d["date"],
+            "seq": d["config"]["seq"],
+            "ttt_steps": d["config"]["ttt_steps"],
+            "hidden_size": d["config"]["hidden_size"],
+        }
         if d.get("packed_real_tokens_per_s"):
             mix = d.get("mix") or {}
-            out.update(lm_head_trainable=float(d["packed_real_tokens_per_s"]),
-                       lm_head_frozen=float(d["packed_real_tokens_per_s_lm_head_frozen"]),
-                       padded_lm_head_trainable=float(d["padded_real_tokens_per_s"]),
-                       padded_lm_head_frozen=float(d["mix_results"]["padded_frozen_stored"]["real_tokens_per_s"]),
-                       rate=f"real tokens of a length mix ({mix.get('n', '?')} samples, mean "
-                            f"{mix.get('mean', '?')}, max {mix.get('max', '?')} tokens), packed rows or "
-                            f"padded groups of {mix.get('pad_batch', '?')} as train.packing says")
+            out.update(
+                lm_head_trainable=float(d["packed_real_tokens_per_s"]),
+                lm_head_frozen=float(d["packed_real_tokens_per_s_lm_head_frozen"]),
+                padded_lm_head_trainable=float(d["padded_real_tokens_per_s"]),
+                padded_lm_head_frozen=float(d["mix_results"]["padded_frozen_stored"]["real_tokens_per_s"]),
+                rate=f"real tokens of a length mix ({mix.get('n', '?')} samples, mean "
+                f"{mix.get('mean', '?')}, max {mix.get('max', '?')} tokens), packed rows or "
+                f"padded groups of {mix.get('pad_batch', '?')} as train.packing says",
+            )
         else:
-            out.update(lm_head_trainable=float(d["tokens_per_s_lm_head_trainable"]),
-                       lm_head_frozen=float(d["tokens_per_s_mask_precomputed"]), rate="full rows")
-            out.update(padded_lm_head_trainable=out["lm_head_trainable"],
-                       padded_lm_head_frozen=out["lm_head_frozen"])
+            out.update(
+                lm_head_trainable=float(d["tokens_per_s_lm_head_trainable"]),
+                lm_head_frozen=float(d["tokens_per_s_mask_precomputed"]),
+                rate="full rows",
+            )
+            out.update(padded_lm_head_trainable=out["lm_head_trainable"], padded_lm_head_frozen=out["lm_head_frozen"])
         return out
     except (KeyError, TypeError) as e:
         raise DraftportError(path, f"benchmark result lacks {e}") from None
@@ -204,8 +263,9 @@ def target_config(cfg: dict, path=None) -> tuple[dict, str]:
     w = cfg.get("world") or {}
     if w.get("build") and str(new).startswith("artifacts/world/"):
         return {**w["model"], "vocab_size": w["vocab_size"]}, "world.model (the embedded target, not built here)"
-    raise DraftportError("targets.new", f"{new}: no config.json here and no built-in shape; "
-                         "pass --target-config (its config.json)")
+    raise DraftportError(
+        "targets.new", f"{new}: no config.json here and no built-in shape; pass --target-config (its config.json)"
+    )
 
 
 def target_shape(tc: dict, where: str = "target config") -> dict:
@@ -222,7 +282,7 @@ def target_shape(tc: dict, where: str = "target config") -> dict:
         q = h * int(qr) + int(qr) * heads * (nope + rope) if qr else h * heads * (nope + rope)
         attn = q + h * (kvr + rope) + kvr * heads * (nope + v) + heads * v * h
         qk_dim, v_dim = nope + rope, v
-        kv_cached = kvr + rope   # MLA caches the latent and the rope key per layer
+        kv_cached = kvr + rope  # MLA caches the latent and the rope key per layer
     else:
         hd = int(tc.get("head_dim") or h // heads)
         kv = int(tc.get("num_key_value_heads") or heads)
@@ -232,7 +292,8 @@ def target_shape(tc: dict, where: str = "target config") -> dict:
     experts = tc.get("n_routed_experts") or tc.get("num_local_experts") or tc.get("num_experts") or 0
     if experts:
         odd = [k for k in ("shared_expert_intermediate_size", "mlp_only_layers") if tc.get(k)] + [
-            k for k in ("moe_layer_freq", "decoder_sparse_step") if int(tc.get(k, 1)) != 1]
+            k for k in ("moe_layer_freq", "decoder_sparse_step") if int(tc.get(k, 1)) != 1
+        ]
         if odd:  # counted wrong rather than refused would be worse
             raise DraftportError(where, f"MoE layout not supported by the estimate ({', '.join(odd)})")
         top_k, shared = int(tc["num_experts_per_tok"]), int(tc.get("n_shared_experts") or 0)
@@ -242,18 +303,35 @@ def target_shape(tc: dict, where: str = "target config") -> dict:
         moe_layers = n_layers - dense_layers
         mlp_active = dense_layers * 3 * h * inter + moe_layers * ((top_k + shared) * expert + router)
         mlp_total = dense_layers * 3 * h * inter + moe_layers * ((int(experts) + shared) * expert + router)
-        moe = {"experts": int(experts), "top_k": top_k, "shared": shared, "dense_layers": dense_layers,
-               "expert_params": expert, "router_params": router}
+        moe = {
+            "experts": int(experts),
+            "top_k": top_k,
+            "shared": shared,
+            "dense_layers": dense_layers,
+            "expert_params": expert,
+            "router_params": router,
+        }
     else:
         mlp_active = mlp_total = n_layers * 3 * h * inter
         moe = None
     embed = lm_head = vocab * h
     active_no_embed = n_layers * attn + mlp_active + lm_head
-    return {"layers": n_layers, "hidden_size": h, "heads": heads, "qk_head_dim": qk_dim, "v_head_dim": v_dim,
-            "vocab_size": vocab, "moe": moe, "attention_per_layer": attn, "dense_mlp_params": 3 * h * inter,
-            "kv_cache_per_token": n_layers * kv_cached, "lm_head_params": lm_head,
-            "active_params": active_no_embed + embed, "active_params_no_embed": active_no_embed,
-            "total_params": n_layers * attn + mlp_total + lm_head + embed}
+    return {
+        "layers": n_layers,
+        "hidden_size": h,
+        "heads": heads,
+        "qk_head_dim": qk_dim,
+        "v_head_dim": v_dim,
+        "vocab_size": vocab,
+        "moe": moe,
+        "attention_per_layer": attn,
+        "dense_mlp_params": 3 * h * inter,
+        "kv_cache_per_token": n_layers * kv_cached,
+        "lm_head_params": lm_head,
+        "active_params": active_no_embed + embed,
+        "active_params_no_embed": active_no_embed,
+        "total_params": n_layers * attn + mlp_total + lm_head + embed,
+    }
 
 
 def capture_flops_per_token(shape: dict, tokens_per_sample: int) -> dict:
@@ -261,8 +339,9 @@ def capture_flops_per_token(shape: dict, tokens_per_sample: int) -> dict:
     (2 x layers x heads x (qk + v head dim) x T / 2; = 4 x layers x hidden x T / 2 for attention
     whose heads x head_dim is the hidden size)."""
     matmul = 2 * shape["active_params_no_embed"]
-    attention = 2 * shape["layers"] * shape["heads"] * (shape["qk_head_dim"] + shape["v_head_dim"]) * (
-        tokens_per_sample / 2)
+    attention = (
+        2 * shape["layers"] * shape["heads"] * (shape["qk_head_dim"] + shape["v_head_dim"]) * (tokens_per_sample / 2)
+    )
     return {"matmul": matmul, "attention": attention, "total": matmul + attention}
 
 
@@ -318,9 +397,16 @@ def capture_bench(path) -> dict:
         if f is not None and not 0 < f <= 1:
             raise DraftportError(path, f"shape {name}: fraction of roofline {f} is not in (0, 1]")
     shown = path.relative_to(ROOT) if path.is_absolute() and path.is_relative_to(ROOT) else path
-    return {"source": "measured", "file": str(shown), "date": d.get("date"), "device": d.get("device"),
-            "shape": name, "capture_write": write, "capture": cap if cap is not None else write,
-            "capture_measured": cap is not None}
+    return {
+        "source": "measured",
+        "file": str(shown),
+        "date": d.get("date"),
+        "device": d.get("device"),
+        "shape": name,
+        "capture_write": write,
+        "capture": cap if cap is not None else write,
+        "capture_measured": cap is not None,
+    }
 
 
 def capture_efficiency(bench=None, stated: float | None = None) -> dict:
@@ -348,14 +434,25 @@ def weight_format(tc: dict, moe: bool) -> tuple[str, str]:
     if method == "compressed-tensors" and bits == {8}:
         return "fp8", "quantization_config compressed-tensors, 8-bit"
     if method == "compressed-tensors" and bits == {4}:
-        return (("int4_experts", "quantization_config compressed-tensors, 4-bit routed experts") if moe
-                else ("int4", "quantization_config compressed-tensors, 4-bit"))
+        return (
+            ("int4_experts", "quantization_config compressed-tensors, 4-bit routed experts")
+            if moe
+            else ("int4", "quantization_config compressed-tensors, 4-bit")
+        )
     return "bf16", f"quantization_config {method} not modelled: bf16 bytes assumed (an upper bound on the bytes)"
 
 
-def serve_rate(tc: dict, *, gpus: int, tp: int, context: float, gpu: str = SERVE_GPU,
-               concurrency: int = SERVE_CONCURRENCY, util: float = SERVE_HBM_UTIL,
-               where: str = "target config") -> dict:
+def serve_rate(
+    tc: dict,
+    *,
+    gpus: int,
+    tp: int,
+    context: float,
+    gpu: str = SERVE_GPU,
+    concurrency: int = SERVE_CONCURRENCY,
+    util: float = SERVE_HBM_UTIL,
+    where: str = "target config",
+) -> dict:
     """Output tok/s of `gpus` GPUs serving the target: gpus // tp instances (data parallel) of `tp`
     GPUs each (tensor parallel), `concurrency` requests in flight per instance at a mean context of
     `context` tokens. A decode step emits one token per request and reads the weights its tokens
@@ -368,7 +465,7 @@ def serve_rate(tc: dict, *, gpus: int, tp: int, context: float, gpu: str = SERVE
         _positive(name, v)
     _positive("util", util, at_most=1)
     shape = target_shape(tc, where)
-    tp = min(int(tp), int(gpus))   # fewer GPUs than the TP size: one instance over all of them
+    tp = min(int(tp), int(gpus))  # fewer GPUs than the TP size: one instance over all of them
     instances = int(gpus) // tp
     moe = shape["moe"]
     fmt, fmt_why = weight_format(tc, moe is not None)
@@ -377,10 +474,11 @@ def serve_rate(tc: dict, *, gpus: int, tp: int, context: float, gpu: str = SERVE
     layers = L * shape["attention_per_layer"]
     if moe:
         n_moe, E, k = L - moe["dense_layers"], moe["experts"], moe["top_k"]
-        touched = E * (1 - (1 - k / E) ** concurrency)   # expected distinct experts of C x k uniform draws
+        touched = E * (1 - (1 - k / E) ** concurrency)  # expected distinct experts of C x k uniform draws
         experts_read, experts_all = n_moe * touched * moe["expert_params"], n_moe * E * moe["expert_params"]
         layers += moe["dense_layers"] * shape["dense_mlp_params"] + n_moe * (
-            moe["shared"] * moe["expert_params"] + moe["router_params"])
+            moe["shared"] * moe["expert_params"] + moe["router_params"]
+        )
     else:
         touched, experts_read, experts_all = None, 0, 0
         layers += L * shape["dense_mlp_params"]
@@ -391,28 +489,57 @@ def serve_rate(tc: dict, *, gpus: int, tp: int, context: float, gpu: str = SERVE
     kv_bytes = concurrency * context * shape["kv_cache_per_token"] * KV_CACHE_BYTES
     hbm = GPUS[gpu]["hbm_bytes_s"]
     memory_s = (weight_bytes + kv_bytes) / (tp * hbm * util)
-    flops = concurrency * (2 * shape["active_params_no_embed"]
-                           + 2 * L * shape["heads"] * (shape["qk_head_dim"] + shape["v_head_dim"]) * context)
+    flops = concurrency * (
+        2 * shape["active_params_no_embed"]
+        + 2 * L * shape["heads"] * (shape["qk_head_dim"] + shape["v_head_dim"]) * context
+    )
     compute_s = flops / (tp * PEAK_TFLOPS * 1e12 * SERVE_COMPUTE_FRACTION)
     step = max(memory_s, compute_s)
     per_instance = concurrency / step
-    return {"tok_s": per_instance * instances, "tok_s_per_gpu": per_instance / tp, "gpu": gpu, "gpus": int(gpus),
-            "tp": tp, "instances": instances, "concurrency": concurrency, "context": context, "util": util,
-            "hbm_bytes_s": hbm, "format": fmt, "format_why": fmt_why, "moe": moe is not None,
-            "experts_read": touched, "experts": moe["experts"] if moe else None,
-            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "step_s": step,
-            "bound": "memory" if memory_s >= compute_s else "compute",
-            "weights_total_bytes": total_bytes, "memory_bytes": GPUS[gpu]["memory_bytes"],
-            "fits": total_bytes + kv_bytes <= tp * GPUS[gpu]["memory_bytes"]}
+    return {
+        "tok_s": per_instance * instances,
+        "tok_s_per_gpu": per_instance / tp,
+        "gpu": gpu,
+        "gpus": int(gpus),
+        "tp": tp,
+        "instances": instances,
+        "concurrency": concurrency,
+        "context": context,
+        "util": util,
+        "hbm_bytes_s": hbm,
+        "format": fmt,
+        "format_why": fmt_why,
+        "moe": moe is not None,
+        "experts_read": touched,
+        "experts": moe["experts"] if moe else None,
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes,
+        "step_s": step,
+        "bound": "memory" if memory_s >= compute_s else "compute",
+        "weights_total_bytes": total_bytes,
+        "memory_bytes": GPUS[gpu]["memory_bytes"],
+        "fits": total_bytes + kv_bytes <= tp * GPUS[gpu]["memory_bytes"],
+    }
 
 
 def reference_check(concurrency: int = 64) -> dict:
     """serve_rate's figure for SERVE_REFERENCE's deployment at one of its published concurrencies."""
     r = SERVE_REFERENCE
-    got = serve_rate(DEEPSEEK_R1_TEXT, gpus=r["gpus"], tp=r["tp"], gpu=r["gpu"], concurrency=concurrency,
-                     context=r["input"] + r["output"] / 2, where="DEEPSEEK_R1_TEXT")
-    return {"concurrency": concurrency, "model": got["tok_s_per_gpu"], "published": r["tok_s_per_gpu"][concurrency],
-            "source": r["source"]}
+    got = serve_rate(
+        DEEPSEEK_R1_TEXT,
+        gpus=r["gpus"],
+        tp=r["tp"],
+        gpu=r["gpu"],
+        concurrency=concurrency,
+        context=r["input"] + r["output"] / 2,
+        where="DEEPSEEK_R1_TEXT",
+    )
+    return {
+        "concurrency": concurrency,
+        "model": got["tok_s_per_gpu"],
+        "published": r["tok_s_per_gpu"][concurrency],
+        "source": r["source"],
+    }
 
 
 def serving(cfg: dict, tc: dict, *, gpus: int, context: float, given: float | None, where: str) -> dict:
@@ -448,30 +575,62 @@ def _adaptive(cfg: dict, data: list[dict], b: dict, tps: int, gpus: int | None, 
     full = schedule(n1, factor, n2)
     ns = full[: EMBEDDED_STOP_ROUND + 1]
     tr = c["train"]
-    rate = b[("" if tr.get("packing") else "padded_") + ("lm_head_trainable" if tr.get("train_lm_head", True)
-                                                         else "lm_head_frozen")]
+    rate = b[
+        ("" if tr.get("packing") else "padded_")
+        + ("lm_head_trainable" if tr.get("train_lm_head", True) else "lm_head_frozen")
+    ]
     steps = seeds * sum(budget_steps(n, c) for n in ns)
     # the rounds' trainings: under torchrun over the step's GPUs (resources.budget.torchrun), else
     # in the step's own process on one of them
     held = _gpus(cfg, "budget", gpus)
     on = held if rule_resources(cfg, "budget")["torchrun"] else 1
-    train_h = train_seconds(steps=steps, batch_size=int(tr["batch_size"]), tokens_per_sample=tps, tok_s_per_gpu=rate,
-                            gpus=on, efficiency=efficiency) / 3600
+    train_h = (
+        train_seconds(
+            steps=steps,
+            batch_size=int(tr["batch_size"]),
+            tokens_per_sample=tps,
+            tok_s_per_gpu=rate,
+            gpus=on,
+            efficiency=efficiency,
+        )
+        / 3600
+    )
     p2 = next(r for r in data if r["step"] == "features_phase2")
     per_sample = (p2["regenerate_hours"] + p2["capture_hours"]) / max(1, p2["samples"])
     saved = (n2 - ns[-1]) * per_sample
-    return {"stop_round": EMBEDDED_STOP_ROUND, "factor": factor, "rounds_n": ns, "n_samples": ns[-1],
-            "instead_of": n2, "seeds": seeds, "rounds_steps": steps, "data_hours_saved": saved,
-            "rounds_train_hours": train_h, "gpus_held": held, "gpus_training": on, "net_hours_saved": saved - train_h,
-            "cap_first": ns[-1] >= n2,
-            "profile_mode": d.get("budget", "fixed")}
+    return {
+        "stop_round": EMBEDDED_STOP_ROUND,
+        "factor": factor,
+        "rounds_n": ns,
+        "n_samples": ns[-1],
+        "instead_of": n2,
+        "seeds": seeds,
+        "rounds_steps": steps,
+        "data_hours_saved": saved,
+        "rounds_train_hours": train_h,
+        "gpus_held": held,
+        "gpus_training": on,
+        "net_hours_saved": saved - train_h,
+        "cap_first": ns[-1] >= n2,
+        "profile_mode": d.get("budget", "fixed"),
+    }
 
 
-def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | None = None,
-             efficiency: float = 0.9, bench=DEFAULT_BENCH, capture_bench_path=None,
-             capture_eff: float | None = None, serve_tok_s: float | None = None,
-             answer_tokens: int | None = None, target_config_path=None, spool_gb: float | None = None,
-             peak_tflops: float = PEAK_TFLOPS) -> dict:
+def estimate(
+    cfg: dict,
+    *,
+    tokens_per_sample: int | None = None,
+    gpus: int | None = None,
+    efficiency: float = 0.9,
+    bench=DEFAULT_BENCH,
+    capture_bench_path=None,
+    capture_eff: float | None = None,
+    serve_tok_s: float | None = None,
+    answer_tokens: int | None = None,
+    target_config_path=None,
+    spool_gb: float | None = None,
+    peak_tflops: float = PEAK_TFLOPS,
+) -> dict:
     """Per training rule: tokens, throughput used, hours. Per feature step: the answers'
     regeneration and the capture. Per phase and storage mode: hours (data + training) and disk."""
     b = bench_throughput(bench, cfg)
@@ -502,14 +661,27 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
         packed = bool(tr.get("packing", False))
         rate = b[("" if packed else "padded_") + ("lm_head_trainable" if trainable else "lm_head_frozen")]
         steps, batch = int(tr["steps"]), int(tr["batch_size"])
-        sec = train_seconds(steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate,
-                            gpus=n_gpu, efficiency=efficiency)
+        sec = train_seconds(
+            steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate, gpus=n_gpu, efficiency=efficiency
+        )
         n = cfg[group]["n_samples"]
-        rows.append({"rule": rule, "phase": group, "steps": steps, "batch_size": batch, "samples": n,
-                     "epochs": round(steps * batch / n, 2), "tokens": steps * batch * tps,
-                     "lm_head": "trainable" if trainable else "frozen", "rows": "packed" if packed else "padded",
-                     "tok_s_per_gpu": round(rate),
-                     "gpus": n_gpu, "seconds": sec, "hours": sec / 3600})
+        rows.append(
+            {
+                "rule": rule,
+                "phase": group,
+                "steps": steps,
+                "batch_size": batch,
+                "samples": n,
+                "epochs": round(steps * batch / n, 2),
+                "tokens": steps * batch * tps,
+                "lm_head": "trainable" if trainable else "frozen",
+                "rows": "packed" if packed else "padded",
+                "tok_s_per_gpu": round(rate),
+                "gpus": n_gpu,
+                "seconds": sec,
+                "hours": sec / 3600,
+            }
+        )
 
     # the learning curves: every point a training of its own under the budget rule (train_curves)
     c = cfg.get("curves") or {}
@@ -522,19 +694,34 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
         pts = points(c)
         steps = sum(budget_steps(pt["n_samples"], c) for pt in pts)
         batch = int(tr["batch_size"])
-        sec = train_seconds(steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate,
-                            gpus=n_gpu, efficiency=efficiency)
-        rows.append({"rule": "curves", "phase": "curves", "steps": steps, "batch_size": batch,
-                     "samples": sum(pt["n_samples"] for pt in pts), "points": len(pts),
-                     "epochs": float(c["epochs"]), "tokens": steps * batch * tps,
-                     "lm_head": "trainable" if trainable else "frozen", "rows": "packed" if packed else "padded",
-                     "tok_s_per_gpu": round(rate), "gpus": n_gpu, "seconds": sec, "hours": sec / 3600})
+        sec = train_seconds(
+            steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate, gpus=n_gpu, efficiency=efficiency
+        )
+        rows.append(
+            {
+                "rule": "curves",
+                "phase": "curves",
+                "steps": steps,
+                "batch_size": batch,
+                "samples": sum(pt["n_samples"] for pt in pts),
+                "points": len(pts),
+                "epochs": float(c["epochs"]),
+                "tokens": steps * batch * tps,
+                "lm_head": "trainable" if trainable else "frozen",
+                "rows": "packed" if packed else "padded",
+                "tok_s_per_gpu": round(rate),
+                "gpus": n_gpu,
+                "seconds": sec,
+                "hours": sec / 3600,
+            }
+        )
 
     tc, shape_from = target_config(cfg, target_config_path)
     shape = target_shape(tc, shape_from)
     # the answers decode after their prompt: a step's mean context is the prompt + half the answer
-    serve = serving(cfg, tc, gpus=_gpus(cfg, "features_new", gpus), context=tps - answer / 2, given=serve_tok_s,
-                    where=shape_from)
+    serve = serving(
+        cfg, tc, gpus=_gpus(cfg, "features_new", gpus), context=tps - answer / 2, given=serve_tok_s, where=shape_from
+    )
     serve_tok_s = serve["tok_s"]
     hidden = shape["hidden_size"]
     n_aux = len(f["aux_layer_ids"])
@@ -549,10 +736,16 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
     n1, n2 = int(cfg["phase1"]["n_samples"]), int(cfg["phase2"]["n_samples"])
     t = cfg["targets"]
     n_eval = int(f["eval_samples"]) * (2 if t.get("old") and t.get("prompts_eval_old") else 1)
-    n_mon = int(cfg["monitor"]["n_samples"]) if any(cfg[g]["train"].get("eval_every", 0) > 0
-                                                    for g in ("phase1", "phase2")) else 0
-    data_steps = [("features_new", "phase1", n1), ("features_eval+monitor", "phase1", n_eval + n_mon),
-                  ("features_phase2", "phase2", n2 - n1)]
+    n_mon = (
+        int(cfg["monitor"]["n_samples"])
+        if any(cfg[g]["train"].get("eval_every", 0) > 0 for g in ("phase1", "phase2"))
+        else 0
+    )
+    data_steps = [
+        ("features_new", "phase1", n1),
+        ("features_eval+monitor", "phase1", n_eval + n_mon),
+        ("features_phase2", "phase2", n2 - n1),
+    ]
     # the regenerate-or-not arm's data: the dataset's own answers, a prefill each (nothing regenerated)
     dataset_n = max(c["arms_n_samples"]) if c.get("enabled") and c.get("answers") and c.get("arms_n_samples") else 0
     if dataset_n:
@@ -562,9 +755,18 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
         n_gpu = _gpus(cfg, "features_eval" if step.startswith("features_eval") else step, gpus)
         cap = capture_s(n * tps, n_gpu, "capture_write")
         regen = 0 if step == "features_dataset" else n * answer
-        data.append({"step": step, "phase": phase, "samples": n, "answer_tokens": regen,
-                     "regenerate_hours": regen / serve_tok_s / 3600, "capture_tokens": n * tps, "gpus": n_gpu,
-                     "capture_hours": cap / 3600})
+        data.append(
+            {
+                "step": step,
+                "phase": phase,
+                "samples": n,
+                "answer_tokens": regen,
+                "regenerate_hours": regen / serve_tok_s / 3600,
+                "capture_tokens": n * tps,
+                "gpus": n_gpu,
+                "capture_hours": cap / 3600,
+            }
+        )
     held = data[1]["samples"]
     adaptive = _adaptive(cfg, data, b, tps, gpus, efficiency)
 
@@ -582,48 +784,88 @@ def estimate(cfg: dict, *, tokens_per_sample: int | None = None, gpus: int | Non
         train_h = sum(r["hours"] for r in tr)
         for d in dtypes:
             need = storage_need("disk", tokens=samples_on_disk * tps, hidden_size=hidden, dtype=d, n_aux=n_aux)
-            phases.append({"phase": phase, "mode": "disk", "dtype": d, "regenerate_hours": regen,
-                           "capture_hours": cap, "train_hours": train_h, "total_hours": regen + cap + train_h,
-                           "disk_bytes": need["need_bytes"], "profile": storage == "disk" and d == f["dtype"]})
+            phases.append(
+                {
+                    "phase": phase,
+                    "mode": "disk",
+                    "dtype": d,
+                    "regenerate_hours": regen,
+                    "capture_hours": cap,
+                    "train_hours": train_h,
+                    "total_hours": regen + cap + train_h,
+                    "disk_bytes": need["need_bytes"],
+                    "profile": storage == "disk" and d == f["dtype"],
+                }
+            )
         # online: the held-out sets are captured once and stored (every evaluation reads them); the
         # training samples are recomputed for every pass of every training (= its training tokens)
         held_cap = sum(r["capture_hours"] for r in dr if r["step"].startswith("features_eval"))
         recompute_tokens = sum(r["tokens"] for r in tr)
         recompute = capture_s(recompute_tokens, online_gpus, "capture") / 3600
         train_samples = n1 if phase == "phase1" else n2
-        need = storage_need("online", tokens=train_samples * tps, hidden_size=hidden, dtype=f["dtype"], n_aux=n_aux,
-                            spool_gb=spool)
+        need = storage_need(
+            "online", tokens=train_samples * tps, hidden_size=hidden, dtype=f["dtype"], n_aux=n_aux, spool_gb=spool
+        )
         held_bytes = storage_need("disk", tokens=held * tps, hidden_size=hidden, dtype=f["dtype"], n_aux=n_aux)
-        phases.append({"phase": phase, "mode": "online", "dtype": f["dtype"], "regenerate_hours": regen,
-                       "capture_hours": held_cap + recompute, "recompute_tokens": recompute_tokens,
-                       "train_hours": train_h, "total_hours": regen + held_cap + recompute + train_h,
-                       "spool_bytes": need["spool_bytes"], "ids_bytes": need["ids_bytes"],
-                       "held_out_bytes": held_bytes["need_bytes"],
-                       "disk_bytes": need["need_bytes"] + held_bytes["need_bytes"],
-                       "profile": storage in ("online", "hybrid")})
+        phases.append(
+            {
+                "phase": phase,
+                "mode": "online",
+                "dtype": f["dtype"],
+                "regenerate_hours": regen,
+                "capture_hours": held_cap + recompute,
+                "recompute_tokens": recompute_tokens,
+                "train_hours": train_h,
+                "total_hours": regen + held_cap + recompute + train_h,
+                "spool_bytes": need["spool_bytes"],
+                "ids_bytes": need["ids_bytes"],
+                "held_out_bytes": held_bytes["need_bytes"],
+                "disk_bytes": need["need_bytes"] + held_bytes["need_bytes"],
+                "profile": storage in ("online", "hybrid"),
+            }
+        )
 
-    return {"bench": {**{k: b[k] for k in ("device", "date", "seq", "ttt_steps", "rate")},
-                      "shape_source": b.get("shape_source", "given file"), "drafter": b.get("drafter"),
-                      "files": b.get("files", [str(bench)])}, "tokens_per_sample": tps,
-            "efficiency": efficiency, "rows": rows,
-            "phase1_hours": sum(r["hours"] for r in rows if r["rule"] in ("phase1_scratch", "phase1")),
-            "phase2_hours": sum(r["hours"] for r in rows if r["rule"] == "phase2"),
-            "curves_hours": sum(r["hours"] for r in rows if r["rule"] == "curves"),
-            "curves_data_hours": sum(r["capture_hours"] for r in data if r["phase"] == "curves"),
-            # what R7 saves when it says the dataset's answers do: Phase 1's and Phase 2's regeneration
-            "regenerate_hours": {ph: sum(r["regenerate_hours"] for r in data if r["phase"] == ph
-                                         and r["step"] != "features_eval+monitor") for ph in ("phase1", "phase2")},
-            "adaptive": adaptive,
-            "bytes_per_token": per_tok[f["dtype"]][0], "hidden_size": hidden,
-            "target": {"id": t["new"], "config": shape_from, **shape}, "flops_per_token": flops,
-            "peak_tflops": peak_tflops, "capture_efficiency": eff,
-            "capture_tok_s": {k: peak * online_gpus * eff[k] / flops["total"] for k in ("capture_write", "capture")},
-            "serve_tok_s": serve_tok_s, "serve_source": serve["source"], "serve": serve,
-            "answer_tokens": answer, "samples": {"phase1": n1, "phase2": n2},
-            "held_out": {"eval": n_eval, "monitor": n_mon},
-            "storage_mode": storage, "spool_gb": spool, "spool_from": spool_from, "n_aux": n_aux,
-            "per_token_bytes": {d: {"bytes": v[0], "how": v[1]} for d, v in per_tok.items()},
-            "data": data, "phases": phases}
+    return {
+        "bench": {
+            **{k: b[k] for k in ("device", "date", "seq", "ttt_steps", "rate")},
+            "shape_source": b.get("shape_source", "given file"),
+            "drafter": b.get("drafter"),
+            "files": b.get("files", [str(bench)]),
+        },
+        "tokens_per_sample": tps,
+        "efficiency": efficiency,
+        "rows": rows,
+        "phase1_hours": sum(r["hours"] for r in rows if r["rule"] in ("phase1_scratch", "phase1")),
+        "phase2_hours": sum(r["hours"] for r in rows if r["rule"] == "phase2"),
+        "curves_hours": sum(r["hours"] for r in rows if r["rule"] == "curves"),
+        "curves_data_hours": sum(r["capture_hours"] for r in data if r["phase"] == "curves"),
+        # what R7 saves when it says the dataset's answers do: Phase 1's and Phase 2's regeneration
+        "regenerate_hours": {
+            ph: sum(r["regenerate_hours"] for r in data if r["phase"] == ph and r["step"] != "features_eval+monitor")
+            for ph in ("phase1", "phase2")
+        },
+        "adaptive": adaptive,
+        "bytes_per_token": per_tok[f["dtype"]][0],
+        "hidden_size": hidden,
+        "target": {"id": t["new"], "config": shape_from, **shape},
+        "flops_per_token": flops,
+        "peak_tflops": peak_tflops,
+        "capture_efficiency": eff,
+        "capture_tok_s": {k: peak * online_gpus * eff[k] / flops["total"] for k in ("capture_write", "capture")},
+        "serve_tok_s": serve_tok_s,
+        "serve_source": serve["source"],
+        "serve": serve,
+        "answer_tokens": answer,
+        "samples": {"phase1": n1, "phase2": n2},
+        "held_out": {"eval": n_eval, "monitor": n_mon},
+        "storage_mode": storage,
+        "spool_gb": spool,
+        "spool_from": spool_from,
+        "n_aux": n_aux,
+        "per_token_bytes": {d: {"bytes": v[0], "how": v[1]} for d, v in per_tok.items()},
+        "data": data,
+        "phases": phases,
+    }
 
 
 def render(rep: dict) -> str:

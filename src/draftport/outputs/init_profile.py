@@ -37,9 +37,9 @@ from draftport.plan import params as P
 # a flat config without draftport's marker: SpecForge / SGLang train most flat drafters (AQ-MedAI's
 # too), and SGLang numbers an aux id k as the state leaving layer k
 FLAT_DEFAULT_CONVENTION = "sglang"
-GPU_BYTES = E.GPUS["H200"]["memory_bytes"]   # one H200's memory: how many GPUs the target's weights need
-BATCH = 64                        # global batch of the real-scale training (8 per GPU on a node)
-EPOCHS = 2                        # passes over the data per phase (the curves' budget rule too)
+GPU_BYTES = E.GPUS["H200"]["memory_bytes"]  # one H200's memory: how many GPUs the target's weights need
+BATCH = 64  # global batch of the real-scale training (8 per GPU on a node)
+EPOCHS = 2  # passes over the data per phase (the curves' budget rule too)
 HEX40 = re.compile(r"[0-9a-f]{40}")
 
 
@@ -47,21 +47,21 @@ HEX40 = re.compile(r"[0-9a-f]{40}")
 class Model:
     """A drafter or target as init found it: where, which commit, its config, its tensor names."""
 
-    spec: str                      # what the user gave: a folder or org/name[@revision]
-    kind: str                      # "source", "targets.new", "targets.old"
-    repo_id: str | None = None     # hub id (None: a local folder)
-    revision: str | None = None    # asked for
-    commit: str | None = None      # resolved: 40 hex
-    folder: Path | None = None     # where config.json lies
+    spec: str  # what the user gave: a folder or org/name[@revision]
+    kind: str  # "source", "targets.new", "targets.old"
+    repo_id: str | None = None  # hub id (None: a local folder)
+    revision: str | None = None  # asked for
+    commit: str | None = None  # resolved: 40 hex
+    folder: Path | None = None  # where config.json lies
     config: dict = field(default_factory=dict)
     tensors: dict[str, list[int]] | None = None  # name -> shape (drafter only; None: headers unread)
 
 
 @dataclass
 class Findings:
-    problems: list[tuple[str, str]] = field(default_factory=list)   # (file or key, what is wrong)
-    gaps: list[tuple[str, str]] = field(default_factory=list)       # (key, what is still missing)
-    notes: list[tuple[str, str]] = field(default_factory=list)      # (key, what was decided and why)
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (file or key, what is wrong)
+    gaps: list[tuple[str, str]] = field(default_factory=list)  # (key, what is still missing)
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (key, what was decided and why)
 
     def problem(self, where, what):
         self.problems.append((str(where), what))
@@ -95,11 +95,14 @@ def locate(spec: str, kind: str, *, cache_dir=None, offline: bool = False, heade
         m.repo_id = name
         pats = ["config.json", "*.safetensors.index.json", "tokenizer_config.json"]
         try:
-            path = snapshot_download(repo_id=name, revision=rev or "main", cache_dir=cache_dir,
-                                     allow_patterns=pats, local_files_only=offline)
+            path = snapshot_download(
+                repo_id=name, revision=rev or "main", cache_dir=cache_dir, allow_patterns=pats, local_files_only=offline
+            )
         except LocalEntryNotFoundError:
-            raise DraftportError(kind, f"{name}@{rev or 'main'} is not in the hub cache "
-                                 f"{cache_dir or '(default)'} and the hub is offline") from None
+            raise DraftportError(
+                kind,
+                f"{name}@{rev or 'main'} is not in the hub cache {cache_dir or '(default)'} and the hub is offline",
+            ) from None
         except (HfHubHTTPError, OSError, ValueError) as e:
             raise DraftportError(kind, f"{name}@{rev or 'main'}: {str(e).splitlines()[0]}") from None
         m.folder = Path(path)
@@ -119,9 +122,15 @@ def _headers(m: Model, cache_dir, offline: bool) -> dict[str, list[int]] | None:
     folder = m.folder
     if m.repo_id is not None and not list(folder.glob("*.safetensors")):
         try:
-            folder = Path(snapshot_download(repo_id=m.repo_id, revision=m.commit or m.revision or "main",
-                                            cache_dir=cache_dir, allow_patterns=["*.safetensors"],
-                                            local_files_only=True))
+            folder = Path(
+                snapshot_download(
+                    repo_id=m.repo_id,
+                    revision=m.commit or m.revision or "main",
+                    cache_dir=cache_dir,
+                    allow_patterns=["*.safetensors"],
+                    local_files_only=True,
+                )
+            )
         except (LocalEntryNotFoundError, OSError, ValueError):
             folder = None
     if folder is not None and list(folder.glob("*.safetensors")):
@@ -137,7 +146,9 @@ def _headers(m: Model, cache_dir, offline: bool) -> dict[str, list[int]] | None:
     try:
         meta = get_safetensors_metadata(m.repo_id, revision=m.commit or m.revision or "main")
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise DraftportError("source", f"{m.repo_id}: cannot read its safetensors headers: {str(e).splitlines()[0]}") from None
+        raise DraftportError(
+            "source", f"{m.repo_id}: cannot read its safetensors headers: {str(e).splitlines()[0]}"
+        ) from None
     return {n: list(t.shape) for fm in meta.files_metadata.values() for n, t in fm.tensors.items()}
 
 
@@ -181,28 +192,45 @@ def check_pair(src: Model, new: Model, old: Model | None, f: Findings) -> dict:
     ctx = int(tc.get("max_position_embeddings") or 0)
     reads = cfg.target_hidden_size or cfg.hidden_size
     if reads != hidden:
-        f.problem(where, f"the drafter reads hidden states of size {reads} but the new target's hidden_size is {hidden}")
+        f.problem(
+            where, f"the drafter reads hidden states of size {reads} but the new target's hidden_size is {hidden}"
+        )
     if cfg.vocab_size != vocab:
-        f.problem(where, f"vocab_size {cfg.vocab_size} but the new target's is {vocab} (d2t maps into the target vocab)")
+        f.problem(
+            where, f"vocab_size {cfg.vocab_size} but the new target's is {vocab} (d2t maps into the target vocab)"
+        )
     if src.tensors is not None:
         if cfg.draft_vocab_size < cfg.vocab_size and not {"d2t", "t2d"} <= set(src.tensors):
-            f.problem(where.replace("config.json", "*.safetensors"),
-                      "no d2t/t2d vocab maps but draft_vocab_size < vocab_size")
+            f.problem(
+                where.replace("config.json", "*.safetensors"), "no d2t/t2d vocab maps but draft_vocab_size < vocab_size"
+            )
         embed = any(n.endswith("embed_tokens.weight") for n in src.tensors)
-        f.note("source", "carries embed_tokens: the new target's embedding replaces it wherever it is served or published"
-               if embed else "no embed_tokens: the drafter is served with the target's embedding (vLLM and SGLang share it)")
+        f.note(
+            "source",
+            "carries embed_tokens: the new target's embedding replaces it wherever it is served or published"
+            if embed
+            else "no embed_tokens: the drafter is served with the target's embedding (vLLM and SGLang share it)",
+        )
     else:
-        f.gap("source", "its safetensors headers were not read (offline, weights not in the cache): "
-                        "the fetch step checks the tensors")
+        f.gap(
+            "source",
+            "its safetensors headers were not read (offline, weights not in the cache): "
+            "the fetch step checks the tensors",
+        )
     # aux ids and their numbering
     if cfg.aux_convention:
         conv, why = cfg.aux_convention, "the drafter's config says so (draftport_aux_convention)"
     elif cfg.format == "speculators":
         conv, why = "vllm", "a speculators-format drafter: trained on vLLM's hidden states"
     else:
-        conv, why = FLAT_DEFAULT_CONVENTION, ("a flat config without a convention marker: SpecForge/SGLang's numbering "
-                                              "assumed (id k = the state leaving layer k); set vllm if it was trained "
-                                              "on vLLM's hidden states")
+        conv, why = (
+            FLAT_DEFAULT_CONVENTION,
+            (
+                "a flat config without a convention marker: SpecForge/SGLang's numbering "
+                "assumed (id k = the state leaving layer k); set vllm if it was trained "
+                "on vLLM's hidden states"
+            ),
+        )
     ids = cfg.aux_layer_ids
     if not ids:
         f.problem(where, "no eagle_aux_hidden_state_layer_ids: the layers the drafter reads are unknown")
@@ -212,15 +240,29 @@ def check_pair(src: Model, new: Model, old: Model | None, f: Findings) -> dict:
         except DraftportError as e:
             f.problem(where, str(e).split(": ", 1)[-1])
     if ctx and cfg.max_position_embeddings < ctx:
-        f.note("features.max_new_tokens", f"the drafter's context is {cfg.max_position_embeddings} tokens, the "
-               f"target's {ctx}: answers are kept within the drafter's")
+        f.note(
+            "features.max_new_tokens",
+            f"the drafter's context is {cfg.max_position_embeddings} tokens, the "
+            f"target's {ctx}: answers are kept within the drafter's",
+        )
     if old is not None:
         otc = text_config(old)
         if int(otc.get("hidden_size", -1)) != hidden or int(otc.get("vocab_size", -1)) != vocab:
-            f.problem(f"targets.old ({old.spec})/config.json",
-                      "hidden_size / vocab_size differ from the new target's: the drift probe compares states token by token")
-    return {"cfg": cfg, "convention": conv, "convention_why": why, "aux_ids": list(ids or []),
-            "hidden": hidden, "vocab": vocab, "layers": layers, "ctx": ctx, "target_config": tc}
+            f.problem(
+                f"targets.old ({old.spec})/config.json",
+                "hidden_size / vocab_size differ from the new target's: the drift probe compares states token by token",
+            )
+    return {
+        "cfg": cfg,
+        "convention": conv,
+        "convention_why": why,
+        "aux_ids": list(ids or []),
+        "hidden": hidden,
+        "vocab": vocab,
+        "layers": layers,
+        "ctx": ctx,
+        "target_config": tc,
+    }
 
 
 def check_prompts(train: Path | None, heldout: Path | None, f: Findings) -> dict:
@@ -231,7 +273,7 @@ def check_prompts(train: Path | None, heldout: Path | None, f: Findings) -> dict
         if path is None:
             continue
         if not path.is_file():
-            f.gap(key, f"{path}: no such file yet (JSONL, one {{\"user\": \"...\"}} per line)")
+            f.gap(key, f'{path}: no such file yet (JSONL, one {{"user": "..."}} per line)')
             continue
         rows = []
         with open(path, encoding="utf-8") as fh:
@@ -256,16 +298,21 @@ def check_prompts(train: Path | None, heldout: Path | None, f: Findings) -> dict
                 dups.append((seen[u], lineno))
             seen.setdefault(u, lineno)
         if dups:
-            f.note(key, f"{len(dups)} duplicate prompts (first: line {dups[0][1]} repeats line {dups[0][0]}); "
-                        "they count as samples twice")
+            f.note(
+                key,
+                f"{len(dups)} duplicate prompts (first: line {dups[0][1]} repeats line {dups[0][0]}); "
+                "they count as samples twice",
+            )
         recs[key] = seen
         out["train" if key.endswith("train") else "heldout"] = len(rows)
     if len(recs) == 2:
         both = set(recs["targets.prompts_train"]) & set(recs["targets.prompts_eval_new"])
         if both:
             first = min(recs["targets.prompts_eval_new"][u] for u in both)
-            f.problem(f"{heldout}:{first}", f"{len(both)} held-out prompts are also training prompts "
-                                            "(the held-out set must be disjoint)")
+            f.problem(
+                f"{heldout}:{first}",
+                f"{len(both)} held-out prompts are also training prompts (the held-out set must be disjoint)",
+            )
     return out
 
 
@@ -297,8 +344,15 @@ def _scalar(v) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k}: {_scalar(x)}" for k, x in v.items()) + "}"
     s = str(v)
-    return json.dumps(s) if (not s or re.search(r"[:#{}\[\],&*?|<>=!%@`'\"]|^\s|\s$", s)
-                             or s.lower() in ("null", "true", "false", "yes", "no", "on", "off")) else s
+    return (
+        json.dumps(s)
+        if (
+            not s
+            or re.search(r"[:#{}\[\],&*?|<>=!%@`'\"]|^\s|\s$", s)
+            or s.lower() in ("null", "true", "false", "yes", "no", "on", "off")
+        )
+        else s
+    )
 
 
 def render_yaml(header: list[str], lines: list[Line]) -> str:
@@ -337,36 +391,71 @@ def real_scale(n1: int, n2: int, gpus: int, tp: int, counts: dict | None = None)
     """Batch sizes, training, monitor, curves, the online check and publish for a GPU node (what
     the Kimi profile runs). counts: check_prompts' (whether the prompts carry their own answers)."""
     per = "one process per GPU under torchrun; 8 samples per GPU at seq 2048"
-    train = lambda steps, lr, every, ck: {   # noqa: E731  (one place the three groups share)
-        "steps": steps, "batch_size": BATCH, "lr": lr, "warmup_steps": 60, "ttt_steps": 7, "dtype": "bfloat16",
-        "log_every": 10, "checkpoint_every": ck, "parallel": "ddp", "eval_every": every, "packing": True,
-        "fast": {"attention": "cudnn"}}
+    train = lambda steps, lr, every, ck: {  # noqa: E731  (one place the three groups share)
+        "steps": steps,
+        "batch_size": BATCH,
+        "lr": lr,
+        "warmup_steps": 60,
+        "ttt_steps": 7,
+        "dtype": "bfloat16",
+        "log_every": 10,
+        "checkpoint_every": ck,
+        "parallel": "ddp",
+        "eval_every": every,
+        "packing": True,
+        "fast": {"attention": "cudnn"},
+    }
     s1, s2 = _steps(n1), _steps(n2)
     curve_ns = sorted({nice(n1 / 8), nice(n1 / 4), n1, nice((n1 + n2) / 2), n2})
     return [
         Line("features.batch_size", 8, "prompts per capture batch (sequences up to 2048 tokens)"),
         Line("eval.batch_size", 8, "samples per evaluation batch"),
-        Line("phase1.train", train(s1, 0.0001, 100, 200),
-             f"{EPOCHS} epochs of {n1:,} at batch {BATCH} ({per}); packed rows; cuDNN attention"),
-        Line("phase2.train", {**train(s2, 0.00005, 500, 500), "warmup_steps": 100},
-             f"{EPOCHS} epochs of {n2:,}, half Phase 1's learning rate (it continues Phase 1's drafter)"),
-        Line("monitor", {"n_samples": 512, "k": 7, "batch_size": 16},
-             "held-out tau during training: the training file's last 512 prompts, k = the TTT depth"),
+        Line(
+            "phase1.train",
+            train(s1, 0.0001, 100, 200),
+            f"{EPOCHS} epochs of {n1:,} at batch {BATCH} ({per}); packed rows; cuDNN attention",
+        ),
+        Line(
+            "phase2.train",
+            {**train(s2, 0.00005, 500, 500), "warmup_steps": 100},
+            f"{EPOCHS} epochs of {n2:,}, half Phase 1's learning rate (it continues Phase 1's drafter)",
+        ),
+        Line(
+            "monitor",
+            {"n_samples": 512, "k": 7, "batch_size": 16},
+            "held-out tau during training: the training file's last 512 prompts, k = the TTT depth",
+        ),
         Line("curves.n_samples", curve_ns, "from 1/8 of Phase 1's data to Phase 2's: where fine-tune and scratch meet"),
         Line("curves.seeds", [0, 1, 2], "three seeds per point: the decision's CIs"),
         Line("curves.epochs", EPOCHS, "the budget rule: the same epochs at every n"),
         Line("curves.min_steps", 100, "at least this many steps at the smallest n"),
-        Line("curves.arms_n_samples", [curve_ns[1], n1] if curve_ns[1] < n1 else [n1],
-             "the arms (dataset answers, recipes) at a quarter of Phase 1's n and at Phase 1's"),
+        Line(
+            "curves.arms_n_samples",
+            [curve_ns[1], n1] if curve_ns[1] < n1 else [n1],
+            "the arms (dataset answers, recipes) at a quarter of Phase 1's n and at Phase 1's",
+        ),
         _answers_line(counts or {}),
-        Line("curves.recipes", {"l2sp": {"l2sp_lambda": 0.0001}, "lr_low": {"lr": 0.000025},
-                                "frozen": {"freeze": ["fc", "input_norms"]}},
-             "port recipes beside plain fine-tuning: an L2-SP anchor, a quarter of the lr, fc + input norms kept"),
-        Line("curves.train", train(math.ceil(EPOCHS * n2 / BATCH), 0.0001, 250, 200),
-             "as phase1.train; steps: the budget rule's at the largest n"),
-        Line("online", {"n_prompts": 256, "max_new_tokens": 512, "max_num_seqs": 64, "dtype": "bfloat16",
-                        "tensor_parallel_size": tp},
-             "vLLM serving the drafter next to the offline evaluator (steps online_*; opt-in: online.enabled)"),
+        Line(
+            "curves.recipes",
+            {"l2sp": {"l2sp_lambda": 0.0001}, "lr_low": {"lr": 0.000025}, "frozen": {"freeze": ["fc", "input_norms"]}},
+            "port recipes beside plain fine-tuning: an L2-SP anchor, a quarter of the lr, fc + input norms kept",
+        ),
+        Line(
+            "curves.train",
+            train(math.ceil(EPOCHS * n2 / BATCH), 0.0001, 250, 200),
+            "as phase1.train; steps: the budget rule's at the largest n",
+        ),
+        Line(
+            "online",
+            {
+                "n_prompts": 256,
+                "max_new_tokens": 512,
+                "max_num_seqs": 64,
+                "dtype": "bfloat16",
+                "tensor_parallel_size": tp,
+            },
+            "vLLM serving the drafter next to the offline evaluator (steps online_*; opt-in: online.enabled)",
+        ),
         Line("publish.k", [1, 2, 3, 4, 5, 6, 7], "the model card's accept lengths, up to the TTT depth"),
     ]
 
@@ -375,11 +464,19 @@ def _answers_line(counts: dict) -> Line:
     """curves.answers: on unless the training prompts are there without their own answers."""
     n, with_answers = counts.get("train", 0), counts.get("train_answers", 0)
     if not n:
-        return Line("curves.answers", True, "regenerate or not (R7): needs an 'assistant' answer per training "
-                                            "prompt, the dataset's own (set false when the prompts have none)")
+        return Line(
+            "curves.answers",
+            True,
+            "regenerate or not (R7): needs an 'assistant' answer per training "
+            "prompt, the dataset's own (set false when the prompts have none)",
+        )
     if with_answers < n:
-        return Line("curves.answers", False, f"only {with_answers:,} of the {n:,} training prompts carry an "
-                                             "'assistant' answer: no regenerate-or-not arm")
+        return Line(
+            "curves.answers",
+            False,
+            f"only {with_answers:,} of the {n:,} training prompts carry an "
+            "'assistant' answer: no regenerate-or-not arm",
+        )
     return Line("curves.answers", True, f"regenerate or not (R7): the {n:,} prompts carry their own answers")
 
 
@@ -389,16 +486,22 @@ def resources(tp: int, gpus: int) -> list[Line]:
     train = {"gpu": gpus, "mem_mb": 400000, "threads": 32, "torchrun": True}
     ev = {"gpu": 1, "mem_mb": 128000, "runtime": 240, "threads": 8}
     return [
-        Line("resources.default", {"gpu": 0, "mem_mb": 16000, "runtime": 60, "threads": 4, "torchrun": False},
-             "steps without a GPU"),
+        Line(
+            "resources.default",
+            {"gpu": 0, "mem_mb": 16000, "runtime": 60, "threads": 4, "torchrun": False},
+            "steps without a GPU",
+        ),
         Line("resources.fetch", {"mem_mb": 16000, "runtime": 600, "threads": 8}, "the target's weights"),
         Line("resources.features_new", {**feat, "runtime": 2880}, f"the capture holds the target's {tp} GPU(s)"),
         Line("resources.features_eval", {**feat, "runtime": 600}, ""),
         Line("resources.features_monitor", {**feat, "runtime": 120}, ""),
         Line("resources.features_phase2", {**feat, "runtime": 10080}, ""),
         Line("resources.features_dataset", {**feat, "runtime": 600}, "the dataset's answers: a prefill each"),
-        Line("resources.budget", {**feat, "torchrun": True, "runtime": 20160}, "data.budget adaptive: the "
-             "capture's GPUs; each round's trainings under torchrun over them"),
+        Line(
+            "resources.budget",
+            {**feat, "torchrun": True, "runtime": 20160},
+            "data.budget adaptive: the capture's GPUs; each round's trainings under torchrun over them",
+        ),
         Line("resources.vocab_new", {"mem_mb": 64000, "runtime": 600, "threads": 8}, ""),
         Line("resources.eval_phase0", ev, "one GPU evaluates a drafter"),
         Line("resources.train_phase1_scratch", {**train, "runtime": 720}, node),
@@ -409,14 +512,29 @@ def resources(tp: int, gpus: int) -> list[Line]:
         Line("resources.eval_phase2", ev, ""),
         Line("resources.train_curves", {**train, "runtime": 20160}, node + ": one point at a time"),
         Line("resources.eval_curves", {**ev, "runtime": 600}, ""),
-        Line("resources.online_phase0", {"gpu": tp, "mem_mb": 800000, "runtime": 240, "threads": 16},
-             "vLLM holds the target's GPUs"),
+        Line(
+            "resources.online_phase0",
+            {"gpu": tp, "mem_mb": 800000, "runtime": 240, "threads": 16},
+            "vLLM holds the target's GPUs",
+        ),
         Line("resources.online_phase1", {"gpu": tp, "mem_mb": 800000, "runtime": 240, "threads": 16}, ""),
     ]
 
 
-LIKE_GROUPS = ("vocab_new", "eval", "costmodel", "drift", "monitor", "phase1", "phase2", "curves", "decision",
-               "publish", "online", "resources")
+LIKE_GROUPS = (
+    "vocab_new",
+    "eval",
+    "costmodel",
+    "drift",
+    "monitor",
+    "phase1",
+    "phase2",
+    "curves",
+    "decision",
+    "publish",
+    "online",
+    "resources",
+)
 
 
 def like_lines(like: Path, n1: int, n2: int) -> list[Line]:
@@ -444,26 +562,49 @@ def like_lines(like: Path, n1: int, n2: int) -> list[Line]:
     return out
 
 
-def build(name: str, *, source: str, target_new: str, target_old: str | None = None,
-          prompts: Path | None = None, prompts_eval: Path | None = None, regenerate: str = "local",
-          base_url: str | None = None, served_model: str | None = None, cache_dir=None, offline: bool = False,
-          trust_remote_code: bool = False, like: Path | None = None, gpus: int = 8,
-          phase1_samples: int | None = None, phase2_samples: int | None = None,
-          baseline_tok_s: float | None = None, verify_ms: float | None = None, draft_ms: float | None = None,
-          reference: str | None = None, pin: bool = True, read_offline: bool | None = None,
-          out: Path | None = None, force: bool = False) -> dict:
+def build(
+    name: str,
+    *,
+    source: str,
+    target_new: str,
+    target_old: str | None = None,
+    prompts: Path | None = None,
+    prompts_eval: Path | None = None,
+    regenerate: str = "local",
+    base_url: str | None = None,
+    served_model: str | None = None,
+    cache_dir=None,
+    offline: bool = False,
+    trust_remote_code: bool = False,
+    like: Path | None = None,
+    gpus: int = 8,
+    phase1_samples: int | None = None,
+    phase2_samples: int | None = None,
+    baseline_tok_s: float | None = None,
+    verify_ms: float | None = None,
+    draft_ms: float | None = None,
+    reference: str | None = None,
+    pin: bool = True,
+    read_offline: bool | None = None,
+    out: Path | None = None,
+    force: bool = False,
+) -> dict:
     """Check the pair and write configs/NAME.yaml (atomically; nothing when a problem is found).
     -> {"path", "problems", "gaps", "notes", "profile" (the validated params), "text"}."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise DraftportError("NAME", f"{name!r}: letters, digits, '.', '_' and '-' only (it names configs/NAME.yaml "
-                             "and the MLflow experiment)")
+        raise DraftportError(
+            "NAME",
+            f"{name!r}: letters, digits, '.', '_' and '-' only (it names configs/NAME.yaml and the MLflow experiment)",
+        )
     if regenerate not in ("local", "openai"):
         raise DraftportError("--regenerate", f"{regenerate!r}: local or openai")
     if regenerate == "openai" and not base_url:
         raise DraftportError("--base-url", "needed with --regenerate openai (the served target's /v1 address)")
     path = out or Path("configs") / f"{name}.yaml"
     if path.exists() and not force:
-        raise DraftportError(path, "exists: pass --force to replace it (the old file is kept until the new one is whole)")
+        raise DraftportError(
+            path, "exists: pass --force to replace it (the old file is kept until the new one is whole)"
+        )
     f = Findings()
     # offline: what the profile's fetch does; read_offline: how init itself reads (HF_HUB_OFFLINE too)
     ro = offline if read_offline is None else read_offline
@@ -477,8 +618,13 @@ def build(name: str, *, source: str, target_new: str, target_old: str | None = N
     train_path = prompts or data_dir / "train.jsonl"
     eval_path = prompts_eval or data_dir / "heldout.jsonl"
     counts = check_prompts(train_path, eval_path, f)
-    rep = {"path": str(path), "problems": f.problems, "gaps": f.gaps, "notes": f.notes,
-           "target_config": str(new.folder / "config.json")}
+    rep = {
+        "path": str(path),
+        "problems": f.problems,
+        "gaps": f.gaps,
+        "notes": f.notes,
+        "target_config": str(new.folder / "config.json"),
+    }
     if f.problems or not pair:
         return rep
 
@@ -499,108 +645,191 @@ def build(name: str, *, source: str, target_new: str, target_old: str | None = N
     # Phase 2 takes every usable prompt (200K while the file is not there yet); Phase 1 a fifth,
     # at most the 37K of the Kimi case
     if n_train and usable < 2 and not f.problems:
-        f.problem(train_path, f"{n_train} prompts: the training monitor holds back {mon} of them (monitor.n_samples), "
-                              "which leaves too few for Phase 1 and Phase 2")
+        f.problem(
+            train_path,
+            f"{n_train} prompts: the training monitor holds back {mon} of them (monitor.n_samples), "
+            "which leaves too few for Phase 1 and Phase 2",
+        )
         return rep
     n2 = phase2_samples or (usable if n_train else 200000)
     n1 = phase1_samples or min(37000, max(1, n2 // 5))
     if n_train and n2 > usable:
-        f.problem("--phase2-samples", f"{n2} but {train_path} holds {n_train} prompts, {mon} of them held out for the "
-                                      "training monitor")
+        f.problem(
+            "--phase2-samples",
+            f"{n2} but {train_path} holds {n_train} prompts, {mon} of them held out for the training monitor",
+        )
     if n1 >= n2:
         f.problem("--phase1-samples", f"{n1} must be below Phase 2's {n2} (Phase 2 scales the data)")
     if f.problems:
         return rep
     if not n_train:  # say how many the plan needs where the missing file is named
-        f.gaps[:] = [(w, f"{what}; the plan needs {n2 + mon:,}: Phase 2's {n2:,} and the monitor's {mon}")
-                  if w == "targets.prompts_train" else (w, what) for w, what in f.gaps]
+        f.gaps[:] = [
+            (w, f"{what}; the plan needs {n2 + mon:,}: Phase 2's {n2:,} and the monitor's {mon}")
+            if w == "targets.prompts_train"
+            else (w, what)
+            for w, what in f.gaps
+        ]
 
     cfg, conv = pair["cfg"], pair["convention"]
     remote = needs_remote_code(new) or needs_remote_code(src)
     pin_src = src.commit or ("local folder" if src.repo_id is None else None)
     ref = split_spec(reference) if reference else None
-    lines = [Line("profile", name, "the MLflow experiment is draftport-<profile>"),
-             Line("world.build", False, "a real pair: no embedded world"),
-             Line("source.repo_id", src.repo_id or _as_path(src.folder), "the drafter trained for the old target"),
-             Line("source.revision", src.commit or (src.revision or "main"),
-                  f"pinned: the commit {src.revision or 'main'} resolved to" if src.commit else
-                  "local folder: its files are hashed into the lock file" if src.repo_id is None else
-                  "NOT PINNED: run init again without --no-pin (online, or with the repo in the cache) to pin it"),
-             Line("source.cache_dir", str(cache_dir) if cache_dir else None,
-                  "the hub cache init read" if cache_dir else "the default HF cache (HF_HOME)"),
-             Line("source.offline", bool(offline), "only the cache" if offline else "the hub may be reached"),
-             Line("source.lock_file", f"configs/{name}.source.lock.json", "every file's sha256: a later fetch must match"),
-             Line("targets.new", new.repo_id or str(new.folder), _target_why(new, pair, pin)),
-             *([Line("reference.repo_id", ref[0], "an upper bound for Phase 0: a drafter trained for the new "
-                     "target itself, evaluated next to the source"),
+    lines = [
+        Line("profile", name, "the MLflow experiment is draftport-<profile>"),
+        Line("world.build", False, "a real pair: no embedded world"),
+        Line("source.repo_id", src.repo_id or _as_path(src.folder), "the drafter trained for the old target"),
+        Line(
+            "source.revision",
+            src.commit or (src.revision or "main"),
+            f"pinned: the commit {src.revision or 'main'} resolved to"
+            if src.commit
+            else "local folder: its files are hashed into the lock file"
+            if src.repo_id is None
+            else "NOT PINNED: run init again without --no-pin (online, or with the repo in the cache) to pin it",
+        ),
+        Line(
+            "source.cache_dir",
+            str(cache_dir) if cache_dir else None,
+            "the hub cache init read" if cache_dir else "the default HF cache (HF_HOME)",
+        ),
+        Line("source.offline", bool(offline), "only the cache" if offline else "the hub may be reached"),
+        Line("source.lock_file", f"configs/{name}.source.lock.json", "every file's sha256: a later fetch must match"),
+        Line("targets.new", new.repo_id or str(new.folder), _target_why(new, pair, pin)),
+        *(
+            [
+                Line(
+                    "reference.repo_id",
+                    ref[0],
+                    "an upper bound for Phase 0: a drafter trained for the new "
+                    "target itself, evaluated next to the source",
+                ),
                 Line("reference.revision", ref[1] or "main", "as given"),
-                Line("reference.note", f"trained for {new.spec} (upper bound)", "shown in the report")] if ref else []),
-             Line("targets.old", (old.repo_id or str(old.folder)) if old else None,
-                  "the old target: the source's home (Phase 0 on it, the drift probe)" if old else
-                  "not given: no source-on-old reference, no drift probe"),
-             Line("targets.prompts_train", str(train_path), f"{n_train:,} prompts" if n_train else "not there yet"),
-             Line("targets.prompts_eval_new", str(eval_path), f"{n_eval:,} held-out prompts" if n_eval else "not there yet"),
-             Line("targets.prompts_eval_old", None, "the old target's held-out set: optional"),
-             Line("targets.trust_remote_code", [x for x in (new.repo_id, old.repo_id if old else None) if x]
-                  if remote and trust_remote_code else [],
-                  "its own code (auto_map) runs: you said --trust-remote-code" if remote and trust_remote_code else
-                  "the target needs its own code (auto_map): run init with --trust-remote-code if you trust it"
-                  if remote else "transformers' own classes: no repo code runs"),
-             Line("features.aux_layer_ids", pair["aux_ids"], "the drafter's eagle_aux_hidden_state_layer_ids "
-                  f"({pair['layers']}-layer target)"),
-             Line("features.aux_convention", conv, pair["convention_why"]),
-             Line("features.max_new_tokens", min(2048, cfg.max_position_embeddings),
-                  "answers up to this many tokens (within the drafter's context)"),
-             Line("features.dtype", "bfloat16", "the hidden states on disk"),
-             Line("features.device", "cuda", "the capture runs on GPUs"),
-             Line("features.engine", "vllm" if big else "transformers",
-                  f"~{weight_bytes / 1e9:,.0f} GB of bf16 weights: vLLM extract_hidden_states over {tp} GPUs"
-                  if big else "the target fits one GPU: transformers in-process"),
-             Line("features.tensor_parallel_size", tp, "GPUs the target is sharded over"),
-             Line("features.regenerate", regenerate,
-                  "the answers from the target served at base_url (another job or node)" if regenerate == "openai"
-                  else "the answers are generated in the capture step itself"),
-             Line("features.base_url", base_url, "the served target (OpenAI-compatible: vLLM or SGLang)"
-                  if base_url else "not used (regenerate local)"),
-             Line("features.served_model", served_model or (new.repo_id if regenerate == "openai" else None),
-                  "the model name the server knows the target by" if regenerate == "openai" else "not used"),
-             Line("features.eval_samples", min(1000, n_eval) if n_eval else 1000, "held-out prompts per eval set"),
-             Line("vocab_new.draft_vocab_size", cfg.draft_vocab_size, "the source's draft vocab: lm_head keeps its shape"),
-             Line("eval.k", 3, "draft tokens per verify cycle (set your engine's: SGLang steps, vLLM num_speculative_tokens)"),
-             Line("drift.enabled", old is not None, "needs the old target" if old is None else
-                  "the old and new targets on the same tokens"),
-             Line("costmodel.baseline_tok_s", baseline_tok_s if baseline_tok_s else 82.0,
-                  "measured (--baseline-tok-s)" if baseline_tok_s else
-                  "PLACEHOLDER: your target's tok/s without a drafter"),
-             Line("costmodel.verify_ms", verify_ms if verify_ms else 30.0,
-                  "measured (--verify-ms)" if verify_ms else "PLACEHOLDER: one verify step of your deployment, ms"),
-             Line("costmodel.draft_ms", draft_ms if draft_ms is not None else 0.0,
-                  "measured (--draft-ms)" if draft_ms is not None else "0: drafting counted inside verify_ms"),
-             Line("phase1.n_samples", n1, "new-target samples of Phase 1 (and of the control)"),
-             Line("phase2.n_samples", n2, "Phase 2's total, Phase 1's included")]
+                Line("reference.note", f"trained for {new.spec} (upper bound)", "shown in the report"),
+            ]
+            if ref
+            else []
+        ),
+        Line(
+            "targets.old",
+            (old.repo_id or str(old.folder)) if old else None,
+            "the old target: the source's home (Phase 0 on it, the drift probe)"
+            if old
+            else "not given: no source-on-old reference, no drift probe",
+        ),
+        Line("targets.prompts_train", str(train_path), f"{n_train:,} prompts" if n_train else "not there yet"),
+        Line("targets.prompts_eval_new", str(eval_path), f"{n_eval:,} held-out prompts" if n_eval else "not there yet"),
+        Line("targets.prompts_eval_old", None, "the old target's held-out set: optional"),
+        Line(
+            "targets.trust_remote_code",
+            [x for x in (new.repo_id, old.repo_id if old else None) if x] if remote and trust_remote_code else [],
+            "its own code (auto_map) runs: you said --trust-remote-code"
+            if remote and trust_remote_code
+            else "the target needs its own code (auto_map): run init with --trust-remote-code if you trust it"
+            if remote
+            else "transformers' own classes: no repo code runs",
+        ),
+        Line(
+            "features.aux_layer_ids",
+            pair["aux_ids"],
+            f"the drafter's eagle_aux_hidden_state_layer_ids ({pair['layers']}-layer target)",
+        ),
+        Line("features.aux_convention", conv, pair["convention_why"]),
+        Line(
+            "features.max_new_tokens",
+            min(2048, cfg.max_position_embeddings),
+            "answers up to this many tokens (within the drafter's context)",
+        ),
+        Line("features.dtype", "bfloat16", "the hidden states on disk"),
+        Line("features.device", "cuda", "the capture runs on GPUs"),
+        Line(
+            "features.engine",
+            "vllm" if big else "transformers",
+            f"~{weight_bytes / 1e9:,.0f} GB of bf16 weights: vLLM extract_hidden_states over {tp} GPUs"
+            if big
+            else "the target fits one GPU: transformers in-process",
+        ),
+        Line("features.tensor_parallel_size", tp, "GPUs the target is sharded over"),
+        Line(
+            "features.regenerate",
+            regenerate,
+            "the answers from the target served at base_url (another job or node)"
+            if regenerate == "openai"
+            else "the answers are generated in the capture step itself",
+        ),
+        Line(
+            "features.base_url",
+            base_url,
+            "the served target (OpenAI-compatible: vLLM or SGLang)" if base_url else "not used (regenerate local)",
+        ),
+        Line(
+            "features.served_model",
+            served_model or (new.repo_id if regenerate == "openai" else None),
+            "the model name the server knows the target by" if regenerate == "openai" else "not used",
+        ),
+        Line("features.eval_samples", min(1000, n_eval) if n_eval else 1000, "held-out prompts per eval set"),
+        Line("vocab_new.draft_vocab_size", cfg.draft_vocab_size, "the source's draft vocab: lm_head keeps its shape"),
+        Line(
+            "eval.k", 3, "draft tokens per verify cycle (set your engine's: SGLang steps, vLLM num_speculative_tokens)"
+        ),
+        Line(
+            "drift.enabled",
+            old is not None,
+            "needs the old target" if old is None else "the old and new targets on the same tokens",
+        ),
+        Line(
+            "costmodel.baseline_tok_s",
+            baseline_tok_s if baseline_tok_s else 82.0,
+            "measured (--baseline-tok-s)" if baseline_tok_s else "PLACEHOLDER: your target's tok/s without a drafter",
+        ),
+        Line(
+            "costmodel.verify_ms",
+            verify_ms if verify_ms else 30.0,
+            "measured (--verify-ms)" if verify_ms else "PLACEHOLDER: one verify step of your deployment, ms",
+        ),
+        Line(
+            "costmodel.draft_ms",
+            draft_ms if draft_ms is not None else 0.0,
+            "measured (--draft-ms)" if draft_ms is not None else "0: drafting counted inside verify_ms",
+        ),
+        Line("phase1.n_samples", n1, "new-target samples of Phase 1 (and of the control)"),
+        Line("phase2.n_samples", n2, "Phase 2's total, Phase 1's included"),
+    ]
     if like is not None:
         have = {ln.key for ln in lines}
         lines += [ln for ln in like_lines(like, n1, n2) if ln.key not in have or ln.key.startswith("features.")]
         lines = _dedupe(lines)
         if n_eval:  # never more held-out samples than the held-out file holds
-            lines = [Line(ln.key, min(ln.value, n_eval), f"{ln.why}, at most the {n_eval} held-out prompts")
-                     if ln.key == "features.eval_samples" else ln for ln in lines]
+            lines = [
+                Line(ln.key, min(ln.value, n_eval), f"{ln.why}, at most the {n_eval} held-out prompts")
+                if ln.key == "features.eval_samples"
+                else ln
+                for ln in lines
+            ]
     else:
         lines += real_scale(n1, n2, gpus, tp, counts) + resources(tp, gpus)
     if not (baseline_tok_s and verify_ms):
-        f.gap("costmodel", "baseline_tok_s / verify_ms are placeholders: measure them on your deployment "
-                           "(docs: your own model pair) or pass --baseline-tok-s / --verify-ms")
+        f.gap(
+            "costmodel",
+            "baseline_tok_s / verify_ms are placeholders: measure them on your deployment "
+            "(docs: your own model pair) or pass --baseline-tok-s / --verify-ms",
+        )
     if remote and not trust_remote_code:
-        f.gap("targets.trust_remote_code", f"{new.spec} needs its own code (auto_map): run init with --trust-remote-code")
+        f.gap(
+            "targets.trust_remote_code", f"{new.spec} needs its own code (auto_map): run init with --trust-remote-code"
+        )
     if pin_src is None:
-        f.gap("source.revision", f"{src.revision or 'main'} is a branch, not a commit: run init again without "
-                                 "--no-pin to pin it")
+        f.gap(
+            "source.revision",
+            f"{src.revision or 'main'} is a branch, not a commit: run init again without --no-pin to pin it",
+        )
     if regenerate == "openai":
         f.gap("features.base_url", f"{base_url}: serve the new target there before the feature steps run")
 
-    header = [f"{name}: {src.spec} (drafter) -> {new.spec} (new target), written by `draftport init`.",
-              f"  snakemake --configfile=configs/{name}.yaml --cores 8 decision",
-              "Each value says why it is there; edit freely, then `snakemake -n` shows what reruns."]
+    header = [
+        f"{name}: {src.spec} (drafter) -> {new.spec} (new target), written by `draftport init`.",
+        f"  snakemake --configfile=configs/{name}.yaml --cores 8 decision",
+        "Each value says why it is there; edit freely, then `snakemake -n` shows what reruns.",
+    ]
     text = render_yaml(header, lines)
     profile = P.validate(P.merge(P.read_yaml(P.PARAMS_FILE), yaml.safe_load(text)))
     rep.update(profile=profile, text=text)
@@ -617,8 +846,10 @@ def _target_why(m: Model, pair: dict, pin: bool = True) -> str:
     tc = pair["target_config"]
     pin = f" at {m.commit[:12]}" if m.commit and pin else ""
     wrapper = " (a multimodal wrapper: its text decoder, text_config)" if tc is not m.config else ""
-    return (f"{tc.get('model_type', '?')}, {pair['layers']} layers, hidden {pair['hidden']}, vocab {pair['vocab']}"
-            f"{pin}{wrapper}")
+    return (
+        f"{tc.get('model_type', '?')}, {pair['layers']} layers, hidden {pair['hidden']}, vocab {pair['vocab']}"
+        f"{pin}{wrapper}"
+    )
 
 
 def _dedupe(lines: list[Line]) -> list[Line]:
@@ -638,7 +869,9 @@ def _dedupe(lines: list[Line]) -> list[Line]:
 def write(rep: dict, force: bool = False) -> Path:
     path = Path(rep["path"])
     if path.exists() and not force:
-        raise DraftportError(path, "exists: pass --force to replace it (the old file is kept until the new one is whole)")
+        raise DraftportError(
+            path, "exists: pass --force to replace it (the old file is kept until the new one is whole)"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, rep["text"])
     return path

@@ -51,9 +51,11 @@ from draftport.files import atomic_dir
 from draftport.engines.export import export_problems
 
 PHASES = ("phase1_scratch", "phase1", "phase2")
-HOW = {"phase1_scratch": "trained from a random init on the new target's own answers (Phase 1's control)",
-       "phase1": "the source drafter fine-tuned on the new target's own answers (Phase 1)",
-       "phase2": "Phase 1's fine-tuned drafter trained further on more of the new target's answers (Phase 2)"}
+HOW = {
+    "phase1_scratch": "trained from a random init on the new target's own answers (Phase 1's control)",
+    "phase1": "the source drafter fine-tuned on the new target's own answers (Phase 1)",
+    "phase2": "Phase 1's fine-tuned drafter trained further on more of the new target's answers (Phase 2)",
+}
 CARD = "README.md"
 INDEX = "model.safetensors.index.json"
 
@@ -61,17 +63,26 @@ INDEX = "model.safetensors.index.json"
 def _hub_file(name: str) -> bool:
     """What a published folder holds: config.json, the weights (one file or shards + index), the card."""
     return name in ("config.json", INDEX, CARD) or name.endswith(".safetensors")
+
+
 ENGINE_OFFLINE = "draftport offline evaluator"
-TAU_DEFINITION = ("tau = 1 + accepted draft tokens / verify cycles: the bonus token counted (vLLM's \"Mean "
-                  "acceptance length\", SGLang's accept length). Greedy, one chain of k draft tokens per cycle "
-                  "(no tree); offline, the drafter drafts exactly as vLLM's EAGLE-3 proposer does (the target's "
-                  "states for the verified prefix, its own state for drafted tokens) and a draft counts when it "
-                  "equals the target's greedy token.")
+TAU_DEFINITION = (
+    "tau = 1 + accepted draft tokens / verify cycles: the bonus token counted (vLLM's \"Mean "
+    "acceptance length\", SGLang's accept length). Greedy, one chain of k draft tokens per cycle "
+    "(no tree); offline, the drafter drafts exactly as vLLM's EAGLE-3 proposer does (the target's "
+    "states for the verified prefix, its own state for drafted tokens) and a draft counts when it "
+    "equals the target's greedy token."
+)
 
 
 def _is_hub_id(v) -> bool:
-    return isinstance(v, str) and v.count("/") == 1 and not v.startswith((".", "/")) and not v.endswith("/") \
+    return (
+        isinstance(v, str)
+        and v.count("/") == 1
+        and not v.startswith((".", "/"))
+        and not v.endswith("/")
         and not Path(v).exists()
+    )
 
 
 # ---- which drafter ------------------------------------------------------------------------------
@@ -79,8 +90,9 @@ def choose_phase(decision: dict | None, phase: str | None = None) -> tuple[str, 
     """(phase, why): a named phase, else the decision's recommendation (module docstring)."""
     if phase is not None:
         if phase not in PHASES:
-            raise DraftportError("publish.phase", f"must be one of {', '.join(PHASES)} (or null: the decision's), "
-                                 f"got {phase!r}")
+            raise DraftportError(
+                "publish.phase", f"must be one of {', '.join(PHASES)} (or null: the decision's), got {phase!r}"
+            )
         return phase, f"named: publish.phase = {phase}"
     if decision is None:
         raise DraftportError("publish.phase", "null (the decision's choice) but there is no decision.json")
@@ -93,22 +105,37 @@ def choose_phase(decision: dict | None, phase: str | None = None) -> tuple[str, 
 
 
 # ---- tau on the published folder ------------------------------------------------------------------
-def tau_table(folder, target_dir, features_dir, ks, *, batch_size: int = 32, max_samples: int | None = None,
-              boot: dict | None = None, costmodel: dict | None = None) -> list[dict]:
+def tau_table(
+    folder,
+    target_dir,
+    features_dir,
+    ks,
+    *,
+    batch_size: int = 32,
+    max_samples: int | None = None,
+    boot: dict | None = None,
+    costmodel: dict | None = None,
+) -> list[dict]:
     """draftport's offline tau of `folder` at each k (its CI over prompts with boot = {n_boot, level,
     seed}; projected tok/s with costmodel = {baseline_tok_s, verify_ms, draft_ms})."""
     rows = []
     for k in ks:
         res = evaluate_drafter(folder, target_dir, features_dir, k=k, batch_size=batch_size, max_samples=max_samples)
-        row = {"k": k, "engine": ENGINE_OFFLINE, "accept_length": res["accept_length"],
-               "accept_rate_pos": [res[f"accept_rate_pos_{i}"] for i in range(k)],
-               "num_cycles": res["num_cycles"], "prompts": res["eval_samples"]}
+        row = {
+            "k": k,
+            "engine": ENGINE_OFFLINE,
+            "accept_length": res["accept_length"],
+            "accept_rate_pos": [res[f"accept_rate_pos_{i}"] for i in range(k)],
+            "num_cycles": res["num_cycles"],
+            "prompts": res["eval_samples"],
+        }
         if boot:
             ps = res["per_sample"]
             row["ci"] = tau_ci(ps["accepted"], ps["cycles"], where=f"tau at k={k}", **boot)["ci"]
         if costmodel:
-            row["projected_tok_s"] = CostModel(costmodel["baseline_tok_s"], costmodel["verify_ms"],
-                                               costmodel["draft_ms"], k=k).tok_s(res["accept_length"])
+            row["projected_tok_s"] = CostModel(
+                costmodel["baseline_tok_s"], costmodel["verify_ms"], costmodel["draft_ms"], k=k
+            ).tok_s(res["accept_length"])
         rows.append(row)
     return rows
 
@@ -128,73 +155,129 @@ def model_card(facts: dict) -> str:
     f = facts
     repo = f["repo_id"] or f"./{f['folder']}"
     base, k, ids = f["base_model"], f["k"], f["aux"]["ids"]
-    data = ModelCardData(base_model=base, library_name=f["library_name"], tags=list(f["tags"]),
-                         license=f.get("license"))
+    data = ModelCardData(
+        base_model=base, library_name=f["library_name"], tags=list(f["tags"]), license=f.get("license")
+    )
     src = f["source"]
-    lines = [f"# {f['repo_id'] or f['folder']}", "",
-             f"An EAGLE-3 draft model for speculative decoding with [{base}]({_link(base)}): {HOW[f['phase']]}. "
-             f"Ported by draftport from [{src['repo_id']}]({_link(src['repo_id'])}) at revision `{src['commit']}`.", "",
-             "## Accept length", "",
-             "| k | tau | CI | engine | prompts | verify cycles | accepted at position 0..k-1 | projected tok/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {f['repo_id'] or f['folder']}",
+        "",
+        f"An EAGLE-3 draft model for speculative decoding with [{base}]({_link(base)}): {HOW[f['phase']]}. "
+        f"Ported by draftport from [{src['repo_id']}]({_link(src['repo_id'])}) at revision `{src['commit']}`.",
+        "",
+        "## Accept length",
+        "",
+        "| k | tau | CI | engine | prompts | verify cycles | accepted at position 0..k-1 | projected tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in f["taus"]:
         ci = f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" if r.get("ci") else "-"
         rates = ", ".join(f"{x:.3f}" for x in r["accept_rate_pos"]) if r.get("accept_rate_pos") else "-"
-        lines.append(f"| {r['k']} | {r['accept_length']:.3f} | {ci} | {r['engine']} | {r.get('prompts', '-')} | "
-                     f"{r.get('num_cycles', '-')} | {rates} | {_fmt(r.get('projected_tok_s'), 1)} |")
+        lines.append(
+            f"| {r['k']} | {r['accept_length']:.3f} | {ci} | {r['engine']} | {r.get('prompts', '-')} | "
+            f"{r.get('num_cycles', '-')} | {rates} | {_fmt(r.get('projected_tok_s'), 1)} |"
+        )
     ev = f["evaluation"]
-    lines += ["", TAU_DEFINITION, "",
-              f"Measured on {ev['prompts']} held-out prompts answered by {ev['target']} itself (greedy), on this "
-              f"folder as published; the phase's own evaluation (k = {k}) gave the same tau. CIs: "
-              f"{100 * ev['level']:g}% percentile bootstrap over prompts ({ev['n_boot']} draws). Projected tok/s: "
-              f"tau / (verify + k x draft time) at {ev['costmodel']['baseline_tok_s']:g} tok/s and "
-              f"{ev['costmodel']['verify_ms']:g} ms per verify without a drafter (break-even tau "
-              f"{ev['break_even']:.2f} at k = {k}): a model, not a measurement of this drafter's speed.", "",
-              "## Training data", ""]
+    lines += [
+        "",
+        TAU_DEFINITION,
+        "",
+        f"Measured on {ev['prompts']} held-out prompts answered by {ev['target']} itself (greedy), on this "
+        f"folder as published; the phase's own evaluation (k = {k}) gave the same tau. CIs: "
+        f"{100 * ev['level']:g}% percentile bootstrap over prompts ({ev['n_boot']} draws). Projected tok/s: "
+        f"tau / (verify + k x draft time) at {ev['costmodel']['baseline_tok_s']:g} tok/s and "
+        f"{ev['costmodel']['verify_ms']:g} ms per verify without a drafter (break-even tau "
+        f"{ev['break_even']:.2f} at k = {k}): a model, not a measurement of this drafter's speed.",
+        "",
+        "## Training data",
+        "",
+    ]
     for d in f["data"]:
-        lines.append(f"- {d['phase']}: {d['samples']} samples, {d['tokens']} tokens: the new target's "
-                     f"{'own greedy answers' if d.get('regenerated') else 'answers (teacher-forced)'} to the prompts "
-                     f"of `{d['prompts']}` from line {d['offset'] + 1}, with its hidden states at aux layers {ids}.")
+        lines.append(
+            f"- {d['phase']}: {d['samples']} samples, {d['tokens']} tokens: the new target's "
+            f"{'own greedy answers' if d.get('regenerated') else 'answers (teacher-forced)'} to the prompts "
+            f"of `{d['prompts']}` from line {d['offset'] + 1}, with its hidden states at aux layers {ids}."
+        )
     for t in f["training"]:
         extra = ""
         if t.get("lm_head_rows_kept") is not None:
-            extra = (f"; lm_head moved onto the new draft map by target id ({t['lm_head_rows_kept']} rows kept, "
-                     f"{t['lm_head_rows_new']} new)")
-        lines.append(f"- {t['phase']} training: init {t['init']}, {t['train_steps']} steps, final loss "
-                     f"{_fmt(t.get('final_loss'))}{extra}.")
+            extra = (
+                f"; lm_head moved onto the new draft map by target id ({t['lm_head_rows_kept']} rows kept, "
+                f"{t['lm_head_rows_new']} new)"
+            )
+        lines.append(
+            f"- {t['phase']} training: init {t['init']}, {t['train_steps']} steps, final loss "
+            f"{_fmt(t.get('final_loss'))}{extra}."
+        )
     asked = f" (requested revision `{src['requested_revision']}`)" if src.get("requested_revision") else ""
     home = f"`{src['verifier']}`" if src.get("verifier") else "the old target"
-    lines += ["", "## Lineage", "",
-              f"`{src['repo_id']}@{src['commit']}`{asked}, trained for {home} -> " + " -> ".join(f["chain"])
-              + f" -> this drafter, for `{base}` (as draftport found it: `{f['target']['id']}` revision "
-              f"`{f['target']['revision']}`).",
-              "", f"model.safetensors holds the phase's tensors bit for bit, plus {f['embed_note']}.", "",
-              "## Aux layers", "",
-              f"`eagle_config.eagle_aux_hidden_state_layer_ids` = {ids}, in vLLM's numbering (config.json "
-              "`draftport_aux_convention: vllm`): id i is the hidden state entering decoder layer i "
-              "(transformers' `hidden_states[i]`). SGLang numbers the state leaving layer i, so the same states "
-              + (f"are {_sglang_ids(ids)} in SGLang's numbering: serve SGLang a copy whose config lists those."
-                 if _sglang_ids(ids) else "include the embedding output (id 0), which SGLang cannot read as an aux "
-                 "state: serve this drafter with vLLM."), "",
-              "## Serving", "", "vLLM:", "", "```bash",
-              f"vllm serve {base} --speculative-config "
-              + "'" + json.dumps({"method": "eagle3", "model": repo, "num_speculative_tokens": k}) + "'",
-              "```", "", "SGLang (see Aux layers):", "", "```bash",
-              f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
-              f"--speculative-draft-model-path {repo} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-              f"--speculative-num-draft-tokens {k + 1}", "```", "",
-              "## Taking it further with speculators", "",
-              "speculators 0.9.0 converts this folder without loss (every tensor renamed, bit for bit). Its "
-              "converter ignores `eagle_config` (the aux ids must be passed, else it takes the verifier's default "
-              "layers) and defaults norm_before_residual to false, so pass both:", "", "```bash",
-              convert_command(repo, base, f"{f['folder']}-speculators", f["cfg"]), "```", "",
-              "## Why this drafter", "", f"{f['why'][:1].upper()}{f['why'][1:]}.", ""]
+    lines += [
+        "",
+        "## Lineage",
+        "",
+        f"`{src['repo_id']}@{src['commit']}`{asked}, trained for {home} -> "
+        + " -> ".join(f["chain"])
+        + f" -> this drafter, for `{base}` (as draftport found it: `{f['target']['id']}` revision "
+        f"`{f['target']['revision']}`).",
+        "",
+        f"model.safetensors holds the phase's tensors bit for bit, plus {f['embed_note']}.",
+        "",
+        "## Aux layers",
+        "",
+        f"`eagle_config.eagle_aux_hidden_state_layer_ids` = {ids}, in vLLM's numbering (config.json "
+        "`draftport_aux_convention: vllm`): id i is the hidden state entering decoder layer i "
+        "(transformers' `hidden_states[i]`). SGLang numbers the state leaving layer i, so the same states "
+        + (
+            f"are {_sglang_ids(ids)} in SGLang's numbering: serve SGLang a copy whose config lists those."
+            if _sglang_ids(ids)
+            else "include the embedding output (id 0), which SGLang cannot read as an aux "
+            "state: serve this drafter with vLLM."
+        ),
+        "",
+        "## Serving",
+        "",
+        "vLLM:",
+        "",
+        "```bash",
+        f"vllm serve {base} --speculative-config "
+        + "'"
+        + json.dumps({"method": "eagle3", "model": repo, "num_speculative_tokens": k})
+        + "'",
+        "```",
+        "",
+        "SGLang (see Aux layers):",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {repo} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {k + 1}",
+        "```",
+        "",
+        "## Taking it further with speculators",
+        "",
+        "speculators 0.9.0 converts this folder without loss (every tensor renamed, bit for bit). Its "
+        "converter ignores `eagle_config` (the aux ids must be passed, else it takes the verifier's default "
+        "layers) and defaults norm_before_residual to false, so pass both:",
+        "",
+        "```bash",
+        convert_command(repo, base, f"{f['folder']}-speculators", f["cfg"]),
+        "```",
+        "",
+        "## Why this drafter",
+        "",
+        f"{f['why'][:1].upper()}{f['why'][1:]}.",
+        "",
+    ]
     if f.get("decision"):
         lines += ["```", *f["decision"], "```", ""]
-    lines += ["## Files", "",
-              "- `config.json`: the flat EAGLE-3 layout vLLM and SGLang load (`LlamaForCausalLMEagle3`), "
-              f"`verifier: {base}`.",
-              f"- `model.safetensors`: {', '.join(f['tensors'])}.", ""]
+    lines += [
+        "## Files",
+        "",
+        "- `config.json`: the flat EAGLE-3 layout vLLM and SGLang load (`LlamaForCausalLMEagle3`), "
+        f"`verifier: {base}`.",
+        f"- `model.safetensors`: {', '.join(f['tensors'])}.",
+        "",
+    ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
@@ -233,20 +316,26 @@ def check_folder(folder, target_dir, *, embed_tokens: str | None = "target", dra
             problems.append(f"config.json names verifier {raw.get('verifier')!r}, the card's base_model is {base!r}")
         load_drafter_state(folder)  # keys, shapes and the vocab maps, as every draftport step reads a drafter
         if drafter_dir is not None:
+
             def table(d):
                 out = {}
                 for f in sorted(Path(d).glob("*.safetensors")):
                     out.update(read_header(f)[0])
                 return out
+
             mine, theirs = table(folder), table(drafter_dir)
             theirs.pop("embed_tokens.weight", None)
             names = set(mine) - {"embed_tokens.weight"}
             if names != set(theirs):
                 problems.append(f"tensors {sorted(names ^ set(theirs))} differ between the folder and {drafter_dir}")
             else:
+
                 def same(n):
                     a, b = mine[n], theirs[n]
-                    return (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)) and tensor_sha256(a) == tensor_sha256(b)
+                    return (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)) and tensor_sha256(a) == tensor_sha256(
+                        b
+                    )
+
                 bad = sorted(n for n in names if not same(n))
                 if bad:
                     problems.append(f"tensors not bit-identical to {drafter_dir}'s: {', '.join(bad)}")
@@ -256,8 +345,18 @@ def check_folder(folder, target_dir, *, embed_tokens: str | None = "target", dra
     return {"base_model": base, "files": files, "bytes": sum((folder / n).stat().st_size for n in files)}
 
 
-def publish_drafter(drafter_dir, target_dir, out_dir, facts: dict, *, features_dir, ks, embed_tokens: str = "target",
-                    eval_opts: dict | None = None, expected: dict | None = None) -> dict:
+def publish_drafter(
+    drafter_dir,
+    target_dir,
+    out_dir,
+    facts: dict,
+    *,
+    features_dir,
+    ks,
+    embed_tokens: str = "target",
+    eval_opts: dict | None = None,
+    expected: dict | None = None,
+) -> dict:
     """Write the hub folder out_dir (atomically) from a phase's drafter; -> its summary.
 
     facts: what the card states (from_pipeline gathers it; `taus`, `tensors`, `embed_note` and
@@ -288,29 +387,48 @@ def publish_drafter(drafter_dir, target_dir, out_dir, facts: dict, *, features_d
         if expected is not None:
             got = next((r["accept_length"] for r in taus if r["k"] == expected["k"]), None)
             if got is None or abs(got - expected["accept_length"]) > 1e-9:
-                raise DraftportError(out_dir, f"the published folder's tau at k={expected['k']} is {got}, the phase's "
-                                     f"evaluation measured {expected['accept_length']}: the export changed the drafter")
+                raise DraftportError(
+                    out_dir,
+                    f"the published folder's tau at k={expected['k']} is {got}, the phase's "
+                    f"evaluation measured {expected['accept_length']}: the export changed the drafter",
+                )
         cfg, _ = read_config(tmp)
         tensors = {}
         for f in sorted(tmp.glob("*.safetensors")):
             tensors.update(read_header(f)[0])
         if "embed_tokens.weight" in tensors:
             theirs = find_target_embedding(target_dir)
-            note = (f"embed_tokens: {base}'s `{theirs.name}` ({theirs.dtype} {list(theirs.shape)}, sha256 "
-                    f"{tensor_sha256(theirs)[:16]}...), bit for bit: vLLM embeds with a drafter's own copy, "
-                    "SGLang with the target's, both the same bytes; speculators 0.9.0 would fill a missing one "
-                    "with uninitialized memory")
+            note = (
+                f"embed_tokens: {base}'s `{theirs.name}` ({theirs.dtype} {list(theirs.shape)}, sha256 "
+                f"{tensor_sha256(theirs)[:16]}...), bit for bit: vLLM embeds with a drafter's own copy, "
+                "SGLang with the target's, both the same bytes; speculators 0.9.0 would fill a missing one "
+                "with uninitialized memory"
+            )
         else:
-            note = ("no embed_tokens: vLLM and SGLang embed with the target's; speculators 0.9.0 would fill it "
-                    "with uninitialized memory (publish.embed_tokens: target avoids it)")
-        facts = {**facts, "taus": [*taus, *facts.get("online", [])],
-                 "embed_note": note, "cfg": cfg,
-                 "tensors": [f"`{n}` {t.dtype} {list(t.shape)}" for n, t in sorted(tensors.items())]}
+            note = (
+                "no embed_tokens: vLLM and SGLang embed with the target's; speculators 0.9.0 would fill it "
+                "with uninitialized memory (publish.embed_tokens: target avoids it)"
+            )
+        facts = {
+            **facts,
+            "taus": [*taus, *facts.get("online", [])],
+            "embed_note": note,
+            "cfg": cfg,
+            "tensors": [f"`{n}` {t.dtype} {list(t.shape)}" for n, t in sorted(tensors.items())],
+        }
         (tmp / CARD).write_text(model_card(facts))
         summary = check_folder(tmp, target_dir, embed_tokens=embed_tokens, drafter_dir=drafter_dir)
-    return {"folder": str(out_dir), "phase": facts["phase"], "why": facts["why"], "base_model": base,
-            "repo_id": facts["repo_id"], "export": done, "taus": taus, "files": summary["files"],
-            "bytes": summary["bytes"]}
+    return {
+        "folder": str(out_dir),
+        "phase": facts["phase"],
+        "why": facts["why"],
+        "base_model": base,
+        "repo_id": facts["repo_id"],
+        "export": done,
+        "taus": taus,
+        "files": summary["files"],
+        "bytes": summary["bytes"],
+    }
 
 
 # ---- from the pipeline's artifacts -----------------------------------------------------------------
@@ -346,12 +464,26 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
     for step in chain:
         data = "data_phase1" if step != "phase2" else "data_phase2" if "data_phase2" in inputs else "data_phase2_chain"
         ix = _index(inp(data))
-        datas.append({"phase": step, "samples": ix["samples"], "tokens": ix["tokens"], "prompts": ix.get("samples_file"),
-                      "offset": ix.get("offset", 0), "regenerated": ix.get("regenerated")})
+        datas.append(
+            {
+                "phase": step,
+                "samples": ix["samples"],
+                "tokens": ix["tokens"],
+                "prompts": ix.get("samples_file"),
+                "offset": ix.get("offset", 0),
+                "regenerated": ix.get("regenerated"),
+            }
+        )
         tm = load_json(inp(f"train_{step}"), "missing (has the training step run?)")
-        training.append({"phase": step, "init": {"phase1_scratch": "random", "phase1": "the source drafter",
-                                                 "phase2": "Phase 1's drafter"}[step],
-                         **{k: tm.get(k) for k in ("train_steps", "final_loss", "lm_head_rows_kept", "lm_head_rows_new")}})
+        training.append(
+            {
+                "phase": step,
+                "init": {"phase1_scratch": "random", "phase1": "the source drafter", "phase2": "Phase 1's drafter"}[
+                    step
+                ],
+                **{k: tm.get(k) for k in ("train_steps", "final_loss", "lm_head_rows_kept", "lm_head_rows_new")},
+            }
+        )
     ev = load_json(inp(f"eval_{ph}"), "missing (has the evaluation step run?)")
     k = int(p["eval"]["k"])
     d = p["decision"]
@@ -360,30 +492,73 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
     online = []
     if ph == "phase1" and "online_phase1" in inputs:
         om = load_json(inp("online_phase1"), "missing (has the online step run?)")
-        engine = f"vLLM {om['vllm_version']} (its own counters)" if om.get("vllm_version") else "vLLM (its own counters)"
-        online.append({"k": om["online_k"], "engine": engine,
-                       "accept_length": om["online_accept_length"], "prompts": om.get("online_num_prompts"),
-                       "num_cycles": om.get("online_num_drafts"),
-                       "accept_rate_pos": [om[f"online_accept_rate_pos_{i}"] for i in range(om["online_k"])]})
-    facts = {"phase": ph, "why": why, "base_model": base, "repo_id": repo_id or pp["repo_id"], "folder": Path(out_dir).name,
-             "library_name": pp["library_name"], "tags": pp["tags"], "license": pp["license"], "k": k,
-             "source": {"repo_id": lock.get("source"), "requested_revision": lock.get("requested_revision"),
-                        "commit": lock.get("commit"), "verifier": src_cfg.extra.get("verifier")},
-             "target": tid, "aux": {"ids": list(cfg.aux_layer_ids or []), "convention": cfg.aux_convention},
-             "data": datas, "training": training,
-             "chain": [{"phase1_scratch": "a random init", "phase1": "Phase 1 (fine-tuned)", "phase2": "Phase 2"}[s]
-                       for s in chain],
-             "online": online,
-             "evaluation": {"prompts": ev.get("eval_samples"), "target": base, "level": d["level"], "n_boot": d["n_boot"],
-                            "costmodel": cm, "break_even": CostModel(cm["baseline_tok_s"], cm["verify_ms"],
-                                                                     cm["draft_ms"], k=k).break_even_accept_length},
-             "decision": render_text(decision).rstrip("\n").splitlines() if decision is not None else None}
+        engine = (
+            f"vLLM {om['vllm_version']} (its own counters)" if om.get("vllm_version") else "vLLM (its own counters)"
+        )
+        online.append(
+            {
+                "k": om["online_k"],
+                "engine": engine,
+                "accept_length": om["online_accept_length"],
+                "prompts": om.get("online_num_prompts"),
+                "num_cycles": om.get("online_num_drafts"),
+                "accept_rate_pos": [om[f"online_accept_rate_pos_{i}"] for i in range(om["online_k"])],
+            }
+        )
+    facts = {
+        "phase": ph,
+        "why": why,
+        "base_model": base,
+        "repo_id": repo_id or pp["repo_id"],
+        "folder": Path(out_dir).name,
+        "library_name": pp["library_name"],
+        "tags": pp["tags"],
+        "license": pp["license"],
+        "k": k,
+        "source": {
+            "repo_id": lock.get("source"),
+            "requested_revision": lock.get("requested_revision"),
+            "commit": lock.get("commit"),
+            "verifier": src_cfg.extra.get("verifier"),
+        },
+        "target": tid,
+        "aux": {"ids": list(cfg.aux_layer_ids or []), "convention": cfg.aux_convention},
+        "data": datas,
+        "training": training,
+        "chain": [
+            {"phase1_scratch": "a random init", "phase1": "Phase 1 (fine-tuned)", "phase2": "Phase 2"}[s] for s in chain
+        ],
+        "online": online,
+        "evaluation": {
+            "prompts": ev.get("eval_samples"),
+            "target": base,
+            "level": d["level"],
+            "n_boot": d["n_boot"],
+            "costmodel": cm,
+            "break_even": CostModel(
+                cm["baseline_tok_s"], cm["verify_ms"], cm["draft_ms"], k=k
+            ).break_even_accept_length,
+        },
+        "decision": render_text(decision).rstrip("\n").splitlines() if decision is not None else None,
+    }
     ks = sorted(set(pp["k"]) | {k})
-    eval_opts = {"batch_size": p["eval"]["batch_size"], "max_samples": p["eval"]["max_samples"],
-                 "boot": {"n_boot": d["n_boot"], "level": d["level"], "seed": d["seed"]}, "costmodel": cm}
-    return publish_drafter(drafter, target, out_dir, facts, features_dir=inp("features"), ks=ks,
-                           embed_tokens=pp["embed_tokens"], eval_opts=eval_opts,
-                           expected={"k": k, "accept_length": ev["accept_length"]})
+    eval_opts = {
+        "batch_size": p["eval"]["batch_size"],
+        "max_samples": p["eval"]["max_samples"],
+        "boot": {"n_boot": d["n_boot"], "level": d["level"], "seed": d["seed"]},
+        "costmodel": cm,
+    }
+    return publish_drafter(
+        drafter,
+        target,
+        out_dir,
+        facts,
+        features_dir=inp("features"),
+        ks=ks,
+        embed_tokens=pp["embed_tokens"],
+        eval_opts=eval_opts,
+        expected={"k": k, "accept_length": ev["accept_length"]},
+    )
 
 
 # ---- upload -------------------------------------------------------------------------------------------
@@ -391,7 +566,9 @@ def hub_token(token: str | None = None) -> str:
     """The upload's token: given, else $HF_TOKEN; one line when there is none."""
     token = token or os.environ.get("HF_TOKEN")
     if not token:
-        raise DraftportError("HF_TOKEN", "not set: the upload needs a hub token with write access (export HF_TOKEN=...)")
+        raise DraftportError(
+            "HF_TOKEN", "not set: the upload needs a hub token with write access (export HF_TOKEN=...)"
+        )
     return token
 
 
@@ -401,13 +578,24 @@ def push_preflight(repo_id, base_model=None, token: str | None = None) -> str:
     if not _is_hub_id(repo_id or ""):
         raise DraftportError("--repo-id", f"expected a hub repo id like org/name, got {repo_id!r}")
     if base_model is not None and not _is_hub_id(base_model):
-        raise DraftportError("publish.base_model", f"{base_model!r} is not a hub id (org/name): the card's base_model "
-                             "must name the target on the hub (set publish.base_model)")
+        raise DraftportError(
+            "publish.base_model",
+            f"{base_model!r} is not a hub id (org/name): the card's base_model "
+            "must name the target on the hub (set publish.base_model)",
+        )
     return token
 
 
-def push(folder, repo_id: str, target_dir, *, embed_tokens: str | None = "target", private: bool = False,
-         token: str | None = None, message: str | None = None) -> dict:
+def push(
+    folder,
+    repo_id: str,
+    target_dir,
+    *,
+    embed_tokens: str | None = "target",
+    private: bool = False,
+    token: str | None = None,
+    message: str | None = None,
+) -> dict:
     """Upload a published folder to the hub (HfApi.create_repo + upload_folder), after
     push_preflight and check_folder pass; nothing leaves the machine otherwise."""
     token = push_preflight(repo_id, token=token)
@@ -415,13 +603,18 @@ def push(folder, repo_id: str, target_dir, *, embed_tokens: str | None = "target
     push_preflight(repo_id, summary["base_model"], token)
     card = (Path(folder) / CARD).read_text()
     if repo_id not in card:
-        raise DraftportError(Path(folder) / CARD, f"the card's commands do not name {repo_id}: rebuild it with "
-                             f"`draftport publish --repo-id {repo_id}`")
+        raise DraftportError(
+            Path(folder) / CARD,
+            f"the card's commands do not name {repo_id}: rebuild it with `draftport publish --repo-id {repo_id}`",
+        )
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder),
-                                 commit_message=message or f"draftport publish: EAGLE-3 drafter for {summary['base_model']}")
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            commit_message=message or f"draftport publish: EAGLE-3 drafter for {summary['base_model']}",
+        )
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise DraftportError(repo_id, f"upload failed: {str(e).splitlines()[0][:300]}") from None
     return {"repo_id": repo_id, "commit_url": str(getattr(info, "commit_url", "") or ""), **summary}

@@ -26,10 +26,13 @@ from typing import Any
 from draftport.outputs.tables import _page, compare_html, html_table, write_csv
 
 PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
-LABELS = {"phase0": "Phase 0\nsource as-is", "phase1_scratch": "Phase 1 control\nfrom scratch",
-          "phase1": "Phase 1\nfine-tuned", "phase2": "Phase 2\nscaled data"}
-COLORS = {"phase0": "#9e9e9e", "phase1_scratch": "#f2a541", "phase1": "#3d7dca", "phase2": "#2a9d5c",
-          "old": "#d0d0d0"}
+LABELS = {
+    "phase0": "Phase 0\nsource as-is",
+    "phase1_scratch": "Phase 1 control\nfrom scratch",
+    "phase1": "Phase 1\nfine-tuned",
+    "phase2": "Phase 2\nscaled data",
+}
+COLORS = {"phase0": "#9e9e9e", "phase1_scratch": "#f2a541", "phase1": "#3d7dca", "phase2": "#2a9d5c", "old": "#d0d0d0"}
 
 
 def _read(path) -> Any:
@@ -52,14 +55,12 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 11, "axes.spines.top": False, "axes.spines.right": False,
-                         "figure.dpi": 110})
+    plt.rcParams.update({"font.size": 11, "axes.spines.top": False, "axes.spines.right": False, "figure.dpi": 110})
     return plt
 
 
 # ---- plots -----------------------------------------------------------------------------------
-def plot_tau(phases: dict, cost: dict, k: int, out: Path, source_on_old: float | None,
-             figsize=(9.5, 5.2)) -> None:
+def plot_tau(phases: dict, cost: dict, k: int, out: Path, source_on_old: float | None, figsize=(9.5, 5.2)) -> None:
     plt = _plt()
     # lazy: matplotlib is optional (the pipeline extra)
     from matplotlib.lines import Line2D
@@ -81,26 +82,51 @@ def plot_tau(phases: dict, cost: dict, k: int, out: Path, source_on_old: float |
     ax.axhspan(be, top, color="#e8f5e9", zorder=0)
     ax.axhline(be, color="#c0392b", ls="--", lw=1.5, zorder=1)
     for x, t, color, main in bars:
-        ax.bar(x, t, color=color, width=0.62, zorder=2, hatch=None if main else "//",
-               edgecolor=None if main else "#888")
+        ax.bar(
+            x, t, color=color, width=0.62, zorder=2, hatch=None if main else "//", edgecolor=None if main else "#888"
+        )
         text = f"τ {t:.2f}\n{t / cycle_s:.0f} tok/s"
         inside = t - 1.0 > 0.45 * (top - 1.0) * 0.5
-        ax.text(x, t - 0.05 if inside else t + 0.04, text, ha="center", va="top" if inside else "bottom",
-                fontsize=10, fontweight="bold" if main else "normal", zorder=3,
-                color=("white" if main else "#333") if inside else "#222")
+        ax.text(
+            x,
+            t - 0.05 if inside else t + 0.04,
+            text,
+            ha="center",
+            va="top" if inside else "bottom",
+            fontsize=10,
+            fontweight="bold" if main else "normal",
+            zorder=3,
+            color=("white" if main else "#333") if inside else "#222",
+        )
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylim(1.0, top)
     ax.set_xlim(-0.6, len(labels) - 0.4)
     ax.set_ylabel("accept length τ (tokens per verify, bonus included)")
     sec = ax.secondary_yaxis("right", functions=(lambda t: t / cycle_s, lambda s: s * cycle_s))
-    cycle = (f"verify {cost['verify_ms']:g} ms + {k} × {cost['draft_ms']:g} ms drafts" if cost["draft_ms"]
-             else f"{cost['verify_ms']:g} ms per verify cycle")
+    cycle = (
+        f"verify {cost['verify_ms']:g} ms + {k} × {cost['draft_ms']:g} ms drafts"
+        if cost["draft_ms"]
+        else f"{cost['verify_ms']:g} ms per verify cycle"
+    )
     sec.set_ylabel(f"projected tok/s ({cycle})")
     sec.spines["right"].set_visible(True)
-    ax.legend(handles=[Line2D([], [], color="#c0392b", ls="--", lw=1.5,
-                              label=f"break-even τ {be:.2f} = {cost['baseline_tok_s']:g} tok/s without a drafter"),
-                       Patch(facecolor="#e8f5e9", edgecolor="#7fb685", label="above it, the drafter pays")],
-              loc="upper left", frameon=False, fontsize=9.5, ncol=2)
+    ax.legend(
+        handles=[
+            Line2D(
+                [],
+                [],
+                color="#c0392b",
+                ls="--",
+                lw=1.5,
+                label=f"break-even τ {be:.2f} = {cost['baseline_tok_s']:g} tok/s without a drafter",
+            ),
+            Patch(facecolor="#e8f5e9", edgecolor="#7fb685", label="above it, the drafter pays"),
+        ],
+        loc="upper left",
+        frameon=False,
+        fontsize=9.5,
+        ncol=2,
+    )
     ax.set_title("Accept length per phase and what it buys", loc="left", fontweight="bold")
     fig.tight_layout()
     fig.savefig(out)
@@ -114,16 +140,22 @@ def plot_positions(phases: dict, k: int, out: Path) -> None:
     width = 0.8 / max(len(names), 1)
     for j, p in enumerate(names):
         xs = [i + (j - (len(names) - 1) / 2) * width for i in range(k)]
-        a1.bar(xs, [phases[p].get(f"accept_rate_pos_{i}", 0) for i in range(k)], width=width,
-               color=COLORS[p], label=LABELS[p].replace("\n", " "))
-        a2.plot(range(k), [phases[p].get(f"cond_acc_{i}", 0) for i in range(k)], marker="o",
-                color=COLORS[p], lw=2)
+        a1.bar(
+            xs,
+            [phases[p].get(f"accept_rate_pos_{i}", 0) for i in range(k)],
+            width=width,
+            color=COLORS[p],
+            label=LABELS[p].replace("\n", " "),
+        )
+        a2.plot(range(k), [phases[p].get(f"cond_acc_{i}", 0) for i in range(k)], marker="o", color=COLORS[p], lw=2)
     for a in (a1, a2):
         a.set_xticks(range(k), [f"draft {i + 1}" for i in range(k)])
         a.set_ylim(0, 1)
     a1.set_title("Share of cycles accepting draft i (and all before it)", loc="left", fontsize=11)
     a2.set_title("Conditional acceptance of draft i", loc="left", fontsize=11)
-    fig.legend(*a1.get_legend_handles_labels(), loc="lower center", ncol=max(len(names), 1), frameon=False, fontsize=9.5)
+    fig.legend(
+        *a1.get_legend_handles_labels(), loc="lower center", ncol=max(len(names), 1), frameon=False, fontsize=9.5
+    )
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out)
     plt.close(fig)
@@ -200,8 +232,13 @@ def curve_series(decision: dict | None, curves: dict | None) -> dict[str, dict]:
     dec_curves = (decision or {}).get("curves") or {}
     points = (curves or {}).get("points") or []
     for init in INITS:
-        seeds = [(n, t) for pt in points if pt.get("init") == init
-                 and (n := _num(pt.get("n_samples"))) is not None and (t := _num(pt.get("accept_length"))) is not None]
+        seeds = [
+            (n, t)
+            for pt in points
+            if pt.get("init") == init
+            and (n := _num(pt.get("n_samples"))) is not None
+            and (t := _num(pt.get("accept_length"))) is not None
+        ]
         pooled = []
         if dec_curves.get(init):
             for it in dec_curves[init]:
@@ -232,8 +269,15 @@ def plot_curves(series: dict[str, dict], be: float | None, out: Path, pooled_lab
     for init, s in series.items():
         color, label = INIT_COLORS[init], INIT_LABELS[init]
         if s["seeds"]:
-            ax.scatter([n for n, _ in s["seeds"]], [t for _, t in s["seeds"]], s=14, color=color, alpha=0.35,
-                       zorder=2, linewidths=0)
+            ax.scatter(
+                [n for n, _ in s["seeds"]],
+                [t for _, t in s["seeds"]],
+                s=14,
+                color=color,
+                alpha=0.35,
+                zorder=2,
+                linewidths=0,
+            )
         pooled = s["pooled"]
         if not pooled:
             continue
@@ -241,18 +285,37 @@ def plot_curves(series: dict[str, dict], be: float | None, out: Path, pooled_lab
         ax.plot(xs, ys, color=color, lw=2, marker="o", zorder=3, label=f"{label} ({pooled_label})")
         band = [(x, lo, hi) for x, _, lo, hi in pooled if lo is not None and hi is not None]
         if band:
-            ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=color,
-                            alpha=0.15, zorder=1, linewidth=0)
-            ax.errorbar([x for x, y, lo, hi in pooled if lo is not None and hi is not None],
-                        [y for x, y, lo, hi in pooled if lo is not None and hi is not None],
-                        yerr=[[max(y - lo, 0) for x, y, lo, hi in pooled if lo is not None and hi is not None],
-                              [max(hi - y, 0) for x, y, lo, hi in pooled if lo is not None and hi is not None]],
-                        fmt="none", ecolor=color, elinewidth=1.2, capsize=3, zorder=3)
+            ax.fill_between(
+                [b[0] for b in band],
+                [b[1] for b in band],
+                [b[2] for b in band],
+                color=color,
+                alpha=0.15,
+                zorder=1,
+                linewidth=0,
+            )
+            ax.errorbar(
+                [x for x, y, lo, hi in pooled if lo is not None and hi is not None],
+                [y for x, y, lo, hi in pooled if lo is not None and hi is not None],
+                yerr=[
+                    [max(y - lo, 0) for x, y, lo, hi in pooled if lo is not None and hi is not None],
+                    [max(hi - y, 0) for x, y, lo, hi in pooled if lo is not None and hi is not None],
+                ],
+                fmt="none",
+                ecolor=color,
+                elinewidth=1.2,
+                capsize=3,
+                zorder=3,
+            )
     _be_line(ax, be)
     ax.set_xlabel("training samples (log scale)")
     ax.set_ylabel("accept length τ on the new target")
-    ax.set_title("Accept length by training samples: fine-tune the source vs from scratch", loc="left",
-                 fontweight="bold", fontsize=11.5)
+    ax.set_title(
+        "Accept length by training samples: fine-tune the source vs from scratch",
+        loc="left",
+        fontweight="bold",
+        fontsize=11.5,
+    )
     ax.scatter([], [], s=14, color="#888", alpha=0.5, label="single seeds")
     ax.legend(frameon=False, fontsize=9.5, loc="best")
     fig.tight_layout()
@@ -267,24 +330,32 @@ def tau_series(histories: dict[str, list[dict]]) -> dict[str, list[tuple[float, 
     offset = {"phase2": h1[-1].get("step", 0) if h1 else 0}
     out = {}
     for ph in ("phase1_scratch", "phase1", "phase2"):
-        pts = [(r["step"] + offset.get(ph, 0), t) for r in histories.get(ph) or []
-               if "step" in r and (t := _num(r.get("accept_length"))) is not None]
+        pts = [
+            (r["step"] + offset.get(ph, 0), t)
+            for r in histories.get(ph) or []
+            if "step" in r and (t := _num(r.get("accept_length"))) is not None
+        ]
         if pts:
             out[ph] = pts
     return out
 
 
-def plot_tau_by_step(series: dict[str, list[tuple[float, float]]], be: float | None, out: Path,
-                     phase0_tau: float | None = None) -> None:
+def plot_tau_by_step(
+    series: dict[str, list[tuple[float, float]]], be: float | None, out: Path, phase0_tau: float | None = None
+) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9.5, 4.6))
-    names = {"phase1_scratch": "from scratch (Phase 1 control)", "phase1": "fine-tuned source (Phase 1)",
-             "phase2": "scaled data (Phase 2)"}
+    names = {
+        "phase1_scratch": "from scratch (Phase 1 control)",
+        "phase1": "fine-tuned source (Phase 1)",
+        "phase2": "scaled data (Phase 2)",
+    }
     for ph, pts in series.items():
-        ax.plot([s for s, _ in pts], [t for _, t in pts], color=COLORS[ph], lw=2, marker="o", ms=4,
-                label=names[ph])
+        ax.plot([s for s, _ in pts], [t for _, t in pts], color=COLORS[ph], lw=2, marker="o", ms=4, label=names[ph])
     if phase0_tau is not None:
-        ax.axhline(phase0_tau, color=COLORS["phase0"], ls=":", lw=1.5, label=f"source as-is (Phase 0) τ {phase0_tau:.2f}")
+        ax.axhline(
+            phase0_tau, color=COLORS["phase0"], ls=":", lw=1.5, label=f"source as-is (Phase 0) τ {phase0_tau:.2f}"
+        )
     _be_line(ax, be)
     ax.set_xlabel("step (Phase 2 continues Phase 1)")
     ax.set_ylabel("held-out accept length τ")
@@ -299,8 +370,13 @@ def source_monitor(sd: dict | None) -> list[tuple[float, float]]:
     mon = (sd or {}).get("monitor")
     if not isinstance(mon, list):
         return []
-    return sorted((s, t) for r in mon if isinstance(r, dict)
-                  and (s := _num(r.get("step"))) is not None and (t := _num(r.get("accept_length"))) is not None)
+    return sorted(
+        (s, t)
+        for r in mon
+        if isinstance(r, dict)
+        and (s := _num(r.get("step"))) is not None
+        and (t := _num(r.get("accept_length"))) is not None
+    )
 
 
 def plot_source_curve(pts: list[tuple[float, float]], out: Path, n_samples=None) -> None:
@@ -310,8 +386,7 @@ def plot_source_curve(pts: list[tuple[float, float]], out: Path, n_samples=None)
     ax.set_xlabel("training step of the source drafter")
     ax.set_ylabel("τ on the old target's held-out answers")
     seen = f" ({n_samples} samples)" if n_samples is not None else ""
-    ax.set_title(f"The source drafter's training on the old target{seen}", loc="left", fontweight="bold",
-                 fontsize=11.5)
+    ax.set_title(f"The source drafter's training on the old target{seen}", loc="left", fontweight="bold", fontsize=11.5)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -321,13 +396,22 @@ def plot_source_curve(pts: list[tuple[float, float]], out: Path, n_samples=None)
 def _img(path: Path, wrap: bool = False) -> str:
     data = base64.b64encode(path.read_bytes()).decode()
     if wrap:  # docutils refuses lines over 10,000 characters; data URLs ignore the line breaks
-        data = "\n".join(data[i:i + 76] for i in range(0, len(data), 76))
+        data = "\n".join(data[i : i + 76] for i in range(0, len(data), 76))
     return f'<img src="data:image/png;base64,{data}">'
 
 
 # ---- the report step ---------------------------------------------------------------------------
-PHASE_COLS = ["phase", "accept_length", "projected_tok_s", "speedup_vs_baseline", "vs_break_even",
-              "accept_length_all_positions", "train_steps", "final_loss", "eval_samples"]
+PHASE_COLS = [
+    "phase",
+    "accept_length",
+    "projected_tok_s",
+    "speedup_vs_baseline",
+    "vs_break_even",
+    "accept_length_all_positions",
+    "train_steps",
+    "final_loss",
+    "eval_samples",
+]
 
 
 def online_rows(inputs: dict, k: int) -> list[dict]:
@@ -338,15 +422,22 @@ def online_rows(inputs: dict, k: int) -> list[dict]:
         m = _read(inputs[f"online_{ph}"]) if f"online_{ph}" in inputs else None
         if m is None:
             continue
-        row = {"phase": ph, "offline_eval_set": m["accept_length"],
-               "offline_same": m["offline_same_prompts_accept_length"], "vllm": m["online_accept_length"],
-               "difference": m["online_offline_difference"], "prompts": m["online_num_prompts"],
-               "vllm_seconds": m["online_seconds"], "offline_seconds": m["offline_same_prompts_seconds"],
-               "offline_eval_seconds": m["offline_same_prompts_eval_seconds"],
-               "time_ratio": m["online_time_ratio"]}
+        row = {
+            "phase": ph,
+            "offline_eval_set": m["accept_length"],
+            "offline_same": m["offline_same_prompts_accept_length"],
+            "vllm": m["online_accept_length"],
+            "difference": m["online_offline_difference"],
+            "prompts": m["online_num_prompts"],
+            "vllm_seconds": m["online_seconds"],
+            "offline_seconds": m["offline_same_prompts_seconds"],
+            "offline_eval_seconds": m["offline_same_prompts_eval_seconds"],
+            "time_ratio": m["online_time_ratio"],
+        }
         for i in range(k):
-            row[f"pos_{i + 1}"] = (f"{m[f'online_accept_rate_pos_{i}']:.3f} / "
-                                   f"{m[f'offline_same_prompts_accept_rate_pos_{i}']:.3f}")
+            row[f"pos_{i + 1}"] = (
+                f"{m[f'online_accept_rate_pos_{i}']:.3f} / {m[f'offline_same_prompts_accept_rate_pos_{i}']:.3f}"
+            )
         rows.append(row)
     return rows
 
@@ -355,46 +446,83 @@ def online_section(rows: list[dict], k: int, enabled: bool) -> list[str]:
     if not enabled:
         return []
     if not rows:
-        return ["<h2>Accept length in vLLM</h2><p>The online steps have not run (<code>snakemake online"
-                "</code>).</p>"]
-    cols = ["phase", "offline_eval_set", "offline_same", "vllm", "difference"] + [
-        f"pos_{i + 1}" for i in range(k)] + ["prompts", "vllm_seconds", "offline_seconds", "time_ratio"]
-    heads = ["phase", "τ offline (eval set)", "τ offline (vLLM's sequences)", "τ vLLM", "vLLM − offline"] + [
-        f"pos {i + 1}: vLLM / offline" for i in range(k)] + ["prompts", "vLLM s", "offline s", "vLLM / offline time"]
-    return ["<h2>Accept length in vLLM</h2><p class='lead'>The drafter exported flat and served by vLLM's "
-            "EAGLE-3 speculative decoding (greedy); τ = 1 + accepted / drafts from vLLM's counters, next to "
-            "the offline evaluator replaying exactly the sequences vLLM served. Offline seconds include "
-            "loading the target and capturing its states.</p>", html_table(rows, cols, heads)]
+        return ["<h2>Accept length in vLLM</h2><p>The online steps have not run (<code>snakemake online</code>).</p>"]
+    cols = (
+        ["phase", "offline_eval_set", "offline_same", "vllm", "difference"]
+        + [f"pos_{i + 1}" for i in range(k)]
+        + ["prompts", "vllm_seconds", "offline_seconds", "time_ratio"]
+    )
+    heads = (
+        ["phase", "τ offline (eval set)", "τ offline (vLLM's sequences)", "τ vLLM", "vLLM − offline"]
+        + [f"pos {i + 1}: vLLM / offline" for i in range(k)]
+        + ["prompts", "vLLM s", "offline s", "vLLM / offline time"]
+    )
+    return [
+        "<h2>Accept length in vLLM</h2><p class='lead'>The drafter exported flat and served by vLLM's "
+        "EAGLE-3 speculative decoding (greedy); τ = 1 + accepted / drafts from vLLM's counters, next to "
+        "the offline evaluator replaying exactly the sequences vLLM served. Offline seconds include "
+        "loading the target and capturing its states.</p>",
+        html_table(rows, cols, heads),
+    ]
 
 
 def drift_rows(d: dict) -> list[dict]:
     """One row per aux layer and the final state: how far the new target's states moved."""
-    names = sorted((k[len("cos_layer_"):] for k in d if k.startswith("cos_layer_")), key=int)
+    names = sorted((k[len("cos_layer_") :] for k in d if k.startswith("cos_layer_")), key=int)
     rows = []
     for name, key in [(f"aux layer {n}", f"layer_{n}") for n in names] + [("final state", "final")]:
-        rows.append({"state": name, "cos": d.get(f"cos_{key}"), "cka": d.get(f"cka_{key}"),
-                     "rel_norm_change": d.get(f"rel_norm_change_{key}"), "rel_diff_norm": d.get(f"rel_diff_norm_{key}")})
+        rows.append(
+            {
+                "state": name,
+                "cos": d.get(f"cos_{key}"),
+                "cka": d.get(f"cka_{key}"),
+                "rel_norm_change": d.get(f"rel_norm_change_{key}"),
+                "rel_diff_norm": d.get(f"rel_diff_norm_{key}"),
+            }
+        )
     return rows
 
 
 def drift_section(d: dict) -> list[str]:
-    taus = [{"what": "source drafter, old target's states (same tokens)", "tau": d.get("tau_source_old_features")},
-            {"what": "source drafter, new target's states (Phase 0)", "tau": d.get("tau_source_new_features")},
-            {"what": "the gap: the target's own change on a fixed text", "tau": d.get("tau_gap")}]
+    taus = [
+        {"what": "source drafter, old target's states (same tokens)", "tau": d.get("tau_source_old_features")},
+        {"what": "source drafter, new target's states (Phase 0)", "tau": d.get("tau_source_new_features")},
+        {"what": "the gap: the target's own change on a fixed text", "tau": d.get("tau_gap")},
+    ]
     if d.get("tau_source_on_old_answers") is not None:
-        taus.insert(0, {"what": "source drafter on the old target's own answers", "tau": d["tau_source_on_old_answers"]})
-    return ["<h2>How far the new target's hidden states moved (drift probe)</h2>",
-            f"<p class='lead'>The old target run over the new target's answers to the held-out prompts "
-            f"({d.get('tokens')} assistant tokens of {d.get('samples')} samples). Greedy agreement of the two "
-            f"targets on those tokens: <b>{d.get('greedy_agreement', float('nan')):.3f}</b>.</p>",
-            html_table(drift_rows(d), ["state", "cos", "cka", "rel_norm_change", "rel_diff_norm"],
-                       ["state", "mean cosine", "linear CKA", "| ‖new‖ − ‖old‖ | / ‖old‖", "‖new − old‖ / ‖old‖"]),
-            html_table(taus, ["what", "tau"], ["accept length", "τ"])]
+        taus.insert(
+            0, {"what": "source drafter on the old target's own answers", "tau": d["tau_source_on_old_answers"]}
+        )
+    return [
+        "<h2>How far the new target's hidden states moved (drift probe)</h2>",
+        f"<p class='lead'>The old target run over the new target's answers to the held-out prompts "
+        f"({d.get('tokens')} assistant tokens of {d.get('samples')} samples). Greedy agreement of the two "
+        f"targets on those tokens: <b>{d.get('greedy_agreement', float('nan')):.3f}</b>.</p>",
+        html_table(
+            drift_rows(d),
+            ["state", "cos", "cka", "rel_norm_change", "rel_diff_norm"],
+            ["state", "mean cosine", "linear CKA", "| ‖new‖ − ‖old‖ | / ‖old‖", "‖new − old‖ / ‖old‖"],
+        ),
+        html_table(taus, ["what", "tau"], ["accept length", "τ"]),
+    ]
 
 
-DECISION_COLS = ["init", "n_samples", "accept_length", "ci_lo", "ci_hi", "seed_std", "n_seeds",
-                 "projected_tok_s", "speedup_vs_baseline", "beats_break_even",
-                 "gain_vs_scratch", "gain_ci_lo", "gain_ci_hi", "gain_significant"]
+DECISION_COLS = [
+    "init",
+    "n_samples",
+    "accept_length",
+    "ci_lo",
+    "ci_hi",
+    "seed_std",
+    "n_seeds",
+    "projected_tok_s",
+    "speedup_vs_baseline",
+    "beats_break_even",
+    "gain_vs_scratch",
+    "gain_ci_lo",
+    "gain_ci_hi",
+    "gain_significant",
+]
 
 
 def _ci_text(item) -> str:
@@ -412,12 +540,24 @@ def decision_rows(d: dict) -> list[dict]:
             lo, hi = _ci(it)
             g = gains.get(_num(it.get("n_samples")), {})
             glo, ghi = _ci(g)
-            rows.append({"init": init, "n_samples": it.get("n_samples"), "accept_length": it.get("accept_length"),
-                         "ci_lo": lo, "ci_hi": hi, "seed_std": it.get("seed_std"), "n_seeds": it.get("n_seeds"),
-                         "projected_tok_s": it.get("projected_tok_s"),
-                         "speedup_vs_baseline": it.get("speedup_vs_baseline"),
-                         "beats_break_even": it.get("beats_break_even"), "gain_vs_scratch": g.get("diff"),
-                         "gain_ci_lo": glo, "gain_ci_hi": ghi, "gain_significant": g.get("significant")})
+            rows.append(
+                {
+                    "init": init,
+                    "n_samples": it.get("n_samples"),
+                    "accept_length": it.get("accept_length"),
+                    "ci_lo": lo,
+                    "ci_hi": hi,
+                    "seed_std": it.get("seed_std"),
+                    "n_seeds": it.get("n_seeds"),
+                    "projected_tok_s": it.get("projected_tok_s"),
+                    "speedup_vs_baseline": it.get("speedup_vs_baseline"),
+                    "beats_break_even": it.get("beats_break_even"),
+                    "gain_vs_scratch": g.get("diff"),
+                    "gain_ci_lo": glo,
+                    "gain_ci_hi": ghi,
+                    "gain_significant": g.get("significant"),
+                }
+            )
     return rows
 
 
@@ -431,8 +571,11 @@ def _gain_line(what: str, g: dict | None) -> str:
     sig = "significant" if g.get("significant") else "not significant"
     better = f", better: {g['better']}" if g.get("better") else ""
     ci = _ci_text(g)
-    return (f"<p><b>{html.escape(what)}:</b> Δτ {g['diff']:+.3f}" + (f" (CI {html.escape(ci)})" if ci else "")
-            + f", {sig}{html.escape(better)}.</p>")
+    return (
+        f"<p><b>{html.escape(what)}:</b> Δτ {g['diff']:+.3f}"
+        + (f" (CI {html.escape(ci)})" if ci else "")
+        + f", {sig}{html.escape(better)}.</p>"
+    )
 
 
 def decision_section(d: dict, curves_png: Path | None) -> list[str]:
@@ -441,35 +584,46 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
     lvl = f"{level * 100:g}% " if level is not None else ""
     n = rec.get("n_samples")
     init = rec.get("init")
-    init_txt = {"source": "fine-tune the source drafter", "scratch": "train a drafter from scratch",
-                "either": "either init (fine-tune the source or from scratch)"}.get(init, str(init))
+    init_txt = {
+        "source": "fine-tune the source drafter",
+        "scratch": "train a drafter from scratch",
+        "either": "either init (fine-tune the source or from scratch)",
+    }.get(init, str(init))
     ne = rec.get("n_enough")
-    summary = [("init", init_txt), ("pays off from (samples)", "—" if n is None else str(n)),
-               ("enough data (samples)", "—" if ne is None else str(ne)),
-               ("Phase 2", str(rec.get("phase2", "—"))), ("deploy the source now", _yes(rec.get("deploy_source_now"))),
-               ("confidence", str(rec.get("confidence", "—")))]
+    summary = [
+        ("init", init_txt),
+        ("pays off from (samples)", "—" if n is None else str(n)),
+        ("enough data (samples)", "—" if ne is None else str(ne)),
+        ("Phase 2", str(rec.get("phase2", "—"))),
+        ("deploy the source now", _yes(rec.get("deploy_source_now"))),
+        ("confidence", str(rec.get("confidence", "—"))),
+    ]
     if "recipe" in rec:  # rules R7, R8 and the hours (decisions before them lack the keys)
         hrs = ((rec.get("chosen") or {}).get("hours") or {}).get("total")
         days = (rec.get("payback") or {}).get("days")
-        summary[1:1] = [("recipe", str(rec.get("recipe"))),
-                        ("regenerate the answers", {True: "yes", False: "no"}.get(rec.get("regenerate"), "not measured"))]
-        summary += [("device-hours (the drafter)", "—" if hrs is None else f"{hrs:.3g}"),
-                    ("payback (days)", "—" if days is None else f"{days:.3g}")]
-    parts = ["<h2>Decision</h2>",
-             f"<div class='verdict ok'><b>Recommendation:</b> {html.escape(init_txt)}"
-             + (f": it beats break-even from {html.escape(str(n))} samples" if n is not None else "")
-             + (f", gains nothing significant beyond {html.escape(str(ne))}" if ne is not None else "")
-             + f"; Phase 2: {html.escape(str(rec.get('phase2', '—')))}; deploy the source now: "
-             f"{html.escape(_yes(rec.get('deploy_source_now')))}; confidence: "
-             f"<b>{html.escape(str(rec.get('confidence', '—')))}</b>.</div>",
-             "".join(f"<div class='kpi'><small>{html.escape(a)}</small><b>{html.escape(b)}</b></div>"
-                     for a, b in summary)]
+        summary[1:1] = [
+            ("recipe", str(rec.get("recipe"))),
+            ("regenerate the answers", {True: "yes", False: "no"}.get(rec.get("regenerate"), "not measured")),
+        ]
+        summary += [
+            ("device-hours (the drafter)", "—" if hrs is None else f"{hrs:.3g}"),
+            ("payback (days)", "—" if days is None else f"{days:.3g}"),
+        ]
+    parts = [
+        "<h2>Decision</h2>",
+        f"<div class='verdict ok'><b>Recommendation:</b> {html.escape(init_txt)}"
+        + (f": it beats break-even from {html.escape(str(n))} samples" if n is not None else "")
+        + (f", gains nothing significant beyond {html.escape(str(ne))}" if ne is not None else "")
+        + f"; Phase 2: {html.escape(str(rec.get('phase2', '—')))}; deploy the source now: "
+        f"{html.escape(_yes(rec.get('deploy_source_now')))}; confidence: "
+        f"<b>{html.escape(str(rec.get('confidence', '—')))}</b>.</div>",
+        "".join(f"<div class='kpi'><small>{html.escape(a)}</small><b>{html.escape(b)}</b></div>" for a, b in summary),
+    ]
     text = rec.get("text") or []
     if isinstance(text, str):
         text = [text]
     if text:
-        parts.append("<ul class='recommendation'>" + "".join(f"<li>{html.escape(str(t))}</li>" for t in text)
-                     + "</ul>")
+        parts.append("<ul class='recommendation'>" + "".join(f"<li>{html.escape(str(t))}</li>" for t in text) + "</ul>")
     rules = [r for r in rec.get("rules") or [] if isinstance(r, dict)]
     if rules:
         parts.append("<h3>Rules fired</h3>" + html_table(rules, ["id", "fired"], ["rule", "fired"]))
@@ -477,10 +631,13 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
         parts.append(_img(curves_png))
     cost = d.get("costmodel") or {}
     if _num(cost.get("break_even_accept_length")) is not None:
-        parts.append(f"<p class='lead'>Break-even τ {cost['break_even_accept_length']:.3f} "
-                     f"({html.escape(str(cost.get('baseline_tok_s')))} tok/s without a drafter); intervals are "
-                     f"{html.escape(lvl)}bootstrap CIs"
-                     + (f" ({html.escape(str(d['n_boot']))} resamples)" if d.get("n_boot") else "") + ".</p>")
+        parts.append(
+            f"<p class='lead'>Break-even τ {cost['break_even_accept_length']:.3f} "
+            f"({html.escape(str(cost.get('baseline_tok_s')))} tok/s without a drafter); intervals are "
+            f"{html.escape(lvl)}bootstrap CIs"
+            + (f" ({html.escape(str(d['n_boot']))} resamples)" if d.get("n_boot") else "")
+            + ".</p>"
+        )
     smallest = d.get("smallest_n_beating_break_even") or {}
     for init in INITS:
         items = [it for it in (d.get("curves") or {}).get(init) or [] if isinstance(it, dict)]
@@ -488,40 +645,98 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
             continue
         rows = [{**it, "ci_text": _ci_text(it)} for it in items]
         sm = smallest.get(init)
-        note = (f" — smallest n beating break-even: {sm}" if sm is not None
-                else " — no n beats break-even" if init in smallest else "")
-        parts.append(f"<h3>{html.escape(INIT_LABELS[init].capitalize())}{html.escape(note)}</h3>" + html_table(
-            rows, ["n_samples", "accept_length", "ci_text", "seed_std", "n_seeds", "projected_tok_s",
-                   "speedup_vs_baseline", "beats_break_even"],
-            ["samples", "τ", f"{lvl}CI", "seeds' std", "seeds", "projected tok/s", "× baseline",
-             "beats break-even"]))
-    arms = [{"arm": arm, **it, "ci_text": _ci_text(it), "hours_total": (it.get("hours") or {}).get("total")}
-            for arm, items in (d.get("curves") or {}).items() if arm not in INITS for it in items if isinstance(it, dict)]
+        note = (
+            f" — smallest n beating break-even: {sm}"
+            if sm is not None
+            else " — no n beats break-even"
+            if init in smallest
+            else ""
+        )
+        parts.append(
+            f"<h3>{html.escape(INIT_LABELS[init].capitalize())}{html.escape(note)}</h3>"
+            + html_table(
+                rows,
+                [
+                    "n_samples",
+                    "accept_length",
+                    "ci_text",
+                    "seed_std",
+                    "n_seeds",
+                    "projected_tok_s",
+                    "speedup_vs_baseline",
+                    "beats_break_even",
+                ],
+                [
+                    "samples",
+                    "τ",
+                    f"{lvl}CI",
+                    "seeds' std",
+                    "seeds",
+                    "projected tok/s",
+                    "× baseline",
+                    "beats break-even",
+                ],
+            )
+        )
+    arms = [
+        {"arm": arm, **it, "ci_text": _ci_text(it), "hours_total": (it.get("hours") or {}).get("total")}
+        for arm, items in (d.get("curves") or {}).items()
+        if arm not in INITS
+        for it in items
+        if isinstance(it, dict)
+    ]
     if arms:
-        parts.append("<h3>The arms: the dataset's own answers, the recipes</h3>" + html_table(
-            arms, ["arm", "n_samples", "accept_length", "ci_text", "n_seeds", "projected_tok_s", "hours_total"],
-            ["arm", "samples", "τ", f"{lvl}CI", "seeds", "projected tok/s", "device-hours"]))
+        parts.append(
+            "<h3>The arms: the dataset's own answers, the recipes</h3>"
+            + html_table(
+                arms,
+                ["arm", "n_samples", "accept_length", "ci_text", "n_seeds", "projected_tok_s", "hours_total"],
+                ["arm", "samples", "τ", f"{lvl}CI", "seeds", "projected tok/s", "device-hours"],
+            )
+        )
     for key, what in (("answers_gain", "regenerated − dataset answers"), ("recipe_gain", "recipe − plain fine-tuning")):
-        rows = [{"of": name, **g, "ci_text": _ci_text(g), "sig": _yes(g.get("significant"))}
-                for name, gs in (d.get(key) or {}).items() for g in gs if isinstance(g, dict)]
+        rows = [
+            {"of": name, **g, "ci_text": _ci_text(g), "sig": _yes(g.get("significant"))}
+            for name, gs in (d.get(key) or {}).items()
+            for g in gs
+            if isinstance(g, dict)
+        ]
         if rows:
-            parts.append(f"<h3>Gain {html.escape(what)}</h3>" + html_table(
-                rows, ["of", "n_samples", "diff", "ci_text", "sig", "better"],
-                ["arm", "samples", "Δτ", f"{lvl}CI", "significant", "better"]))
+            parts.append(
+                f"<h3>Gain {html.escape(what)}</h3>"
+                + html_table(
+                    rows,
+                    ["of", "n_samples", "diff", "ci_text", "sig", "better"],
+                    ["arm", "samples", "Δτ", f"{lvl}CI", "significant", "better"],
+                )
+            )
     gains = [g for g in d.get("gain") or [] if isinstance(g, dict)]
     if gains:
         grows = [{**g, "ci_text": _ci_text(g), "sig": _yes(g.get("significant"))} for g in gains]
-        parts.append("<h3>Gain of fine-tuning the source (source − scratch)</h3>" + html_table(
-            grows, ["n_samples", "diff", "ci_text", "sig", "better"],
-            ["samples", "Δτ", f"{lvl}CI", "significant", "better"]))
+        parts.append(
+            "<h3>Gain of fine-tuning the source (source − scratch)</h3>"
+            + html_table(
+                grows,
+                ["n_samples", "diff", "ci_text", "sig", "better"],
+                ["samples", "Δτ", f"{lvl}CI", "significant", "better"],
+            )
+        )
     phases = d.get("phases") or {}
     prow = [{"phase": ph, **m, "ci_text": _ci_text(m)} for ph in PHASES if isinstance(m := phases.get(ph), dict)]
-    prow += [{"phase": ph, **m, "ci_text": _ci_text(m)} for ph, m in phases.items()
-             if ph not in PHASES and isinstance(m, dict)]
+    prow += [
+        {"phase": ph, **m, "ci_text": _ci_text(m)}
+        for ph, m in phases.items()
+        if ph not in PHASES and isinstance(m, dict)
+    ]
     if prow:
-        parts.append("<h3>Phases</h3>" + html_table(
-            prow, ["phase", "accept_length", "ci_text", "projected_tok_s", "speedup_vs_baseline", "beats_break_even"],
-            ["phase", "τ", f"{lvl}CI", "projected tok/s", "× baseline", "beats break-even"]))
+        parts.append(
+            "<h3>Phases</h3>"
+            + html_table(
+                prow,
+                ["phase", "accept_length", "ci_text", "projected_tok_s", "speedup_vs_baseline", "beats_break_even"],
+                ["phase", "τ", f"{lvl}CI", "projected tok/s", "× baseline", "beats break-even"],
+            )
+        )
     parts.append(_gain_line("Phase 1: fine-tuned vs from scratch", d.get("phase1_gain_vs_scratch")))
     parts.append(_gain_line("Phase 2 over Phase 1", d.get("phase2_gain")))
     return [x for x in parts if x]
@@ -538,8 +753,11 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
     inputs = {k: Path(v) for k, v in inputs.items()}
     k, cost = p["eval"]["k"], p["costmodel"]
     phases = {ph: m for ph in PHASES if ph in inputs and (m := _read(inputs[ph]))}
-    histories = {ph: _history(inputs[f"history_{ph}"]) for ph in ("phase1_scratch", "phase1", "phase2")
-                 if f"history_{ph}" in inputs}
+    histories = {
+        ph: _history(inputs[f"history_{ph}"])
+        for ph in ("phase1_scratch", "phase1", "phase2")
+        if f"history_{ph}" in inputs
+    }
     world = _read(inputs["world"]) if "world" in inputs else None
     compare = _read(inputs["compare"]) if "compare" in inputs else None
     source_on_old = phases.get("phase0", {}).get("source_on_old_accept_length")
@@ -563,12 +781,12 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
     curves_png = None
     if series:
         curves_png = out_dir / "curves.png"
-        plot_curves(series, be_tau, curves_png,
-                    "pooled τ, CI" if (decision or {}).get("curves") else "mean of seeds")
+        plot_curves(series, be_tau, curves_png, "pooled τ, CI" if (decision or {}).get("curves") else "mean of seeds")
     tau_steps = tau_series(histories)
     if tau_steps:
-        plot_tau_by_step(tau_steps, be_tau, out_dir / "tau_by_step.png",
-                         _num(phases.get("phase0", {}).get("accept_length")))
+        plot_tau_by_step(
+            tau_steps, be_tau, out_dir / "tau_by_step.png", _num(phases.get("phase0", {}).get("accept_length"))
+        )
     monitor = source_monitor(sdrafter)
     if monitor:
         plot_source_curve(monitor, out_dir / "source_curve.png", (sdrafter or {}).get("n_samples"))
@@ -577,11 +795,24 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
 
     rows = []
     for ph, m in phases.items():
-        rows.append({"phase": ph, **{c: m.get(c) for c in PHASE_COLS[1:]},
-                     "vs_break_even": m["accept_length"] - m["break_even_accept_length"]})
+        rows.append(
+            {
+                "phase": ph,
+                **{c: m.get(c) for c in PHASE_COLS[1:]},
+                "vs_break_even": m["accept_length"] - m["break_even_accept_length"],
+            }
+        )
     write_csv(out_dir / "phases.csv", rows, PHASE_COLS)
-    pos_rows = [{"phase": ph, "position": i + 1, "accept_rate": m.get(f"accept_rate_pos_{i}"),
-                 "cond_acc": m.get(f"cond_acc_{i}")} for ph, m in phases.items() for i in range(k)]
+    pos_rows = [
+        {
+            "phase": ph,
+            "position": i + 1,
+            "accept_rate": m.get(f"accept_rate_pos_{i}"),
+            "cond_acc": m.get(f"cond_acc_{i}"),
+        }
+        for ph, m in phases.items()
+        for i in range(k)
+    ]
     write_csv(out_dir / "positions.csv", pos_rows, ["phase", "position", "accept_rate", "cond_acc"])
 
     be = next(iter(phases.values()))["break_even_accept_length"] if phases else None
@@ -592,19 +823,39 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
         kpis.append((LABELS[ph].replace("\n", " "), f"τ {m['accept_length']:.2f} · {m['projected_tok_s']:.0f} tok/s"))
     if be is not None:
         kpis.append(("break-even", f"τ {be:.2f} · {cost['baseline_tok_s']:g} tok/s"))
-    body = [f"<p class='lead'>Profile <b>{html.escape(p['profile'])}</b>. τ = offline accept length on the "
-            f"new target's held-out prompts, k = {k} drafts per cycle, bonus token counted. Projected tok/s = "
-            f"τ / (verify {cost['verify_ms']:g} ms + {k} × {cost['draft_ms']:g} ms).</p>",
-            "".join(f"<div class='kpi'><small>{html.escape(a)}</small><b>{html.escape(b)}</b></div>" for a, b in kpis),
-            "<h2>Accept length per phase</h2>", _img(out_dir / "tau.png"),
-            html_table(rows, PHASE_COLS, ["phase", "τ", "tok/s", "× baseline", "τ − break-even",
-                                          "τ (every position)", "train steps", "final loss", "eval samples"]),
-            "<h2>Acceptance by draft position</h2>", _img(out_dir / "positions.png"),
-            "<h2>Training curves</h2>", _img(out_dir / "loss.png")]
+    body = [
+        f"<p class='lead'>Profile <b>{html.escape(p['profile'])}</b>. τ = offline accept length on the "
+        f"new target's held-out prompts, k = {k} drafts per cycle, bonus token counted. Projected tok/s = "
+        f"τ / (verify {cost['verify_ms']:g} ms + {k} × {cost['draft_ms']:g} ms).</p>",
+        "".join(f"<div class='kpi'><small>{html.escape(a)}</small><b>{html.escape(b)}</b></div>" for a, b in kpis),
+        "<h2>Accept length per phase</h2>",
+        _img(out_dir / "tau.png"),
+        html_table(
+            rows,
+            PHASE_COLS,
+            [
+                "phase",
+                "τ",
+                "tok/s",
+                "× baseline",
+                "τ − break-even",
+                "τ (every position)",
+                "train steps",
+                "final loss",
+                "eval samples",
+            ],
+        ),
+        "<h2>Acceptance by draft position</h2>",
+        _img(out_dir / "positions.png"),
+        "<h2>Training curves</h2>",
+        _img(out_dir / "loss.png"),
+    ]
     if tau_steps:
-        body += ["<p class='lead'>Held-out accept length during training (the steps where it was evaluated), "
-                 "fine-tuning the source vs from scratch, against the break-even τ.</p>",
-                 _img(out_dir / "tau_by_step.png")]
+        body += [
+            "<p class='lead'>Held-out accept length during training (the steps where it was evaluated), "
+            "fine-tuning the source vs from scratch, against the break-even τ.</p>",
+            _img(out_dir / "tau_by_step.png"),
+        ]
     # the first section: after the lead paragraph and the phases' KPI strip (body[0], body[1])
     if decision is not None:
         body[2:2] = decision_section(decision, curves_png)
@@ -620,8 +871,7 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
     if drift is not None:
         body += drift_section(drift)
     if compare is not None:
-        (out_dir / "compare.html").write_text(_page("Source drafter vs the new target's layout",
-                                                    compare_html(compare)))
+        (out_dir / "compare.html").write_text(_page("Source drafter vs the new target's layout", compare_html(compare)))
         body += ["<h2>Source drafter vs the new target's layout</h2>", compare_html(compare)]
     if world is not None:
         t = world.get("targets", {})
@@ -630,26 +880,47 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
         body += ["<h2>The embedded world</h2>", html_table(wrows, ["what", "value"])]
     if monitor:
         n_src = (sdrafter or {}).get("n_samples")
-        seen = (f"It was trained on <b>{html.escape(str(n_src))}</b> samples of the old target's answers"
-                if n_src is not None else "Its training samples are not recorded")
-        body += ["<h2>The source drafter's training</h2>",
-                 f"<p class='lead'>{seen}; τ on the old target's held-out answers as it trained "
-                 f"(last: {monitor[-1][1]:.2f} at step {monitor[-1][0]:g}).</p>",
-                 _img(out_dir / "source_curve.png")]
+        seen = (
+            f"It was trained on <b>{html.escape(str(n_src))}</b> samples of the old target's answers"
+            if n_src is not None
+            else "Its training samples are not recorded"
+        )
+        body += [
+            "<h2>The source drafter's training</h2>",
+            f"<p class='lead'>{seen}; τ on the old target's held-out answers as it trained "
+            f"(last: {monitor[-1][1]:.2f} at step {monitor[-1][0]:g}).</p>",
+            _img(out_dir / "source_curve.png"),
+        ]
     if compare is None:
         (out_dir / "compare.html").write_text(_page("No comparison", "<p>The compare step has not run.</p>"))
     # The Snakemake report's landing page embeds this fragment (report/workflow.rst): the chart
     # and its numbers first, the rest one click away.
     (out_dir / "landing.html").write_text(
-        "<div>" + _img(out_dir / "tau_small.png", wrap=True) + html_table(
-            [{"phase": r["phase"], "accept_length": r["accept_length"], "projected_tok_s": r["projected_tok_s"],
-              "vs_break_even": r["vs_break_even"]} for r in rows],
+        "<div>"
+        + _img(out_dir / "tau_small.png", wrap=True)
+        + html_table(
+            [
+                {
+                    "phase": r["phase"],
+                    "accept_length": r["accept_length"],
+                    "projected_tok_s": r["projected_tok_s"],
+                    "vs_break_even": r["vs_break_even"],
+                }
+                for r in rows
+            ],
             ["phase", "accept_length", "projected_tok_s", "vs_break_even"],
-            ["phase", "τ", "projected tok/s", "τ − break-even"]) + "</div>\n")
+            ["phase", "τ", "projected tok/s", "τ − break-even"],
+        )
+        + "</div>\n"
+    )
     (out_dir / "summary.html").write_text(_page("draftport: porting the drafter to the new target", "\n".join(body)))
-    res = {"phases": {ph: {"accept_length": m["accept_length"], "projected_tok_s": m["projected_tok_s"]}
-                      for ph, m in phases.items()},
-           "break_even_accept_length": be}
+    res = {
+        "phases": {
+            ph: {"accept_length": m["accept_length"], "projected_tok_s": m["projected_tok_s"]}
+            for ph, m in phases.items()
+        },
+        "break_even_accept_length": be,
+    }
     if decision is not None and isinstance(decision.get("recommendation"), dict):
         res["decision"] = decision["recommendation"]
     return res

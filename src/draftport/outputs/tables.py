@@ -17,8 +17,7 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
-def html_table(rows: list[dict], cols: list[str], headers: list[str] | None = None,
-               mark: str | None = None) -> str:
+def html_table(rows: list[dict], cols: list[str], headers: list[str] | None = None, mark: str | None = None) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in (headers or cols))
     body = []
     for r in rows:
@@ -52,31 +51,40 @@ def compare_tables(rep: dict, out_dir: Path) -> None:
     """compare.html (+ config.csv, weights.csv) from compare_drafters' report."""
     out_dir = Path(out_dir)
     write_csv(out_dir / "config.csv", rep["config"], ["field", "src", "dst", "match", "note"])
-    write_csv(out_dir / "weights.csv", rep["weights"],
-              ["name", "src_shape", "dst_shape", "src_dtype", "dst_dtype", "status", "note"])
-    (out_dir / "compare.html").write_text(_page("Source drafter vs the new target's layout",
-                                                compare_html(rep)))
+    write_csv(
+        out_dir / "weights.csv",
+        rep["weights"],
+        ["name", "src_shape", "dst_shape", "src_dtype", "dst_dtype", "status", "note"],
+    )
+    (out_dir / "compare.html").write_text(_page("Source drafter vs the new target's layout", compare_html(rep)))
 
 
 def compare_html(rep: dict) -> str:
     v, verdict = rep["vocab"], rep["verdict"]
     ok = verdict["compatible_architecture"]
-    parts = [f'<div class="verdict {"ok" if ok else "no"}"><b>{"Compatible" if ok else "Incompatible"} '
-             f'architecture.</b> {html.escape("; ".join(verdict["reasons"]))}</div>',
-             f"<p><b>Vocab action:</b> {html.escape(verdict['vocab_action'])}</p>"]
+    parts = [
+        f'<div class="verdict {"ok" if ok else "no"}"><b>{"Compatible" if ok else "Incompatible"} '
+        f"architecture.</b> {html.escape('; '.join(verdict['reasons']))}</div>",
+        f"<p><b>Vocab action:</b> {html.escape(verdict['vocab_action'])}</p>",
+    ]
     if verdict["warnings"]:
         parts.append("<ul>" + "".join(f"<li>{html.escape(w)}</li>" for w in verdict["warnings"]) + "</ul>")
     parts.append(f"<p>{html.escape(v.get('explanation') or '')}</p>")
-    vrows = [{"what": k, "value": v.get(k)} for k in ("draft_vocab_size", "overlap", "jaccard", "src_only",
-                                                      "dst_only", "positions_differ", "identical")]
+    vrows = [
+        {"what": k, "value": v.get(k)}
+        for k in ("draft_vocab_size", "overlap", "jaccard", "src_only", "dst_only", "positions_differ", "identical")
+    ]
     parts.append(html_table(vrows, ["what", "value"], ["draft map", "src vs dst"]))
-    parts.append("<h3>Config</h3>" + html_table(rep["config"], ["field", "src", "dst", "match", "note"],
-                                                 mark="match"))
-    parts.append("<h3>Weights (from the safetensors headers)</h3>" + html_table(
-        rep["weights"], ["name", "src_shape", "dst_shape", "src_dtype", "dst_dtype", "status", "note"]))
+    parts.append("<h3>Config</h3>" + html_table(rep["config"], ["field", "src", "dst", "match", "note"], mark="match"))
+    parts.append(
+        "<h3>Weights (from the safetensors headers)</h3>"
+        + html_table(rep["weights"], ["name", "src_shape", "dst_shape", "src_dtype", "dst_dtype", "status", "note"])
+    )
     return "\n".join(parts)
 
 
 def _page(title: str, body: str) -> str:
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>\n")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>\n"
+    )

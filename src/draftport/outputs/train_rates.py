@@ -39,25 +39,44 @@ ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outp
 RESULTS = ROOT / "benchmarks" / "results"
 # the sizes that set a drafter's training rate (the full vocab only matters to a mask computed
 # in the step; the pipeline stores it with the features)
-SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "draft_vocab_size")
+SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "draft_vocab_size",
+)
 # estimate's figure name -> the benchmark's mix result it reads
-FIGURES = {"lm_head_trainable": "packed_trainable_stored", "lm_head_frozen": "packed_frozen_stored",
-           "padded_lm_head_trainable": "padded_trainable_stored", "padded_lm_head_frozen": "padded_frozen_stored"}
+FIGURES = {
+    "lm_head_trainable": "packed_trainable_stored",
+    "lm_head_frozen": "packed_frozen_stored",
+    "padded_lm_head_trainable": "padded_trainable_stored",
+    "padded_lm_head_frozen": "padded_frozen_stored",
+}
 # <date>-h200-train-<shape>.json, or -<shape>-<round>.json for a later round of the same date (a
 # shape's name never ends in -<digits>: bench_train_h200.shape_name)
 NAMED = re.compile(r"^(?P<date>\d{4}-\d{2}-\d{2})-h200-train-(?P<shape>.+?)(?:-(?P<round>\d+))?\.json$")
 
 # The published drafters a profile may name as source.repo_id, with their config.json's sizes.
-KIMI_K2_DRAFTER = {"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
-                   "num_key_value_heads": 64, "head_dim": 128, "draft_vocab_size": 32000, "vocab_size": 163840}
+KIMI_K2_DRAFTER = {
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "head_dim": 128,
+    "draft_vocab_size": 32000,
+    "vocab_size": 163840,
+}
 KNOWN_DRAFTERS = {"AQ-MedAI/Kimi-K2-Instruct-eagle3": KIMI_K2_DRAFTER, "AQ-MedAI/Kimi-K25-eagle3": KIMI_K2_DRAFTER}
-DEFAULT_SHAPE = "kimi"   # the result that stands in when the drafter's shape is not known
+DEFAULT_SHAPE = "kimi"  # the result that stands in when the drafter's shape is not known
 
 
 def describe(shape: dict) -> str:
-    return (f"H {shape['hidden_size']}, I {shape['intermediate_size']}, {shape['num_attention_heads']}/"
-            f"{shape['num_key_value_heads']} heads of {shape['head_dim']}, draft vocab {shape['draft_vocab_size']}")
+    return (
+        f"H {shape['hidden_size']}, I {shape['intermediate_size']}, {shape['num_attention_heads']}/"
+        f"{shape['num_key_value_heads']} heads of {shape['head_dim']}, draft vocab {shape['draft_vocab_size']}"
+    )
 
 
 # ---- the profile's drafter ------------------------------------------------------------------------
@@ -67,13 +86,20 @@ def drafter_shape(cfg: dict, root: Path = ROOT) -> tuple[dict | None, str]:
     if w.get("build"):
         m, sd = w["model"], w["source_drafter"]
         arch, H, V = sd.get("arch") or {}, int(m["hidden_size"]), int(w["vocab_size"])
-        heads = int(arch.get("num_attention_heads") or 4)   # draftport.model.bind.new_drafter_config
-        return ({"hidden_size": H, "intermediate_size": int(arch.get("intermediate_size") or 3 * H),
-                 "num_attention_heads": heads, "num_key_value_heads": int(arch.get("num_key_value_heads") or heads),
-                 "head_dim": int(arch.get("head_dim") or H // heads),
-                 "draft_vocab_size": max(8, int(round(V * float(sd["draft_vocab_ratio"])))), "vocab_size": V},
-                "the embedded world's source drafter (world.source_drafter.arch on world.model)")
-    from draftport.model.config import read_config   # torch-free; the drafter's own config
+        heads = int(arch.get("num_attention_heads") or 4)  # draftport.model.bind.new_drafter_config
+        return (
+            {
+                "hidden_size": H,
+                "intermediate_size": int(arch.get("intermediate_size") or 3 * H),
+                "num_attention_heads": heads,
+                "num_key_value_heads": int(arch.get("num_key_value_heads") or heads),
+                "head_dim": int(arch.get("head_dim") or H // heads),
+                "draft_vocab_size": max(8, int(round(V * float(sd["draft_vocab_ratio"])))),
+                "vocab_size": V,
+            },
+            "the embedded world's source drafter (world.source_drafter.arch on world.model)",
+        )
+    from draftport.model.config import read_config  # torch-free; the drafter's own config
 
     src = cfg.get("source") or {}
     repo = str(src.get("repo_id") or "")
@@ -103,11 +129,11 @@ def hub_cached(src: dict, root: Path = ROOT) -> tuple[Path | None, str]:
     shown = f"the hub cache {cache or '(default)'}"
     try:
         folder, commit = resolve(repo, rev, cache_dir, DRAFTER_PATTERNS, offline=True)
-    except DraftportError:   # not there (or not a hub id): the built-in shapes come next
+    except DraftportError:  # not there (or not a hub id): the built-in shapes come next
         return None, f"not in {shown} at {rev or 'main'}"
     if not (folder / "config.json").is_file():
         return None, f"no config.json in {shown} at {rev or 'main'}"
-    if commit == "local":   # a folder where the command runs (fetch takes it as it is)
+    if commit == "local":  # a folder where the command runs (fetch takes it as it is)
         return folder, f"{repo}/config.json"
     return folder, f"{repo}@{commit[:12]} in {shown}: its config.json"
 
@@ -129,12 +155,23 @@ def read_result(path: Path) -> dict | None:
         c, mix, res = d["config"], d["mix"], d["mix_results"]
         if c.get("shape") != m["shape"]:
             return None
-        figs = {k: {"rate": float(res[v]["real_tokens_per_s"]), "mfu": float(res[v]["mfu"])}
-                for k, v in FIGURES.items()}
-        return {"file": path, "date": d["date"], "round": int(m["round"] or 1), "device": d["device"], "seq": c["seq"],
-                "ttt_steps": int(c["ttt_steps"]), "peak_tflops": float(c.get("peak_tflops") or 790.0), "name": m["shape"],
-                "shape": {k: int(c[k]) for k in SHAPE_KEYS}, "lengths": [int(x) for x in mix["lengths"]],
-                "mix": {k: mix.get(k) for k in ("n", "mean", "max", "pad_batch")}, "figures": figs}
+        figs = {
+            k: {"rate": float(res[v]["real_tokens_per_s"]), "mfu": float(res[v]["mfu"])} for k, v in FIGURES.items()
+        }
+        return {
+            "file": path,
+            "date": d["date"],
+            "round": int(m["round"] or 1),
+            "device": d["device"],
+            "seq": c["seq"],
+            "ttt_steps": int(c["ttt_steps"]),
+            "peak_tflops": float(c.get("peak_tflops") or 790.0),
+            "name": m["shape"],
+            "shape": {k: int(c[k]) for k in SHAPE_KEYS},
+            "lengths": [int(x) for x in mix["lengths"]],
+            "mix": {k: mix.get(k) for k in ("n", "mean", "max", "pad_batch")},
+            "figures": figs,
+        }
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -164,25 +201,33 @@ def rates_for(shape: dict, results: Path = RESULTS) -> dict:
     nearest) and from which results."""
     rs = measured(results)
     if not rs:
-        raise DraftportError(results, "no training benchmark result named by its shape "
-                             "(<date>-h200-train-<shape>.json of bench_train_h200.py --shape)")
+        raise DraftportError(
+            results,
+            "no training benchmark result named by its shape "
+            "(<date>-h200-train-<shape>.json of bench_train_h200.py --shape)",
+        )
     key = tuple(shape[k] for k in SHAPE_KEYS)
     same = [r for r in rs if tuple(r["shape"][k] for k in SHAPE_KEYS) == key]
     if same:
         r = same[0]
-        return {"source": "measured", "from": [r], "weights": [1.0],
-                "figures": {k: v["rate"] for k, v in r["figures"].items()}}
+        return {
+            "source": "measured",
+            "from": [r],
+            "weights": [1.0],
+            "figures": {k: v["rate"] for k, v in r["figures"].items()},
+        }
     H = shape["hidden_size"]
     below = [r for r in rs if r["shape"]["hidden_size"] <= H]
     above = [r for r in rs if r["shape"]["hidden_size"] > H]
     if below and above:
         lo, hi = below[-1], above[0]
-        x = ((math.log(H) - math.log(lo["shape"]["hidden_size"]))
-             / (math.log(hi["shape"]["hidden_size"]) - math.log(lo["shape"]["hidden_size"])))
+        x = (math.log(H) - math.log(lo["shape"]["hidden_size"])) / (
+            math.log(hi["shape"]["hidden_size"]) - math.log(lo["shape"]["hidden_size"])
+        )
         src, used, weights = "interpolated", [lo, hi], [1 - x, x]
     else:
         src, used, weights = "nearest", [below[-1] if below else above[0]], [1.0]
-    ref = max(zip(weights, used), key=lambda t: t[0])[1]   # the nearer result's mix and TTT depth
+    ref = max(zip(weights, used), key=lambda t: t[0])[1]  # the nearer result's mix and TTT depth
     figures = {}
     for k in FIGURES:
         mfu = sum(w * r["figures"][k]["mfu"] for w, r in zip(weights, used))
@@ -201,8 +246,12 @@ def for_profile(cfg: dict, results: Path = RESULTS, root: Path = ROOT) -> dict:
         rs = [r for r in measured(results) if r["name"] == DEFAULT_SHAPE]
         if not rs:
             raise DraftportError("source.repo_id", f"{where}, and no {DEFAULT_SHAPE} result to stand in")
-        got = {"source": "default", "from": rs, "weights": [1.0],
-               "figures": {k: v["rate"] for k, v in rs[0]["figures"].items()}}
+        got = {
+            "source": "default",
+            "from": rs,
+            "weights": [1.0],
+            "figures": {k: v["rate"] for k, v in rs[0]["figures"].items()},
+        }
     else:
         got = rates_for(shape, results)
     used = got["from"]
@@ -210,22 +259,37 @@ def for_profile(cfg: dict, results: Path = RESULTS, root: Path = ROOT) -> dict:
     if got["source"] == "measured":
         note = f"measured: {files}"
     elif got["source"] == "interpolated":
-        note = ("interpolated in log H between " + " and ".join(f"{r['name']} (H {r['shape']['hidden_size']}, "
-                f"weight {w:.2f})" for r, w in zip(used, got["weights"])) + f": model-FLOPs MFU of {files}, "
-                "at this drafter's FLOPs per token")
+        note = (
+            "interpolated in log H between "
+            + " and ".join(
+                f"{r['name']} (H {r['shape']['hidden_size']}, weight {w:.2f})" for r, w in zip(used, got["weights"])
+            )
+            + f": model-FLOPs MFU of {files}, "
+            "at this drafter's FLOPs per token"
+        )
     elif got["source"] == "nearest":
-        note = (f"nearest measured shape {used[0]['name']} (H {used[0]['shape']['hidden_size']}): its model-FLOPs MFU "
-                f"({files}) at this drafter's FLOPs per token, not extrapolated")
+        note = (
+            f"nearest measured shape {used[0]['name']} (H {used[0]['shape']['hidden_size']}): its model-FLOPs MFU "
+            f"({files}) at this drafter's FLOPs per token, not extrapolated"
+        )
     else:
         note = f"the drafter's shape is not known ({where}): the {DEFAULT_SHAPE} result stands in ({files})"
     first = used[0]
     mix = first["mix"]
     drafter = f"{describe(shape)} ({where})" if shape else where
-    return {"device": first["device"], "date": " / ".join(dict.fromkeys(r["date"] for r in used)),
-            "seq": first["seq"], "ttt_steps": first["ttt_steps"],
-            **got["figures"],
-            "rate": (f"real tokens of a length mix ({mix.get('n', '?')} samples, mean {mix.get('mean', '?')}, max "
-                     f"{mix.get('max', '?')} tokens), packed rows or padded groups of {mix.get('pad_batch', '?')} as "
-                     f"train.packing says; drafter {drafter}: {note}"),
-            "drafter": {"shape": shape, "from": where}, "shape_source": got["source"], "shape_note": note,
-            "files": [_shown(r["file"]) for r in used]}
+    return {
+        "device": first["device"],
+        "date": " / ".join(dict.fromkeys(r["date"] for r in used)),
+        "seq": first["seq"],
+        "ttt_steps": first["ttt_steps"],
+        **got["figures"],
+        "rate": (
+            f"real tokens of a length mix ({mix.get('n', '?')} samples, mean {mix.get('mean', '?')}, max "
+            f"{mix.get('max', '?')} tokens), packed rows or padded groups of {mix.get('pad_batch', '?')} as "
+            f"train.packing says; drafter {drafter}: {note}"
+        ),
+        "drafter": {"shape": shape, "from": where},
+        "shape_source": got["source"],
+        "shape_note": note,
+        "files": [_shown(r["file"]) for r in used],
+    }

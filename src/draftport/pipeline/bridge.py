@@ -136,8 +136,12 @@ def note_lock_owner(persistence, root: str = LOCK_OWNERS) -> None:
     if not locks:
         return
     pid = os.getpid()
-    rec = {"pid": pid, "process": _proc_identity(pid), "host": socket.gethostname(),
-           "locks": {f: _lock_id(f) for f in locks}}
+    rec = {
+        "pid": pid,
+        "process": _proc_identity(pid),
+        "host": socket.gethostname(),
+        "locks": {f: _lock_id(f) for f in locks},
+    }
 
     atomic_write_text(Path(root, f"{pid}.json"), json.dumps(rec) + "\n")
 
@@ -167,7 +171,8 @@ def clear_stale_locks(root: str = LOCK_OWNERS, log=None) -> int:
     if n:
         (log or (lambda m: print(m, file=sys.stderr)))(
             f"removed {n} Snakemake lock file(s) left by killed run(s) (pid {', '.join(gone)}); "
-            f"their unfinished steps run again and resume from their checkpoints")
+            f"their unfinished steps run again and resume from their checkpoints"
+        )
     return n
 
 
@@ -184,8 +189,12 @@ def dvc_commit(stages: list[str], log=print) -> None:
         return
     dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
     t = time.time()
-    r = subprocess.run([dvc, "commit", "--force", "--quiet", *stages], capture_output=True, text=True,
-                       env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    r = subprocess.run(
+        [dvc, "commit", "--force", "--quiet", *stages],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DVC_NO_ANALYTICS": "1"},
+    )
     if r.returncode:
         log(f"dvc commit failed (dvc.lock not updated): {(r.stderr or r.stdout).strip()}")
     else:
@@ -249,11 +258,17 @@ def record_for_snakemake(step: str) -> None:
     finds nothing to do, even after `dvc checkout` rewrote every mtime."""
     smk = shutil.which("snakemake") or str(Path(sys.executable).with_name("snakemake"))
     t = time.time()
-    r = subprocess.run([smk, done(step), "--touch", "--forcerun", step, "--allowed-rules", step,
-                        "--cores", "1", "--quiet", "all"], capture_output=True, text=True)
+    r = subprocess.run(
+        [smk, done(step), "--touch", "--forcerun", step, "--allowed-rules", step, "--cores", "1", "--quiet", "all"],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
-        print(f"{step}: could not record the DVC run for Snakemake (a later snakemake run may redo "
-              f"it): {(r.stderr or r.stdout).strip().splitlines()[-1:]}", file=sys.stderr)
+        print(
+            f"{step}: could not record the DVC run for Snakemake (a later snakemake run may redo "
+            f"it): {(r.stderr or r.stdout).strip().splitlines()[-1:]}",
+            file=sys.stderr,
+        )
     else:
         print(f"{step}: recorded for Snakemake in {time.time() - t:.1f} s")
 
@@ -276,10 +291,14 @@ def stage(step: str, cfg: dict) -> dict:
     row = R.BY_NAME[step]
     deps = R.module_files(row) + [art(u) for u in R.upstream(row, cfg)]
     out = art(step)
-    return {"cmd": R.command(row, cfg), "deps": list(dict.fromkeys(deps)), "params": list(row.params),
-            # persist: DVC's run-cache would otherwise copy an uncached out into .dvc/cache all the
-            # same (dvc/stage/cache.py, with link type copy): terabytes of features at real scale
-            "outs": [out] if row.cache else [{out: {"cache": False, "persist": True}}]}
+    return {
+        "cmd": R.command(row, cfg),
+        "deps": list(dict.fromkeys(deps)),
+        "params": list(row.params),
+        # persist: DVC's run-cache would otherwise copy an uncached out into .dvc/cache all the
+        # same (dvc/stage/cache.py, with link type copy): terabytes of features at real scale
+        "outs": [out] if row.cache else [{out: {"cache": False, "persist": True}}],
+    }
 
 
 def train_group(step: str) -> str:
@@ -296,14 +315,41 @@ def dvc_yaml_text(params_file: str = P.PARAMS_FILE) -> str:
     evals = [s for s in stages if s.startswith("eval_phase")]
     phases = [s for s in R.TRAINING_STEPS if s in stages and s.startswith("train_phase")]
     watched = [s for s in phases if R.get(cfg, f"{train_group(s)}.train.eval_every")]
-    plots = [art("report", p) for p in REPORT_PLOTS] + [
-        {"loss": {"template": "linear", "x": "step", "y": {art(s, "history.csv"): "loss" for s in phases}}},
-    ] + ([{"held_out_accept_length": {"template": "linear", "x": "step", "y": {
-        art(s, "curve.csv"): "accept_length" for s in watched}}}] if watched else []) + [
-        {"accept_length_by_phase": {"template": "bar_horizontal", "x": "accept_length", "y": {
-            art(s, "tau.csv"): "phase" for s in evals}}},
-        {"accept_rate_by_position": {"template": "linear", "x": "position", "y": {
-            art(s, "positions.csv"): "accept_rate" for s in evals}}}]
+    plots = (
+        [art("report", p) for p in REPORT_PLOTS]
+        + [
+            {"loss": {"template": "linear", "x": "step", "y": {art(s, "history.csv"): "loss" for s in phases}}},
+        ]
+        + (
+            [
+                {
+                    "held_out_accept_length": {
+                        "template": "linear",
+                        "x": "step",
+                        "y": {art(s, "curve.csv"): "accept_length" for s in watched},
+                    }
+                }
+            ]
+            if watched
+            else []
+        )
+        + [
+            {
+                "accept_length_by_phase": {
+                    "template": "bar_horizontal",
+                    "x": "accept_length",
+                    "y": {art(s, "tau.csv"): "phase" for s in evals},
+                }
+            },
+            {
+                "accept_rate_by_position": {
+                    "template": "linear",
+                    "x": "position",
+                    "y": {art(s, "positions.csv"): "accept_rate" for s in evals},
+                }
+            },
+        ]
+    )
     doc = {"stages": stages, "metrics": metrics, "plots": plots}
     return DVC_HEADER + yaml.safe_dump(doc, sort_keys=False, width=100)
 
@@ -313,13 +359,14 @@ def snakemake_workflow(snakefile: str = "Snakefile", configfiles: tuple = ()):
     """[S4] The parsed Snakemake workflow (rules with their input/output/params/shell), no DAG."""
     # lazy: snakemake is optional (the pipeline extra); only this [S4] check parses the workflow
     from snakemake.api import SnakemakeApi
-    from snakemake.settings.types import (ConfigSettings, OutputSettings, Quietness,
-                                          ResourceSettings)
+    from snakemake.settings.types import ConfigSettings, OutputSettings, Quietness, ResourceSettings
 
     with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
-        wf_api = api.workflow(resource_settings=ResourceSettings(cores=1),
-                              config_settings=ConfigSettings(configfiles=[Path(c) for c in configfiles]),
-                              snakefile=Path(snakefile).absolute())
+        wf_api = api.workflow(
+            resource_settings=ResourceSettings(cores=1),
+            config_settings=ConfigSettings(configfiles=[Path(c) for c in configfiles]),
+            snakefile=Path(snakefile).absolute(),
+        )
         yield wf_api._workflow
 
 
@@ -341,10 +388,15 @@ def main(argv: list[str] | None = None) -> int:
         old = Path(a.out).read_text() if Path(a.out).is_file() else ""
         if a.check:
             if old != text:
-                sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), text.splitlines(True),
-                                                           a.out, "generated from the registry"))
-                print(f"{a.out} drifted from the step registry: run `python -m draftport.pipeline.bridge dvc-yaml`",
-                      file=sys.stderr)
+                sys.stdout.writelines(
+                    difflib.unified_diff(
+                        old.splitlines(True), text.splitlines(True), a.out, "generated from the registry"
+                    )
+                )
+                print(
+                    f"{a.out} drifted from the step registry: run `python -m draftport.pipeline.bridge dvc-yaml`",
+                    file=sys.stderr,
+                )
                 return 1
             print(f"{a.out} matches the step registry")
             return 0

@@ -24,21 +24,26 @@ from draftport.plan import cluster
 from draftport.plan import params as P
 from draftport.plan import registry as R
 
-TRACKING_ENV = "DRAFTPORT_TRACKING"   # "off": the runner opens no MLflow run (draftport.pipeline.runner)
+TRACKING_ENV = "DRAFTPORT_TRACKING"  # "off": the runner opens no MLflow run (draftport.pipeline.runner)
 
 
 def plan(target: str, cfg: dict) -> list[str]:
     """The target's steps and every step upstream of them, in the step table's order."""
-    if target == "all":   # the Snakefile's rule all
-        wanted = ["report", "decision", *(R.target_steps("online", cfg) if cfg["online"]["enabled"] else []),
-                  *(["publish"] if cfg["publish"]["enabled"] else [])]
+    if target == "all":  # the Snakefile's rule all
+        wanted = [
+            "report",
+            "decision",
+            *(R.target_steps("online", cfg) if cfg["online"]["enabled"] else []),
+            *(["publish"] if cfg["publish"]["enabled"] else []),
+        ]
     elif target in R.TARGETS:
         wanted = R.target_steps(target, cfg)
     elif target in R.BY_NAME and R.enabled(R.BY_NAME[target], cfg):
         wanted = [target]
     else:
-        raise DraftportError("target", f"{target!r}: not a target ({', '.join(R.TARGETS)}, all) nor a step "
-                             "of this plan")
+        raise DraftportError(
+            "target", f"{target!r}: not a target ({', '.join(R.TARGETS)}, all) nor a step of this plan"
+        )
     wanted = [w for w in wanted if R.enabled(R.BY_NAME[w], cfg)]
     need: set[str] = set()
     todo = list(wanted)
@@ -50,8 +55,9 @@ def plan(target: str, cfg: dict) -> list[str]:
     return [s.name for s in R.active(cfg) if s.name in need]
 
 
-def run(target: str, configfiles: list[str], *, tracking: bool = True, force: tuple[str, ...] = (),
-        log=print) -> dict[str, float]:
+def run(
+    target: str, configfiles: list[str], *, tracking: bool = True, force: tuple[str, ...] = (), log=print
+) -> dict[str, float]:
     """Run the plan's steps not done yet; -> seconds per step run. Raises DraftportError naming the
     step that failed."""
     for f in configfiles:

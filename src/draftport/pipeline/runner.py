@@ -94,8 +94,9 @@ class StepContext:
         self.timing[what] = run
         if self.run is not None:
             self.run.set_tags({f"{what}.{k}": run.get(k) or "none" for k in ("device", "gpu", "processes")})
-            self.run.log_metrics({f"{what}_{k}": run[k] for k in ("tokens_per_s", "mfu") if run.get(k) is not None},
-                                 step=step)
+            self.run.log_metrics(
+                {f"{what}_{k}": run[k] for k in ("tokens_per_s", "mfu") if run.get(k) is not None}, step=step
+            )
 
     def input(self, name: str) -> Path:
         """A named input (the rule passes it). Whoever reads it checks it and names the file."""
@@ -135,9 +136,12 @@ def load_step_params(step: str, params_file: str | None) -> dict:
         off = next(c for c in conds if not R.holds(cfg, c))
         key = off.partition("=")[0]
         instead = [s.name for s in R.STEPS if s.replaces == step and R.enabled(s, cfg)]
-        raise P.ParamsError(key, f"{R.get(cfg, key)}: step {step} is not part of this plan (it needs {off}"
-                            + (f"; step {instead[0]} stands in for it" if instead else "")
-                            + "): regenerate dvc.yaml (python -m draftport.pipeline.bridge dvc-yaml)")
+        raise P.ParamsError(
+            key,
+            f"{R.get(cfg, key)}: step {step} is not part of this plan (it needs {off}"
+            + (f"; step {instead[0]} stands in for it" if instead else "")
+            + "): regenerate dvc.yaml (python -m draftport.pipeline.bridge dvc-yaml)",
+        )
     return R.step_params(cfg, step)
 
 
@@ -149,8 +153,13 @@ def default_inputs(row: R.Step) -> dict[str, Path]:
 def _parse(step: str, argv):
     ap = argparse.ArgumentParser(prog=f"scripts/{step}.py", description=R.BY_NAME[step].doc)
     ap.add_argument("--params", help="the step's values (a profile's; default: params.yaml)")
-    ap.add_argument("--input", action="append", default=[], metavar="NAME=PATH",
-                    help="a named input (the rule passes every one the registry lists)")
+    ap.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a named input (the rule passes every one the registry lists)",
+    )
     # --logfile: torchrun reads a bare --log as an abbreviation of its own --log-dir
     ap.add_argument("--logfile", "--log", dest="log", help="also write stdout/stderr to this file")
     a = ap.parse_args(argv)
@@ -201,7 +210,7 @@ def main(step: str, argv: list[str] | None = None) -> int:
                 print(f"{step}: run by DVC; dropped {n} Snakemake record(s) of {art(step)}/")
         final = Path(art(step))
         s = StepContext(row, p, ins, final)
-        if row.run and os.environ.get("DRAFTPORT_TRACKING") != "off":   # off: draftport.pipeline.local --no-tracking
+        if row.run and os.environ.get("DRAFTPORT_TRACKING") != "off":  # off: draftport.pipeline.local --no-tracking
             s.run = _open_run(s)  # before any compute: an unreachable server fails here
         folder = s.dir = building = _prepare_folder(final, p)
         try:
@@ -213,15 +222,20 @@ def main(step: str, argv: list[str] | None = None) -> int:
             raise
         seconds = round(time.time() - t0, 1)
         if s.run is not None:
-            s.run.log_metrics({**P.flatten(metrics), "seconds": seconds},
-                              step=int(metrics.get("train_steps", 0)))
+            s.run.log_metrics({**P.flatten(metrics), "seconds": seconds}, step=int(metrics.get("train_steps", 0)))
             s.run.finish(ok=True)
         write_json(folder / "metrics.json", metrics)
         _publish(folder, final)
         folder = s.dir = final
-        write_json(Path("logs", f"{step}.json"), {"seconds": seconds, "finished": time.time(),
-                                                  "modules": sorted(loaded_modules()),
-                                                  **({"timing": s.timing} if s.timing else {})})
+        write_json(
+            Path("logs", f"{step}.json"),
+            {
+                "seconds": seconds,
+                "finished": time.time(),
+                "modules": sorted(loaded_modules()),
+                **({"timing": s.timing} if s.timing else {}),
+            },
+        )
         if checkpoints(step).is_dir():  # finished: the step's outputs replace its resume state
             shutil.rmtree(checkpoints(step), ignore_errors=True)
         if os.environ.get("DVC_STAGE") and Path(".snakemake").is_dir():
@@ -299,12 +313,17 @@ def _open_run(s: StepContext):
     rev_file = Path(art("fetch", "revision.json"))
     rev = read_json(rev_file) if rev_file.is_file() else {}
     profile = s.p.get("profile") or P.read_yaml(P.PARAMS_FILE).get("profile", "default")
-    run = PhaseRun(profile, s.row.run, tags={
-        "draftport.source_revision": rev.get("commit", "unknown"),
-        "draftport.source_repo": rev.get("repo_id", "unknown"),
-        "draftport.step": s.name,
-        "draftport.runner": "dvc" if os.environ.get("DVC_STAGE") else "snakemake",
-        **({"draftport.dvc_exp": os.environ["DVC_EXP_NAME"]} if os.environ.get("DVC_EXP_NAME") else {})})
+    run = PhaseRun(
+        profile,
+        s.row.run,
+        tags={
+            "draftport.source_revision": rev.get("commit", "unknown"),
+            "draftport.source_repo": rev.get("repo_id", "unknown"),
+            "draftport.step": s.name,
+            "draftport.runner": "dvc" if os.environ.get("DVC_STAGE") else "snakemake",
+            **({"draftport.dvc_exp": os.environ["DVC_EXP_NAME"]} if os.environ.get("DVC_EXP_NAME") else {}),
+        },
+    )
     run.log_params(P.flatten(s.p))
     _record_run(s.name, run)
     print(f"{s.name}: MLflow run {run.run_id} in experiment draftport-{profile} at {run.uri}")
@@ -367,8 +386,7 @@ def _publish(tmp: Path, folder: Path) -> None:
 # ---- code dependencies ------------------------------------------------------------------------
 def loaded_modules() -> set[str]:
     """draftport's modules this process has imported, as registry names ("train", "steps.data")."""
-    return {m[len("draftport."):] for m in sys.modules
-            if m.startswith("draftport.") and sys.modules[m] is not None}
+    return {m[len("draftport.") :] for m in sys.modules if m.startswith("draftport.") and sys.modules[m] is not None}
 
 
 def undeclared_modules(row: R.Step) -> list[str]:
@@ -383,8 +401,10 @@ def _check_modules(row: R.Step) -> None:
     missing = undeclared_modules(row)
     if not missing:
         return
-    msg = (f"ran draftport module(s) {', '.join(missing)} that its registry row does not list "
-           f"(src/draftport/plan/registry.py): a change there would not rerun it")
+    msg = (
+        f"ran draftport module(s) {', '.join(missing)} that its registry row does not list "
+        f"(src/draftport/plan/registry.py): a change there would not rerun it"
+    )
     if os.environ.get("DRAFTPORT_STRICT_MODULES"):
         raise DraftportError(f"step {row.name}", msg)
     print(f"warning: step {row.name} {msg}", file=sys.stderr)

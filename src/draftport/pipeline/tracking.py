@@ -1,10 +1,11 @@
 """MLflow tracking: one experiment per profile, one run per phase, the same metric names.
 
-The tracking store is MLFLOW_TRACKING_URI when set, else `sqlite:///mlflow.db` (MLflow 3 refuses
-the ./mlruns file store; a queued DVC experiment's copy logs to its repository's file). A server that does not answer fails the step before any compute, with
-the URI in the message. Several pipeline jobs may write one sqlite file at once: the experiment
-is created up front (the Snakefile's onstart, `python -m draftport.pipeline.tracking init`) and every
-store call retries on "database is locked".
+The tracking store is MLFLOW_TRACKING_URI when set, else `sqlite:///mlflow.db` (MLflow 3 refuses the
+./mlruns file store; a queued DVC experiment's copy logs to its repository's file). A server that
+does not answer fails the step before any compute, with the URI in the message. Several pipeline
+jobs may write one sqlite file at once: the experiment is created up front (the Snakefile's onstart,
+`python -m draftport.pipeline.tracking init`) and every store call retries on "database is
+locked".
 
 A tracking hiccup never stops training: metrics logged while training go through a background
 sender that retries transient failures (connection refused/reset, timeouts, HTTP 5xx) with
@@ -46,7 +47,7 @@ def dvc_exp_root(cwd: Path | None = None) -> Path | None:
     that copy (`<repo>/.dvc/tmp/exps/<tmp>/`), else None."""
     parts = (cwd or Path.cwd()).resolve().parts
     for i in range(len(parts) - 3, 0, -1):
-        if parts[i: i + 3] == (".dvc", "tmp", "exps"):
+        if parts[i : i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
     return None
 
@@ -75,10 +76,13 @@ def check_reachable(uri: str | None = None, timeout: float = 5.0) -> str:
                     raise DraftportError(uri, f"MLflow tracking server answered {r.status} on /health")
         except (urllib.error.URLError, OSError, TimeoutError) as e:
             reason = getattr(e, "reason", e)
-            raise DraftportError(uri, f"MLflow tracking server unreachable ({reason}); start it or "
-                                      f"unset MLFLOW_TRACKING_URI to log to {DEFAULT_URI}") from None
+            raise DraftportError(
+                uri,
+                f"MLflow tracking server unreachable ({reason}); start it or "
+                f"unset MLFLOW_TRACKING_URI to log to {DEFAULT_URI}",
+            ) from None
     elif uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+        db = Path(uri[len("sqlite:///") :])
         parent = db.parent if str(db.parent) else Path(".")
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise DraftportError(uri, f"cannot write the tracking database's folder {parent}")
@@ -94,14 +98,19 @@ def retry(fn: Callable, *args, attempts: int = 20, **kw):
     """Call an MLflow store function, retrying while sqlite says the database is locked (backoff
     0.1 s doubling to 2 s, `attempts` calls at most); any other failure, or the last, is raised."""
     # MlflowException, sqlalchemy OperationalError
-    return Retrying(retry=retry_if_exception(_locked), stop=stop_after_attempt(attempts),
-                    wait=wait_exponential(multiplier=0.1, max=2.0), reraise=True)(fn, *args, **kw)
+    return Retrying(
+        retry=retry_if_exception(_locked),
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.1, max=2.0),
+        reraise=True,
+    )(fn, *args, **kw)
 
 
 _TRANSIENT = re.compile(
     r"connection ?(refused|reset|aborted|error)|max retries exceeded|timed ?out|timeout|temporar|"
     r"remote ?end ?closed|newconnectionerror|error code 5\d\d|too many 5\d\d|\b50[0234]\b|"
-    r"unavailable|bad gateway|database is locked|busy")
+    r"unavailable|bad gateway|database is locked|busy"
+)
 
 
 def transient(e: BaseException) -> bool:
@@ -131,8 +140,12 @@ def patient(fn: Callable, *args, deadline: float, what: str, **kw) -> bool:
     """Call fn until it succeeds, retrying transient failures with backoff (0.5 s doubling to
     10 s) until `deadline` (time.monotonic()). False, with a warning, when it kept failing or
     failed otherwise: the caller goes on (tracking must not cost the compute)."""
-    retrying = Retrying(retry=retry_if_exception(lambda e: isinstance(e, Exception) and transient(e)),
-                        stop=_stop_at(deadline), wait=wait_exponential(multiplier=0.5, max=10.0), reraise=True)
+    retrying = Retrying(
+        retry=retry_if_exception(lambda e: isinstance(e, Exception) and transient(e)),
+        stop=_stop_at(deadline),
+        wait=wait_exponential(multiplier=0.5, max=10.0),
+        reraise=True,
+    )
     try:
         retrying(fn, *args, **kw)
     except Exception as e:  # MlflowException, requests/urllib3 errors
@@ -176,12 +189,18 @@ def ensure_experiment(profile: str, uri: str | None = None, c=None) -> str:
 
 def git_commit(cwd: str | Path = ".") -> str:
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         if not sha:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -190,8 +209,7 @@ def git_commit(cwd: str | Path = ".") -> str:
 class PhaseRun(Logger):
     """One MLflow run; also the training loop's Logger (loss/accuracy by step)."""
 
-    def __init__(self, profile: str, phase: str, *, tags: dict[str, str] | None = None,
-                 uri: str | None = None):
+    def __init__(self, profile: str, phase: str, *, tags: dict[str, str] | None = None, uri: str | None = None):
         # lazy: mlflow is optional (the pipeline extra)
         from mlflow.entities import RunTag
 
@@ -200,10 +218,14 @@ class PhaseRun(Logger):
         _short_http_retries()
         self.c = client(self.uri)
         self.exp_id = ensure_experiment(profile, self.uri, self.c)
-        all_tags = {"mlflow.runName": phase, "draftport.phase": phase, "draftport.profile": profile,
-                    "mlflow.source.git.commit": git_commit(), **(tags or {})}
-        run = retry(self.c.create_run, self.exp_id, run_name=phase,
-                    tags={k: str(v) for k, v in all_tags.items()})
+        all_tags = {
+            "mlflow.runName": phase,
+            "draftport.phase": phase,
+            "draftport.profile": profile,
+            "mlflow.source.git.commit": git_commit(),
+            **(tags or {}),
+        }
+        run = retry(self.c.create_run, self.exp_id, run_name=phase, tags={k: str(v) for k, v in all_tags.items()})
         self.run_id = run.info.run_id
         self._RunTag = RunTag
 
@@ -221,8 +243,11 @@ class PhaseRun(Logger):
         try:
             run = retry(self.c.get_run, run_id)
         except Exception as e:  # MlflowException: RESOURCE_DOES_NOT_EXIST
-            raise DraftportError(where or self.uri, f"MLflow run {run_id} is not in {self.uri} "
-                                 f"({str(e).splitlines()[0][:120]}); rerun the phase to log it there") from None
+            raise DraftportError(
+                where or self.uri,
+                f"MLflow run {run_id} is not in {self.uri} "
+                f"({str(e).splitlines()[0][:120]}); rerun the phase to log it there",
+            ) from None
         self.run_id, self.exp_id, self._RunTag = run_id, run.info.experiment_id, RunTag
         return self
 
@@ -233,7 +258,7 @@ class PhaseRun(Logger):
 
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
-            retry(self.c.log_batch, self.run_id, params=items[i:i + 100])
+            retry(self.c.log_batch, self.run_id, params=items[i : i + 100])
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         """Retried on transient failures, dropped with a warning if they last: never raises.
@@ -242,11 +267,18 @@ class PhaseRun(Logger):
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        items = [Metric(k, float(v), ts, int(step)) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        items = [
+            Metric(k, float(v), ts, int(step))
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
         for i in range(0, len(items), 500):
-            self._send(self.c.log_batch, self.run_id, metrics=items[i:i + 500],
-                       what=f"{len(items[i:i + 500])} metric(s) at step {step} for run {self.run_id} at {self.uri}")
+            self._send(
+                self.c.log_batch,
+                self.run_id,
+                metrics=items[i : i + 500],
+                what=f"{len(items[i : i + 500])} metric(s) at step {step} for run {self.run_id} at {self.uri}",
+            )
 
     def background(self) -> "PhaseRun":
         """From now on log_metrics queues and returns at once; a daemon thread sends (the
@@ -285,8 +317,13 @@ class PhaseRun(Logger):
     def finish(self, ok: bool = True) -> None:
         """Wait for queued metrics, then close the run (retried like them; never raises)."""
         self.flush()
-        patient(self.c.set_terminated, self.run_id, "FINISHED" if ok else "FAILED",
-                deadline=time.monotonic() + retry_seconds(), what=f"closing run {self.run_id} at {self.uri}")
+        patient(
+            self.c.set_terminated,
+            self.run_id,
+            "FINISHED" if ok else "FAILED",
+            deadline=time.monotonic() + retry_seconds(),
+            what=f"closing run {self.run_id} at {self.uri}",
+        )
 
 
 def _short_http_retries() -> None:

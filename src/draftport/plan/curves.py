@@ -27,15 +27,17 @@ def arm_name(init: str, answers: str = "regenerated", recipe: str = "plain") -> 
 
 def arms(c: dict) -> list[dict]:
     """Every arm of the curves group c: name, init, answers, recipe, n_samples (the n it runs at)."""
-    out = [{"init": i, "answers": "regenerated", "recipe": "plain", "n_samples": list(c["n_samples"])}
-           for i in c["inits"]]
+    out = [
+        {"init": i, "answers": "regenerated", "recipe": "plain", "n_samples": list(c["n_samples"])} for i in c["inits"]
+    ]
     extra = list(c.get("arms_n_samples") or [])
     if not extra:  # no arms
         return [{"arm": a["init"], **a} for a in out]
     if c.get("answers"):
         out += [{"init": i, "answers": DATASET, "recipe": "plain", "n_samples": extra} for i in c["inits"]]
-    out += [{"init": "source", "answers": "regenerated", "recipe": r, "n_samples": extra}
-            for r in (c.get("recipes") or {})]
+    out += [
+        {"init": "source", "answers": "regenerated", "recipe": r, "n_samples": extra} for r in (c.get("recipes") or {})
+    ]
     return [{"arm": arm_name(a["init"], a["answers"], a["recipe"]), **a} for a in out]
 
 
@@ -51,18 +53,36 @@ def points(c: dict) -> list[dict]:
     for a in arms(c):
         for n in a["n_samples"]:
             for seed in c["seeds"]:
-                pt = {"arm": a["arm"], "init": a["init"], "answers": a["answers"], "recipe": a["recipe"],
-                      "n_samples": n, "seed": seed}
+                pt = {
+                    "arm": a["arm"],
+                    "init": a["init"],
+                    "answers": a["answers"],
+                    "recipe": a["recipe"],
+                    "n_samples": n,
+                    "seed": seed,
+                }
                 out.append({"name": point_name(pt), **pt})
     order = {(a["arm"]): i for i, a in enumerate(arms(c))}
     # the plain arms interleaved by n as before (n, then init, then seed); the other arms after them
-    return sorted(out, key=lambda p: (p["recipe"] != "plain" or p["answers"] != "regenerated",
-                                      p["n_samples"], order[p["arm"]], p["seed"]))
+    return sorted(
+        out,
+        key=lambda p: (
+            p["recipe"] != "plain" or p["answers"] != "regenerated",
+            p["n_samples"],
+            order[p["arm"]],
+            p["seed"],
+        ),
+    )
 
 
 def train_config(c: dict, pt: dict) -> dict:
     """A point's train keys: curves.train, its recipe's changes, its budget and seed."""
     steps = budget_steps(pt["n_samples"], c)
     over = (c.get("recipes") or {}).get(pt["recipe"], {}) if pt["recipe"] != "plain" else {}
-    return {**c["train"], **over, "steps": steps, "seed": pt["seed"],
-            "checkpoint_every": min(c["train"]["checkpoint_every"], steps)}
+    return {
+        **c["train"],
+        **over,
+        "steps": steps,
+        "seed": pt["seed"],
+        "checkpoint_every": min(c["train"]["checkpoint_every"], steps),
+    }

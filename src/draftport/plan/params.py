@@ -30,12 +30,26 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Optional
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      create_model, field_validator, model_serializer)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_serializer,
+)
 from pydantic_core import PydanticCustomError
 
 from draftport.errors import DraftportError
-from draftport.plan.registry import STEP_NAMES, TORCHRUN_INSIDE, TRAINING_STEPS, get  # get: the dotted-key lookup both use
+from draftport.plan.registry import (
+    STEP_NAMES,
+    TORCHRUN_INSIDE,
+    TRAINING_STEPS,
+    get,
+)  # get: the dotted-key lookup both use
 
 PARAMS_FILE = "params.yaml"
 
@@ -95,22 +109,26 @@ def _hub_ids(v: Any) -> Any:
 
 def _int_list(min_entry: int | None = None, max_len: int | None = None, empty: bool = False):
     def check(v: Any) -> Any:
-        if not isinstance(v, list) or (not v and not empty) or any(isinstance(x, bool) or not isinstance(x, int)
-                                                                 for x in v):
+        if (
+            not isinstance(v, list)
+            or (not v and not empty)
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in v)
+        ):
             raise _problem(f"expected a {'' if empty else 'non-empty '}list of integers, got {_show(v)}")
         if min_entry is not None and v and min(v) < min_entry:
             raise _problem(f"every entry must be >= {_num(min_entry)}, got {v}")
         if max_len is not None and len(v) > max_len:
             raise _problem(f"expected at most {_num(max_len)} entries, got {len(v)}")
         return v
+
     return BeforeValidator(check)
 
 
-Str = Annotated[str, AfterValidator(_non_empty)]          # a non-empty string
-PathStr = Annotated[str, AfterValidator(_non_empty)]      # a file or folder (relative: to the repo)
-HubId = Annotated[str, AfterValidator(_non_empty), AfterValidator(_hub_id)]   # org/name
+Str = Annotated[str, AfterValidator(_non_empty)]  # a non-empty string
+PathStr = Annotated[str, AfterValidator(_non_empty)]  # a file or folder (relative: to the repo)
+HubId = Annotated[str, AfterValidator(_non_empty), AfterValidator(_hub_id)]  # org/name
 HubIdOrFolder = Annotated[str, AfterValidator(_non_empty), AfterValidator(_hub_id_or_folder)]
-HubIdList = Annotated[list[str], BeforeValidator(_hub_ids)]                   # may be empty
+HubIdList = Annotated[list[str], BeforeValidator(_hub_ids)]  # may be empty
 
 
 def F(default: Any = ..., doc: str = "", **kw) -> Any:
@@ -135,14 +153,21 @@ class FastParams(Group):
     keys_optional: ClassVar[bool] = True
 
     attention: Literal["flash", "cudnn", "fa4"] = F(
-        "flash", "the CUDA kernel of the causal attention: flash (FlashAttention 2 in torch), cudnn (cuDNN's "
+        "flash",
+        "the CUDA kernel of the causal attention: flash (FlashAttention 2 in torch), cudnn (cuDNN's "
         "fused attention; the H200 training benchmark's choice) or fa4 (FlashAttention-4, `pip install --pre "
-        "flash-attn-4`, Hopper/Blackwell)")
+        "flash-attn-4`, Hopper/Blackwell)",
+    )
     packed_attention: Literal["auto", "varlen", "segments"] = F(
-        "auto", "packed rows' causal attention on CUDA: varlen (the kernel's variable-length form, one call for "
-        "all samples), segments (the dense kernel once per sample); auto: segments under cudnn, else varlen")
-    compile_tuning: bool = F(True, "impl compiled: inductor's coordinate-descent tuning (each kernel's block "
-                             "sizes searched as it compiles; the first steps of each shape compile longer)")
+        "auto",
+        "packed rows' causal attention on CUDA: varlen (the kernel's variable-length form, one call for "
+        "all samples), segments (the dense kernel once per sample); auto: segments under cudnn, else varlen",
+    )
+    compile_tuning: bool = F(
+        True,
+        "impl compiled: inductor's coordinate-descent tuning (each kernel's block "
+        "sizes searched as it compiles; the first steps of each shape compile longer)",
+    )
 
 
 class TrainConfig(Group):
@@ -165,47 +190,73 @@ class TrainConfig(Group):
     checkpoint_every: int = F(50, "steps between checkpoints (a run resumes from the last)", ge=1)
     keep_checkpoints: int = F(2, "checkpoints kept, the older ones removed", ge=1)
     log_every: int = F(10, "steps between logged metrics (MLflow)", ge=1)
-    dtype: Literal["auto", "float32", "bfloat16"] = F(
-        "auto", "auto: float32 on CPU, bfloat16 autocast on CUDA")
+    dtype: Literal["auto", "float32", "bfloat16"] = F("auto", "auto: float32 on CPU, bfloat16 autocast on CUDA")
     device: Literal["auto", "cuda", "cpu"] = F(
-        "auto", "where the training computes (drafter, target head, batches, optimizer state): auto is "
+        "auto",
+        "where the training computes (drafter, target head, batches, optimizer state): auto is "
         "cuda:LOCAL_RANK when torch sees a GPU, else the CPU; cuda without a GPU is refused; a run resumes "
-        "on another device")
+        "on another device",
+    )
     train_lm_head: bool = F(True, "train the drafter's lm_head (false: frozen; Phase 1's vocab remap needs it)")
     impl: Literal["auto", "reference", "fused", "compiled"] = F(
-        "auto", "reference: dense-mask attention and whole-tensor loss (the readable definition); "
+        "auto",
+        "reference: dense-mask attention and whole-tensor loss (the readable definition); "
         "fused: flash attention + log-sum-exp merge, row-chunked fused soft-CE (same terms); "
-        "compiled: fused + torch.compile of the per-step regions; auto: compiled on CUDA, else reference")
+        "compiled: fused + torch.compile of the per-step regions; auto: compiled on CUDA, else reference",
+    )
     parallel: Literal["ddp", "fsdp"] = F(
-        "ddp", "under torchrun (resources.<step>.torchrun): ddp replicates the drafter; fsdp shards "
-        "its weights, gradients and AdamW moments over the ranks")
-    eval_every: int = F(0, "steps between evaluations of tau on the held-out monitor set (step "
-                        "features_monitor), logged as accept_length by step; 0: none", ge=0)
-    patience: int = F(0, "early stop once this many evaluations in a row bring no better held-out tau "
-                      "than the best so far (needs eval_every); 0: train every step", ge=0)
-    packing: bool = F(False, "lay a step's samples end to end in one row (draftport.data.packing: attention, RoPE "
-                      "positions and the loss stay per sample, the same loss as padding them) instead of "
-                      "right-padding each to the longest; no compute is spent on padding")
+        "ddp",
+        "under torchrun (resources.<step>.torchrun): ddp replicates the drafter; fsdp shards "
+        "its weights, gradients and AdamW moments over the ranks",
+    )
+    eval_every: int = F(
+        0,
+        "steps between evaluations of tau on the held-out monitor set (step "
+        "features_monitor), logged as accept_length by step; 0: none",
+        ge=0,
+    )
+    patience: int = F(
+        0,
+        "early stop once this many evaluations in a row bring no better held-out tau "
+        "than the best so far (needs eval_every); 0: train every step",
+        ge=0,
+    )
+    packing: bool = F(
+        False,
+        "lay a step's samples end to end in one row (draftport.data.packing: attention, RoPE "
+        "positions and the loss stay per sample, the same loss as padding them) instead of "
+        "right-padding each to the longest; no compute is spent on padding",
+    )
     l2sp_lambda: float = F(
-        0.0, "L2-SP: the loss gains l2sp_lambda * sum ||w - w0||^2 over the trained weights, w0 the weights the "
+        0.0,
+        "L2-SP: the loss gains l2sp_lambda * sum ||w - w0||^2 over the trained weights, w0 the weights the "
         "training started from (a fine-tune's init after its vocab remap; a resume keeps them): the fine-tune "
         "stays near the source (a Kimi K2.6 -> K2.7 port used 1e-4); 0: off. A training from init scratch "
         "refuses it (train_phase1_scratch reads phase1.train too)",
-        ge=0)
+        ge=0,
+    )
     freeze: list[Literal["fc", "input_norms", "attention", "post_attention_norm", "mlp", "final_norm"]] = F(
-        default_factory=list, doc="parts of the drafter kept at their initial weights (no gradient, no optimizer "
+        default_factory=list,
+        doc="parts of the drafter kept at their initial weights (no gradient, no optimizer "
         "state): fc (the projection of the aux states), input_norms (input_layernorm, hidden_norm: the embedding "
         "and aux halves' norms), attention (q/k/v/o), post_attention_norm, mlp (gate/up/down), final_norm (norm); "
-        "lm_head: train_lm_head. []: none")
-    fast: FastParams = F(default_factory=FastParams, doc="impl fused / compiled: how a step is computed "
-                         "(the attention kernels, compile tuning)")
+        "lm_head: train_lm_head. []: none",
+    )
+    fast: FastParams = F(
+        default_factory=FastParams,
+        doc="impl fused / compiled: how a step is computed (the attention kernels, compile tuning)",
+    )
 
     # freeze's parts: the flat names of their weights (lm_head is train_lm_head's)
     FREEZE_PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
         "fc": ("fc.weight",),
         "input_norms": ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"),
-        "attention": ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-                      "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight"),
+        "attention": (
+            "midlayer.self_attn.q_proj.weight",
+            "midlayer.self_attn.k_proj.weight",
+            "midlayer.self_attn.v_proj.weight",
+            "midlayer.self_attn.o_proj.weight",
+        ),
         "post_attention_norm": ("midlayer.post_attention_layernorm.weight",),
         "mlp": ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight"),
         "final_norm": ("norm.weight",),
@@ -265,41 +316,65 @@ class WorldModel(Group):
     keys_optional: ClassVar[bool] = True
 
     arch: Literal["llama", "deepseek_v3", "qwen3"] = F(
-        "llama", "the targets' architecture (transformers' own class, no remote code): llama, deepseek_v3 "
-        "(Kimi-K2's: MLA + MoE) or qwen3")
+        "llama",
+        "the targets' architecture (transformers' own class, no remote code): llama, deepseek_v3 "
+        "(Kimi-K2's: MLA + MoE) or qwen3",
+    )
     hidden_size: int = F(128, "hidden size H of the targets", ge=1)
     intermediate_size: int = F(384, "MLP width (deepseek_v3: of the dense layers)", ge=1)
     num_hidden_layers: int = F(4, "decoder layers L (bounds features.aux_layer_ids)", ge=1)
     num_attention_heads: int = F(4, "attention heads", ge=1)
-    num_key_value_heads: int = F(4, "key/value heads (grouped-query attention when fewer; deepseek_v3: "
-                                 "= num_attention_heads)", ge=1)
-    head_dim: int = F(32, "per-head size (vLLM's CPU attention has no kernel below 32; deepseek_v3: what its "
-                      "MLA head sizes are derived from)", ge=1)
+    num_key_value_heads: int = F(
+        4, "key/value heads (grouped-query attention when fewer; deepseek_v3: = num_attention_heads)", ge=1
+    )
+    head_dim: int = F(
+        32,
+        "per-head size (vLLM's CPU attention has no kernel below 32; deepseek_v3: what its "
+        "MLA head sizes are derived from)",
+        ge=1,
+    )
     max_position_embeddings: int = F(512, "longest sequence (also the tokenizer's model_max_length)", ge=1)
     # deepseek_v3 only; left out: derived (draftport.world.targets.target_config)
     q_lora_rank: int = F(None, "deepseek_v3: MLA query compression rank (left out: hidden_size / 2)", ge=1)
     kv_lora_rank: int = F(None, "deepseek_v3: MLA key/value latent rank (left out: hidden_size / 4)", ge=1)
     qk_nope_head_dim: int = F(None, "deepseek_v3: per-head query/key size without RoPE (left out: head_dim)", ge=1)
-    qk_rope_head_dim: int = F(None, "deepseek_v3: per-head query/key size with RoPE, even (left out: head_dim / 2)",
-                              ge=2)
+    qk_rope_head_dim: int = F(
+        None, "deepseek_v3: per-head query/key size with RoPE, even (left out: head_dim / 2)", ge=2
+    )
     v_head_dim: int = F(None, "deepseek_v3: per-head value size (left out: head_dim)", ge=1)
     n_routed_experts: int = F(None, "deepseek_v3: routed experts of a MoE layer (left out: 4)", ge=2)
     num_experts_per_tok: int = F(None, "deepseek_v3: routed experts per token (left out: 2)", ge=1)
     n_shared_experts: int = F(None, "deepseek_v3: shared experts of a MoE layer (left out: 1)", ge=0)
-    moe_intermediate_size: int = F(None, "deepseek_v3: an expert's MLP width, a multiple of 8 (left out: "
-                                   "intermediate_size / (num_experts_per_tok + n_shared_experts), rounded down "
-                                   "to one: a token's MoE compute is a dense layer's, as in DeepSeek-V3 and "
-                                   "Kimi-K2)", ge=8)
-    first_k_dense_replace: int = F(None, "deepseek_v3: the first layers that stay dense, the rest MoE (left out: "
-                                   "1, as Kimi-K2)", ge=0)
+    moe_intermediate_size: int = F(
+        None,
+        "deepseek_v3: an expert's MLP width, a multiple of 8 (left out: "
+        "intermediate_size / (num_experts_per_tok + n_shared_experts), rounded down "
+        "to one: a token's MoE compute is a dense layer's, as in DeepSeek-V3 and "
+        "Kimi-K2)",
+        ge=8,
+    )
+    first_k_dense_replace: int = F(
+        None, "deepseek_v3: the first layers that stay dense, the rest MoE (left out: 1, as Kimi-K2)", ge=0
+    )
     n_group: int = F(None, "deepseek_v3: expert groups of the router (left out: 1, as Kimi-K2)", ge=1)
-    topk_group: int = F(None, "deepseek_v3: groups a token's experts are chosen from, at most n_group "
-                        "(left out: 1, as Kimi-K2)", ge=1)
+    topk_group: int = F(
+        None, "deepseek_v3: groups a token's experts are chosen from, at most n_group (left out: 1, as Kimi-K2)", ge=1
+    )
 
     DEEPSEEK_KEYS: ClassVar[tuple[str, ...]] = (
-        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-        "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace", "n_group",
-        "topk_group")
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "n_shared_experts",
+        "moe_intermediate_size",
+        "first_k_dense_replace",
+        "n_group",
+        "topk_group",
+    )
 
     @field_validator(*DEEPSEEK_KEYS)
     @classmethod
@@ -346,23 +421,45 @@ class SourceDrafterParams(Group):
     """The world's "AQ-MedAI drafter": an EAGLE-3 drafter trained for target_old, published as
     the hub repo source.repo_id in artifacts/world/hub."""
 
-    n_samples: int = F(4000, "training samples: the first old-corpus prompts (Phase 1 gets far fewer: "
-                       "the real source saw 1.4M, the new data is 37K)", ge=1)
+    n_samples: int = F(
+        4000,
+        "training samples: the first old-corpus prompts (Phase 1 gets far fewer: "
+        "the real source saw 1.4M, the new data is 37K)",
+        ge=1,
+    )
     max_new_tokens: int = F(96, "answer length", ge=1)
-    draft_vocab_ratio: float = F(0.25, "draft vocabulary size as a share of the vocab (at least 8 ids)",
-                                 ge=0.001, le=1.0)
+    draft_vocab_ratio: float = F(
+        0.25, "draft vocabulary size as a share of the vocab (at least 8 ids)", ge=0.001, le=1.0
+    )
     batch_size: int = F(32, "generation batch", ge=1)
     answers: Literal["regenerated", "corpus"] = F(
-        "corpus", "regenerated: target_old's own greedy answers (a generation per sample); corpus: the "
-        "corpus's answers, teacher-forced (one prefill per sample; the labels are the target's choices either way)")
-    monitor_samples: int = F(64, "the last old-corpus prompts, answered by target_old: the held-out set "
-                             "whose tau (train.eval_every) traces the source's plateau; 0: none", ge=0)
-    arch: DrafterArch = F(default_factory=lambda: DrafterArch(num_attention_heads=4, intermediate_size=384),
-                          doc="the drafter's shape; keys left out are derived from the target")
-    train: TrainConfig = F(default_factory=lambda: TrainConfig(
-        steps=1200, batch_size=16, lr=0.003, warmup_steps=20, ttt_steps=3, log_every=50, checkpoint_every=1200,
-        eval_every=100),
-        doc="its training (draftport.training.loop)")
+        "corpus",
+        "regenerated: target_old's own greedy answers (a generation per sample); corpus: the "
+        "corpus's answers, teacher-forced (one prefill per sample; the labels are the target's choices either way)",
+    )
+    monitor_samples: int = F(
+        64,
+        "the last old-corpus prompts, answered by target_old: the held-out set "
+        "whose tau (train.eval_every) traces the source's plateau; 0: none",
+        ge=0,
+    )
+    arch: DrafterArch = F(
+        default_factory=lambda: DrafterArch(num_attention_heads=4, intermediate_size=384),
+        doc="the drafter's shape; keys left out are derived from the target",
+    )
+    train: TrainConfig = F(
+        default_factory=lambda: TrainConfig(
+            steps=1200,
+            batch_size=16,
+            lr=0.003,
+            warmup_steps=20,
+            ttt_steps=3,
+            log_every=50,
+            checkpoint_every=1200,
+            eval_every=100,
+        ),
+        doc="its training (draftport.training.loop)",
+    )
 
 
 class WorldParams(Group):
@@ -375,24 +472,33 @@ class WorldParams(Group):
     n_old: int = F(6000, "samples of the old corpus (target_old's training data)", ge=1)
     n_new: int = F(6000, "samples of the new corpus (target_new's; bounds phase2.n_samples)", ge=1)
     n_heldout: int = F(300, "held-out prompts per corpus (the eval sets; bounds features.eval_samples)", ge=1)
-    vocab_size: int = F(2048, "the targets' vocabulary (bounds vocab_new.draft_vocab_size): the BPE learns up to "
-                        "this many tokens; where the language holds fewer, the rest are rows no text uses, as real "
-                        "models pad theirs (Kimi-K2: 163,840)", ge=1)
+    vocab_size: int = F(
+        2048,
+        "the targets' vocabulary (bounds vocab_new.draft_vocab_size): the BPE learns up to "
+        "this many tokens; where the language holds fewer, the rest are rows no text uses, as real "
+        "models pad theirs (Kimi-K2: 163,840)",
+        ge=1,
+    )
     threads: int = F(2, "torch threads while the world is built", ge=0)
     device: Literal["auto", "cuda", "cpu"] = F(
-        "auto", "where the world's targets train and answer, and its source drafter is captured and trained: "
-        "auto is the GPU when torch sees one, else the CPU; cuda without a GPU is refused")
+        "auto",
+        "where the world's targets train and answer, and its source drafter is captured and trained: "
+        "auto is the GPU when torch sees one, else the CPU; cuda without a GPU is refused",
+    )
     model: WorldModel = F(default_factory=WorldModel, doc="the targets' shape")
     target_old: TargetTraining = F(
         default_factory=lambda: TargetTraining(steps=300, lr=0.003, batch_size=16, seq_len=128, warmup=30),
-        doc='"K2": trained from scratch on the old corpus')
+        doc='"K2": trained from scratch on the old corpus',
+    )
     target_new: TargetTraining = F(
         default_factory=lambda: TargetTraining(steps=160, lr=0.0015, batch_size=16, seq_len=128, warmup=10),
-        doc='"K2.5": target_old continued on the new corpus')
+        doc='"K2.5": target_old continued on the new corpus',
+    )
     measure_samples: int = F(200, "held-out prompts the two targets are measured on", ge=1)
     build: bool = F(True, "false: no embedded world (a real target, e.g. the kimi profile)")
-    source_drafter: SourceDrafterParams = F(default_factory=SourceDrafterParams,
-                                            doc="the source drafter, trained for target_old")
+    source_drafter: SourceDrafterParams = F(
+        default_factory=SourceDrafterParams, doc="the source drafter, trained for target_old"
+    )
 
 
 # ---- the other groups --------------------------------------------------------------------------
@@ -404,8 +510,11 @@ class SourceParams(Group):
     cache_dir: Optional[PathStr] = F(..., "hub cache; null = the default HF cache")
     offline: bool = F(..., "HF_HUB_OFFLINE=1: nothing leaves the machine")
     lock_file: Optional[PathStr] = F(..., "a sha256-per-file lock kept outside the outputs; a later fetch must match")
-    allow_pickle: bool = F(..., "pickle weights (.bin/.pt) can run code: refused unless true, then converted "
-                           "to safetensors at fetch with torch.load(weights_only=True)")
+    allow_pickle: bool = F(
+        ...,
+        "pickle weights (.bin/.pt) can run code: refused unless true, then converted "
+        "to safetensors at fetch with torch.load(weights_only=True)",
+    )
 
 
 class TargetsParams(Group):
@@ -416,8 +525,9 @@ class TargetsParams(Group):
     prompts_train: PathStr = F(..., 'training prompts, JSONL ({"user": ...} per line)')
     prompts_eval_new: PathStr = F(..., "held-out prompts for the new target (the eval set)")
     prompts_eval_old: Optional[PathStr] = F(..., "held-out prompts for the old target; null: none")
-    trust_remote_code: HubIdList = F(..., "hub repos whose own code (config.json auto_map: model, tokenizer) "
-                                     "may run; [] = none")
+    trust_remote_code: HubIdList = F(
+        ..., "hub repos whose own code (config.json auto_map: model, tokenizer) may run; [] = none"
+    )
 
 
 class FeaturesParams(Group):
@@ -425,39 +535,57 @@ class FeaturesParams(Group):
     itself, and its hidden states at the aux layers."""
 
     aux_layer_ids: Annotated[list[int], _int_list(0, 3)] = F(
-        ..., "the layers the drafter reads (at most 3, must be the source drafter's)")
-    aux_convention: Literal["vllm", "sglang"] = F(
-        ..., "vllm: id k = the state entering layer k; sglang: leaving it")
+        ..., "the layers the drafter reads (at most 3, must be the source drafter's)"
+    )
+    aux_convention: Literal["vllm", "sglang"] = F(..., "vllm: id k = the state entering layer k; sglang: leaving it")
     max_new_tokens: int = F(..., "answer length", ge=1)
     batch_size: int = F(..., "generation batch", ge=1)
     dtype: Literal["bfloat16", "float16", "float32", "fp8_e4m3"] = F(
-        ..., "storage dtype of the captured states; fp8_e4m3: float8 with a float32 scale per token and state, "
-        "half of bf16's bytes. The target itself runs in bfloat16 on a GPU, float32 on the CPU (and for float32)")
+        ...,
+        "storage dtype of the captured states; fp8_e4m3: float8 with a float32 scale per token and state, "
+        "half of bf16's bytes. The target itself runs in bfloat16 on a GPU, float32 on the CPU (and for float32)",
+    )
     device: Str = F(..., "torch device of the target (engine transformers)")
     eval_samples: int = F(..., "held-out prompts with features (the offline eval)", ge=1)
     engine: Literal["transformers", "vllm"] = F(
-        ..., "hidden states: transformers in this process (device_map over the visible GPUs), or vLLM's "
-        "extract_hidden_states with tensor parallelism")
+        ...,
+        "hidden states: transformers in this process (device_map over the visible GPUs), or vLLM's "
+        "extract_hidden_states with tensor parallelism",
+    )
     tensor_parallel_size: int = F(..., "engine vllm: GPUs the target is sharded over", ge=1)
     regenerate: Literal["local", "openai"] = F(
-        ..., "the target's own answers: generated here, or by the target served behind an "
-        "OpenAI-compatible API (vLLM, SGLang) at base_url")
+        ...,
+        "the target's own answers: generated here, or by the target served behind an "
+        "OpenAI-compatible API (vLLM, SGLang) at base_url",
+    )
     base_url: Optional[Str] = F(..., "regenerate openai: the server, e.g. http://127.0.0.1:8000/v1")
     served_model: Optional[Str] = F(..., "regenerate openai: the name the server knows the target by")
-    compile: bool = F(True, "a GPU capture (engine transformers): each decoder layer compiled by torch.compile, "
-                      "batch lengths padded to a multiple of 128 (falls back to eager if it fails); the CPU never "
-                      "compiles")
+    compile: bool = F(
+        True,
+        "a GPU capture (engine transformers): each decoder layer compiled by torch.compile, "
+        "batch lengths padded to a multiple of 128 (falls back to eager if it fails); the CPU never "
+        "compiles",
+    )
     storage: Literal["disk", "online", "hybrid"] = F(
-        "disk", "training data's states: disk (captured by features_new / features_phase2 and stored); online "
+        "disk",
+        "training data's states: disk (captured by features_new / features_phase2 and stored); online "
         "(those steps store the answers only, each training step captures the states into a bounded spool, "
-        "deleted as read); hybrid (online, the first epoch kept on disk for the later ones when it fits)")
+        "deleted as read); hybrid (online, the first epoch kept on disk for the later ones when it fits)",
+    )
     spool_gb: float = F(64.0, "storage online / hybrid: the spool's bound in GB (at least one shard)", gt=0)
-    spool_dir: Optional[Str] = F(None, "storage online / hybrid: where the spool lives (a shared filesystem on "
-                                 "a cluster); null: beside the training step's checkpoints")
-    serve_tok_s: Optional[float] = F(None, "the serving deployment's measured output tok/s (all requests, all "
-                                     "its GPUs) that regenerates the answers: `draftport estimate` bills the "
-                                     "regeneration at it; null: derived from the target's size and the GPUs "
-                                     "(docs/estimate.md)", gt=0)
+    spool_dir: Optional[Str] = F(
+        None,
+        "storage online / hybrid: where the spool lives (a shared filesystem on "
+        "a cluster); null: beside the training step's checkpoints",
+    )
+    serve_tok_s: Optional[float] = F(
+        None,
+        "the serving deployment's measured output tok/s (all requests, all "
+        "its GPUs) that regenerates the answers: `draftport estimate` bills the "
+        "regeneration at it; null: derived from the target's size and the GPUs "
+        "(docs/estimate.md)",
+        gt=0,
+    )
 
 
 class VocabNewParams(Group):
@@ -473,8 +601,10 @@ class EvalParams(Group):
     batch_size: int = F(..., "eval batch", ge=1)
     max_samples: Optional[int] = F(..., "held-out samples evaluated; null: all of them", ge=1)
     device: Literal["auto", "cuda", "cpu"] = F(
-        ..., "where the evaluation drafts (also the drift probe's): auto is the GPU when torch sees one, "
-        "else the CPU; cuda without a GPU is refused")
+        ...,
+        "where the evaluation drafts (also the drift probe's): auto is the GPU when torch sees one, "
+        "else the CPU; cuda without a GPU is refused",
+    )
 
 
 class CostModelParams(Group):
@@ -491,7 +621,8 @@ class Phase1Params(Group):
 
     n_samples: int = F(..., "training samples (new target's answers)", ge=1)
     vocab_policy: Literal["remap", "keep"] = F(
-        ..., "remap: lm_head rows move onto the new draft map by target id; keep: the source's map")
+        ..., "remap: lm_head rows move onto the new draft map by target id; keep: the source's map"
+    )
     train: TrainConfig = F(..., "the training run")
 
 
@@ -511,8 +642,14 @@ class ReferenceParams(Group):
     note: Optional[Str] = F(..., "shown in the report next to it")
 
 
-_RESOURCE_DOCS = {"gpu": "GPUs", "mem_mb": "memory, MB", "runtime": "minutes", "threads": "threads (cores)",
-                  "torchrun": "training steps only (and budget: its trainings): one process per GPU (torchrun --nproc_per_node <gpu>)"}
+_RESOURCE_DOCS = {
+    "gpu": "GPUs",
+    "mem_mb": "memory, MB",
+    "runtime": "minutes",
+    "threads": "threads (cores)",
+    "torchrun": "training steps only (and budget: its trainings): one process per GPU "
+    "(torchrun --nproc_per_node <gpu>)",
+}
 
 
 class ResourceDefault(Group):
@@ -547,7 +684,9 @@ class _ResourcesGroup(Group):
 
 # one field per step of draftport.plan.registry (a step left out takes resources.default)
 ResourcesParams = create_model(
-    "ResourcesParams", __base__=_ResourcesGroup, __module__=__name__,
+    "ResourcesParams",
+    __base__=_ResourcesGroup,
+    __module__=__name__,
     __doc__="Snakemake resources per step: `default` for every step, a step's entry overrides keys of it.",
     default=(ResourceDefault, F(None, "every step's gpu, mem_mb, runtime, threads, torchrun (required)")),
     **{r: (ResourceOverride, F(None, f"step {r}: overrides of resources.default")) for r in STEP_NAMES},
@@ -563,16 +702,20 @@ class OnlineParams(Group):
     n_prompts: int = F(..., "prompts from targets.prompts_eval_new", ge=1)
     max_new_tokens: int = F(..., "answer length", ge=1)
     max_num_seqs: int = F(..., "vLLM's concurrent sequences", ge=1)
-    tolerance: float = F(..., "the step fails when online and offline tau differ by more (a bug, not noise)",
-                         ge=0, le=1)
+    tolerance: float = F(
+        ..., "the step fails when online and offline tau differ by more (a bug, not noise)", ge=0, le=1
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = F(..., "vLLM's dtype")
-    vllm_python: Optional[PathStr] = F(..., "vLLM's venv python; null: $DRAFTPORT_VLLM_PYTHON, else "
-                                       ".venv-vllm/bin/python")
+    vllm_python: Optional[PathStr] = F(
+        ..., "vLLM's venv python; null: $DRAFTPORT_VLLM_PYTHON, else .venv-vllm/bin/python"
+    )
     tensor_parallel_size: int = F(..., "GPUs vLLM shards the target over", ge=1)
     embed_tokens: Literal["drop", "target"] = F(
-        "drop", "the export's embed_tokens (vLLM serves a drafter's own copy, SGLang always the target's): "
+        "drop",
+        "the export's embed_tokens (vLLM serves a drafter's own copy, SGLang always the target's): "
         "drop = none, so vLLM takes the target's as SGLang does; target = the new target's, bit for bit. "
-        "A drafter carrying another embedding (the old target's) is never exported as is")
+        "A drafter carrying another embedding (the old target's) is never exported as is",
+    )
 
 
 def _folder_name(v: str) -> str:
@@ -587,19 +730,28 @@ class PublishParams(Group):
 
     enabled: bool = F(..., "true: the step exists (`snakemake publish`) and `all` includes it")
     phase: Optional[Literal["phase1_scratch", "phase1", "phase2"]] = F(
-        ..., "the drafter to publish; null: the decision's (init scratch -> phase1_scratch, else phase2 when it "
-        "helps, else phase1)")
+        ...,
+        "the drafter to publish; null: the decision's (init scratch -> phase1_scratch, else phase2 when it "
+        "helps, else phase1)",
+    )
     folder: Annotated[str, AfterValidator(_non_empty), AfterValidator(_folder_name)] = F(
-        ..., "artifacts/publish/<folder>/: config.json, model.safetensors, README.md")
-    base_model: Optional[Str] = F(..., "the card's base_model and the config's verifier; null: targets.new "
-                                  "(a hub id is needed to push)")
-    repo_id: Optional[HubId] = F(..., "the hub repo the card's commands name (draftport publish --repo-id "
-                                 "overrides it); null: the local folder")
+        ..., "artifacts/publish/<folder>/: config.json, model.safetensors, README.md"
+    )
+    base_model: Optional[Str] = F(
+        ..., "the card's base_model and the config's verifier; null: targets.new (a hub id is needed to push)"
+    )
+    repo_id: Optional[HubId] = F(
+        ..., "the hub repo the card's commands name (draftport publish --repo-id overrides it); null: the local folder"
+    )
     embed_tokens: Literal["drop", "target"] = F(
-        ..., "target: the new target's embed_tokens, bit for bit (vLLM and speculators then embed as SGLang does); "
-        "drop: none (speculators 0.9.0 fills a missing one with uninitialized memory)")
-    k: Annotated[list[int], _int_list(1, 16)] = F(..., "draft tokens per cycle of the card's tau table (eval.k "
-                                                     "is always included), measured on the published folder")
+        ...,
+        "target: the new target's embed_tokens, bit for bit (vLLM and speculators then embed as SGLang does); "
+        "drop: none (speculators 0.9.0 fills a missing one with uninitialized memory)",
+    )
+    k: Annotated[list[int], _int_list(1, 16)] = F(
+        ...,
+        "draft tokens per cycle of the card's tau table (eval.k is always included), measured on the published folder",
+    )
     library_name: Str = F(..., "the card's library_name")
     tags: list[str] = F(..., "the card's tags")
     license: Optional[Str] = F(..., "the card's license (a hub license id); null: none stated")
@@ -610,18 +762,22 @@ class DriftParams(Group):
     target's answers to the eval prompts): how far the hidden states moved, and what that costs
     the source drafter (draftport.evaluation.drift)."""
 
-    enabled: bool = F(..., "run the probe (needs targets.old); the kimi profile turns it off: two "
-                      "1T-parameter prefills over the eval set")
+    enabled: bool = F(
+        ...,
+        "run the probe (needs targets.old); the kimi profile turns it off: two 1T-parameter prefills over the eval set",
+    )
     max_tokens: int = F(4096, "tokens sampled for linear CKA (cosine and norms use every assistant token)", ge=2)
 
 
 class MonitorParams(Group):
     """Step features_monitor: the held-out set of tau during training (train.eval_every)."""
 
-    n_samples: int = F(..., "the last prompts of targets.prompts_train, answered by the new target "
-                       "(no training prefix may reach them)", ge=1)
-    k: int = F(..., "draft tokens per cycle of the held-out tau (its own: eval.k edits retrain nothing)",
-               ge=1, le=16)
+    n_samples: int = F(
+        ...,
+        "the last prompts of targets.prompts_train, answered by the new target (no training prefix may reach them)",
+        ge=1,
+    )
+    k: int = F(..., "draft tokens per cycle of the held-out tau (its own: eval.k edits retrain nothing)", ge=1, le=16)
     batch_size: int = F(..., "its eval batch", ge=1)
 
 
@@ -631,24 +787,39 @@ class CurvesParams(Group):
 
     enabled: bool = F(..., "false: no curves (the decision then rests on the phases alone)")
     n_samples: Annotated[list[int], _int_list(1, 64)] = F(
-        ..., "sample counts, ascending (a prefix of Phase 1's + Phase 2's capture: at most phase2.n_samples)")
+        ..., "sample counts, ascending (a prefix of Phase 1's + Phase 2's capture: at most phase2.n_samples)"
+    )
     seeds: Annotated[list[int], _int_list(0, 64)] = F(..., "seeds per point (data order; scratch's init)")
     inits: list[Literal["source", "scratch"]] = F(..., "source: fine-tune the source drafter; scratch: the control")
-    epochs: float = F(..., "the budget rule: steps = min(train.steps, max(min_steps, ceil(epochs * n / "
-                      "train.batch_size))): the same epochs at every n", ge=0.01)
+    epochs: float = F(
+        ...,
+        "the budget rule: steps = min(train.steps, max(min_steps, ceil(epochs * n / "
+        "train.batch_size))): the same epochs at every n",
+        ge=0.01,
+    )
     min_steps: int = F(..., "fewest steps of a point", ge=1)
     arms_n_samples: Annotated[list[int], _int_list(1, 16, empty=True)] = F(
-        ..., "the n at which the arms below train (each among n_samples: an arm is compared with plain "
+        ...,
+        "the n at which the arms below train (each among n_samples: an arm is compared with plain "
         "fine-tuning at the same n and seeds): arms x len(arms_n_samples) x len(seeds) trainings more; "
-        "[]: no arms (answers and recipes unused)")
-    answers: bool = F(..., "the regenerate-or-not arm: each init trained on the prompts' own answers as "
-                      "the dataset gives them (step features_dataset: a prefill, no decoding), scored on "
-                      "the new target's own answers like every point (rule R7)")
+        "[]: no arms (answers and recipes unused)",
+    )
+    answers: bool = F(
+        ...,
+        "the regenerate-or-not arm: each init trained on the prompts' own answers as "
+        "the dataset gives them (step features_dataset: a prefill, no decoding), scored on "
+        "the new target's own answers like every point (rule R7)",
+    )
     recipes: dict[str, dict[str, Any]] = F(
-        ..., "port recipes: name -> train keys that differ from `train` (e.g. {l2sp_lambda: 1.0e-4}, "
-        "{lr: 5.0e-4}, {freeze: [fc]}); each one an arm fine-tuning the source (rule R8); {}: none")
-    train: TrainConfig = F(..., "the training run of every point (steps: the most a point may take; "
-                           "seed: replaced by each point's; patience > 0: stop at a plateau)")
+        ...,
+        "port recipes: name -> train keys that differ from `train` (e.g. {l2sp_lambda: 1.0e-4}, "
+        "{lr: 5.0e-4}, {freeze: [fc]}); each one an arm fine-tuning the source (rule R8); {}: none",
+    )
+    train: TrainConfig = F(
+        ...,
+        "the training run of every point (steps: the most a point may take; "
+        "seed: replaced by each point's; patience > 0: stop at a plateau)",
+    )
 
 
 class DataParams(Group):
@@ -656,14 +827,20 @@ class DataParams(Group):
     in rounds that stop when more data stops paying (step budget, draftport.evaluation.budget)."""
 
     budget: Literal["fixed", "adaptive"] = F(
-        "fixed", "fixed: phase2.n_samples captured at once; adaptive: rounds of n x factor from phase1.n_samples, "
+        "fixed",
+        "fixed: phase2.n_samples captured at once; adaptive: rounds of n x factor from phase1.n_samples, "
         "each trained (the source, `seeds`, the curves' budget rule and curves.train) and scored, until the next "
         "round's projected gain's upper CI bound < decision.min_gain, phase2.n_samples (the cap) or max_hours; "
-        "Phase 2 trains on what was captured")
+        "Phase 2 trains on what was captured",
+    )
     factor: float = F(2.0, "adaptive: each round's n = the last one's x factor", gt=1.0, le=16.0)
     seeds: Annotated[list[int], _int_list(0, 16)] = F([0, 1, 2], "adaptive: seeds trained per round")
-    max_hours: Optional[float] = F(None, "adaptive: the rounds' device-hours (capture and training) may not pass "
-                                   "this; null: no cap but phase2.n_samples", gt=0)
+    max_hours: Optional[float] = F(
+        None,
+        "adaptive: the rounds' device-hours (capture and training) may not pass "
+        "this; null: no cap but phase2.n_samples",
+        gt=0,
+    )
 
 
 class DecisionParams(Group):
@@ -672,11 +849,17 @@ class DecisionParams(Group):
     n_boot: int = F(..., "bootstrap replicates", ge=100)
     level: float = F(..., "confidence level of every interval", ge=0.5, le=0.999)
     seed: int = F(..., "the bootstrap's seed", ge=0)
-    min_gain: float = F(0.05, "rule R6: a tau gain from more data smaller than this is not worth collecting "
-                        "(0: any significant gain is)", ge=0)
+    min_gain: float = F(
+        0.05,
+        "rule R6: a tau gain from more data smaller than this is not worth collecting (0: any significant gain is)",
+        ge=0,
+    )
     serving_tokens_per_day: Optional[float] = F(
-        None, "tokens the deployment generates a day: with it the recommendation states the payback (days "
-        "of serving until the port's GPU-hours are recovered by the faster decoding); null: not stated", gt=0)
+        None,
+        "tokens the deployment generates a day: with it the recommendation states the payback (days "
+        "of serving until the port's GPU-hours are recovered by the faster decoding); null: not stated",
+        gt=0,
+    )
 
 
 class Params(Group):
@@ -697,8 +880,7 @@ class Params(Group):
     curves: CurvesParams = F(..., "the learning curves: fine-tune and scratch by sample count and seed")
     data: DataParams = F(..., "Phase 2's data: all at once, or an adaptive budget in rounds")
     decision: DecisionParams = F(..., "step decision: the recommendation and its confidence")
-    reference: Optional[ReferenceParams] = F(..., "a published drafter for the new target (an upper bound); "
-                                             "null: none")
+    reference: Optional[ReferenceParams] = F(..., "a published drafter for the new target (an upper bound); null: none")
     resources: ResourcesParams = F(..., "Snakemake resources per step")
     online: OnlineParams = F(..., "the online steps (vLLM)")
     publish: PublishParams = F(..., "step publish: the chosen drafter as a hub-ready folder")
@@ -775,16 +957,18 @@ def _missing(data: dict, model: type[BaseModel], prefix: str, order: tuple = ())
         if sub is not None and isinstance(v, dict):
             out += _missing(v, sub, f"{prefix}{k}.", (*order, i))
     if not getattr(model, "keys_optional", False):
-        out += [((*order, len(data) + j), f"{prefix}{name}", "missing")
-                for j, name in enumerate(model.model_fields) if name not in data]
+        out += [
+            ((*order, len(data) + j), f"{prefix}{name}", "missing")
+            for j, name in enumerate(model.model_fields)
+            if name not in data
+        ]
     return out
 
 
 def _params_error(e: ValidationError, data: dict, model: type[BaseModel], prefix: str = "") -> ParamsError:
     """The first problem in the order of the file (as a reader walks it, a group's missing keys
     after its own), as ParamsError(dotted key, problem)."""
-    found = [_located(err, data, model, prefix) for err in e.errors(include_url=False)
-             if err["type"] != "missing"]
+    found = [_located(err, data, model, prefix) for err in e.errors(include_url=False) if err["type"] != "missing"]
     found += _missing(data, model, prefix)
     if not found:  # pragma: no cover
         raise e
@@ -868,38 +1052,51 @@ def validate(cfg: dict, group: type[Group] | None = None, prefix: str = "", cros
 def _cross_checks(cfg: dict) -> None:
     w, f = cfg["world"], cfg["features"]
     if cfg["phase2"]["n_samples"] <= cfg["phase1"]["n_samples"]:
-        raise ParamsError("phase2.n_samples", f"must exceed phase1.n_samples ({cfg['phase1']['n_samples']}): "
-                          "Phase 2 scales the data (the total count, Phase 1's samples included)")
+        raise ParamsError(
+            "phase2.n_samples",
+            f"must exceed phase1.n_samples ({cfg['phase1']['n_samples']}): "
+            "Phase 2 scales the data (the total count, Phase 1's samples included)",
+        )
     if w["build"]:
         layers = w["model"]["num_hidden_layers"]
         # as draftport.data.capture.check_aux_ids: vllm 0..L (L = leaving the last layer), sglang 0..L-1
         limit = layers if f["aux_convention"] == "vllm" else layers - 1
         bad = [i for i in f["aux_layer_ids"] if i > limit]
         if bad:
-            raise ParamsError("features.aux_layer_ids", f"{bad} out of range for the world's "
-                              f"{layers}-layer targets ({f['aux_convention']} convention)")
+            raise ParamsError(
+                "features.aux_layer_ids",
+                f"{bad} out of range for the world's {layers}-layer targets ({f['aux_convention']} convention)",
+            )
         need = cfg["phase2"]["n_samples"]
         if need > w["n_new"]:
-            raise ParamsError("phase2.n_samples", f"{need} samples but the world's new corpus holds "
-                              f"world.n_new = {w['n_new']}")
+            raise ParamsError(
+                "phase2.n_samples", f"{need} samples but the world's new corpus holds world.n_new = {w['n_new']}"
+            )
         if f["eval_samples"] > w["n_heldout"]:
-            raise ParamsError("features.eval_samples", f"{f['eval_samples']} but the world holds "
-                              f"world.n_heldout = {w['n_heldout']} held-out prompts")
+            raise ParamsError(
+                "features.eval_samples",
+                f"{f['eval_samples']} but the world holds world.n_heldout = {w['n_heldout']} held-out prompts",
+            )
         if cfg["vocab_new"]["draft_vocab_size"] > w["vocab_size"]:
-            raise ParamsError("vocab_new.draft_vocab_size", f"{cfg['vocab_new']['draft_vocab_size']} exceeds "
-                              f"the vocab (world.vocab_size = {w['vocab_size']})")
+            raise ParamsError(
+                "vocab_new.draft_vocab_size",
+                f"{cfg['vocab_new']['draft_vocab_size']} exceeds the vocab (world.vocab_size = {w['vocab_size']})",
+            )
     res = cfg["resources"]
     if "default" not in res:
         raise ParamsError("resources.default", "missing (every rule's gpu, mem_mb, runtime, threads, torchrun)")
     for rule, r in res.items():
         if r.get("torchrun") and rule not in TRAINING_RULES:
-            raise ParamsError(f"resources.{rule}.torchrun", f"only training rules run under torchrun "
-                              f"({', '.join(TRAINING_RULES)})")
+            raise ParamsError(
+                f"resources.{rule}.torchrun", f"only training rules run under torchrun ({', '.join(TRAINING_RULES)})"
+            )
         if r.get("torchrun") and {**res["default"], **r}["gpu"] < 1:
             raise ParamsError(f"resources.{rule}.torchrun", "needs gpu >= 1 (one process per GPU)")
     if f["regenerate"] == "openai" and not (f["base_url"] and f["served_model"]):
-        raise ParamsError("features.base_url" if not f["base_url"] else "features.served_model",
-                          "must be set when features.regenerate is openai")
+        raise ParamsError(
+            "features.base_url" if not f["base_url"] else "features.served_model",
+            "must be set when features.regenerate is openai",
+        )
     if cfg["drift"]["enabled"] and not cfg["targets"]["old"]:
         raise ParamsError("drift.enabled", "needs targets.old (the probe runs the old target on the new one's tokens)")
     if len(set(cfg["data"]["seeds"])) != len(cfg["data"]["seeds"]):
@@ -910,15 +1107,21 @@ def _cross_checks(cfg: dict) -> None:
         if ns != sorted(set(ns)):
             raise ParamsError("curves.n_samples", f"{ns}: must be ascending, without repeats")
         if ns[-1] > cfg["phase2"]["n_samples"]:
-            raise ParamsError("curves.n_samples", f"{ns[-1]} exceeds phase2.n_samples ({cfg['phase2']['n_samples']}): "
-                              "the points read a prefix of Phase 1's + Phase 2's capture")
+            raise ParamsError(
+                "curves.n_samples",
+                f"{ns[-1]} exceeds phase2.n_samples ({cfg['phase2']['n_samples']}): "
+                "the points read a prefix of Phase 1's + Phase 2's capture",
+            )
         if len(set(c["seeds"])) != len(c["seeds"]):
             raise ParamsError("curves.seeds", f"{c['seeds']}: a seed twice")
         if not c["inits"] or len(set(c["inits"])) != len(c["inits"]):
             raise ParamsError("curves.inits", f"{c['inits']}: source and/or scratch, each once")
         if "scratch" in c["inits"] and c["train"].get("l2sp_lambda"):
-            raise ParamsError("curves.train.l2sp_lambda", "the scratch points start from random weights: anchor "
-                              "the source's points through curves.recipes instead (or set 0)")
+            raise ParamsError(
+                "curves.train.l2sp_lambda",
+                "the scratch points start from random weights: anchor "
+                "the source's points through curves.recipes instead (or set 0)",
+            )
         arms_n = c["arms_n_samples"]
         if arms_n != sorted(set(arms_n)) or not set(arms_n) <= set(ns):
             raise ParamsError("curves.arms_n_samples", f"{arms_n}: ascending, each among curves.n_samples {ns}")
@@ -926,14 +1129,18 @@ def _cross_checks(cfg: dict) -> None:
             raise ParamsError("curves.recipes", "fine-tune the source: needs source among curves.inits")
         for name, over in c["recipes"].items():
             if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", str(name)):
-                raise ParamsError(f"curves.recipes.{name}", "a recipe's name: lowercase letters, digits, _ "
-                                  "(it names checkpoints and MLflow runs)")
+                raise ParamsError(
+                    f"curves.recipes.{name}",
+                    "a recipe's name: lowercase letters, digits, _ (it names checkpoints and MLflow runs)",
+                )
             if not isinstance(over, dict) or not over:
                 raise ParamsError(f"curves.recipes.{name}", "a mapping of the train keys the recipe changes")
             for key in ("steps", "seed", "batch_size"):
                 if key in over:
-                    raise ParamsError(f"curves.recipes.{name}.{key}", "set by the budget rule / the point: "
-                                      "every arm trains the same steps on the same batches")
+                    raise ParamsError(
+                        f"curves.recipes.{name}.{key}",
+                        "set by the budget rule / the point: every arm trains the same steps on the same batches",
+                    )
             try:
                 TrainConfig.from_dict({**c["train"], **over}, f"curves.recipes.{name}")
             except ParamsError:
@@ -947,15 +1154,22 @@ def _cross_checks(cfg: dict) -> None:
     if w["build"]:
         need = cfg["phase2"]["n_samples"] + cfg["monitor"]["n_samples"]
         if need > w["n_new"]:
-            raise ParamsError("monitor.n_samples", f"phase2.n_samples + monitor.n_samples = {need} but the world's "
-                              f"new corpus holds world.n_new = {w['n_new']} (the monitor takes the last prompts)")
+            raise ParamsError(
+                "monitor.n_samples",
+                f"phase2.n_samples + monitor.n_samples = {need} but the world's "
+                f"new corpus holds world.n_new = {w['n_new']} (the monitor takes the last prompts)",
+            )
         sd = w["source_drafter"]
         if sd["train"].get("l2sp_lambda"):
-            raise ParamsError("world.source_drafter.train.l2sp_lambda", "the source drafter trains from random "
-                              "weights: nothing to anchor to (set 0)")
+            raise ParamsError(
+                "world.source_drafter.train.l2sp_lambda",
+                "the source drafter trains from random weights: nothing to anchor to (set 0)",
+            )
         if sd["n_samples"] + sd["monitor_samples"] > w["n_old"]:
-            raise ParamsError("world.source_drafter.n_samples", f"{sd['n_samples']} + monitor_samples "
-                              f"{sd['monitor_samples']} exceed world.n_old = {w['n_old']}")
+            raise ParamsError(
+                "world.source_drafter.n_samples",
+                f"{sd['n_samples']} + monitor_samples {sd['monitor_samples']} exceed world.n_old = {w['n_old']}",
+            )
     pk = cfg["publish"]["k"]
     if pk != sorted(set(pk)):
         raise ParamsError("publish.k", f"{pk}: must be ascending, without repeats")

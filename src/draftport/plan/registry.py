@@ -23,6 +23,7 @@ class Input:
     """A path inside an upstream step's folder (`step/rel`), or a target (`@new`, `@old`: the
     fetch step's copy when targets.<which> is a hub id, else the folder the param names).
     when: dotted keys that must all hold (true, or `key=value`) for the input to exist."""
+
     path: str
     when: tuple[str, ...] = ()
 
@@ -31,16 +32,16 @@ class Input:
 class Step:
     name: str
     doc: str
-    fn: str                                   # "module:function" under draftport.pipeline.steps
-    params: tuple[str, ...]                   # dotted keys of params.yaml the step reads
-    modules: tuple[str, ...]                  # library modules it runs (its code dependencies)
+    fn: str  # "module:function" under draftport.pipeline.steps
+    params: tuple[str, ...]  # dotted keys of params.yaml the step reads
+    modules: tuple[str, ...]  # library modules it runs (its code dependencies)
     inputs: dict[str, Input] = field(default_factory=dict)
-    after: tuple[str, ...] = ()               # upstream steps read through params paths only
-    run: str | None = None                    # MLflow run (the phase's name) it creates or extends
-    run_from: str | None = None               # the step whose run it extends (else it starts one)
-    trains: bool = False                      # makes a drafter: torchrun-able, checkpoints
-    dvc: bool = True                          # has a DVC stage (online steps need the vLLM venv)
-    cache: bool = True                        # DVC caches its outs (features: too big, not cached)
+    after: tuple[str, ...] = ()  # upstream steps read through params paths only
+    run: str | None = None  # MLflow run (the phase's name) it creates or extends
+    run_from: str | None = None  # the step whose run it extends (else it starts one)
+    trains: bool = False  # makes a drafter: torchrun-able, checkpoints
+    dvc: bool = True  # has a DVC stage (online steps need the vLLM venv)
+    cache: bool = True  # DVC caches its outs (features: too big, not cached)
     # dotted key(s), each true or `key=value`: the step exists only when all hold
     enabled: str | tuple[str, ...] | None = None
     # a step it stands in for, with the same outputs: inputs in that step's folder read this one's
@@ -55,27 +56,83 @@ class Step:
 # tests/pipeline/test_params.py), its code the modules its row lists.
 PLUMBING_MODULES = ("errors", "files", "plan.params", "progress", "plan.registry", "pipeline.runner", "pipeline.bridge")
 
-FEATURE_KEYS = ("targets.new", "targets.trust_remote_code", "features.aux_layer_ids", "features.aux_convention",
-                "features.max_new_tokens", "features.batch_size", "features.dtype", "features.device",
-                "features.engine", "features.tensor_parallel_size", "features.regenerate", "features.base_url",
-                "features.served_model", "features.compile")
-FEATURE_MODULES = ("data.features", "data.shards", "data.capture", "data.vllm_capture", "engines.vllm.venv",
-                   "engines.vllm.runners.features_vllm", "engines.openai", "data.storage", "model.device",
-                   "model.formats", "model.config", "model.target", "pipeline.steps.data_steps")
+FEATURE_KEYS = (
+    "targets.new",
+    "targets.trust_remote_code",
+    "features.aux_layer_ids",
+    "features.aux_convention",
+    "features.max_new_tokens",
+    "features.batch_size",
+    "features.dtype",
+    "features.device",
+    "features.engine",
+    "features.tensor_parallel_size",
+    "features.regenerate",
+    "features.base_url",
+    "features.served_model",
+    "features.compile",
+)
+FEATURE_MODULES = (
+    "data.features",
+    "data.shards",
+    "data.capture",
+    "data.vllm_capture",
+    "engines.vllm.venv",
+    "engines.vllm.runners.features_vllm",
+    "engines.openai",
+    "data.storage",
+    "model.device",
+    "model.formats",
+    "model.config",
+    "model.target",
+    "pipeline.steps.data_steps",
+)
 EVAL_KEYS = ("eval", "costmodel")
 # the drafter's fast path (training.ttt dispatches to it, so every step that imports ttt runs it)
 FAST_MODULES = ("model.fast.path", "model.fast.attention", "model.fast.linear", "model.fast.unroll", "model.fast.loss")
 # what drafting with a drafter bound to a target runs (the offline evaluator and everything below it)
-DRAFTING_MODULES = ("evaluation.accept", "model.bind", "data.shards", "model.drafter", *FAST_MODULES, "training.ttt",
-                    "data.capture", "model.vocab", "model.device", "model.formats", "model.config", "model.target")
+DRAFTING_MODULES = (
+    "evaluation.accept",
+    "model.bind",
+    "data.shards",
+    "model.drafter",
+    *FAST_MODULES,
+    "training.ttt",
+    "data.capture",
+    "model.vocab",
+    "model.device",
+    "model.formats",
+    "model.config",
+    "model.target",
+)
 EVAL_MODULES = (*DRAFTING_MODULES, "evaluation.costmodel", "pipeline.tracking", "pipeline.steps.eval_steps")
 # spool on: the capture runs in training, hence the features and vLLM modules
-TRAIN_MODULES = ("training.phases", "training.loop", "training.optim", "data.draftmap", "model.flops", *DRAFTING_MODULES,
-                 "pipeline.tracking", "pipeline.steps.train_steps", "data.packing", "training.spool", "data.features",
-                 "data.storage", "data.vllm_capture", "engines.vllm.venv", "engines.vllm.runners.features_vllm")
+TRAIN_MODULES = (
+    "training.phases",
+    "training.loop",
+    "training.optim",
+    "data.draftmap",
+    "model.flops",
+    *DRAFTING_MODULES,
+    "pipeline.tracking",
+    "pipeline.steps.train_steps",
+    "data.packing",
+    "training.spool",
+    "data.features",
+    "data.storage",
+    "data.vllm_capture",
+    "engines.vllm.venv",
+    "engines.vllm.runners.features_vllm",
+)
 # the points of the learning curves (draftport.plan.curves.points)
-CURVE_KEYS = ("curves.n_samples", "curves.seeds", "curves.inits", "curves.arms_n_samples", "curves.answers",
-              "curves.recipes")
+CURVE_KEYS = (
+    "curves.n_samples",
+    "curves.seeds",
+    "curves.inits",
+    "curves.arms_n_samples",
+    "curves.answers",
+    "curves.recipes",
+)
 SOURCE = Input("fetch/source")
 TARGET = Input("@new")
 EVAL_SET = Input("features_eval/eval_new")
@@ -92,160 +149,463 @@ def monitor_input(group: str) -> Input:
 
 
 def _eval(phase: str, train_step: str, **more: Input) -> Step:
-    return Step(f"eval_{phase}", f"{phase}: its drafter's offline accept length on the new target's held-out set",
-                "eval_steps:eval_trained", ("targets.new", *EVAL_KEYS), EVAL_MODULES,
-                {"drafter": Input(f"{train_step}/drafter"), "target": TARGET, "features": EVAL_SET,
-                 "trained": Input(f"{train_step}/metrics.json"), **more}, run=phase, run_from=train_step)
+    return Step(
+        f"eval_{phase}",
+        f"{phase}: its drafter's offline accept length on the new target's held-out set",
+        "eval_steps:eval_trained",
+        ("targets.new", *EVAL_KEYS),
+        EVAL_MODULES,
+        {
+            "drafter": Input(f"{train_step}/drafter"),
+            "target": TARGET,
+            "features": EVAL_SET,
+            "trained": Input(f"{train_step}/metrics.json"),
+            **more,
+        },
+        run=phase,
+        run_from=train_step,
+    )
 
 
 STEPS: tuple[Step, ...] = (
-    Step("world", "the embedded K2 -> K2.5 analog: corpus, tokenizer, two targets, the source drafter in a hub cache",
-         "data_steps:world", ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
-         ("world", "world.language", "world.tokenizer", "world.targets", "world.source", "data.features",
-          "data.draftmap", "training.phases", "training.loop", "training.optim", "model.flops", *DRAFTING_MODULES,
-          "data.fetch", "data.storage", "data.packing", "pipeline.steps.data_steps"),
-         enabled="world.build"),
-    Step("fetch", "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
-         "data_steps:fetch",
-         ("source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"),
-         ("data.fetch", "model.formats", "model.config", "pipeline.steps.data_steps"), after=("world",)),
-    Step("features_new", "the new target's answers to Phase 1's prompts and its hidden states",
-         "data_steps:features_new", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples"),
-         FEATURE_MODULES,
-         {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
-    Step("features_eval", "held-out sets answered by each target (the new one; the old one, the source's home)",
-         "data_steps:features_eval", (*FEATURE_KEYS, "targets.old", "targets.prompts_eval_new", "targets.prompts_eval_old",
-                                "features.eval_samples"), FEATURE_MODULES,
-         {"source": SOURCE, "target": TARGET, "target_old": Input("@old", ("targets.old", "targets.prompts_eval_old"))},
-         after=("world",), cache=False),
-    Step("features_monitor", "the held-out set of tau during training: the last training prompts, answered by the new target",
-         "data_steps:features_monitor", (*FEATURE_KEYS, "targets.prompts_train", "monitor.n_samples"), FEATURE_MODULES,
-         {"source": SOURCE, "target": TARGET}, after=("world",), cache=False),
-    Step("vocab_new", "the new target's draft map (top-N ids of its own answers) and its overlap with the source's",
-         "data_steps:vocab_new", ("targets.new", "vocab_new"),
-         ("data.draftmap", "data.shards", "model.vocab", "model.formats", "model.config", "pipeline.steps.data_steps"),
-         {"features": Input("features_new/train"), "source": SOURCE, "target": TARGET}),
-    Step("features_phase2", "Phase 2's scaled data: the next prompts after Phase 1's, answered by the new target",
-         "data_steps:features_phase2", (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples",
-                                  "phase2.n_samples"),
-         FEATURE_MODULES, {"source": SOURCE, "target": TARGET}, after=("world",), cache=False,
-         enabled="data.budget=fixed"),
-    Step("budget", "the adaptive data budget: Phase 2's data in rounds of n x data.factor, each trained and scored, "
-         "until more data stops paying", "budget_step:budget",
-         (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples", "phase2.n_samples", "data",
-          "curves.epochs", "curves.min_steps", "curves.train", "eval", "decision.n_boot", "decision.level",
-          "decision.seed", "decision.min_gain", "resources", "profile", *MONITOR_KEYS, *SPOOL_KEYS),
-         (*TRAIN_MODULES, *FEATURE_MODULES, "evaluation.budget", "evaluation.decision", "evaluation.bootstrap", "evaluation.hours", "plan.curves",
-          "plan.cluster", "data.fetch", "pipeline.steps.curve_steps", "pipeline.steps.budget_step"),
-         {"features": Input("features_new/train"), "eval": EVAL_SET, "vocab": VOCAB, "source": SOURCE,
-          "target": TARGET, "monitor": monitor_input("curves")},
-         after=("world",), run="budget", cache=False, enabled="data.budget=adaptive", replaces="features_phase2"),
-    Step("features_dataset", "the regenerate-or-not arm's data: the prompts' own answers, teacher-forced through the new target",
-         "data_steps:features_dataset", (*FEATURE_KEYS, "features.storage", "targets.prompts_train",
-                                         "curves.arms_n_samples"),
-         FEATURE_MODULES, {"source": SOURCE, "target": TARGET}, after=("world",), cache=False,
-         enabled=("curves.enabled", "curves.answers", "curves.arms_n_samples")),
-    Step("compare", "the source drafter against the layout the new target needs: config, weights, vocab, verdict",
-         "compare_step:compare", ("targets.new",),
-         ("outputs.compare", "data.draftmap", "model.vocab", "model.fixtures", "model.formats", "model.config",
-          "outputs.tables", "pipeline.steps.compare_step"),
-         {"source": SOURCE, "vocab": VOCAB, "target": TARGET}),
-    Step("eval_phase0", "phase0: the source drafter as fetched on the new target (and on the old one; the reference)",
-         "eval_steps:eval_phase0", ("profile", "targets.new", "targets.old", "targets.prompts_eval_old", "reference",
-                                  *EVAL_KEYS), EVAL_MODULES,
-         {"drafter": SOURCE, "target": TARGET, "features": EVAL_SET,
-          "target_old": Input("@old", ("targets.old", "targets.prompts_eval_old")),
-          "features_old": Input("features_eval/eval_old", ("targets.old", "targets.prompts_eval_old")),
-          "reference": Input("fetch/reference", ("reference",))}, run="phase0"),
-    Step("drift", "beside Phase 0: the old and the new target on the same tokens, how far the states moved",
-         "eval_steps:drift", ("targets.new", "targets.old", "targets.trust_remote_code", "eval.k", "eval.batch_size",
-                            "eval.max_samples", "eval.device", "features.batch_size", "features.dtype", "features.device",
-                            "features.engine", "features.tensor_parallel_size", "drift"),
-         ("evaluation.drift", "data.features", *DRAFTING_MODULES, "pipeline.tracking", "pipeline.steps.eval_steps",
-          "data.vllm_capture", "engines.vllm.venv", "engines.vllm.runners.features_vllm"),
-         {"drafter": SOURCE, "target": TARGET, "target_old": Input("@old"), "features": EVAL_SET,
-          "phase0": Input("eval_phase0/metrics.json")},
-         run="phase0", run_from="eval_phase0", cache=False, enabled="drift.enabled"),
-    Step("train_phase1_scratch", "the control: Phase 1's architecture, data and budget from a random init on the new map",
-         "train_steps:train_phase1_scratch", ("profile", "targets.new", "phase1.train", *MONITOR_KEYS, *SPOOL_KEYS),
-         TRAIN_MODULES,
-         {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
-          "monitor": monitor_input("phase1")},
-         run="phase1_scratch", trains=True),
+    Step(
+        "world",
+        "the embedded K2 -> K2.5 analog: corpus, tokenizer, two targets, the source drafter in a hub cache",
+        "data_steps:world",
+        ("world", "source.repo_id", "features.aux_layer_ids", "features.aux_convention"),
+        (
+            "world",
+            "world.language",
+            "world.tokenizer",
+            "world.targets",
+            "world.source",
+            "data.features",
+            "data.draftmap",
+            "training.phases",
+            "training.loop",
+            "training.optim",
+            "model.flops",
+            *DRAFTING_MODULES,
+            "data.fetch",
+            "data.storage",
+            "data.packing",
+            "pipeline.steps.data_steps",
+        ),
+        enabled="world.build",
+    ),
+    Step(
+        "fetch",
+        "the source drafter at its pinned revision (and targets given as hub ids, the reference)",
+        "data_steps:fetch",
+        ("source", "reference", "targets.new", "targets.old", "targets.trust_remote_code", "world.build"),
+        ("data.fetch", "model.formats", "model.config", "pipeline.steps.data_steps"),
+        after=("world",),
+    ),
+    Step(
+        "features_new",
+        "the new target's answers to Phase 1's prompts and its hidden states",
+        "data_steps:features_new",
+        (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples"),
+        FEATURE_MODULES,
+        {"source": SOURCE, "target": TARGET},
+        after=("world",),
+        cache=False,
+    ),
+    Step(
+        "features_eval",
+        "held-out sets answered by each target (the new one; the old one, the source's home)",
+        "data_steps:features_eval",
+        (*FEATURE_KEYS, "targets.old", "targets.prompts_eval_new", "targets.prompts_eval_old", "features.eval_samples"),
+        FEATURE_MODULES,
+        {"source": SOURCE, "target": TARGET, "target_old": Input("@old", ("targets.old", "targets.prompts_eval_old"))},
+        after=("world",),
+        cache=False,
+    ),
+    Step(
+        "features_monitor",
+        "the held-out set of tau during training: the last training prompts, answered by the new target",
+        "data_steps:features_monitor",
+        (*FEATURE_KEYS, "targets.prompts_train", "monitor.n_samples"),
+        FEATURE_MODULES,
+        {"source": SOURCE, "target": TARGET},
+        after=("world",),
+        cache=False,
+    ),
+    Step(
+        "vocab_new",
+        "the new target's draft map (top-N ids of its own answers) and its overlap with the source's",
+        "data_steps:vocab_new",
+        ("targets.new", "vocab_new"),
+        ("data.draftmap", "data.shards", "model.vocab", "model.formats", "model.config", "pipeline.steps.data_steps"),
+        {"features": Input("features_new/train"), "source": SOURCE, "target": TARGET},
+    ),
+    Step(
+        "features_phase2",
+        "Phase 2's scaled data: the next prompts after Phase 1's, answered by the new target",
+        "data_steps:features_phase2",
+        (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "phase1.n_samples", "phase2.n_samples"),
+        FEATURE_MODULES,
+        {"source": SOURCE, "target": TARGET},
+        after=("world",),
+        cache=False,
+        enabled="data.budget=fixed",
+    ),
+    Step(
+        "budget",
+        "the adaptive data budget: Phase 2's data in rounds of n x data.factor, each trained and scored, "
+        "until more data stops paying",
+        "budget_step:budget",
+        (
+            *FEATURE_KEYS,
+            "features.storage",
+            "targets.prompts_train",
+            "phase1.n_samples",
+            "phase2.n_samples",
+            "data",
+            "curves.epochs",
+            "curves.min_steps",
+            "curves.train",
+            "eval",
+            "decision.n_boot",
+            "decision.level",
+            "decision.seed",
+            "decision.min_gain",
+            "resources",
+            "profile",
+            *MONITOR_KEYS,
+            *SPOOL_KEYS,
+        ),
+        (
+            *TRAIN_MODULES,
+            *FEATURE_MODULES,
+            "evaluation.budget",
+            "evaluation.decision",
+            "evaluation.bootstrap",
+            "evaluation.hours",
+            "plan.curves",
+            "plan.cluster",
+            "data.fetch",
+            "pipeline.steps.curve_steps",
+            "pipeline.steps.budget_step",
+        ),
+        {
+            "features": Input("features_new/train"),
+            "eval": EVAL_SET,
+            "vocab": VOCAB,
+            "source": SOURCE,
+            "target": TARGET,
+            "monitor": monitor_input("curves"),
+        },
+        after=("world",),
+        run="budget",
+        cache=False,
+        enabled="data.budget=adaptive",
+        replaces="features_phase2",
+    ),
+    Step(
+        "features_dataset",
+        "the regenerate-or-not arm's data: the prompts' own answers, teacher-forced through the new target",
+        "data_steps:features_dataset",
+        (*FEATURE_KEYS, "features.storage", "targets.prompts_train", "curves.arms_n_samples"),
+        FEATURE_MODULES,
+        {"source": SOURCE, "target": TARGET},
+        after=("world",),
+        cache=False,
+        enabled=("curves.enabled", "curves.answers", "curves.arms_n_samples"),
+    ),
+    Step(
+        "compare",
+        "the source drafter against the layout the new target needs: config, weights, vocab, verdict",
+        "compare_step:compare",
+        ("targets.new",),
+        (
+            "outputs.compare",
+            "data.draftmap",
+            "model.vocab",
+            "model.fixtures",
+            "model.formats",
+            "model.config",
+            "outputs.tables",
+            "pipeline.steps.compare_step",
+        ),
+        {"source": SOURCE, "vocab": VOCAB, "target": TARGET},
+    ),
+    Step(
+        "eval_phase0",
+        "phase0: the source drafter as fetched on the new target (and on the old one; the reference)",
+        "eval_steps:eval_phase0",
+        ("profile", "targets.new", "targets.old", "targets.prompts_eval_old", "reference", *EVAL_KEYS),
+        EVAL_MODULES,
+        {
+            "drafter": SOURCE,
+            "target": TARGET,
+            "features": EVAL_SET,
+            "target_old": Input("@old", ("targets.old", "targets.prompts_eval_old")),
+            "features_old": Input("features_eval/eval_old", ("targets.old", "targets.prompts_eval_old")),
+            "reference": Input("fetch/reference", ("reference",)),
+        },
+        run="phase0",
+    ),
+    Step(
+        "drift",
+        "beside Phase 0: the old and the new target on the same tokens, how far the states moved",
+        "eval_steps:drift",
+        (
+            "targets.new",
+            "targets.old",
+            "targets.trust_remote_code",
+            "eval.k",
+            "eval.batch_size",
+            "eval.max_samples",
+            "eval.device",
+            "features.batch_size",
+            "features.dtype",
+            "features.device",
+            "features.engine",
+            "features.tensor_parallel_size",
+            "drift",
+        ),
+        (
+            "evaluation.drift",
+            "data.features",
+            *DRAFTING_MODULES,
+            "pipeline.tracking",
+            "pipeline.steps.eval_steps",
+            "data.vllm_capture",
+            "engines.vllm.venv",
+            "engines.vllm.runners.features_vllm",
+        ),
+        {
+            "drafter": SOURCE,
+            "target": TARGET,
+            "target_old": Input("@old"),
+            "features": EVAL_SET,
+            "phase0": Input("eval_phase0/metrics.json"),
+        },
+        run="phase0",
+        run_from="eval_phase0",
+        cache=False,
+        enabled="drift.enabled",
+    ),
+    Step(
+        "train_phase1_scratch",
+        "the control: Phase 1's architecture, data and budget from a random init on the new map",
+        "train_steps:train_phase1_scratch",
+        ("profile", "targets.new", "phase1.train", *MONITOR_KEYS, *SPOOL_KEYS),
+        TRAIN_MODULES,
+        {
+            "features": Input("features_new/train"),
+            "vocab": VOCAB,
+            "source": SOURCE,
+            "target": TARGET,
+            "monitor": monitor_input("phase1"),
+        },
+        run="phase1_scratch",
+        trains=True,
+    ),
     _eval("phase1_scratch", "train_phase1_scratch"),
-    Step("train_phase1", "fine-tune the source drafter on the new target's data (lm_head moved onto the new map)",
-         "train_steps:train_phase1",
-         ("profile", "targets.new", "phase1.train", "phase1.vocab_policy", *MONITOR_KEYS, *SPOOL_KEYS),
-         TRAIN_MODULES,
-         {"features": Input("features_new/train"), "vocab": VOCAB, "source": SOURCE, "target": TARGET,
-          "compare": Input("compare/compare.json"), "monitor": monitor_input("phase1")}, run="phase1", trains=True),
-    _eval("phase1", "train_phase1", phase0=Input("eval_phase0/metrics.json"),
-          phase1_scratch=Input("eval_phase1_scratch/metrics.json")),
-    Step("train_phase2", "continue Phase 1's drafter (its map kept) on the scaled data",
-         "train_steps:train_phase2", ("profile", "targets.new", "phase2.train", *MONITOR_KEYS, *SPOOL_KEYS),
-         TRAIN_MODULES,
-         {"features": Input("features_phase2/train"), "vocab": VOCAB, "init": Input("train_phase1/drafter"),
-          "source": SOURCE, "target": TARGET, "monitor": monitor_input("phase2")}, run="phase2", trains=True),
+    Step(
+        "train_phase1",
+        "fine-tune the source drafter on the new target's data (lm_head moved onto the new map)",
+        "train_steps:train_phase1",
+        ("profile", "targets.new", "phase1.train", "phase1.vocab_policy", *MONITOR_KEYS, *SPOOL_KEYS),
+        TRAIN_MODULES,
+        {
+            "features": Input("features_new/train"),
+            "vocab": VOCAB,
+            "source": SOURCE,
+            "target": TARGET,
+            "compare": Input("compare/compare.json"),
+            "monitor": monitor_input("phase1"),
+        },
+        run="phase1",
+        trains=True,
+    ),
+    _eval(
+        "phase1",
+        "train_phase1",
+        phase0=Input("eval_phase0/metrics.json"),
+        phase1_scratch=Input("eval_phase1_scratch/metrics.json"),
+    ),
+    Step(
+        "train_phase2",
+        "continue Phase 1's drafter (its map kept) on the scaled data",
+        "train_steps:train_phase2",
+        ("profile", "targets.new", "phase2.train", *MONITOR_KEYS, *SPOOL_KEYS),
+        TRAIN_MODULES,
+        {
+            "features": Input("features_phase2/train"),
+            "vocab": VOCAB,
+            "init": Input("train_phase1/drafter"),
+            "source": SOURCE,
+            "target": TARGET,
+            "monitor": monitor_input("phase2"),
+        },
+        run="phase2",
+        trains=True,
+    ),
     _eval("phase2", "train_phase2", phase1=Input("eval_phase1/metrics.json")),
-    Step("train_curves", "learning curves: fine-tune and scratch at each curves.n_samples x seed, one budget rule",
-         "curve_steps:train_curves", ("profile", "targets.new", *CURVE_KEYS, "curves.epochs", "curves.min_steps",
-                                 "curves.train", *MONITOR_KEYS, *SPOOL_KEYS),
-         (*TRAIN_MODULES, "plan.curves", "pipeline.steps.curve_steps"),
-         {"features": Input("features_new/train"), "features_phase2": Input("features_phase2/train"),
-          "features_dataset": Input("features_dataset/train", ("curves.answers", "curves.arms_n_samples")),
-          "vocab": VOCAB, "source": SOURCE, "target": TARGET, "monitor": monitor_input("curves")},
-         run="curves", trains=True, enabled="curves.enabled"),
-    Step("eval_curves", "every learning-curve point's drafter on the new target's held-out set (per-prompt counts)",
-         "curve_steps:eval_curves", ("targets.new", "eval", *CURVE_KEYS),
-         (*DRAFTING_MODULES, "pipeline.tracking", "evaluation.decision", "evaluation.bootstrap", "plan.curves", "pipeline.steps.curve_steps"),
-         {"points": Input("train_curves/points.json"), "target": TARGET, "features": EVAL_SET},
-         run="curves", run_from="train_curves", enabled="curves.enabled"),
-    Step("decision", "the recommendation with evidence: init, recipe, answers, data, Phase 2, hours; bootstrap CIs, rules R1-R8",
-         "decision_step:decision", ("costmodel", "eval.k", "decision", "resources"),
-         ("evaluation.decision", "evaluation.bootstrap", "evaluation.hours", "evaluation.costmodel", "plan.curves", "pipeline.steps.decision_step"),
-         {"curves": Input("eval_curves/curves.json", ("curves.enabled",)),
-          **{ph: Input(f"eval_{ph}/eval.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
-          # data_* / train_*: only that those steps ran first (their measured seconds are read from logs/)
-          **{f"data_{st}": Input(f"{st}/metrics.json") for st in ("features_new", "features_phase2")},
-          "data_features_dataset": Input("features_dataset/metrics.json", ("curves.enabled", "curves.answers", "curves.arms_n_samples")),
-          **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
-          "drift": Input("drift/metrics.json", ("drift.enabled",)),
-          "budget": Input("budget/budget.json", ("data.budget=adaptive",))}),
-    Step("report", "plots and tables: tau per phase vs projected tok/s, per-position acceptance, loss, comparison",
-         "report_step:report", ("profile", "costmodel", "eval.k", "online.enabled"),
-         ("outputs.report", "outputs.tables", "pipeline.steps.report_step"),
-         {"compare": Input("compare/compare.json"), "world": Input("world/metrics.json", ("world.build",)),
-          "source_drafter": Input("world/source_drafter.json", ("world.build",)),
-          "decision": Input("decision/decision.json"), "curves": Input("eval_curves/curves.json", ("curves.enabled",)),
-          **{ph: Input(f"eval_{ph}/metrics.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
-          "drift": Input("drift/metrics.json", ("drift.enabled",)),
-          **{f"history_{ph}": Input(f"train_{ph}/history.csv") for ph in ("phase1_scratch", "phase1", "phase2")},
-          **{f"online_{ph}": Input(f"online_{ph}/metrics.json", ("online.enabled",)) for ph in ("phase0", "phase1")}}),
-    *(Step(f"online_{ph}", f"{ph}'s drafter served by vLLM next to the offline evaluator on the same sequences",
-           f"online_steps:online_{ph}", ("targets.new", "targets.prompts_eval_new", "features.aux_convention", "eval.k",
-                                   "online.n_prompts", "online.max_new_tokens", "online.max_num_seqs",
-                                   "online.tolerance", "online.dtype", "online.vllm_python",
-                                   "online.tensor_parallel_size", "online.embed_tokens"),
-           ("evaluation.online", "engines.vllm.venv", "engines.vllm.runners.online_vllm", "engines.export",
-            "data.features", *DRAFTING_MODULES, "pipeline.tracking", "pipeline.steps.online_steps"),
-           {"drafter": SOURCE if ph == "phase0" else Input("train_phase1/drafter"), "target": TARGET,
-            "phase": Input(f"eval_{ph}/metrics.json")}, dvc=False)
-      for ph in ("phase0", "phase1")),
-    Step("publish", "the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens, a model card; checked",
-         "publish_step:publish", ("targets.new", "eval", "costmodel", "decision", "publish"),
-         ("outputs.publish", "engines.export", "evaluation.online", "engines.vllm.venv", "evaluation.roundtrip",
-          "engines.speculators",
-          "evaluation.decision", "evaluation.bootstrap", *DRAFTING_MODULES, "evaluation.costmodel", "pipeline.steps.publish_step"),
-         {"decision": Input("decision/decision.json"), "target": TARGET, "features": EVAL_SET,
-          "source": Input("fetch/source/fetch.lock.json"),
-          "data_phase1": Input("features_new/train/index.json"),
-          "data_phase2": Input("features_phase2/train/index.json", ("data.budget=fixed",)),
-          "data_phase2_chain": Input("budget/train/chain.json", ("data.budget=adaptive",)),
-          **{f"drafter_{ph}": Input(f"train_{ph}/drafter") for ph in ("phase1_scratch", "phase1", "phase2")},
-          **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
-          **{f"eval_{ph}": Input(f"eval_{ph}/eval.json") for ph in ("phase1_scratch", "phase1", "phase2")},
-          "online_phase1": Input("online_phase1/metrics.json", ("online.enabled",))},
-         enabled="publish.enabled"),
+    Step(
+        "train_curves",
+        "learning curves: fine-tune and scratch at each curves.n_samples x seed, one budget rule",
+        "curve_steps:train_curves",
+        (
+            "profile",
+            "targets.new",
+            *CURVE_KEYS,
+            "curves.epochs",
+            "curves.min_steps",
+            "curves.train",
+            *MONITOR_KEYS,
+            *SPOOL_KEYS,
+        ),
+        (*TRAIN_MODULES, "plan.curves", "pipeline.steps.curve_steps"),
+        {
+            "features": Input("features_new/train"),
+            "features_phase2": Input("features_phase2/train"),
+            "features_dataset": Input("features_dataset/train", ("curves.answers", "curves.arms_n_samples")),
+            "vocab": VOCAB,
+            "source": SOURCE,
+            "target": TARGET,
+            "monitor": monitor_input("curves"),
+        },
+        run="curves",
+        trains=True,
+        enabled="curves.enabled",
+    ),
+    Step(
+        "eval_curves",
+        "every learning-curve point's drafter on the new target's held-out set (per-prompt counts)",
+        "curve_steps:eval_curves",
+        ("targets.new", "eval", *CURVE_KEYS),
+        (
+            *DRAFTING_MODULES,
+            "pipeline.tracking",
+            "evaluation.decision",
+            "evaluation.bootstrap",
+            "plan.curves",
+            "pipeline.steps.curve_steps",
+        ),
+        {"points": Input("train_curves/points.json"), "target": TARGET, "features": EVAL_SET},
+        run="curves",
+        run_from="train_curves",
+        enabled="curves.enabled",
+    ),
+    Step(
+        "decision",
+        "the recommendation with evidence: init, recipe, answers, data, Phase 2, hours; bootstrap CIs, rules R1-R8",
+        "decision_step:decision",
+        ("costmodel", "eval.k", "decision", "resources"),
+        (
+            "evaluation.decision",
+            "evaluation.bootstrap",
+            "evaluation.hours",
+            "evaluation.costmodel",
+            "plan.curves",
+            "pipeline.steps.decision_step",
+        ),
+        {
+            "curves": Input("eval_curves/curves.json", ("curves.enabled",)),
+            **{ph: Input(f"eval_{ph}/eval.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
+            # data_* / train_*: only that those steps ran first (their measured seconds are read from logs/)
+            **{f"data_{st}": Input(f"{st}/metrics.json") for st in ("features_new", "features_phase2")},
+            "data_features_dataset": Input(
+                "features_dataset/metrics.json", ("curves.enabled", "curves.answers", "curves.arms_n_samples")
+            ),
+            **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
+            "drift": Input("drift/metrics.json", ("drift.enabled",)),
+            "budget": Input("budget/budget.json", ("data.budget=adaptive",)),
+        },
+    ),
+    Step(
+        "report",
+        "plots and tables: tau per phase vs projected tok/s, per-position acceptance, loss, comparison",
+        "report_step:report",
+        ("profile", "costmodel", "eval.k", "online.enabled"),
+        ("outputs.report", "outputs.tables", "pipeline.steps.report_step"),
+        {
+            "compare": Input("compare/compare.json"),
+            "world": Input("world/metrics.json", ("world.build",)),
+            "source_drafter": Input("world/source_drafter.json", ("world.build",)),
+            "decision": Input("decision/decision.json"),
+            "curves": Input("eval_curves/curves.json", ("curves.enabled",)),
+            **{ph: Input(f"eval_{ph}/metrics.json") for ph in ("phase0", "phase1_scratch", "phase1", "phase2")},
+            "drift": Input("drift/metrics.json", ("drift.enabled",)),
+            **{f"history_{ph}": Input(f"train_{ph}/history.csv") for ph in ("phase1_scratch", "phase1", "phase2")},
+            **{f"online_{ph}": Input(f"online_{ph}/metrics.json", ("online.enabled",)) for ph in ("phase0", "phase1")},
+        },
+    ),
+    *(
+        Step(
+            f"online_{ph}",
+            f"{ph}'s drafter served by vLLM next to the offline evaluator on the same sequences",
+            f"online_steps:online_{ph}",
+            (
+                "targets.new",
+                "targets.prompts_eval_new",
+                "features.aux_convention",
+                "eval.k",
+                "online.n_prompts",
+                "online.max_new_tokens",
+                "online.max_num_seqs",
+                "online.tolerance",
+                "online.dtype",
+                "online.vllm_python",
+                "online.tensor_parallel_size",
+                "online.embed_tokens",
+            ),
+            (
+                "evaluation.online",
+                "engines.vllm.venv",
+                "engines.vllm.runners.online_vllm",
+                "engines.export",
+                "data.features",
+                *DRAFTING_MODULES,
+                "pipeline.tracking",
+                "pipeline.steps.online_steps",
+            ),
+            {
+                "drafter": SOURCE if ph == "phase0" else Input("train_phase1/drafter"),
+                "target": TARGET,
+                "phase": Input(f"eval_{ph}/metrics.json"),
+            },
+            dvc=False,
+        )
+        for ph in ("phase0", "phase1")
+    ),
+    Step(
+        "publish",
+        "the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens, a model card; checked",
+        "publish_step:publish",
+        ("targets.new", "eval", "costmodel", "decision", "publish"),
+        (
+            "outputs.publish",
+            "engines.export",
+            "evaluation.online",
+            "engines.vllm.venv",
+            "evaluation.roundtrip",
+            "engines.speculators",
+            "evaluation.decision",
+            "evaluation.bootstrap",
+            *DRAFTING_MODULES,
+            "evaluation.costmodel",
+            "pipeline.steps.publish_step",
+        ),
+        {
+            "decision": Input("decision/decision.json"),
+            "target": TARGET,
+            "features": EVAL_SET,
+            "source": Input("fetch/source/fetch.lock.json"),
+            "data_phase1": Input("features_new/train/index.json"),
+            "data_phase2": Input("features_phase2/train/index.json", ("data.budget=fixed",)),
+            "data_phase2_chain": Input("budget/train/chain.json", ("data.budget=adaptive",)),
+            **{f"drafter_{ph}": Input(f"train_{ph}/drafter") for ph in ("phase1_scratch", "phase1", "phase2")},
+            **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
+            **{f"eval_{ph}": Input(f"eval_{ph}/eval.json") for ph in ("phase1_scratch", "phase1", "phase2")},
+            "online_phase1": Input("online_phase1/metrics.json", ("online.enabled",)),
+        },
+        enabled="publish.enabled",
+    ),
 )
 BY_NAME: dict[str, Step] = {s.name: s for s in STEPS}
 STEP_NAMES: tuple[str, ...] = tuple(BY_NAME)
@@ -317,8 +677,12 @@ def active(cfg: dict) -> list[Step]:
 
 def is_hub_id(value: str) -> bool:
     """org/name that is not a local folder (artifacts/... paths are the pipeline's own)."""
-    return (not Path(value).exists() and value.count("/") == 1 and not value.startswith((".", "/"))
-            and not value.startswith(ARTIFACTS + "/"))
+    return (
+        not Path(value).exists()
+        and value.count("/") == 1
+        and not value.startswith((".", "/"))
+        and not value.startswith(ARTIFACTS + "/")
+    )
 
 
 def target_path(cfg: dict, which: str) -> str:
@@ -386,13 +750,30 @@ def table_markdown() -> str:
     """The registry as a Markdown table (docs/architecture.md holds it; a test keeps them equal)."""
     rows = ["| step | does | inputs (from) | params | flags |", "|---|---|---|---|---|"]
     for s in STEPS:
-        ins = ", ".join(f"{k} ({v.path.split('/')[0] if not v.path.startswith('@') else 'target'})"
-                        for k, v in s.inputs.items()) or "-"
-        flags = ", ".join(f for f, on in (("trains", s.trains), (f"MLflow run {s.run}", bool(s.run)),
-                                          ("no DVC stage", not s.dvc), ("not cached", not s.cache),
-                                          (f"only when {' and '.join((s.enabled,) if isinstance(s.enabled, str) else s.enabled or ())}",
-                                           bool(s.enabled)), (f"stands in for {s.replaces}", bool(s.replaces)))
-                          if on) or "-"
+        ins = (
+            ", ".join(
+                f"{k} ({v.path.split('/')[0] if not v.path.startswith('@') else 'target'})" for k, v in s.inputs.items()
+            )
+            or "-"
+        )
+        flags = (
+            ", ".join(
+                f
+                for f, on in (
+                    ("trains", s.trains),
+                    (f"MLflow run {s.run}", bool(s.run)),
+                    ("no DVC stage", not s.dvc),
+                    ("not cached", not s.cache),
+                    (
+                        f"only when {' and '.join((s.enabled,) if isinstance(s.enabled, str) else s.enabled or ())}",
+                        bool(s.enabled),
+                    ),
+                    (f"stands in for {s.replaces}", bool(s.replaces)),
+                )
+                if on
+            )
+            or "-"
+        )
         rows.append(f"| `{s.name}` | {s.doc} | {ins} | {', '.join(f'`{p}`' for p in s.params)} | {flags} |")
     return "\n".join(rows) + "\n"
 

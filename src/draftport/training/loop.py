@@ -71,7 +71,7 @@ def batch_ids(step: int, n: int, batch: int, seed: int) -> list[int]:
         epoch, off = divmod(pos, n)
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         perm = torch.randperm(n, generator=g).tolist()
-        take = perm[off: off + batch - len(out)]
+        take = perm[off : off + batch - len(out)]
         out.extend(take)
         pos += len(take)
     return out
@@ -142,7 +142,7 @@ def add_l2sp_grad(params: list, w0: list, lam: float) -> torch.Tensor:
         s = torch.linalg.vector_norm(d, dtype=torch.float32).square()
         sq = s if sq is None else sq + s
         if p.grad is None:
-            if sharded:   # unused this step (never in an EAGLE-3 step): AdamW skips it anyway
+            if sharded:  # unused this step (never in an EAGLE-3 step): AdamW skips it anyway
                 continue
             p.grad = torch.zeros_like(p)
         g = p.grad.to_local() if sharded else p.grad
@@ -150,9 +150,18 @@ def add_l2sp_grad(params: list, w0: list, lam: float) -> torch.Tensor:
     return sq if sq is not None else torch.zeros((), dtype=torch.float32)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: TrainConfig,
-                    sharded=None, inputs: dict | None = None, data_position: int | None = None,
-                    anchor: str | None = None) -> Path | None:
+def save_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    drafter,
+    opt,
+    history,
+    cfg: TrainConfig,
+    sharded=None,
+    inputs: dict | None = None,
+    data_position: int | None = None,
+    anchor: str | None = None,
+) -> Path | None:
     """sharded: the FSDP module of train() under parallel: fsdp. Then every rank must call: the
     full state is gathered to rank 0, which alone writes (the same files as one process).
     inputs: what the run was trained on (train()'s `inputs`), kept so a resume can check it.
@@ -184,9 +193,14 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
             save_safetensors(model, tmp / "model.safetensors")
             moments["rng.torch"] = torch.get_rng_state()
             save_safetensors(moments, tmp / "optimizer.safetensors")
-            state = {"step": step, "adam_steps": steps, "history": history, "config": cfg.model_dump(),
-                     "inputs": inputs, "data_position": data_position if data_position is not None
-                     else step * cfg.batch_size}
+            state = {
+                "step": step,
+                "adam_steps": steps,
+                "history": history,
+                "config": cfg.model_dump(),
+                "inputs": inputs,
+                "data_position": data_position if data_position is not None else step * cfg.batch_size,
+            }
             if anchor is not None:
                 state["anchor"] = anchor
             (tmp / "state.json").write_text(json.dumps(state) + "\n")
@@ -195,8 +209,10 @@ def save_checkpoint(ckpt_root: Path, step: int, drafter, opt, history, cfg: Trai
         if err is None:
             raise
         prev = latest_checkpoint(ckpt_root)
-        raise DraftportError(final, f"{err}; checkpoint not written, the last good one is kept: "
-                             f"{prev if prev is not None else 'none yet'}") from None
+        raise DraftportError(
+            final,
+            f"{err}; checkpoint not written, the last good one is kept: {prev if prev is not None else 'none yet'}",
+        ) from None
     olds = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
     for old in olds[: -cfg.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
@@ -217,8 +233,14 @@ def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None, anchor: 
         return False
     if state.get("inputs") != inputs or state.get("anchor") != anchor:
         return False
-    saved = {"eval_every": 0, "patience": 0, "packing": False, "l2sp_lambda": 0.0, "freeze": [],
-             **state.get("config", {})}  # older checkpoints predate them
+    saved = {
+        "eval_every": 0,
+        "patience": 0,
+        "packing": False,
+        "l2sp_lambda": 0.0,
+        "freeze": [],
+        **state.get("config", {}),
+    }  # older checkpoints predate them
     # parallel: ddp and fsdp make the same updates, and so does the fast path under any of its
     # params or another device (up to the kernels' rounding); older checkpoints predate those
     # keys (or name the attention kernel `attention`)
@@ -249,14 +271,18 @@ def load_optimizer_state(path: Path, drafter, opt) -> tuple[int, list]:
     state = json.loads((path / "state.json").read_text())
     params = trainable(drafter)
     # fused (and capturable) AdamW keep the step count on the parameter's device
-    step_on_device = bool(getattr(opt, "step_on_device", False) or opt.defaults.get("fused")
-                          or opt.defaults.get("capturable"))
+    step_on_device = bool(
+        getattr(opt, "step_on_device", False) or opt.defaults.get("fused") or opt.defaults.get("capturable")
+    )
     for n, p in params.items():
         if f"{n}.exp_avg" in moments:
-            opt.state[p] = {"step": torch.tensor(float(state["adam_steps"][n]), dtype=torch.float32,
-                                                 device=p.device if step_on_device else "cpu"),
-                            "exp_avg": _like(moments[f"{n}.exp_avg"], p),
-                            "exp_avg_sq": _like(moments[f"{n}.exp_avg_sq"], p)}
+            opt.state[p] = {
+                "step": torch.tensor(
+                    float(state["adam_steps"][n]), dtype=torch.float32, device=p.device if step_on_device else "cpu"
+                ),
+                "exp_avg": _like(moments[f"{n}.exp_avg"], p),
+                "exp_avg_sq": _like(moments[f"{n}.exp_avg_sq"], p),
+            }
     torch.set_rng_state(moments["rng.torch"])
     return state["step"], state["history"]
 
@@ -300,8 +326,12 @@ def shard_fsdp(drafter: Eagle3Drafter, device) -> _FSDPTerms:
     _, world = dist_info()
     net = _FSDPTerms(drafter)
     # one group, the root: it keeps the weights gathered from forward through backward anyway
-    fully_shard(net, mesh=init_device_mesh(torch.device(device).type, (world,)),
-                reshard_after_forward=False, ignored_params={drafter.embed_tokens.weight})
+    fully_shard(
+        net,
+        mesh=init_device_mesh(torch.device(device).type, (world,)),
+        reshard_after_forward=False,
+        ignored_params={drafter.embed_tokens.weight},
+    )
     return net
 
 
@@ -317,6 +347,7 @@ def _like(full: torch.Tensor, p) -> torch.Tensor:
     """A saved full tensor placed like parameter p (this rank's shard under FSDP)."""
     if _is_dtensor(p):
         from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(full.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements)
     return full.to(p.device)
 
@@ -324,18 +355,18 @@ def _like(full: torch.Tensor, p) -> torch.Tensor:
 def _gather_full_state(sharded: _FSDPTerms, opt):
     """Collective: the flat model state (export_state's keys) and AdamW moments as full CPU
     tensors on rank 0 (empty elsewhere). -> (model, moments, adam steps)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     o = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd = get_model_state_dict(sharded, options=o)
     osd = get_optimizer_state_dict(sharded, opt, options=o)
     pre = "drafter."
-    model = {k[len(pre):]: v.detach().contiguous() for k, v in msd.items()
-             if not k[len(pre):].startswith("embed_tokens")}
+    model = {
+        k[len(pre) :]: v.detach().contiguous() for k, v in msd.items() if not k[len(pre) :].startswith("embed_tokens")
+    }
     moments, steps = {}, {}
     for fqn, st in osd.get("state", {}).items():
-        n = fqn[len(pre):]
+        n = fqn[len(pre) :]
         moments[f"{n}.exp_avg"] = st["exp_avg"].detach().contiguous()
         moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().contiguous()
         steps[n] = float(st["step"])
@@ -362,10 +393,19 @@ def _sharded_grad_norm(local_grads: list[torch.Tensor], device) -> torch.Tensor:
 
 
 # ---- the loop ----------------------------------------------------------------------------------
-def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tensor, out_dir,
-          cfg: TrainConfig, logger: Logger | None = None, progress: bool = True,
-          stop_after: int | None = None, ckpt_dir=None, inputs: dict | None = None,
-          monitor: Callable[[Eagle3Drafter], float] | None = None) -> dict:
+def train(
+    drafter: Eagle3Drafter,
+    features: FeatureSet,
+    target_head: torch.Tensor,
+    out_dir,
+    cfg: TrainConfig,
+    logger: Logger | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+    ckpt_dir=None,
+    inputs: dict | None = None,
+    monitor: Callable[[Eagle3Drafter], float] | None = None,
+) -> dict:
     """Train in place; checkpoints under ckpt_dir (default out_dir/checkpoints), resumed
     automatically when they were made with the same config and the same `inputs` (a JSON-able
     fingerprint of the data, vocab and init: a rerun on other data must not continue them).
@@ -389,7 +429,10 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     scores = [r["accept_length"] for r in history if "accept_length" in r]
     bar = _bar(cfg, step) if progress and run.rank == 0 else None
     if cfg.packing:
-        from draftport.data.packing import ROW_MULTIPLE, pack   # only then: a step that never packs does not run the module
+        from draftport.data.packing import (
+            ROW_MULTIPLE,
+            pack,
+        )  # only then: a step that never packs does not run the module
     n = len(features)
     done_this_call = 0
     t0 = time.time()
@@ -399,7 +442,7 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     # before any checkpoint could save it.
     bad = torch.zeros((), dtype=torch.bool, device=run.device)
     while step < cfg.steps and not stopped:
-        samples = [features.sample(i) for i in batch_ids(step, n, cfg.batch_size, cfg.seed)[run.rank::run.world]]
+        samples = [features.sample(i) for i in batch_ids(step, n, cfg.batch_size, cfg.seed)[run.rank :: run.world]]
         # packing: the same samples end to end in one row (rounded up to ROW_MULTIPLE
         # tokens: fewer shapes for the compiled regions), the same loss as the padded batch
         batch, _ = pack(samples, multiple=ROW_MULTIPLE) if cfg.packing else collate(samples)
@@ -414,8 +457,10 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
         ckpt_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
         if log_now or ckpt_now or last:
             if bool(bad):
-                raise DraftportError(f"train step {step}", f"loss is not finite (at or before this step); "
-                                     f"last good checkpoint kept in {run.ckpt_root}")
+                raise DraftportError(
+                    f"train step {step}",
+                    f"loss is not finite (at or before this step); last good checkpoint kept in {run.ckpt_root}",
+                )
             stats = run.stats(out, cfg)
             rate.sync_point(step)
             if eval_now:  # every rank: the same drafter, the same set, the same stop
@@ -439,9 +484,16 @@ def train(drafter: Eagle3Drafter, features: FeatureSet, target_head: torch.Tenso
     if run.fsdp:
         unshard_fsdp(drafter)
     curve = [{"step": r["step"], "accept_length": r["accept_length"]} for r in history if "accept_length" in r]
-    return {"history": history, "final": history[-1] if history else {}, "steps": step,
-            "seconds": time.time() - t0, "resumed_from": resumed_from, "curve": curve, "stopped_early": stopped,
-            "run": rate.summary()}
+    return {
+        "history": history,
+        "final": history[-1] if history else {},
+        "steps": step,
+        "seconds": time.time() - t0,
+        "resumed_from": resumed_from,
+        "curve": curve,
+        "stopped_early": stopped,
+        "run": rate.summary(),
+    }
 
 
 def _held_out(monitor, drafter, step: int, rate: "_Rate") -> float:
@@ -458,8 +510,9 @@ def plateaued(scores: list[float], patience: int) -> bool:
     return bool(patience) and len(scores) > patience and max(scores[-patience:]) <= max(scores[:-patience])
 
 
-def _record(run: "_Run", logger: Logger, history: list, step: int, stats: dict, stopped: bool, scores: list,
-            cfg: TrainConfig) -> bool:
+def _record(
+    run: "_Run", logger: Logger, history: list, step: int, stats: dict, stopped: bool, scores: list, cfg: TrainConfig
+) -> bool:
     """A logged step's record in the history and the logger; -> whether it must checkpoint (a stop)."""
     rec = {"step": step, **{k: round(v, 6) for k, v in stats.items()}}
     if stopped:
@@ -468,8 +521,11 @@ def _record(run: "_Run", logger: Logger, history: list, step: int, stats: dict, 
     if run.rank == 0:
         logger.log_metrics({k: v for k, v in stats.items() if not k.startswith("n_")}, step)
         if stopped:
-            print(f"early stop at step {step}: held-out tau {stats['accept_length']:.3f}, best "
-                  f"{max(scores):.3f}, none better in the last {cfg.patience} evaluations", flush=True)
+            print(
+                f"early stop at step {step}: held-out tau {stats['accept_length']:.3f}, best "
+                f"{max(scores):.3f}, none better in the last {cfg.patience} evaluations",
+                flush=True,
+            )
     return stopped
 
 
@@ -492,8 +548,18 @@ class _Run:
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         with out_of_memory(f"train step {step + 1}", OOM_KNOB):
-            return train_step(self.net, batch, self.head, self.opt, self.params, cfg, fast=self.fast,
-                              use_bf16=self.use_bf16, world=self.world, l2sp=self.l2sp)
+            return train_step(
+                self.net,
+                batch,
+                self.head,
+                self.opt,
+                self.params,
+                cfg,
+                fast=self.fast,
+                use_bf16=self.use_bf16,
+                world=self.world,
+                l2sp=self.l2sp,
+            )
 
     def checkpoint(self, step: int, drafter, history: list, cfg: TrainConfig, inputs, data_position, rate) -> None:
         """The checkpointer: rank 0 writes (under FSDP every rank joins the gather), its time kept
@@ -501,8 +567,18 @@ class _Run:
         if self.rank != 0 and not self.fsdp:
             return
         rate.pause()
-        save_checkpoint(self.ckpt_root, step, drafter, self.opt, history, cfg, sharded=self.net if self.fsdp else None,
-                        inputs=inputs, data_position=data_position, anchor=self.anchor)
+        save_checkpoint(
+            self.ckpt_root,
+            step,
+            drafter,
+            self.opt,
+            history,
+            cfg,
+            sharded=self.net if self.fsdp else None,
+            inputs=inputs,
+            data_position=data_position,
+            anchor=self.anchor,
+        )
         rate.resume()
 
     def stats(self, out, cfg: TrainConfig) -> dict:
@@ -512,14 +588,17 @@ class _Run:
         stats = _reduce_stats(terms, counts) if self.world > 1 else stats_to_float(stats_t)
         if self.l2sp is not None:
             sq = stats_t["anchor_sq"].float()
-            if self.fsdp:   # each rank holds its shards' part
+            if self.fsdp:  # each rank holds its shards' part
                 sq = sq.clone()
                 dist.all_reduce(sq)
             sq = float(sq)
             stats.pop("anchor_sq", None)
             stats.update(l2sp_penalty=cfg.l2sp_lambda * sq, anchor_distance=math.sqrt(sq))
-        stats.update(loss=sum(cfg.gamma ** j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
-                     lr=self.opt.param_groups[0]["lr"], grad_norm=float(gnorm))
+        stats.update(
+            loss=sum(cfg.gamma**j * stats[f"loss_{j}"] for j in range(cfg.ttt_steps)),
+            lr=self.opt.param_groups[0]["lr"],
+            grad_norm=float(gnorm),
+        )
         return stats
 
 
@@ -534,12 +613,16 @@ def _check(cfg: TrainConfig, world: int, monitor, device: torch.device) -> tuple
         raise DraftportError("train.parallel", f"{cfg.parallel!r} is not one of ddp, fsdp")
     fsdp = cfg.parallel == "fsdp" and world > 1
     if cfg.patience and not cfg.eval_every:
-        raise DraftportError("train.patience", f"{cfg.patience} needs train.eval_every > 0 (the held-out tau it watches)")
+        raise DraftportError(
+            "train.patience", f"{cfg.patience} needs train.eval_every > 0 (the held-out tau it watches)"
+        )
     if cfg.eval_every and monitor is None:
         raise DraftportError("train.eval_every", f"{cfg.eval_every} but this run has no held-out monitor set")
     if cfg.eval_every and fsdp:
-        raise DraftportError("train.eval_every", "held-out tau during training runs on a whole drafter: "
-                             "use parallel ddp (or eval_every 0) under fsdp")
+        raise DraftportError(
+            "train.eval_every",
+            "held-out tau during training runs on a whole drafter: use parallel ddp (or eval_every 0) under fsdp",
+        )
     return impl, fsdp
 
 
@@ -549,11 +632,11 @@ def _setup(drafter, target_head, out_dir, cfg: TrainConfig, ckpt_dir, inputs, mo
     optimizer built."""
     rank, world = dist_info()
     device = pick_device(cfg.device, "train.device")
-    drafter.to(device)        # the drafter, its frozen embedding and maps; the optimizer's state follows
+    drafter.to(device)  # the drafter, its frozen embedding and maps; the optimizer's state follows
     head = target_head.to(device)
     impl, fsdp = _check(cfg, world, monitor, device)
     fast = fast_path(cfg, impl, accumulate_wgrad=world == 1 or fsdp)
-    set_trained_parts(drafter, cfg)   # before DDP / FSDP see the parameters
+    set_trained_parts(drafter, cfg)  # before DDP / FSDP see the parameters
     w0, anchor = None, None
     if cfg.l2sp_lambda:
         # the anchor: the weights handed in (the init, rebuilt the same way by a resume), taken
@@ -563,17 +646,32 @@ def _setup(drafter, target_head, out_dir, cfg: TrainConfig, ckpt_dir, inputs, mo
     ckpt_root = Path(ckpt_dir) if ckpt_dir is not None else Path(out_dir) / "checkpoints"
     last = _resume_point(ckpt_root, cfg, inputs, anchor, rank, world)
     if last is not None:
-        load_model_state(last, drafter)   # before sharding: FSDP shards the saved weights
+        load_model_state(last, drafter)  # before sharding: FSDP shards the saved weights
     net = wrap_parallel(drafter, cfg.parallel if world > 1 else "none", device)
-    params = trainable(drafter)           # under FSDP: this rank's shards
+    params = trainable(drafter)  # under FSDP: this rank's shards
     l2sp = None
-    if w0 is not None:   # (weights, their anchors): under FSDP the anchors' shards of this rank
-        l2sp = (list(params.values()), [_like(w0[n], p).to_local() if _is_dtensor(p) else w0[n]
-                                        for n, p in params.items()], cfg.l2sp_lambda)
-    return _Run(rank=rank, world=world, device=device, head=head, fsdp=fsdp, fast=fast, net=net,
-                params=list(params.values()), opt=_optimizer(params, cfg, device, fsdp), l2sp=l2sp, anchor=anchor,
-                ckpt_root=ckpt_root, last=last,
-                use_bf16=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda"))
+    if w0 is not None:  # (weights, their anchors): under FSDP the anchors' shards of this rank
+        l2sp = (
+            list(params.values()),
+            [_like(w0[n], p).to_local() if _is_dtensor(p) else w0[n] for n, p in params.items()],
+            cfg.l2sp_lambda,
+        )
+    return _Run(
+        rank=rank,
+        world=world,
+        device=device,
+        head=head,
+        fsdp=fsdp,
+        fast=fast,
+        net=net,
+        params=list(params.values()),
+        opt=_optimizer(params, cfg, device, fsdp),
+        l2sp=l2sp,
+        anchor=anchor,
+        ckpt_root=ckpt_root,
+        last=last,
+        use_bf16=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda"),
+    )
 
 
 def _resume_point(ckpt_root: Path, cfg: TrainConfig, inputs, anchor, rank: int, world: int) -> Path | None:
@@ -586,8 +684,10 @@ def _resume_point(ckpt_root: Path, cfg: TrainConfig, inputs, anchor, rank: int, 
     aside = ckpt_root.with_name(f"{ckpt_root.name}.stale-{int(time.time())}")
     if rank == 0:
         os.replace(ckpt_root, aside)
-        print(f"checkpoints in {ckpt_root} belong to another training configuration or other inputs; "
-              f"moved to {aside}", flush=True)
+        print(
+            f"checkpoints in {ckpt_root} belong to another training configuration or other inputs; moved to {aside}",
+            flush=True,
+        )
     if world > 1:
         dist.barrier()
     return None
@@ -615,8 +715,9 @@ def _resume(run: _Run, drafter, features, cfg: TrainConfig, logger: Logger) -> t
         if run.rank == 0:
             print(f"resuming from {run.last} (step {step})", flush=True)
             for rec in history:  # a new tracking run: give it the curve up to the checkpoint
-                logger.log_metrics({k: v for k, v in rec.items() if k != "step" and not k.startswith("n_")},
-                                   rec["step"])
+                logger.log_metrics(
+                    {k: v for k, v in rec.items() if k != "step" and not k.startswith("n_")}, rec["step"]
+                )
     begin = getattr(features, "begin", None)
     if begin is not None:  # online features (draftport.training.spool): their capture starts at this data position
         pos = json.loads((run.last / "state.json").read_text()).get("data_position") if step else None
@@ -656,8 +757,8 @@ class _Rate:
     def count(self, samples) -> None:
         if self.t is None:
             self.resume()
-        lengths = [int(s["tokens"].shape[0]) for s in samples]   # a sample is its real tokens (unpadded)
-        self.tokens += sum(lengths) * self.world    # every rank takes an equal share of the global batch
+        lengths = [int(s["tokens"].shape[0]) for s in samples]  # a sample is its real tokens (unpadded)
+        self.tokens += sum(lengths) * self.world  # every rank takes an equal share of the global batch
         self.flops += sample_flops(self.shape, lengths, self.cfg.ttt_steps, self.cfg.train_lm_head) * self.world
         self.steps += 1
 
@@ -677,9 +778,15 @@ class _Rate:
         peak = peak_tflops(info["gpu"])
         tok_s = self.tokens / self.seconds if self.seconds > 0 else None
         mfu = self.flops / self.seconds / (peak * 1e12 * self.world) if peak and self.seconds > 0 else None
-        out = {**info, "steps": self.steps, "tokens": self.tokens, "step_seconds": round(self.seconds, 3),
-               "tokens_per_s": tok_s, "mfu": mfu}
-        if self.mark is not None and self.seconds > self.mark[0]:   # past the warm-up: what the bench compares with
+        out = {
+            **info,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "step_seconds": round(self.seconds, 3),
+            "tokens_per_s": tok_s,
+            "mfu": mfu,
+        }
+        if self.mark is not None and self.seconds > self.mark[0]:  # past the warm-up: what the bench compares with
             dt = self.seconds - self.mark[0]
             out["steady_tokens_per_s"] = (self.tokens - self.mark[1]) / dt
             out["steady_mfu"] = (self.flops - self.mark[2]) / dt / (peak * 1e12 * self.world) if peak else None
@@ -693,23 +800,38 @@ def fast_path(cfg: TrainConfig, impl: str, accumulate_wgrad: bool) -> FastPath |
     DDP needs them to pass through autograd)."""
     if impl == "reference":
         return None
-    return FastPath(attention=cfg.fast.attention, packed_attention=cfg.fast.packed_attention,
-                    compile=impl == "compiled", compile_tuning=cfg.fast.compile_tuning,
-                    accumulate_wgrad=accumulate_wgrad)
+    return FastPath(
+        attention=cfg.fast.attention,
+        packed_attention=cfg.fast.packed_attention,
+        compile=impl == "compiled",
+        compile_tuning=cfg.fast.compile_tuning,
+        accumulate_wgrad=accumulate_wgrad,
+    )
 
 
-def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: TrainConfig, *,
-               fast: FastPath | None = None, use_bf16: bool = False, world: int = 1,
-               clip_in_optimizer: bool | None = None, l2sp: tuple | None = None):
+def train_step(
+    net,
+    batch,
+    target_head: torch.Tensor,
+    opt,
+    params: list,
+    cfg: TrainConfig,
+    *,
+    fast: FastPath | None = None,
+    use_bf16: bool = False,
+    world: int = 1,
+    clip_in_optimizer: bool | None = None,
+    l2sp: tuple | None = None,
+):
     """One optimizer step (TTT loss, backward, clipping, AdamW) with no host sync, so the CPU
     can queue the next step while this one runs (under DDP/FSDP the row counts are all-reduced).
 
-    net: the drafter, its DDP view, or the FSDP module of shard_fsdp (params then hold this
-    rank's shards). fast: the fast path (None: the reference loss). clip_in_optimizer (default: when the optimizer is fused AdamW or
-    draftport's, and the parameters are not sharded) applies the gradient clipping inside the
-    optimizer's kernel. l2sp: (params, their anchors w0, lambda): the L2-SP anchor's gradient is
-    added before the clipping (add_l2sp_grad); stats then hold `anchor_sq`, sum ||w - w0||^2
-    before this step's update (this rank's part under FSDP).
+    net: the drafter, its DDP view, or the FSDP module of shard_fsdp (params then hold this rank's
+    shards). fast: the fast path (None: the reference loss). clip_in_optimizer (default: when the
+    optimizer is fused AdamW or draftport's, and the parameters are not sharded) applies the
+    gradient clipping inside the optimizer's kernel. l2sp: (params, their anchors w0, lambda): the
+    L2-SP anchor's gradient is added before the clipping (add_l2sp_grad); stats then hold
+    `anchor_sq`, sum ||w - w0||^2 before this step's update (this rank's part under FSDP).
     Returns (loss, terms, global counts or None, stats as 0-dim tensors, grad norm before
     clipping, the anchor's gradient included)."""
     device = target_head.device
@@ -746,7 +868,7 @@ def train_step(net, batch, target_head: torch.Tensor, opt, params: list, cfg: Tr
         # fused AdamW (and draftport's) divides every gradient by `grad_scale` as it reads it:
         # clipping there saves clip_grad_norm_'s in-place pass over all gradients
         grads = [p.grad for p in params if p.grad is not None]
-        if hasattr(opt, "grad_norm"):   # draftport's AdamW: one compiled reduction per gradient
+        if hasattr(opt, "grad_norm"):  # draftport's AdamW: one compiled reduction per gradient
             gnorm = opt.grad_norm(grads)
         else:
             gnorm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
@@ -763,7 +885,7 @@ class _DDPView:
 
     def __init__(self, ddp):
         self.ddp = ddp
-        self.module = ddp.module      # the fast loss applies lm_head itself
+        self.module = ddp.module  # the fast loss applies lm_head itself
         self.hot_ids = ddp.module.hot_ids
         self.t2d = ddp.module.t2d
 

@@ -35,8 +35,7 @@ def adamw_scalars(step, lr, beta1: float, beta2: float, weight_decay: float):
     return lr / bc1, bc2_sqrt, lr * weight_decay
 
 
-def adamw_pointwise(p, g, m, v, step_size, bc2_sqrt, lr_wd, scale, beta1: float, beta2: float, eps: float,
-                    decay: bool):
+def adamw_pointwise(p, g, m, v, step_size, bc2_sqrt, lr_wd, scale, beta1: float, beta2: float, eps: float, decay: bool):
     """The elementwise part of one AdamW step, in place on p, m, v: torch's fused AdamW arithmetic
     in fp32 (ADAMW mode, no amsgrad, no maximize). scale: None, or a 0-dim tensor the gradient is
     divided by as it is read (clipping)."""
@@ -55,8 +54,9 @@ def adamw_pointwise(p, g, m, v, step_size, bc2_sqrt, lr_wd, scale, beta1: float,
     v.copy_(vf)
 
 
-def adamw_update(p, g, m, v, step, lr, scale, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 compiled: bool = False):
+def adamw_update(
+    p, g, m, v, step, lr, scale, beta1: float, beta2: float, eps: float, weight_decay: float, compiled: bool = False
+):
     """One AdamW step of one parameter, in place (p, m, v; step += 1). compiled: both parts
     through torch.compile (two kernels: the scalars, then one pass over the parameter)."""
     if compiled:
@@ -83,9 +83,11 @@ def _compiled():
     "pointwise", "norm"}."""
     if not _COMPILED:
         allow_recompiles()
-        _COMPILED.update(scalars=torch.compile(adamw_scalars, fullgraph=True),
-                         pointwise=torch.compile(adamw_pointwise, dynamic=False, fullgraph=True),
-                         norm=torch.compile(square_sum, dynamic=False, fullgraph=True))
+        _COMPILED.update(
+            scalars=torch.compile(adamw_scalars, fullgraph=True),
+            pointwise=torch.compile(adamw_pointwise, dynamic=False, fullgraph=True),
+            norm=torch.compile(square_sum, dynamic=False, fullgraph=True),
+        )
     return _COMPILED
 
 
@@ -97,17 +99,24 @@ class AdamW(torch.optim.Optimizer):
     or None) divides every gradient as it is read, as the fused AdamW's does; train_step sets it
     to clip (`takes_grad_scale`)."""
 
-    takes_grad_scale = True   # train_step clips through grad_scale (see train_step)
-    step_on_device = True     # the step count lives on the parameter's device (checkpoint loading)
+    takes_grad_scale = True  # train_step clips through grad_scale (see train_step)
+    step_on_device = True  # the step count lives on the parameter's device (checkpoint loading)
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, compiled: bool | None = None):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        compiled: bool | None = None,
+    ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"AdamW: lr {lr}, betas {betas}, eps {eps}, weight_decay {weight_decay} out of range")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.compiled = compiled
         self.grad_scale = None
-        self._lr = {}   # per group: its learning rate as a device tensor (refilled when it changes)
+        self._lr = {}  # per group: its learning rate as a device tensor (refilled when it changes)
 
     def grad_norm(self, grads) -> torch.Tensor:
         """The L2 norm of all these gradients (0-dim fp32, no host sync), as clip_grad_norm_
@@ -150,12 +159,23 @@ class AdamW(torch.optim.Optimizer):
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 compiled = p.is_cuda if self.compiled is None else self.compiled
                 flat = all(t.is_contiguous() for t in (p, p.grad, st["exp_avg"], st["exp_avg_sq"]))
-                args = (p, p.grad, st["exp_avg"], st["exp_avg_sq"]) if not flat else \
-                    (p.view(-1), p.grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1))
+                args = (
+                    (p, p.grad, st["exp_avg"], st["exp_avg_sq"])
+                    if not flat
+                    else (p.view(-1), p.grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1))
+                )
                 scale = self.grad_scale
                 if scale is not None:
                     scale = scale.to(device=p.device, dtype=torch.float32)
-                adamw_update(*args, st["step"], self._lr_tensor(i, group, p.device), scale, float(beta1),
-                             float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                             compiled=compiled and flat)
+                adamw_update(
+                    *args,
+                    st["step"],
+                    self._lr_tensor(i, group, p.device),
+                    scale,
+                    float(beta1),
+                    float(beta2),
+                    float(group["eps"]),
+                    float(group["weight_decay"]),
+                    compiled=compiled and flat,
+                )
         return loss

@@ -29,21 +29,37 @@ def feature_dirs(features_dir) -> list:
     return [part for d in dirs for part in chain_parts(d)]
 
 
-def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, vocab_policy: str = "remap",
-                       arch=None, n_samples: int | None = None, monitor: dict | None = None) -> dict:
+def inputs_fingerprint(
+    *,
+    features_dir,
+    vocab_path,
+    init: str,
+    source_dir=None,
+    vocab_policy: str = "remap",
+    arch=None,
+    n_samples: int | None = None,
+    monitor: dict | None = None,
+) -> dict:
     """What a training run learns from, as digests: its checkpoints resume only a run on the same
     inputs (train's `inputs`). Features by their index (it holds every shard's sha256)."""
+
     def folder(f) -> str:
         f = Path(f)
         lock = f / "fetch.lock.json"
         if lock.is_file():  # a fetch recorded every file's sha256
-            return hashlib.sha256(json.dumps(json.loads(lock.read_text())["files"], sort_keys=True).encode()).hexdigest()
+            return hashlib.sha256(
+                json.dumps(json.loads(lock.read_text())["files"], sort_keys=True).encode()
+            ).hexdigest()
         files = sorted(p for p in f.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
         return hashlib.sha256("".join(f"{p.name}:{sha256(p)};" for p in files).encode()).hexdigest()
 
     feats = [sha256(Path(f) / "index.json") for f in feature_dirs(features_dir)]
-    out = {"features": feats[0] if len(feats) == 1 and n_samples is None else {"chain": feats, "n": n_samples},
-           "vocab": sha256(Path(vocab_path)), "init": init, "vocab_policy": vocab_policy}
+    out = {
+        "features": feats[0] if len(feats) == 1 and n_samples is None else {"chain": feats, "n": n_samples},
+        "vocab": sha256(Path(vocab_path)),
+        "init": init,
+        "vocab_policy": vocab_policy,
+    }
     if monitor is not None:
         out["monitor"] = {"features": sha256(Path(monitor["features"]) / "index.json"), "k": monitor["k"]}
     if init in ("source", "scratch") and source_dir is not None:
@@ -55,11 +71,26 @@ def inputs_fingerprint(*, features_dir, vocab_path, init: str, source_dir=None, 
     return out
 
 
-def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, train_cfg,
-                source_dir=None, vocab_policy: str = "remap", arch: dict | None = None,
-                logger=None, progress=True, ckpt_dir=None, n_samples: int | None = None,
-                monitor: dict | None = None, verifier: str | None = None, spool: dict | None = None,
-                trust_remote_code: bool = False) -> dict:
+def train_phase(
+    out_dir,
+    *,
+    features_dir,
+    target_dir,
+    vocab_path,
+    init: str,
+    train_cfg,
+    source_dir=None,
+    vocab_policy: str = "remap",
+    arch: dict | None = None,
+    logger=None,
+    progress=True,
+    ckpt_dir=None,
+    n_samples: int | None = None,
+    monitor: dict | None = None,
+    verifier: str | None = None,
+    spool: dict | None = None,
+    trust_remote_code: bool = False,
+) -> dict:
     """Train a drafter for the new target and save it (flat format) to out_dir/drafter.
 
     init 'source': start from the source drafter; its lm_head is moved onto the new map by
@@ -86,16 +117,28 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
     trust_remote_code.
     """
     if init == "scratch" and train_cfg.l2sp_lambda:
-        raise DraftportError("train.l2sp_lambda", f"{train_cfg.l2sp_lambda}: the L2-SP anchor holds a training near "
-                             "the weights it starts from, and init scratch starts from random ones (set 0)")
-    device = pick_device(train_cfg.device, "train.device")   # before any load: cuda without a GPU fails here
+        raise DraftportError(
+            "train.l2sp_lambda",
+            f"{train_cfg.l2sp_lambda}: the L2-SP anchor holds a training near "
+            "the weights it starts from, and init scratch starts from random ones (set 0)",
+        )
+    device = pick_device(train_cfg.device, "train.device")  # before any load: cuda without a GPU fails here
     out_dir = Path(out_dir)
     sets = [open_set(d) for d in feature_dirs(features_dir)]
     fs = sets[0] if len(sets) == 1 and n_samples is None else FeatureChain(sets, n_samples)
-    head = target_head(target_dir).to(device)   # the monitor's held-out batches are placed beside it
-    d, cfg, report = initial_drafter(init, fs, features_dir, target_dir=target_dir, vocab_path=vocab_path,
-                                     source_dir=source_dir, vocab_policy=vocab_policy, arch=arch, head=head,
-                                     seed=train_cfg.seed)
+    head = target_head(target_dir).to(device)  # the monitor's held-out batches are placed beside it
+    d, cfg, report = initial_drafter(
+        init,
+        fs,
+        features_dir,
+        target_dir=target_dir,
+        vocab_path=vocab_path,
+        source_dir=source_dir,
+        vocab_policy=vocab_policy,
+        arch=arch,
+        head=head,
+        seed=train_cfg.seed,
+    )
     cfg = DrafterConfig(**{**cfg.__dict__, "extra": {**cfg.extra, "verifier": str(verifier or target_dir)}})
     watch = None
     if monitor is not None:
@@ -103,31 +146,65 @@ def train_phase(out_dir, *, features_dir, target_dir, vocab_path, init: str, tra
         check_features_fit(cfg, held, monitor["features"])
         check_disjoint(fs, held, str(monitor["features"]))
         watch = held_out_monitor(held, head, k=monitor["k"], batch_size=monitor.get("batch_size", 32))
-    inputs = inputs_fingerprint(features_dir=features_dir, vocab_path=vocab_path, init=init,
-                                source_dir=source_dir, vocab_policy=vocab_policy, arch=arch,
-                                n_samples=n_samples, monitor=monitor)
+    inputs = inputs_fingerprint(
+        features_dir=features_dir,
+        vocab_path=vocab_path,
+        init=init,
+        source_dir=source_dir,
+        vocab_policy=vocab_policy,
+        arch=arch,
+        n_samples=n_samples,
+        monitor=monitor,
+    )
     if fs.index.get("storage") in ("online", "hybrid"):
         fs = _online(fs, target_dir, out_dir, ckpt_dir, spool, trust_remote_code, progress)
     try:
-        res = train(d, fs, head, out_dir, train_cfg, logger=logger, progress=progress, ckpt_dir=ckpt_dir,
-                    inputs=inputs, monitor=watch)
+        res = train(
+            d,
+            fs,
+            head,
+            out_dir,
+            train_cfg,
+            logger=logger,
+            progress=progress,
+            ckpt_dir=ckpt_dir,
+            inputs=inputs,
+            monitor=watch,
+        )
     finally:
         if hasattr(fs, "close"):
             fs.close()
     if hasattr(fs, "discard_cache"):  # trained to the end: hybrid's first-epoch cache has served
         fs.discard_cache()
-    d.to("cpu")   # saved from host memory, as every caller reads it
-    save_drafter(out_dir / "drafter", cfg, d.export_state(),
-                 metadata={"draftport_phase_init": init})
-    report.update(train_steps=res["steps"], train_seconds=res["seconds"], final=res["final"],
-                  resumed_from_step=res["resumed_from"], curve=res["curve"], stopped_early=res["stopped_early"],
-                  train_samples=len(fs), run=res["run"])
+    d.to("cpu")  # saved from host memory, as every caller reads it
+    save_drafter(out_dir / "drafter", cfg, d.export_state(), metadata={"draftport_phase_init": init})
+    report.update(
+        train_steps=res["steps"],
+        train_seconds=res["seconds"],
+        final=res["final"],
+        resumed_from_step=res["resumed_from"],
+        curve=res["curve"],
+        stopped_early=res["stopped_early"],
+        train_samples=len(fs),
+        run=res["run"],
+    )
     atomic_write_text(out_dir / "train_history.json", json.dumps(res["history"]) + "\n")
     return report
 
 
-def initial_drafter(init: str, fs, features_dir, *, target_dir, vocab_path, source_dir, vocab_policy: str,
-                    arch, head: torch.Tensor, seed: int) -> tuple:
+def initial_drafter(
+    init: str,
+    fs,
+    features_dir,
+    *,
+    target_dir,
+    vocab_path,
+    source_dir,
+    vocab_policy: str,
+    arch,
+    head: torch.Tensor,
+    seed: int,
+) -> tuple:
     """(drafter, its config, the report so far) a training starts from, bound to the target on the
     new map (train_phase's `init`); head: the target's lm_head, whose rows a remap gives new ids."""
     d2t_new, t2d_new = read_vocab(vocab_path, vocab_size=head.shape[0])
@@ -149,9 +226,13 @@ def initial_drafter(init: str, fs, features_dir, *, target_dir, vocab_path, sour
     cfg, state = load_drafter_state(src)
     check_features_fit(cfg, fs, src)
     if init == "source":
-        lm, d2t, stats = remap_lm_head(state["lm_head.weight"].float(), state["d2t"].numpy(), d2t_new,
-                                       init_rows=head.cpu() if cfg.hidden_size == head.shape[1] else None,
-                                       policy=vocab_policy)
+        lm, d2t, stats = remap_lm_head(
+            state["lm_head.weight"].float(),
+            state["d2t"].numpy(),
+            d2t_new,
+            init_rows=head.cpu() if cfg.hidden_size == head.shape[1] else None,
+            policy=vocab_policy,
+        )
         state["lm_head.weight"] = lm
         t2d = t2d_new if vocab_policy == "remap" else state["t2d"].numpy()
         check_maps(d2t, t2d, cfg.vocab_size, d2t.shape[0], vocab_path)
@@ -170,6 +251,12 @@ def _online(fs, target_dir, out_dir: Path, ckpt_dir, spool: dict | None, trust_r
     sp = spool or {}
     ck = Path(ckpt_dir) if ckpt_dir is not None else out_dir / "checkpoints"
     sdir = Path(sp.get("dir") or ck.with_name(f"{ck.name}.spool"))
-    return online_features(fs, target_dir=target_dir, spool_dir=sdir, spool_gb=sp.get("gb") or SPOOL_GB,
-                           cache_dir=sp.get("cache_dir") or sdir.with_name(f"{sdir.name}-cache"),
-                           trust_remote_code=trust_remote_code, log=print if progress else (lambda _m: None))
+    return online_features(
+        fs,
+        target_dir=target_dir,
+        spool_dir=sdir,
+        spool_gb=sp.get("gb") or SPOOL_GB,
+        cache_dir=sp.get("cache_dir") or sdir.with_name(f"{sdir.name}-cache"),
+        trust_remote_code=trust_remote_code,
+        log=print if progress else (lambda _m: None),
+    )

@@ -57,8 +57,7 @@ import threading
 from pathlib import Path
 
 from draftport.data.features import capture_writer
-from draftport.data.shards import (DTYPES, FeatureSet, Sequence, bytes_per_token, capture_meta, human,
-    write_features)
+from draftport.data.shards import DTYPES, FeatureSet, Sequence, bytes_per_token, capture_meta, human, write_features
 from draftport.data.storage import check_storage, storage_need
 from draftport.errors import DraftportError
 from draftport.training.loop import batch_ids, dist_info
@@ -96,9 +95,23 @@ class SpoolFeatures:
     FeatureSet.sample returns. `max_bytes_seen`: the most bytes the spool's files ever held
     (an upper bound, kept under the lock). Single-process training only (world size 1)."""
 
-    def __init__(self, sequences: list[Sequence], featurize=None, *, order: list[int], spool_dir, spool_bytes: int,
-                 shard_samples: int, batch_size: int, hidden_size: int, meta: dict, dtype: str = "bfloat16",
-                 start: int = 0, writer=None, keep: bool = False):
+    def __init__(
+        self,
+        sequences: list[Sequence],
+        featurize=None,
+        *,
+        order: list[int],
+        spool_dir,
+        spool_bytes: int,
+        shard_samples: int,
+        batch_size: int,
+        hidden_size: int,
+        meta: dict,
+        dtype: str = "bfloat16",
+        start: int = 0,
+        writer=None,
+        keep: bool = False,
+    ):
         self.spool_dir = Path(spool_dir)
         if (featurize is None) == (writer is None):
             raise DraftportError("spool", "give featurize (the in-process capture) or writer (an engine's), not both")
@@ -107,8 +120,11 @@ class SpoolFeatures:
             raise DraftportError("features", "no samples to featurize (empty dataset)")
         if dtype not in DTYPES:
             raise DraftportError("features.dtype", f"{dtype!r} is not a storage dtype ({', '.join(DTYPES)})")
-        for name, v in (("features.shard_samples", shard_samples), ("features.batch_size", batch_size),
-                        ("hidden_size", hidden_size)):
+        for name, v in (
+            ("features.shard_samples", shard_samples),
+            ("features.batch_size", batch_size),
+            ("hidden_size", hidden_size),
+        ):
             if not isinstance(v, int) or v < 1:
                 raise DraftportError(name, f"{v!r} is not a positive integer")
         order = [int(i) for i in order]
@@ -132,13 +148,16 @@ class SpoolFeatures:
         self._first = 0 if keep else start  # the producer's first position
         largest = max(self.projected(g) for g in self.groups)
         if not keep and self.spool_bytes < largest:
-            raise DraftportError("features.spool_gb", f"{human(self.spool_bytes)} is less than one shard "
-                                 f"(the largest of {shard_samples} samples: {human(largest)})")
+            raise DraftportError(
+                "features.spool_gb",
+                f"{human(self.spool_bytes)} is less than one shard "
+                f"(the largest of {shard_samples} samples: {human(largest)})",
+            )
         self._prepare_dir()
         self.max_bytes_seen = 0
         self._cond = threading.Condition()
-        self._ready: dict[int, Path] = {}   # group -> its complete folder
-        self._bytes: dict[int, int] = {}    # group -> its files' bytes, while on disk
+        self._ready: dict[int, Path] = {}  # group -> its complete folder
+        self._bytes: dict[int, int] = {}  # group -> its files' bytes, while on disk
         self._open: tuple[int, FeatureSet] | None = None
         self._error: BaseException | None = None
         self._closed = self._done = False
@@ -195,13 +214,24 @@ class SpoolFeatures:
                 elif self.writer is not None:
                     self.writer(folder, seqs)
                 else:
-                    write_features(folder, seqs, self.featurize, meta=self.meta, shard_samples=len(pos),
-                                   batch_size=self.batch_size, dtype=self.dtype, progress=self._check_closed,
-                                   writers=1)
+                    write_features(
+                        folder,
+                        seqs,
+                        self.featurize,
+                        meta=self.meta,
+                        shard_samples=len(pos),
+                        batch_size=self.batch_size,
+                        dtype=self.dtype,
+                        progress=self._check_closed,
+                        writers=1,
+                    )
                 got = _files_bytes(folder)
                 if got > need:
-                    raise DraftportError(folder, f"holds {got} bytes, more than the {need} projected "
-                                         f"(the hidden size or aux layers differ from the spool's)")
+                    raise DraftportError(
+                        folder,
+                        f"holds {got} bytes, more than the {need} projected "
+                        f"(the hidden size or aux layers differ from the spool's)",
+                    )
                 with self._cond:
                     self._bytes[g], self._ready[g] = got, folder
                     self.max_bytes_seen = max(self.max_bytes_seen, held + got)
@@ -234,11 +264,15 @@ class SpoolFeatures:
         if self._closed:
             raise DraftportError(self.spool_dir, "the spool is closed")
         if pos >= len(self.order):
-            raise DraftportError(self.spool_dir, f"sample {i} read past the end of the order "
-                                 f"({len(self.order)} positions)")
+            raise DraftportError(
+                self.spool_dir, f"sample {i} read past the end of the order ({len(self.order)} positions)"
+            )
         if int(i) != self.order[pos]:
-            raise DraftportError(self.spool_dir, f"the trainer read sample {i} at data position {pos}, where the "
-                                 f"order has {self.order[pos]}: it read out of order")
+            raise DraftportError(
+                self.spool_dir,
+                f"the trainer read sample {i} at data position {pos}, where the "
+                f"order has {self.order[pos]}: it read out of order",
+            )
         g = pos // self.shard_samples
         folder = self._wait(g, pos)
         if self._open is None or self._open[0] != g:
@@ -265,8 +299,9 @@ class SpoolFeatures:
         for j in (0, len(rng) - 1):
             want = self.sequences[self.order[rng[j]]].tokens
             if fs.sample(j)["tokens"].tolist() != list(want):
-                raise DraftportError(fs.folder, f"sample {j} is not the sequence at data position {rng[j]} "
-                                     "(a cache of other data?)")
+                raise DraftportError(
+                    fs.folder, f"sample {j} is not the sequence at data position {rng[j]} (a cache of other data?)"
+                )
 
     def _wait(self, g: int, pos: int) -> Path:
         """Group g's folder once the producer has completed it (its error raised here)."""
@@ -337,8 +372,18 @@ class OnlineFeatures:
     the folders it completed (their hashes and sequences checked). hybrid without the cache runs
     as online."""
 
-    def __init__(self, seqset, *, writer, spool_dir, spool_bytes: int, mode: str = "online", cache_dir=None,
-                 cache: bool = False, log=print):
+    def __init__(
+        self,
+        seqset,
+        *,
+        writer,
+        spool_dir,
+        spool_bytes: int,
+        mode: str = "online",
+        cache_dir=None,
+        cache: bool = False,
+        log=print,
+    ):
         if mode not in ("online", "hybrid"):
             raise DraftportError("features.storage", f"{mode!r} is not online or hybrid")
         cap = seqset.index.get("capture") or {}
@@ -370,39 +415,68 @@ class OnlineFeatures:
         n, bs = len(self._seqs), cfg.batch_size
         start = step * bs
         if position is not None and position != start:
-            raise DraftportError("checkpoint", f"records data position {position}, but step {step} x batch "
-                                 f"{bs} reads from {start}: not a checkpoint of this order")
+            raise DraftportError(
+                "checkpoint",
+                f"records data position {position}, but step {step} x batch "
+                f"{bs} reads from {start}: not a checkpoint of this order",
+            )
         self._order = consumption_order(n, cfg.steps, bs, cfg.seed)
         self._first_at = {i: p for p, i in enumerate(self._order[:n])}  # sample -> its first-epoch position
         self._pos = start
         if start >= len(self._order):
             return  # nothing left to read (a finished run resumed)
-        common = dict(shard_samples=self.shard_samples, batch_size=self.batch_size, hidden_size=self.hidden_size,
-                      meta=self.meta, dtype=self.dtype, writer=self.writer)
+        common = dict(
+            shard_samples=self.shard_samples,
+            batch_size=self.batch_size,
+            hidden_size=self.hidden_size,
+            meta=self.meta,
+            dtype=self.dtype,
+            writer=self.writer,
+        )
         epochs = len(self._order) / n
         if self.mode == "hybrid" and self.cache and epochs > 1:
             self._prepare_cache()
-            self._cached = SpoolFeatures(self._seqs, order=self._order[:n], spool_dir=self.cache_dir,
-                                         spool_bytes=0, start=min(start, n - 1), keep=True, **common)
+            self._cached = SpoolFeatures(
+                self._seqs,
+                order=self._order[:n],
+                spool_dir=self.cache_dir,
+                spool_bytes=0,
+                start=min(start, n - 1),
+                keep=True,
+                **common,
+            )
             self._cached._pos = min(start, n)
             if start < n:
-                self.log(f"features (hybrid): the first epoch captured into {self.cache_dir}, "
-                         f"{epochs - 1:.2f} more epochs read from it")
+                self.log(
+                    f"features (hybrid): the first epoch captured into {self.cache_dir}, "
+                    f"{epochs - 1:.2f} more epochs read from it"
+                )
             else:
                 self.log(f"features (hybrid): reading the cached first epoch in {self.cache_dir}")
             return
         if self.mode == "hybrid":
-            self.log("features (hybrid): " + ("one epoch, nothing to cache" if epochs <= 1 else
-                                             "the first epoch's cache does not fit: online (each epoch recomputed)"))
-        self._spool = SpoolFeatures(self._seqs, order=self._order, spool_dir=self.spool_dir,
-                                    spool_bytes=self.spool_bytes, start=start, **common)
+            self.log(
+                "features (hybrid): "
+                + (
+                    "one epoch, nothing to cache"
+                    if epochs <= 1
+                    else "the first epoch's cache does not fit: online (each epoch recomputed)"
+                )
+            )
+        self._spool = SpoolFeatures(
+            self._seqs, order=self._order, spool_dir=self.spool_dir, spool_bytes=self.spool_bytes, start=start, **common
+        )
 
     def _prepare_cache(self) -> None:
         """The cache is this data's, in this order, or it is cleared."""
         parts = getattr(self.seqset, "sets", [self.seqset])  # a chain: each folder's sequences file
-        key = {"sequences": [p.index.get("sequences") for p in parts], "samples": len(self._seqs),
-               "order": hashlib.sha256(json.dumps(self._order[:len(self._seqs)]).encode()).hexdigest(),
-               "shard_samples": self.shard_samples, "capture": self.index.get("capture")}
+        key = {
+            "sequences": [p.index.get("sequences") for p in parts],
+            "samples": len(self._seqs),
+            "order": hashlib.sha256(json.dumps(self._order[: len(self._seqs)]).encode()).hexdigest(),
+            "shard_samples": self.shard_samples,
+            "capture": self.index.get("capture"),
+        }
         d, mark = self.cache_dir, self.cache_dir / CACHE_MARKER
         if d.exists():
             try:
@@ -426,8 +500,9 @@ class OnlineFeatures:
             out = self._cached.sample(i)
         elif self._cached is not None:  # a later epoch: from the kept folders
             if pos >= len(self._order) or int(i) != self._order[pos]:
-                raise DraftportError(self.cache_dir, f"the trainer read sample {i} at data position {pos}, "
-                                     "out of the order")
+                raise DraftportError(
+                    self.cache_dir, f"the trainer read sample {i} at data position {pos}, out of the order"
+                )
             folder, j = self._cached.kept(self._first_at[int(i)])
             fs = self._open.get(folder)
             if fs is None:
@@ -455,8 +530,9 @@ class OnlineFeatures:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
-def online_features(fs, *, target_dir, spool_dir, spool_gb: float, cache_dir=None, trust_remote_code: bool = False,
-                    log=print) -> OnlineFeatures:
+def online_features(
+    fs, *, target_dir, spool_dir, spool_gb: float, cache_dir=None, trust_remote_code: bool = False, log=print
+) -> OnlineFeatures:
     """OnlineFeatures for a sequences folder (or chain): the storage need checked at spool_dir
     (storage.check_storage: the spool bound + the ids; hybrid: whether the first epoch's cache
     fits beside it) before the target is loaded for the capture (features.capture_writer, the
@@ -473,8 +549,18 @@ def online_features(fs, *, target_dir, spool_dir, spool_gb: float, cache_dir=Non
     S = min(int(cap.get("shard_samples", 256)), len(fs))
     floor = sum(sorted(lengths)[:S]) * (bytes_per_token(hidden, dtype, n_aux) + 4)
     if spool_gb * 1e9 < floor:
-        raise DraftportError("features.spool_gb", f"{human(spool_gb * 1e9)} is less than one shard (its {S} "
-                             f"samples hold at least {human(floor)})")
+        raise DraftportError(
+            "features.spool_gb",
+            f"{human(spool_gb * 1e9)} is less than one shard (its {S} samples hold at least {human(floor)})",
+        )
     writer = capture_writer(target_dir, fs.index, trust_remote_code=trust_remote_code)
-    return OnlineFeatures(fs, writer=writer, spool_dir=spool_dir, spool_bytes=int(spool_gb * 1e9), mode=mode,
-                          cache_dir=cache_dir, cache=bool(got.get("cache")), log=log)
+    return OnlineFeatures(
+        fs,
+        writer=writer,
+        spool_dir=spool_dir,
+        spool_bytes=int(spool_gb * 1e9),
+        mode=mode,
+        cache_dir=cache_dir,
+        cache=bool(got.get("cache")),
+        log=log,
+    )

@@ -27,8 +27,9 @@ from draftport.model.fast.path import FastPath
 from draftport.model.target import target_logits
 
 
-def ttt_terms(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, steps: int,
-              fast: FastPath | None = None):
+def ttt_terms(
+    drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, steps: int, fast: FastPath | None = None
+):
     """Per-step (summed soft-CE, rows counted, rows where the argmax agrees), unnormalized, so
     that data-parallel ranks can normalize by the global row count.
 
@@ -39,13 +40,14 @@ def ttt_terms(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, s
     hot = drafter.hot_ids
     t2d = drafter.t2d
     with torch.no_grad():
-        full = target_logits(batch.final, target_head)            # [B, T, V]
+        full = target_logits(batch.final, target_head)  # [B, T, V]
         t_arg = full.argmax(-1) if batch.target_arg is None else batch.target_arg  # target's choice
-        in_draft = t2d[t_arg]                                      # argmax inside draft vocab?
-        t_prob = torch.softmax(full[..., hot], dim=-1)             # restricted + renormalized
+        in_draft = t2d[t_arg]  # argmax inside draft vocab?
+        t_prob = torch.softmax(full[..., hot], dim=-1)  # restricted + renormalized
         del full
-    logits = drafter.unroll(batch.aux, batch.tokens, steps, teacher_tokens=True, valid=batch.valid,
-                            **packed_args(batch))
+    logits = drafter.unroll(
+        batch.aux, batch.tokens, steps, teacher_tokens=True, valid=batch.valid, **packed_args(batch)
+    )
     terms = []
     for j, lg in enumerate(logits):
         q = j + 1  # row p of step j is scored against the target's prediction at position p + q
@@ -69,8 +71,11 @@ def counted_rows(batch: Batch, in_draft: torch.Tensor, q: int) -> torch.Tensor:
     """Rows of step q-1 that count: the position scored (p + q + 1) is a valid assistant token of
     row p's own sample (packed rows: the same doc), and the target's argmax there is a draft id."""
     T = batch.tokens.shape[1]
-    ok = (shift(batch.loss_mask.long(), q + 1).bool() & shift(batch.valid.long(), q + 1).bool()
-          & shift(in_draft.long(), q).bool())
+    ok = (
+        shift(batch.loss_mask.long(), q + 1).bool()
+        & shift(batch.valid.long(), q + 1).bool()
+        & shift(in_draft.long(), q).bool()
+    )
     doc = getattr(batch, "doc", None)
     if doc is not None:
         ok = ok & (shift(doc, q + 1, fill=-1) == doc)
@@ -85,7 +90,7 @@ def combine(terms, gamma: float, counts=None, scale: float = 1.0, sync: bool = T
     stats = {}
     for j, (loss_sum, n, correct) in enumerate(terms):
         denom = (counts[j] if counts is not None else n).clamp_min(1)
-        total = total + (gamma ** j) * loss_sum / denom
+        total = total + (gamma**j) * loss_sum / denom
         stats[f"loss_{j}"] = loss_sum.detach() / denom
         stats[f"acc_{j}"] = correct / denom
         stats[f"n_{j}"] = denom
@@ -101,8 +106,9 @@ def stats_to_float(stats: dict) -> dict:
     return dict(zip(keys, vals))
 
 
-def ttt_loss(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, steps: int,
-             gamma: float) -> tuple[torch.Tensor, dict]:
+def ttt_loss(
+    drafter: Eagle3Drafter, batch: Batch, target_head: torch.Tensor, steps: int, gamma: float
+) -> tuple[torch.Tensor, dict]:
     """Weighted soft-CE over `steps` unrolled draft steps; returns (loss, stats).
 
     stats: loss_{j}, acc_{j} (argmax agreement with the target's argmax on counted rows),

@@ -46,7 +46,7 @@ def _dir_size(path: Path) -> int:
 
 
 def world_device(world: dict) -> str:
-    """"cuda" or "cpu": where a world group's targets train (world.device, draftport.model.device's rule)."""
+    """ "cuda" or "cpu": where a world group's targets train (world.device, draftport.model.device's rule)."""
     from draftport.model.device import pick
 
     return pick(world.get("device", "auto"), "world.device").type
@@ -82,9 +82,12 @@ def build_world_base(out_dir: str | Path, params: dict | None = None, progress: 
         "old": generate_corpus("old", p["n_heldout"], seed, start=p["n_old"], language_seed=lseed),
         "new": generate_corpus("new", p["n_heldout"], seed, start=p["n_new"], language_seed=lseed),
     }
-    corpus = {"old": out / "corpus/old.jsonl", "new": out / "corpus/new.jsonl",
-              "heldout_old": out / "corpus/heldout_old.jsonl",
-              "heldout_new": out / "corpus/heldout_new.jsonl"}
+    corpus = {
+        "old": out / "corpus/old.jsonl",
+        "new": out / "corpus/new.jsonl",
+        "heldout_old": out / "corpus/heldout_old.jsonl",
+        "heldout_new": out / "corpus/heldout_new.jsonl",
+    }
     write_jsonl(corpus["old"], old)
     write_jsonl(corpus["new"], new)
     write_jsonl(corpus["heldout_old"], heldout["old"])
@@ -92,38 +95,64 @@ def build_world_base(out_dir: str | Path, params: dict | None = None, progress: 
     timings["corpus"] = time.time() - t
 
     t = time.time()
-    tok_dir = train_tokenizer(out / "tokenizer", old + new, vocab_size=p["vocab_size"],
-                              model_max_length=p["model"]["max_position_embeddings"])
+    tok_dir = train_tokenizer(
+        out / "tokenizer", old + new, vocab_size=p["vocab_size"], model_max_length=p["model"]["max_position_embeddings"]
+    )
     timings["tokenizer"] = time.time() - t
 
     threads = p.get("threads")
     device = world_device(p)
     t = time.time()
-    meta_old = train_target(out / "target_old", tok_dir, old, config=p["model"], seed=seed,
-                            name="target_old", trained_on="corpus/old.jsonl", threads=threads,
-                            progress=progress, device=device, vocab_size=p["vocab_size"], **p["target_old"])
+    meta_old = train_target(
+        out / "target_old",
+        tok_dir,
+        old,
+        config=p["model"],
+        seed=seed,
+        name="target_old",
+        trained_on="corpus/old.jsonl",
+        threads=threads,
+        progress=progress,
+        device=device,
+        vocab_size=p["vocab_size"],
+        **p["target_old"],
+    )
     timings["target_old"] = time.time() - t
     t = time.time()
-    meta_new = train_target(out / "target_new", tok_dir, new, init_from=out / "target_old",
-                            seed=seed + 1, name="target_new", trained_on="corpus/new.jsonl",
-                            threads=threads, progress=progress, device=device, **p["target_new"])
+    meta_new = train_target(
+        out / "target_new",
+        tok_dir,
+        new,
+        init_from=out / "target_old",
+        seed=seed + 1,
+        name="target_new",
+        trained_on="corpus/new.jsonl",
+        threads=threads,
+        progress=progress,
+        device=device,
+        **p["target_new"],
+    )
     timings["target_new"] = time.time() - t
 
     t = time.time()
     n_m = p.get("measure_samples", p["n_heldout"])
-    metrics = measure_targets(out / "target_old", out / "target_new",
-                              {k: v[:n_m] for k, v in heldout.items()}, threads=threads, device=device)
+    metrics = measure_targets(
+        out / "target_old", out / "target_new", {k: v[:n_m] for k, v in heldout.items()}, threads=threads, device=device
+    )
     timings["measure"] = time.time() - t
     timings["total"] = time.time() - t_all
     timings["cpu_total"] = time.process_time() - cpu_all
 
-    paths = {"tokenizer": tok_dir, "target_old": out / "target_old", "target_new": out / "target_new",
-             **corpus}
+    paths = {"tokenizer": tok_dir, "target_old": out / "target_old", "target_new": out / "target_new", **corpus}
     manifest = {
         "paths": {k: str(v.relative_to(out)) for k, v in paths.items()},
         "bytes": {k: (_dir_size(v) if v.is_dir() else v.stat().st_size) for k, v in paths.items()},
-        "samples": {"old": len(old), "new": len(new), "heldout_old": len(heldout["old"]),
-                    "heldout_new": len(heldout["new"])},
+        "samples": {
+            "old": len(old),
+            "new": len(new),
+            "heldout_old": len(heldout["old"]),
+            "heldout_new": len(heldout["new"]),
+        },
         "topics": {"old": topic_distribution(old), "new": topic_distribution(new)},
         "vocab_size": load_world_tokenizer(tok_dir).get_vocab_size(),
         "targets": {"target_old": meta_old, "target_new": meta_new},
@@ -138,7 +167,9 @@ def build_world_base(out_dir: str | Path, params: dict | None = None, progress: 
     (out / "world_base.json").write_text(json.dumps(timeless, indent=2) + "\n")
     if progress:
         m = metrics
-        print(f"world base: {timings['total']:.0f} s | {manifest['bytes']['total'] / 1e6:.1f} MB | "
-              f"top1 A/old {m['top1_A_old']:.3f} B/new {m['top1_B_new']:.3f} | "
-              f"agree A-B new {m['agree_AB_new']:.3f} old {m['agree_AB_old']:.3f}")
+        print(
+            f"world base: {timings['total']:.0f} s | {manifest['bytes']['total'] / 1e6:.1f} MB | "
+            f"top1 A/old {m['top1_A_old']:.3f} B/new {m['top1_B_new']:.3f} | "
+            f"agree A-B new {m['agree_AB_new']:.3f} old {m['agree_AB_old']:.3f}"
+        )
     return manifest

@@ -21,8 +21,32 @@ from typing import Iterable
 
 from draftport.plan.params import WorldParams
 
-ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
-          "sh", "ch", "th", "br", "kr", "pl", "st", "tr", "gl", "dr"]
+ONSETS = [
+    "b",
+    "d",
+    "f",
+    "g",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "z",
+    "sh",
+    "ch",
+    "th",
+    "br",
+    "kr",
+    "pl",
+    "st",
+    "tr",
+    "gl",
+    "dr",
+]
 VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou", "ei", "ia"]
 CODAS = ["", "", "", "", "n", "r", "s", "l", "m", "k", "st", "nd"]
 
@@ -48,7 +72,7 @@ USER_TEMPLATES = [
     "O v D A K . Q X # U ?",
     "T : Q D K R # U ?",
     "Q X D K V D M R # U ?",
-    "@ , Q X D K R # U R D T ?",     # the polite forms: rare in old, common in new
+    "@ , Q X D K R # U R D T ?",  # the polite forms: rare in old, common in new
     "@ : O v D K . Q # U ?",
 ]
 
@@ -57,10 +81,24 @@ USER_TEMPLATES = [
 # new data, which is not the situation the port is in. New topics are the exception: their
 # words do not occur in the old data at all (the "new words" of K2.5's data).
 STYLE = {
-    "old": {"user_weights": [4, 4, 3, 4, 0.3, 0.3], "sentences": (2, 4), "list_prob": 0.12,
-            "connective_prob": 0.35, "new_connectives": 0.15, "new_ack": 0.15, "summary_prob": 0.08},
-    "new": {"user_weights": [3, 3, 2, 3, 2, 2], "sentences": (3, 6), "list_prob": 0.5,
-            "connective_prob": 0.5, "new_connectives": 0.8, "new_ack": 0.8, "summary_prob": 0.7},
+    "old": {
+        "user_weights": [4, 4, 3, 4, 0.3, 0.3],
+        "sentences": (2, 4),
+        "list_prob": 0.12,
+        "connective_prob": 0.35,
+        "new_connectives": 0.15,
+        "new_ack": 0.15,
+        "summary_prob": 0.08,
+    },
+    "new": {
+        "user_weights": [3, 3, 2, 3, 2, 2],
+        "sentences": (3, 6),
+        "list_prob": 0.5,
+        "connective_prob": 0.5,
+        "new_connectives": 0.8,
+        "new_ack": 0.8,
+        "summary_prob": 0.7,
+    },
 }
 
 
@@ -80,10 +118,10 @@ class Topic:
     verbs: list[str]
     adjs: list[str]
     units: list[str]
-    verb_of: dict[str, list[str]]     # noun -> its two verbs (used 75% / 25%)
+    verb_of: dict[str, list[str]]  # noun -> its two verbs (used 75% / 25%)
     adj_of: dict[str, str]
-    partner: dict[str, str]           # noun -> the noun it goes with
-    template_cum: list[float]         # Zipf over a topic-specific permutation of SENTENCES
+    partner: dict[str, str]  # noun -> the noun it goes with
+    template_cum: list[float]  # Zipf over a topic-specific permutation of SENTENCES
     opening: list[str]
     closing: list[str]
 
@@ -107,9 +145,21 @@ class Language:
     topics: list[Topic] = field(default_factory=list)
 
     def words(self) -> set[str]:
-        out = set(self.det + self.prep + self.pron + self.aux + self.qword + self.ack_old
-                  + self.ack_new + self.conn_old + self.conn_new + self.gen_nouns + self.gen_verbs
-                  + self.gen_adjs + [self.polite, self.summary])
+        out = set(
+            self.det
+            + self.prep
+            + self.pron
+            + self.aux
+            + self.qword
+            + self.ack_old
+            + self.ack_new
+            + self.conn_old
+            + self.conn_new
+            + self.gen_nouns
+            + self.gen_verbs
+            + self.gen_adjs
+            + [self.polite, self.summary]
+        )
         for t in self.topics:
             out |= set([t.name] + t.nouns + t.verbs + t.adjs + t.units + t.opening + t.closing)
         return out
@@ -124,19 +174,30 @@ def make_language(language_seed: int) -> Language:
     def words(count: int, syl_min: int, syl_max: int) -> list[str]:
         out = []
         while len(out) < count:
-            w = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS)
-                        for _ in range(rng.randint(syl_min, syl_max)))
+            w = "".join(
+                rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS)
+                for _ in range(rng.randint(syl_min, syl_max))
+            )
             if w not in taken and len(w) >= 2:
                 taken.add(w)
                 out.append(w)
         return out
 
     lang = Language(
-        det=words(4, 1, 1), prep=words(6, 1, 1), pron=words(4, 1, 1), aux=words(4, 1, 1),
-        qword=words(5, 1, 2), ack_old=words(3, 2, 2), ack_new=words(3, 2, 2),
-        conn_old=words(4, 2, 2), conn_new=words(4, 2, 3), polite=words(1, 2, 2)[0],
+        det=words(4, 1, 1),
+        prep=words(6, 1, 1),
+        pron=words(4, 1, 1),
+        aux=words(4, 1, 1),
+        qword=words(5, 1, 2),
+        ack_old=words(3, 2, 2),
+        ack_new=words(3, 2, 2),
+        conn_old=words(4, 2, 2),
+        conn_new=words(4, 2, 3),
+        polite=words(1, 2, 2)[0],
         summary=words(1, 3, 3)[0],
-        gen_nouns=words(60, 1, 2), gen_verbs=words(30, 1, 2), gen_adjs=words(30, 1, 2),
+        gen_nouns=words(60, 1, 2),
+        gen_verbs=words(30, 1, 2),
+        gen_adjs=words(30, 1, 2),
     )
     # the new connective set keeps one old one: a style shift, not a new language
     lang.conn_new[0] = lang.conn_old[1]
@@ -148,14 +209,21 @@ def make_language(language_seed: int) -> Language:
         for rank, i in enumerate(order):
             weights[i] = 1.0 / (rank + 1) ** 1.2
         cum = list(itertools.accumulate(weights))
-        lang.topics.append(Topic(
-            name=words(1, 2, 2)[0], nouns=nouns, verbs=verbs, adjs=adjs, units=words(3, 1, 2),
-            verb_of={n: rng.sample(verbs, 2) for n in nouns},
-            adj_of={n: rng.choice(adjs) for n in nouns},
-            partner={n: rng.choice([m for m in nouns if m != n]) for n in nouns},
-            template_cum=cum, opening=rng.sample(verbs, 1) + words(1, 1, 2),
-            closing=words(2, 1, 2),
-        ))
+        lang.topics.append(
+            Topic(
+                name=words(1, 2, 2)[0],
+                nouns=nouns,
+                verbs=verbs,
+                adjs=adjs,
+                units=words(3, 1, 2),
+                verb_of={n: rng.sample(verbs, 2) for n in nouns},
+                adj_of={n: rng.choice(adjs) for n in nouns},
+                partner={n: rng.choice([m for m in nouns if m != n]) for n in nouns},
+                template_cum=cum,
+                opening=rng.sample(verbs, 1) + words(1, 1, 2),
+                closing=words(2, 1, 2),
+            )
+        )
     return lang
 
 
@@ -167,7 +235,7 @@ def topic_weights(kind: str) -> list[float]:
     elif kind == "new":
         # the old ranking partly reversed (what was niche grew), plus two new topics
         w = [0.4 * a + 0.6 * b for a, b in zip(old, reversed(old))]
-        w += [0.07 * sum(old)] * N_NEW_TOPICS   # each new topic: ~6.5% of the new mix
+        w += [0.07 * sum(old)] * N_NEW_TOPICS  # each new topic: ~6.5% of the new mix
     else:
         raise ValueError(f"kind must be 'old' or 'new', not {kind!r}")
     total = sum(w)
@@ -273,13 +341,13 @@ def _sample(kind: str, lang: Language, rng: random.Random) -> dict:
         return _render(tpl, lang, topic, ctx, rng)
 
     def pick(old_words: list[str], new_words: list[str], new_share: float) -> str:
-        return rng.choices(new_words if rng.random() < new_share else old_words,
-                           cum_weights=_zipf(len(old_words), 1.1))[0]
+        return rng.choices(
+            new_words if rng.random() < new_share else old_words, cum_weights=_zipf(len(old_words), 1.1)
+        )[0]
 
     # opening: acknowledgement, then the keyword and the number echoed from the user turn
     new_ack = rng.random() < style["new_ack"]
-    words = [rng.choices(lang.ack_new if new_ack else lang.ack_old, cum_weights=_CUM3)[0],
-             "!" if new_ack else ","]
+    words = [rng.choices(lang.ack_new if new_ack else lang.ack_old, cum_weights=_CUM3)[0], "!" if new_ack else ","]
     words += topic.opening + [k, ctx["#"], ctx["U"], "."]
     n = rng.randint(*style["sentences"])
     if rng.random() < style["list_prob"]:
@@ -297,8 +365,7 @@ def _sample(kind: str, lang: Language, rng: random.Random) -> dict:
     return {"user": user, "assistant": _detok(words), "topic": topic.name}
 
 
-def generate_corpus(kind: str, n: int, seed: int, *, start: int = 0,
-                    language_seed: int | None = None) -> list[dict]:
+def generate_corpus(kind: str, n: int, seed: int, *, start: int = 0, language_seed: int | None = None) -> list[dict]:
     """`n` chat samples {"user", "assistant", "topic"} of the "old" or "new" distribution.
 
     Sample i depends only on (kind, seed, i): the stream is prefix-stable, so a held-out split is

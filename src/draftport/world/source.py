@@ -18,10 +18,24 @@ from draftport.data.draftmap import build_vocab
 from draftport.training.phases import train_phase
 
 
-def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draft_vocab_ratio: float,
-                         aux_layer_ids, arch: dict, train_cfg, repo_id: str, branch: str = "main",
-                         convention: str = "vllm", batch_size: int = 32, answers: str = "regenerated",
-                         monitor_samples: int = 0, progress=True, device: str = "cpu") -> dict:
+def build_source_drafter(
+    world_dir,
+    *,
+    n_samples: int,
+    max_new_tokens: int,
+    draft_vocab_ratio: float,
+    aux_layer_ids,
+    arch: dict,
+    train_cfg,
+    repo_id: str,
+    branch: str = "main",
+    convention: str = "vllm",
+    batch_size: int = 32,
+    answers: str = "regenerated",
+    monitor_samples: int = 0,
+    progress=True,
+    device: str = "cpu",
+) -> dict:
     """Features of target_old on the first n_samples old-corpus prompts, the draft vocab of their
     answers, a drafter trained on them, published as a hub-cache entry under world_dir/hub.
 
@@ -37,39 +51,83 @@ def build_source_drafter(world_dir, *, n_samples: int, max_new_tokens: int, draf
     corpus = world / "corpus" / "old.jsonl"
     n_old = len(read_samples(corpus))
     if n_samples + monitor_samples > n_old:
-        raise DraftportError("world.source_drafter.n_samples", f"{n_samples} + monitor_samples {monitor_samples} "
-                             f"exceed the old corpus's {n_old} samples (world.n_old)")
+        raise DraftportError(
+            "world.source_drafter.n_samples",
+            f"{n_samples} + monitor_samples {monitor_samples} exceed the old corpus's {n_old} samples (world.n_old)",
+        )
     world.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".source-build.", dir=world))
-    common = dict(aux_layer_ids=aux_layer_ids, convention=convention, max_new_tokens=max_new_tokens,
-                  batch_size=batch_size, device=device)
+    common = dict(
+        aux_layer_ids=aux_layer_ids,
+        convention=convention,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        device=device,
+    )
     try:
-        build_features(target, corpus, work / "features", n_samples=n_samples, dtype="bfloat16",
-                       regenerate_responses=answers == "regenerated", **common)
+        build_features(
+            target,
+            corpus,
+            work / "features",
+            n_samples=n_samples,
+            dtype="bfloat16",
+            regenerate_responses=answers == "regenerated",
+            **common,
+        )
         monitor = None
         if monitor_samples:
-            build_features(target, corpus, work / "monitor", n_samples=monitor_samples, offset=n_old - monitor_samples,
-                           dtype="float32", regenerate_responses=True, **common)
+            build_features(
+                target,
+                corpus,
+                work / "monitor",
+                n_samples=monitor_samples,
+                offset=n_old - monitor_samples,
+                dtype="float32",
+                regenerate_responses=True,
+                **common,
+            )
             monitor = {"features": work / "monitor", "k": train_cfg.ttt_steps, "batch_size": batch_size}
         sizes = target_sizes(target)  # hidden, vocab, context: all a drafter takes from its target
         vocab = sizes["vocab_size"]
         dv = max(8, int(round(vocab * draft_vocab_ratio)))
         vstats = build_vocab(work / "features", work / "vocab.safetensors", draft_vocab_size=dv, vocab_size=vocab)
-        cfg = new_drafter_config(arch, **sizes, aux_layer_ids=aux_layer_ids, convention=convention,
-                                 draft_vocab_size=dv)
-        rep = train_phase(work / "train", features_dir=work / "features", target_dir=target,
-                          vocab_path=work / "vocab.safetensors", init="scratch", arch=cfg,
-                          train_cfg=train_cfg, progress=progress, monitor=monitor,
-                          verifier="draftport/world-target-old")
-        ev = evaluate_drafter(work / "train" / "drafter", target, work / "features", k=train_cfg.ttt_steps,
-                              max_samples=min(n_samples, 200), device=device)
+        cfg = new_drafter_config(arch, **sizes, aux_layer_ids=aux_layer_ids, convention=convention, draft_vocab_size=dv)
+        rep = train_phase(
+            work / "train",
+            features_dir=work / "features",
+            target_dir=target,
+            vocab_path=work / "vocab.safetensors",
+            init="scratch",
+            arch=cfg,
+            train_cfg=train_cfg,
+            progress=progress,
+            monitor=monitor,
+            verifier="draftport/world-target-old",
+        )
+        ev = evaluate_drafter(
+            work / "train" / "drafter",
+            target,
+            work / "features",
+            k=train_cfg.ttt_steps,
+            max_samples=min(n_samples, 200),
+            device=device,
+        )
         commit = publish_to_cache(work / "train" / "drafter", world / "hub", repo_id, branch)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     curve = rep.pop("curve", [])
-    run = rep.pop("run", {})   # a rate: the world's metrics stay byte-identical between runs
+    run = rep.pop("run", {})  # a rate: the world's metrics stay byte-identical between runs
     print(f"world: source drafter trained on {run.get('device')} at {run.get('tokens_per_s') or 0:,.0f} tok/s")
-    return {"repo_id": repo_id, "commit": commit, "branch": branch, "draft_vocab_size": dv,
-            "n_samples": n_samples, "answers": answers, "monitor_samples": monitor_samples,
-            "vocab": vstats, "train": rep, "train_set_accept_length": ev["accept_length"],
-            "monitor": curve}
+    return {
+        "repo_id": repo_id,
+        "commit": commit,
+        "branch": branch,
+        "draft_vocab_size": dv,
+        "n_samples": n_samples,
+        "answers": answers,
+        "monitor_samples": monitor_samples,
+        "vocab": vstats,
+        "train": rep,
+        "train_set_accept_length": ev["accept_length"],
+        "monitor": curve,
+    }

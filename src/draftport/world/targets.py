@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, PretrainedConfig,
-                          Qwen3Config)
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.utils import logging as hf_logging
 
 from draftport.errors import DraftportError
@@ -53,34 +52,53 @@ def _deepseek_v3_keys(m: dict) -> dict:
     sizes (WorldModel's field docs); one-line errors name the key."""
     h, hd, inter = m["hidden_size"], m["head_dim"], m["intermediate_size"]
     out = {k: m.get(k) for k in WorldModel.DEEPSEEK_KEYS}
-    derived = {"q_lora_rank": max(1, h // 2), "kv_lora_rank": max(1, h // 4), "qk_nope_head_dim": hd,
-               "qk_rope_head_dim": max(2, hd // 4 * 2), "v_head_dim": hd, "n_routed_experts": 4,
-               "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
-               "topk_group": 1}
+    derived = {
+        "q_lora_rank": max(1, h // 2),
+        "kv_lora_rank": max(1, h // 4),
+        "qk_nope_head_dim": hd,
+        "qk_rope_head_dim": max(2, hd // 4 * 2),
+        "v_head_dim": hd,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    }
     out = {k: derived[k] if out[k] is None and k in derived else out[k] for k in out}
     if out["moe_intermediate_size"] is None:  # a multiple of 8, as the check below wants
         out["moe_intermediate_size"] = max(8, inter // (out["num_experts_per_tok"] + out["n_shared_experts"]) // 8 * 8)
     where = "world.model."
     for key, v in (("moe_intermediate_size", out["moe_intermediate_size"]), ("hidden_size", h)):
         if v % 8:  # transformers' experts run torch._grouped_mm, whose operands need 16-byte strides
-            raise DraftportError(where + key, f"{v}: deepseek_v3's experts need a multiple of 8 (transformers "
-                                 "runs them as grouped matmuls, whose rows must be 16-byte aligned)")
+            raise DraftportError(
+                where + key,
+                f"{v}: deepseek_v3's experts need a multiple of 8 (transformers "
+                "runs them as grouped matmuls, whose rows must be 16-byte aligned)",
+            )
     if m["num_key_value_heads"] != m["num_attention_heads"]:
-        raise DraftportError(where + "num_key_value_heads", f"{m['num_key_value_heads']}: MLA (deepseek_v3) has "
-                             f"one key/value head per attention head, set it to num_attention_heads "
-                             f"({m['num_attention_heads']})")
+        raise DraftportError(
+            where + "num_key_value_heads",
+            f"{m['num_key_value_heads']}: MLA (deepseek_v3) has "
+            f"one key/value head per attention head, set it to num_attention_heads "
+            f"({m['num_attention_heads']})",
+        )
     if out["qk_rope_head_dim"] % 2:
         raise DraftportError(where + "qk_rope_head_dim", f"{out['qk_rope_head_dim']}: must be even (RoPE pairs)")
     n, groups = out["n_routed_experts"], out["n_group"]
     if n % groups or n // groups < 2:
         # the router scores a group by its two best experts (DeepSeek-V3's noaux_tc)
-        raise DraftportError(where + "n_group", f"{groups}: must divide n_routed_experts ({n}) into groups of "
-                             "at least 2 experts")
+        raise DraftportError(
+            where + "n_group", f"{groups}: must divide n_routed_experts ({n}) into groups of at least 2 experts"
+        )
     if out["topk_group"] > groups:
         raise DraftportError(where + "topk_group", f"{out['topk_group']}: more than n_group ({groups})")
     if out["num_experts_per_tok"] > out["topk_group"] * (n // groups):
-        raise DraftportError(where + "num_experts_per_tok", f"{out['num_experts_per_tok']}: more than the "
-                             f"{out['topk_group'] * (n // groups)} experts of topk_group groups")
+        raise DraftportError(
+            where + "num_experts_per_tok",
+            f"{out['num_experts_per_tok']}: more than the "
+            f"{out['topk_group'] * (n // groups)} experts of topk_group groups",
+        )
     return out
 
 
@@ -96,14 +114,15 @@ def target_config(model: dict | None = None, **special) -> PretrainedConfig:
         # what transformers' DeepseekV3 routing computes (sigmoid scores, bias-corrected group top-k),
         # named as DeepSeek-V3's and Kimi-K2's own config.json name it: vLLM reads these two keys and,
         # without them, routes by softmax and builds no e_score_correction_bias
-        return DeepseekV3Config(**base, **_deepseek_v3_keys(m), topk_method="noaux_tc", scoring_func="sigmoid",
-                                **special)
+        return DeepseekV3Config(
+            **base, **_deepseek_v3_keys(m), topk_method="noaux_tc", scoring_func="sigmoid", **special
+        )
     return ARCH_CONFIGS[arch](**base, **special)
 
 
 def _chunks(xs: list, n: int) -> list[list]:
     size = max(1, math.ceil(len(xs) / n))
-    return [xs[i:i + size] for i in range(0, len(xs), size)]
+    return [xs[i : i + size] for i in range(0, len(xs), size)]
 
 
 class _Deterministic:
@@ -114,8 +133,11 @@ class _Deterministic:
         self.threads, self.cuda = threads, cuda
 
     def __enter__(self):
-        self.prev = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
-                     hf_logging.is_progress_bar_enabled())
+        self.prev = (
+            torch.get_num_threads(),
+            torch.are_deterministic_algorithms_enabled(),
+            hf_logging.is_progress_bar_enabled(),
+        )
         if self.threads:
             torch.set_num_threads(self.threads)
         if self.cuda:  # cuBLAS is deterministic only with a fixed workspace (set before its first call)
@@ -131,12 +153,26 @@ class _Deterministic:
             hf_logging.enable_progress_bar()
 
 
-def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[dict], *,
-                 init_from: str | Path | None = None, config: dict | None = None,
-                 steps: int, lr: float, batch_size: int, seq_len: int, warmup: int,
-                 seed: int = 0, name: str = "target", trained_on: str = "",
-                 threads: int | None = None, progress: bool = True, device: str = "cpu",
-                 vocab_size: int | None = None) -> dict:
+def train_target(
+    out_dir: str | Path,
+    tokenizer_dir: str | Path,
+    samples: list[dict],
+    *,
+    init_from: str | Path | None = None,
+    config: dict | None = None,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seq_len: int,
+    warmup: int,
+    seed: int = 0,
+    name: str = "target",
+    trained_on: str = "",
+    threads: int | None = None,
+    progress: bool = True,
+    device: str = "cpu",
+    vocab_size: int | None = None,
+) -> dict:
     """Train a small causal LM (target_config: Llama, DeepSeek-V3 or Qwen3) on packed chat samples;
     save an HF model folder.
 
@@ -165,12 +201,16 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
         if init_from is not None:
             model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32)
             if model.config.vocab_size < tok.get_vocab_size():
-                raise ValueError(f"{init_from}: vocab {model.config.vocab_size} < tokenizer "
-                                 f"{tok.get_vocab_size()}")
+                raise ValueError(f"{init_from}: vocab {model.config.vocab_size} < tokenizer {tok.get_vocab_size()}")
         else:
             vocab = max(tok.get_vocab_size(), vocab_size or 0)
-            cfg = target_config(config, vocab_size=vocab, bos_token_id=tok.token_to_id(BOS),
-                                eos_token_id=tok.token_to_id(END), pad_token_id=tok.token_to_id(PAD))
+            cfg = target_config(
+                config,
+                vocab_size=vocab,
+                bos_token_id=tok.token_to_id(BOS),
+                eos_token_id=tok.token_to_id(END),
+                pad_token_id=tok.token_to_id(PAD),
+            )
             model = AutoModelForCausalLM.from_config(cfg)
         model.to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -186,14 +226,15 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
         with progress_bar(steps, name, "step", enabled=progress, leave=False) as bar:
             for step in range(steps):
                 ix = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
-                batch = torch.stack([data[i:i + seq_len + 1] for i in ix.tolist()]).to(device)
+                batch = torch.stack([data[i : i + seq_len + 1] for i in ix.tolist()]).to(device)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
                 # CUDA: bf16 autocast (a GPU world's targets are 1B-scale; the CPU stays float32)
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device != "cpu"):
                     logits = model(input_ids=batch[:, :-1]).logits
-                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
-                                                         batch[:, 1:].reshape(-1))
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
+                )
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -207,7 +248,7 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
     for f in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / f, out_dir / f)
 
-    tail = losses[-max(1, steps // 10):]  # last 10% of steps: less noisy than the last batch
+    tail = losses[-max(1, steps // 10) :]  # last 10% of steps: less noisy than the last batch
     parent = None
     if init_from is not None:
         parent_meta = Path(init_from) / "draftport_target.json"
@@ -220,7 +261,10 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
         "steps": steps,
         "seed": seed,
         "init_from": parent,
-        "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "warmup": warmup,
+        "lr": lr,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "warmup": warmup,
         "tokens_seen": steps * batch_size * seq_len,
         "final_loss": round(sum(tail) / len(tail), 4),
         "seconds": round(time.time() - t0, 1),
@@ -230,11 +274,14 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
     }
     # the file without the time: identical runs write identical bytes
     (out_dir / "draftport_target.json").write_text(
-        json.dumps({k: v for k, v in meta.items() if k != "seconds"}, indent=2) + "\n")
+        json.dumps({k: v for k, v in meta.items() if k != "seconds"}, indent=2) + "\n"
+    )
     if progress:
-        print(f"{name}: loss {meta['final_loss']:.3f} | {steps} steps | "
-              f"{meta['tokens_seen'] / 1e3:.0f}k tokens | {meta['seconds']:.1f} s | "
-              f"{meta['num_parameters'] / 1e6:.2f}M params | rev {meta['revision']}")
+        print(
+            f"{name}: loss {meta['final_loss']:.3f} | {steps} steps | "
+            f"{meta['tokens_seen'] / 1e3:.0f}k tokens | {meta['seconds']:.1f} s | "
+            f"{meta['num_parameters'] / 1e6:.2f}M params | rev {meta['revision']}"
+        )
     return meta
 
 
@@ -242,28 +289,34 @@ def train_target(out_dir: str | Path, tokenizer_dir: str | Path, samples: list[d
 # 4. Measuring the pair: how predictable each target is and how far B moved from A
 # ──────────────────────────────────────────────────────────────────────────────────────────────
 
+
 def _assistant_predictions(model, tok, samples: list[dict], batch_size: int = 32, device: str = "cpu"):
     """Per sample: (logits at positions predicting assistant tokens, those tokens)."""
     pad = tok.token_to_id(PAD)
     out = []
     for b in range(0, len(samples), batch_size):
-        enc = [encode_world_chat(tok, s) for s in samples[b:b + batch_size]]
+        enc = [encode_world_chat(tok, s) for s in samples[b : b + batch_size]]
         width = max(len(ids) for ids, _ in enc)
         ids = torch.full((len(enc), width), pad, dtype=torch.long)
         mask = torch.zeros((len(enc), width), dtype=torch.long)
         for i, (x, _) in enumerate(enc):
-            ids[i, :len(x)] = torch.tensor(x)
-            mask[i, :len(x)] = 1
+            ids[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(x)] = 1
         with torch.no_grad():
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.cpu()
         for i, (x, start) in enumerate(enc):
             # position p predicts token p+1: the assistant tokens x[start:] come from p = start-1 ..
-            out.append((logits[i, start - 1:len(x) - 1].float(), ids[i, start:len(x)]))
+            out.append((logits[i, start - 1 : len(x) - 1].float(), ids[i, start : len(x)]))
     return out
 
 
-def measure_targets(target_a: str | Path, target_b: str | Path, heldout: dict[str, list[dict]],
-                    threads: int | None = None, device: str = "cpu") -> dict:
+def measure_targets(
+    target_a: str | Path,
+    target_b: str | Path,
+    heldout: dict[str, list[dict]],
+    threads: int | None = None,
+    device: str = "cpu",
+) -> dict:
     """Loss / top-1 of A and B on each held-out set, and A-B greedy agreement, assistant tokens only.
 
     Agreement is the fraction of assistant positions where argmax A == argmax B: roughly the
@@ -271,8 +324,10 @@ def measure_targets(target_a: str | Path, target_b: str | Path, heldout: dict[st
     """
     res: dict[str, float] = {}
     with _Deterministic(threads, cuda=device != "cpu"):
-        models = {"A": AutoModelForCausalLM.from_pretrained(target_a, dtype=torch.float32).to(device).eval(),
-                  "B": AutoModelForCausalLM.from_pretrained(target_b, dtype=torch.float32).to(device).eval()}
+        models = {
+            "A": AutoModelForCausalLM.from_pretrained(target_a, dtype=torch.float32).to(device).eval(),
+            "B": AutoModelForCausalLM.from_pretrained(target_b, dtype=torch.float32).to(device).eval(),
+        }
         tok = load_world_tokenizer(target_a)
         for kind, samples in heldout.items():
             preds = {k: _assistant_predictions(m, tok, samples, device=device) for k, m in models.items()}
@@ -281,8 +336,9 @@ def measure_targets(target_a: str | Path, target_b: str | Path, heldout: dict[st
                 tgt = torch.cat([t for _, t in preds[k]])
                 res[f"loss_{k}_{kind}"] = round(torch.nn.functional.cross_entropy(logits, tgt).item(), 4)
                 res[f"top1_{k}_{kind}"] = round((logits.argmax(-1) == tgt).float().mean().item(), 4)
-            agree = torch.cat([(a.argmax(-1) == b.argmax(-1)).float()
-                               for (a, _), (b, _) in zip(preds["A"], preds["B"])])
+            agree = torch.cat(
+                [(a.argmax(-1) == b.argmax(-1)).float() for (a, _), (b, _) in zip(preds["A"], preds["B"])]
+            )
             res[f"agree_AB_{kind}"] = round(agree.mean().item(), 4)
             res[f"assistant_tokens_{kind}"] = int(agree.numel())
     return res

@@ -27,8 +27,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(out_dir: str | Path, samples: Iterable[dict], *, vocab_size: int,
-                    model_max_length: int) -> Path:
+def train_tokenizer(out_dir: str | Path, samples: Iterable[dict], *, vocab_size: int, model_max_length: int) -> Path:
     """Byte-level BPE (as Kimi's and most engines' tokenizers): every string round-trips.
 
     Writes an ordinary HF tokenizer folder; the config is written by hand rather than through
@@ -40,24 +39,35 @@ def train_tokenizer(out_dir: str | Path, samples: Iterable[dict], *, vocab_size:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     texts = (t for s in samples for t in (s["user"], s["assistant"]))
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(out_dir / "tokenizer.json"))
 
-    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
-                                       "rstrip": False, "single_word": False, "special": True}
-             for t in SPECIAL_TOKENS}
-    special_map = {"bos_token": BOS, "eos_token": END, "pad_token": PAD,
-                   "additional_special_tokens": [USER, ASSISTANT]}
+    added = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    special_map = {"bos_token": BOS, "eos_token": END, "pad_token": PAD, "additional_special_tokens": [USER, ASSISTANT]}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
         **special_map,
         "extra_special_tokens": [USER, ASSISTANT],  # transformers >= 5 name of the same list
-        "add_bos_token": False,   # the chat template writes <|bos|> itself
+        "add_bos_token": False,  # the chat template writes <|bos|> itself
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,

@@ -8,4 +8,4 @@ library; the round trip runs it by path (RUNNERS)."""
 
 from pathlib import Path
 
-RUNNERS = Path(__file__).resolve().parent / "runners"   # scripts run inside the speculators venv, by path
+RUNNERS = Path(__file__).resolve().parent / "runners"  # scripts run inside the speculators venv, by path

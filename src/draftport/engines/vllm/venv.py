@@ -41,8 +41,9 @@ def runner(name: str) -> Path:
     return script
 
 
-def run_in_vllm_venv(cmd: list[str], log_path, result: Path, *, where, what: str,
-                     timeout: float | None = 3600) -> float:
+def run_in_vllm_venv(
+    cmd: list[str], log_path, result: Path, *, where, what: str, timeout: float | None = 3600
+) -> float:
     """Run a script under the vLLM venv's interpreter (cmd[0]), its output to log_path; the wall
     seconds. Fails, naming `where`, unless it exits 0 having written `result`: the message
     quotes the root cause, the first exception line (the engine's own wrap-ups come later)."""
@@ -66,8 +67,17 @@ def run_in_vllm_venv(cmd: list[str], log_path, result: Path, *, where, what: str
     return time.time() - t0
 
 
-def run_runner(name: str, args: list[str], log_path, result: Path, *, where, what: str,
-               vllm_python_path=None, timeout: float | None = 3600) -> float:
+def run_runner(
+    name: str,
+    args: list[str],
+    log_path,
+    result: Path,
+    *,
+    where,
+    what: str,
+    vllm_python_path=None,
+    timeout: float | None = 3600,
+) -> float:
     """Run runners/<name> with `args` in the vLLM venv (see run_in_vllm_venv); the wall seconds."""
     cmd = [str(vllm_python(vllm_python_path)), str(runner(name)), *map(str, args)]
     return run_in_vllm_venv(cmd, log_path, result, where=where, what=what, timeout=timeout)

@@ -34,8 +34,10 @@ def _fa4():
     try:
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
     except ImportError as e:
-        raise RuntimeError(f"attention backend fa4: FlashAttention-4 is not importable ({e}); "
-                           "pip install --pre flash-attn-4 (Hopper or Blackwell GPUs)") from None
+        raise RuntimeError(
+            f"attention backend fa4: FlashAttention-4 is not importable ({e}); "
+            "pip install --pre flash-attn-4 (Hopper or Blackwell GPUs)"
+        ) from None
     return _flash_attn_fwd, _flash_attn_bwd
 
 
@@ -43,13 +45,18 @@ def _flash_fwd(q, k, v, scale, attention: str):
     """Causal attention over the step-0 keys -> (out [B,h,T,d], lse [B,h,T] fp32, extras for the
     backward). attention: the CUDA kernel (FastPath.attention)."""
     if q.is_cuda:
-        if attention == "fa4":   # it takes [B, T, h, d]: the token-major tensors q/k/v view
-            r = _fa4()[0](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                          causal=True, return_lse=True)
+        if attention == "fa4":  # it takes [B, T, h, d]: the token-major tensors q/k/v view
+            r = _fa4()[0](
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                softmax_scale=scale,
+                causal=True,
+                return_lse=True,
+            )
             return r[0].transpose(1, 2), r[1], ("fa4",)
         if attention == "cudnn":
-            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False,
-                                                                    scale=scale)
+            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
             lse = r[1]
             extras = ("cudnn", tuple(lse.shape), r[6], r[7], r[2], r[3], r[4], r[5])
             return r[0], lse.reshape(q.shape[:-1]), extras
@@ -67,13 +74,15 @@ def _flash_bwd(do, q, k, v, o, lse, scale, extras):
         if extras[0] == "cudnn":
             _, shape, seed, off, cq, ck, mq, mk = extras
             return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                do, q, k, v, o, lse.reshape(shape).contiguous(), seed, off, None, cq, ck, mq, mk, 0.0, True,
-                scale=scale)
+                do, q, k, v, o, lse.reshape(shape).contiguous(), seed, off, None, cq, ck, mq, mk, 0.0, True, scale=scale
+            )
         cq, ck, mq, mk, seed, off = extras[1:]
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, k, v, o, lse, cq, ck, mq, mk, 0.0, True, seed, off, scale=scale)
+            do, q, k, v, o, lse, cq, ck, mq, mk, 0.0, True, seed, off, scale=scale
+        )
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        do, q, k, v, o, lse, 0.0, True, scale=scale)
+        do, q, k, v, o, lse, 0.0, True, scale=scale
+    )
 
 
 # ---- packed rows: causal attention inside each segment -----------------------------------------
@@ -85,7 +94,7 @@ class Segments:
         self.cu = [int(c) for c in cu_seqlens]
         self.max_len = int(max_seqlen)
         self._dev = {}
-        if cu_tensor is not None:   # already on its device (PackedBatch.to): no copy per step
+        if cu_tensor is not None:  # already on its device (PackedBatch.to): no copy per step
             self._dev[("cu", str(cu_tensor.device))] = cu_tensor.to(torch.int32)
 
     def cu_dev(self, device):
@@ -98,8 +107,9 @@ class Segments:
         """Token-major row -> segment * max_len + position in it (a padded lse layout)."""
         key = ("pad", str(device))
         if key not in self._dev:
-            idx = torch.cat([torch.arange(e - s) + i * self.max_len
-                             for i, (s, e) in enumerate(zip(self.cu[:-1], self.cu[1:]))])
+            idx = torch.cat(
+                [torch.arange(e - s) + i * self.max_len for i, (s, e) in enumerate(zip(self.cu[:-1], self.cu[1:]))]
+            )
             self._dev[key] = idx.to(device)
         return self._dev[key]
 
@@ -143,12 +153,23 @@ def _seg_fwd(q, k, v, seg: Segments, scale, fast: FastPath):
     lse [N, h] fp32, extras)."""
     if q.is_cuda and fast.packed == "varlen":
         cu = seg.cu_dev(q.device)
-        if fast.attention == "fa4":   # its lse is [h, N]
-            r = _fa4()[0](q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seg.max_len,
-                          max_seqlen_k=seg.max_len, softmax_scale=scale, causal=True, return_lse=True)
+        if fast.attention == "fa4":  # its lse is [h, N]
+            r = _fa4()[0](
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu,
+                cu_seqlens_k=cu,
+                max_seqlen_q=seg.max_len,
+                max_seqlen_k=seg.max_len,
+                softmax_scale=scale,
+                causal=True,
+                return_lse=True,
+            )
             return r[0], r[1].t(), ("fa4",)
-        r = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, seg.max_len, seg.max_len, 0.0, True,
-                                                    False, scale=scale)
+        r = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, seg.max_len, seg.max_len, 0.0, True, False, scale=scale
+        )
         lse = r[1]
         return r[0], _lse_to_tok(lse, seg, q.shape[0]), (lse, r[2], r[3])
     # the dense kernel once per segment (_flash_fwd: the CPU kernel, or flash/cuDNN on CUDA)
@@ -168,16 +189,42 @@ def _seg_bwd(do, q, k, v, o, lse, seg: Segments, scale, extras):
     if isinstance(extras[0], str) and extras[0] == "fa4":
         cu = seg.cu_dev(q.device)
         do = do if do.stride(-1) == 1 else do.contiguous()
-        g = _fa4()[1](q, k, v, o, do, lse.t().contiguous(), scale, True, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                      max_seqlen_q=seg.max_len, max_seqlen_k=seg.max_len)
+        g = _fa4()[1](
+            q,
+            k,
+            v,
+            o,
+            do,
+            lse.t().contiguous(),
+            scale,
+            True,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=seg.max_len,
+            max_seqlen_k=seg.max_len,
+        )
         return g[0], g[1], g[2]
-    if not isinstance(extras[0], str):   # flash varlen (CUDA): (its lse, rng state, unused)
+    if not isinstance(extras[0], str):  # flash varlen (CUDA): (its lse, rng state, unused)
         like, rng, unused = extras
         cu = seg.cu_dev(q.device)
         do = do if do.stride(-1) == 1 else do.contiguous()
         return torch.ops.aten._flash_attention_backward(
-            do, q, k, v, o, _lse_from_tok(lse, like, seg), cu, cu, seg.max_len, seg.max_len, 0.0, True,
-            rng, unused, scale=scale)
+            do,
+            q,
+            k,
+            v,
+            o,
+            _lse_from_tok(lse, like, seg),
+            cu,
+            cu,
+            seg.max_len,
+            seg.max_len,
+            0.0,
+            True,
+            rng,
+            unused,
+            scale=scale,
+        )
     do = do if do.stride(-1) == 1 else do.contiguous()
     lse_dtype = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
@@ -194,7 +241,7 @@ def _seg_bwd(do, q, k, v, o, lse, seg: Segments, scale, extras):
 def diag_merge(q, o0, lse0, ks, vs, scale: float):
     """Merge the causal result (o0, lse0) with the row's own keys ks/vs by log-sum-exp (fp32)."""
     qf = q.float()
-    s = [(qf * k.float()).sum(-1) * scale for k in ks]            # [B,h,T] each
+    s = [(qf * k.float()).sum(-1) * scale for k in ks]  # [B,h,T] each
     m = lse0
     for si in s:
         m = torch.maximum(m, si)
@@ -214,14 +261,14 @@ def diag_grads(do, q, o, lse, ks, vs, scale: float, dq_causal, aks=(), avs=()):
     the causal part's dq_causal. aks/avs (one per key, or empty): the gradients those keys got
     from later steps, added in (in at least fp32, one rounding) so that the sum leaves as one
     tensor."""
-    acc = torch.promote_types(q.dtype, torch.float32)             # fp32 (fp64 stays fp64)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 (fp64 stays fp64)
     dof, qf = do.to(acc), q.to(acc)
-    D = (dof * o.to(acc)).sum(-1)                                  # [B,h,T]
+    D = (dof * o.to(acc)).sum(-1)  # [B,h,T]
     dq = dq_causal.to(acc)
     dks, dvs = [], []
     for i, (k, v) in enumerate(zip(ks, vs)):
         kf = k.to(acc)
-        p = torch.exp((qf * kf).sum(-1) * scale - lse)             # final softmax weight
+        p = torch.exp((qf * kf).sum(-1) * scale - lse)  # final softmax weight
         dv = p[..., None] * dof
         ds = p * ((dof * v.to(acc)).sum(-1) - D) * scale
         dq = dq + ds[..., None] * kf
@@ -288,10 +335,9 @@ class _TTTAttention(torch.autograd.Function):
         if ks:
             if lse_t is None:
                 lse_t = lse.transpose(1, 2).reshape(B * T, h)
-            o_t, lse_t = fast.kernel(diag_merge)(q_t, o_t, lse_t, [_tok(k) for k in ks], [_tok(v) for v in vs],
-                                                 scale)
+            o_t, lse_t = fast.kernel(diag_merge)(q_t, o_t, lse_t, [_tok(k) for k in ks], [_tok(v) for v in vs], scale)
             lse_t = lse_t.contiguous()
-            if seg is None:   # the dense backward takes the merged output and lse in its layout
+            if seg is None:  # the dense backward takes the merged output and lse in its layout
                 o, lse = _untok(o_t, B, T), lse_t.view(B, T, h).permute(0, 2, 1).contiguous()
         if seg is not None:
             o, lse = o_t, lse_t
@@ -314,7 +360,7 @@ class _TTTAttention(torch.autograd.Function):
             dq_t = _tok(dq)
         ks, vs = kv[0::2], kv[1::2]
         j = len(ks)
-        if acc is not None:   # step 0's keys: their sum so far, plus this step's part
+        if acc is not None:  # step 0's keys: their sum so far, plus this step's part
             sk, sv = acc.take(0)
             if sk is not None:
                 dk0, dv0 = sk + dk0, sv + dv0
@@ -323,18 +369,19 @@ class _TTTAttention(torch.autograd.Function):
             prior = [acc.take(i) for i in range(1, j + 1)] if acc is not None else []
             have = [p[0] is not None for p in prior]
             aks = avs = ()
-            if have and all(have):   # a later step has run (none has before the last step's backward)
+            if have and all(have):  # a later step has run (none has before the last step's backward)
                 aks, avs = [p[0] for p in prior], [p[1] for p in prior]
             o_t = o if seg is not None else _tok(o)
-            dq_t, dks, dvs = ctx.fast.kernel(diag_grads)(do_t, q_t, o_t, lse_t, [_tok(k) for k in ks],
-                                                         [_tok(v) for v in vs], ctx.scale, dq_t, aks, avs)
-            if any(have) and not all(have):   # not from unroll's step order: add what there is
+            dq_t, dks, dvs = ctx.fast.kernel(diag_grads)(
+                do_t, q_t, o_t, lse_t, [_tok(k) for k in ks], [_tok(v) for v in vs], ctx.scale, dq_t, aks, avs
+            )
+            if any(have) and not all(have):  # not from unroll's step order: add what there is
                 dks = [dk if p[0] is None else dk + p[0] for dk, p in zip(dks, prior)]
                 dvs = [dv if p[1] is None else dv + p[1] for dv, p in zip(dvs, prior)]
             for dk, dv in zip(dks, dvs):
                 grads += [dk, dv]
         dk0_out, dv0_out = dk0, dv0
-        if acc is not None:   # keys 0..j-1 are read again by earlier steps: keep their sums
+        if acc is not None:  # keys 0..j-1 are read again by earlier steps: keep their sums
             if j > 0:
                 acc.put(0, dk0, dv0)
                 dk0_out = dv0_out = None
@@ -352,8 +399,15 @@ def fused_attention_supported(q: torch.Tensor) -> bool:
     return (not q.is_cuda) or q.dtype in (torch.float16, torch.bfloat16)
 
 
-def ttt_attention(q, cache_k, cache_v, scale: float, segments: Segments | None = None,
-                  acc: KVGradSum | None = None, fast: FastPath = FastPath()):
+def ttt_attention(
+    q,
+    cache_k,
+    cache_v,
+    scale: float,
+    segments: Segments | None = None,
+    acc: KVGradSum | None = None,
+    fast: FastPath = FastPath(),
+):
     """Fused TTT attention: the same function as Attention.attend_core (right padding; with
     segments, none across the segments of packed rows). acc: one KVGradSum shared by the steps
     of one unroll, called in step order (cache_k[j] made by step j). -> [B,T,h*d]"""

@@ -90,13 +90,13 @@ class _MultiLinear(torch.autograd.Function):
     def forward(ctx, x, cols, accum: bool, *ws):
         ctx.save_for_backward(x, *ws)
         ctx.cols, ctx.accum = cols, accum
-        return tuple(F.linear(x, w if cols is None else w[:, cols[0]:cols[1]]) for w in ws)
+        return tuple(F.linear(x, w if cols is None else w[:, cols[0] : cols[1]]) for w in ws)
 
     @staticmethod
     def backward(ctx, *dys):
         x, *ws = ctx.saved_tensors
         cols = ctx.cols
-        blocks = [w if cols is None else w[:, cols[0]:cols[1]] for w in ws]
+        blocks = [w if cols is None else w[:, cols[0] : cols[1]] for w in ws]
         dx = None
         if ctx.needs_input_grad[0]:
             for dy, wb in zip(dys, blocks):
@@ -120,7 +120,7 @@ class _MultiLinear(torch.autograd.Function):
                 dw = (dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(dy.dtype)).to(w.dtype)
                 if cols is not None:
                     full = torch.zeros_like(w)
-                    full[:, cols[0]:cols[1]] = dw
+                    full[:, cols[0] : cols[1]] = dw
                     dw = full
                 grads[i] = dw
         return (dx, None, None, *grads)
@@ -188,7 +188,7 @@ def swiglu_down(g, u, w, accum: bool, fast: FastPath):
 def shift_sum(gs, fill_grad):
     """d(table) from the gradients of its slices: gs[j] [B, T, n] is the gradient of rows
     j..j+T-1; fill_grad (or None) that of the last row. -> [B, T-1+len(gs), n], in one pass."""
-    k, acc = len(gs), torch.promote_types(gs[0].dtype, torch.float32)   # summed in at least fp32
+    k, acc = len(gs), torch.promote_types(gs[0].dtype, torch.float32)  # summed in at least fp32
     out = F.pad(gs[0].to(acc), (0, 0, 0, k - 1))
     for j in range(1, k):
         out = out + F.pad(gs[j].to(acc), (0, 0, j, k - 1 - j))
@@ -205,15 +205,15 @@ class _ShiftedSlices(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, T: int, steps: int, fill: bool, fast: FastPath):
         ctx.steps, ctx.fill, ctx.fast = steps, fill, fast
-        outs = [y[:, j:j + T] for j in range(steps)]
+        outs = [y[:, j : j + T] for j in range(steps)]
         if fill:
             outs.append(y[:, -1:])
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, *gs):   # autograd hands zeros for an unused slice (materialize_grads)
+    def backward(ctx, *gs):  # autograd hands zeros for an unused slice (materialize_grads)
         fill_grad = gs[ctx.steps] if ctx.fill else None
-        return ctx.fast.kernel(shift_sum)(list(gs[:ctx.steps]), fill_grad), None, None, None, None
+        return ctx.fast.kernel(shift_sum)(list(gs[: ctx.steps]), fill_grad), None, None, None, None
 
 
 def shifted_slices(y, T: int, steps: int, fill: bool = False, fast: FastPath = FastPath()) -> tuple:

@@ -53,8 +53,14 @@ def logits_fp32(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_stats(final: torch.Tensor, target_head: torch.Tensor, hot: torch.Tensor, chunk: int,
-                 pad: int = 0, target_arg: torch.Tensor | None = None):
+def target_stats(
+    final: torch.Tensor,
+    target_head: torch.Tensor,
+    hot: torch.Tensor,
+    chunk: int,
+    pad: int = 0,
+    target_arg: torch.Tensor | None = None,
+):
     """Row-chunked target side: (t_prob [B, T+pad, Vd] fp32, zero rows past T; t_arg [B, T]).
 
     Full-vocab logits exist for `chunk` rows at a time (fp32). With target_arg (captured) only
@@ -62,7 +68,7 @@ def target_stats(final: torch.Tensor, target_head: torch.Tensor, hot: torch.Tens
     B, T, _ = final.shape
     Vd = hot.numel()
     t_prob = torch.empty(B, T + pad, Vd, dtype=torch.float32, device=final.device)
-    t_prob[:, T:].zero_()   # the rows below are all written
+    t_prob[:, T:].zero_()  # the rows below are all written
     if target_arg is not None:
         rows = target_head if target_head.shape[0] == Vd else target_head.index_select(0, hot)
         for b in range(B):
@@ -74,7 +80,7 @@ def target_stats(final: torch.Tensor, target_head: torch.Tensor, hot: torch.Tens
     for b in range(B):
         for s in range(0, T, chunk):
             e = min(T, s + chunk)
-            full = logits_fp32(final[b, s:e], target_head)                      # [c, V]
+            full = logits_fp32(final[b, s:e], target_head)  # [c, V]
             t_arg[b, s:e] = full.argmax(-1)
             t_prob[b, s:e] = torch.softmax(full.index_select(1, hot), dim=-1)
     return t_prob, t_arg
@@ -137,7 +143,7 @@ class LinearSoftCE(torch.autograd.Function):
                     lg = x[b, s:e] @ wc.t()
                     if t_idx is None:
                         l_rows, g, a = kern(lg, t[b, s:e], rw[b, s:e])
-                    else:   # x's rows are the rows t_idx of t [R, V] (B == 1: _step_loss_counted)
+                    else:  # x's rows are the rows t_idx of t [R, V] (B == 1: _step_loss_counted)
                         l_rows, g, a = kern(lg, t, t_idx[s:e], rw[b, s:e])
                     loss += l_rows.sum()
                     arg[b, s:e] = a
@@ -176,7 +182,7 @@ class LinearSoftCE(torch.autograd.Function):
             dx = dx.view(B, T, H)
         else:
             dx, xs = None, x2 * gl.to(x.dtype)
-        if ctx.accum:   # the lm_head's weight gradient summed into w.grad in place
+        if ctx.accum:  # the lm_head's weight gradient summed into w.grad in place
             accumulate_grad(w, g2, xs)
             return (dx, None) + none
         return (dx, (g2.t() @ xs).to(w.dtype)) + none
@@ -228,7 +234,7 @@ class RowCounts:
     drafter's forward queued in between."""
 
     def __init__(self, oks: list[torch.Tensor]):
-        ok_all = torch.stack([ok.reshape(-1) for ok in oks])                      # [S, B*T]
+        ok_all = torch.stack([ok.reshape(-1) for ok in oks])  # [S, B*T]
         self.rows = ok_all.shape[1]
         self.order = torch.argsort((~ok_all).to(torch.int8), dim=1, stable=True)  # counted rows first
         self.counts = _HostCounts(ok_all.sum(1))
@@ -265,12 +271,12 @@ class LiveRows:
     sample's last rows) need step 0 alone, for the causal keys every row reads."""
 
     def __init__(self, oks: list[torch.Tensor], multiple: int | None = None):
-        ok_all = torch.stack([ok.reshape(-1) for ok in oks])                      # [S, N]
+        ok_all = torch.stack([ok.reshape(-1) for ok in oks])  # [S, N]
         S, self.n = ok_all.shape
         step = torch.arange(S, device=ok_all.device)
-        last = torch.where(ok_all, step[:, None], -1).amax(0)                    # [N], -1: never
+        last = torch.where(ok_all, step[:, None], -1).amax(0)  # [N], -1: never
         self.order = torch.argsort(-last, stable=True)
-        counts = (last[None, :] >= step[:, None]).sum(1)                         # [S]
+        counts = (last[None, :] >= step[:, None]).sum(1)  # [S]
         self.multiple = multiple or (LIVE_MULTIPLE if ok_all.is_cuda else 1)
         self.counts = _HostCounts(counts)
 
@@ -285,8 +291,11 @@ def live_rows(oks: list[torch.Tensor], share: float | None) -> LiveRows | None:
     """The rows each step needs (None: every row, when the host-side share of loss rows leaves
     too few out, under CUDA-graph capture or with fewer than 2 steps). A batch without a
     host-side share (built on the device) is counted."""
-    if (len(oks) < 2 or (share is not None and share > 1 - SKIP_MIN)
-            or (oks[0].is_cuda and torch.cuda.is_current_stream_capturing())):
+    if (
+        len(oks) < 2
+        or (share is not None and share > 1 - SKIP_MIN)
+        or (oks[0].is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
         return None
     return LiveRows(oks)
 
@@ -299,8 +308,16 @@ def _step_loss_counted(xn, w, t_prob, ok, idx, j: int, fast: FastPath):
     pad = t_prob.shape[1] - T
     t_idx = idx + (idx // T) * pad + (j + 1)
     rw = ok.reshape(1, -1).index_select(1, idx).float()
-    loss, a = linear_softce(select_rows(xn, idx), w, t_prob.view(-1, t_prob.shape[-1]), rw, fast.loss_chunk,
-                            fast.accumulate_wgrad, fast, t_idx)
+    loss, a = linear_softce(
+        select_rows(xn, idx),
+        w,
+        t_prob.view(-1, t_prob.shape[-1]),
+        rw,
+        fast.loss_chunk,
+        fast.accumulate_wgrad,
+        fast,
+        t_idx,
+    )
     arg = torch.zeros(B * T, dtype=a.dtype, device=a.device)
     arg.index_copy_(0, idx, a.reshape(-1))
     return loss, arg.view(B, T)
@@ -317,27 +334,43 @@ def ttt_terms(drafter, batch, target_head: torch.Tensor, steps: int, fast: FastP
     base = getattr(drafter, "module", drafter)
     hot, t2d = drafter.hot_ids, drafter.t2d
     T = batch.tokens.shape[1]
-    t_prob, t_arg = target_stats(batch.final, target_head, hot, fast.target_chunk, pad=steps,
-                                 target_arg=batch.target_arg)
+    t_prob, t_arg = target_stats(
+        batch.final, target_head, hot, fast.target_chunk, pad=steps, target_arg=batch.target_arg
+    )
     in_draft = t2d[t_arg]
     # which rows count is known before the drafter runs: counted here, read back once its
     # forward is queued
     oks = [counted_rows(batch, in_draft, j + 1) for j in range(steps)]
     share = getattr(batch, "loss_share", None)
-    few_out = share is not None and share > 1 - SKIP_MIN   # known on the host: nothing to wait for
+    few_out = share is not None and share > 1 - SKIP_MIN  # known on the host: nothing to wait for
     counted = count_rows(oks) if (fast.skip_uncounted and not few_out) else None
     live = live_rows(oks, share) if fast.skip_dead_rows else None
-    normed = drafter(batch.aux, batch.tokens, steps, impl=unroll, fast=fast, teacher_tokens=True,
-                     valid=batch.valid, return_normed=True, live=live, **packed_args(batch))
-    oks = oks[:len(normed)]
+    normed = drafter(
+        batch.aux,
+        batch.tokens,
+        steps,
+        impl=unroll,
+        fast=fast,
+        teacher_tokens=True,
+        valid=batch.valid,
+        return_normed=True,
+        live=live,
+        **packed_args(batch),
+    )
+    oks = oks[: len(normed)]
     idxs = [None] * steps if counted is None else counted.rows_to_run()
     w = base.lm_head.weight
     # row p of step j is scored against the target's prediction at position p + j + 1
-    losses, args = zip(*[linear_softce(xn, w, t_prob[:, j + 1:j + 1 + T], oks[j].float(), fast.loss_chunk,
-                                       fast.accumulate_wgrad, fast)
-                         if idxs[j] is None else
-                         _step_loss_counted(xn, w, t_prob, oks[j], idxs[j], j, fast)
-                         for j, xn in enumerate(normed)])
+    losses, args = zip(
+        *[
+            linear_softce(
+                xn, w, t_prob[:, j + 1 : j + 1 + T], oks[j].float(), fast.loss_chunk, fast.accumulate_wgrad, fast
+            )
+            if idxs[j] is None
+            else _step_loss_counted(xn, w, t_prob, oks[j], idxs[j], j, fast)
+            for j, xn in enumerate(normed)
+        ]
+    )
     terms = []
     for j, (loss_sum, arg, ok) in enumerate(zip(losses, args, oks)):
         with torch.no_grad():

@@ -96,7 +96,8 @@ def compiled(fn, tuning: bool = True):
 def allow_recompiles(n: int = 64) -> None:
     """Let a compiled function hold up to n graphs (one per number of diagonal keys, per
     parameter size, ...) before dynamo gives up on it (its default is 8)."""
-    import torch._dynamo   # here, not at the top: it adds ~1 s to every import of the reference path
+    import torch._dynamo  # here, not at the top: it adds ~1 s to every import of the reference path
+
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):

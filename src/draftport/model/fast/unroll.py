@@ -27,8 +27,14 @@ import torch
 
 from draftport.model.drafter import Eagle3Drafter, rope_cos_sin, shift
 from draftport.model.fast.attention import KVGradSum, Segments, fused_attention_supported, ttt_attention
-from draftport.model.fast.linear import (fused_linear, multi_linear, scatter_rows, select_rows, shifted_slices,
-                                         swiglu_down)
+from draftport.model.fast.linear import (
+    fused_linear,
+    multi_linear,
+    scatter_rows,
+    select_rows,
+    shifted_slices,
+    swiglu_down,
+)
 from draftport.model.fast.path import FastPath
 
 
@@ -102,8 +108,22 @@ def _rope(d: Eagle3Drafter, fast: FastPath, positions, like):
     return fast.kernel(rope_tables)(d, positions, like)
 
 
-def step(d: Eagle3Drafter, fast: FastPath, tokens, h, positions, cache_k, cache_v, *, head: bool = True,
-         segments=None, emb=None, kv_sum=None, rows=None, shape=None):
+def step(
+    d: Eagle3Drafter,
+    fast: FastPath,
+    tokens,
+    h,
+    positions,
+    cache_k,
+    cache_v,
+    *,
+    head: bool = True,
+    segments=None,
+    emb=None,
+    kv_sum=None,
+    rows=None,
+    shape=None,
+):
     """One draft step for all rows: Eagle3Drafter.step's function. -> (pre-norm output fed back,
     logits over the draft vocab), or (output, normed output) with head=False (the fast loss
     applies lm_head itself).
@@ -117,26 +137,25 @@ def step(d: Eagle3Drafter, fast: FastPath, tokens, h, positions, cache_k, cache_
     A, M = d.midlayer.self_attn, d.midlayer.mlp
     acc = fast.accumulate_wgrad
     qkv_w = (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight)
-    if emb is not None:    # the embedding half came from the unroll's table
+    if emb is not None:  # the embedding half came from the unroll's table
         hn, resid = fast.kernel(hidden_half)(d, h)
         H = d.cfg.hidden_size
         qh, kh, vh = multi_linear(hn, qkv_w, (H, 2 * H), acc)
         qe, ke, ve, keep, fills = emb
-        if rows is not None:   # this step's slices and positions at the kept rows
+        if rows is not None:  # this step's slices and positions at the kept rows
             qe, ke, ve = (select_rows(t, rows) for t in (qe, ke, ve))
             positions = positions.reshape(-1).index_select(0, rows)[None]
             if keep is not None:
                 # the fill rows are token 0's projection, the same in every batch row
                 keep, fills = keep.reshape(-1).index_select(0, rows)[None], tuple(f[:1] for f in fills)
-        q, k, v = fast.kernel(qkv_from_halves)(d, qh, kh, vh, qe, ke, ve, *_rope(d, fast, positions, qh), keep,
-                                               *fills)
+        q, k, v = fast.kernel(qkv_from_halves)(d, qh, kh, vh, qe, ke, ve, *_rope(d, fast, positions, qh), keep, *fills)
         if rows is not None:
             q, k, v = (scatter_rows(t, rows, *shape) for t in (q, k, v))
-    else:                  # q/k/v over the whole 2H-wide input (the embedding half at every step)
+    else:  # q/k/v over the whole 2H-wide input (the embedding half at every step)
         x, resid = fast.kernel(input_norms)(d, tokens, h)
         qkv = multi_linear(x, qkv_w, None, acc)
         q, k, v = fast.kernel(rope_heads)(d, *qkv, *_rope(d, fast, positions, qkv[0]))
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # [B,h,T,d] views of the token-major tensors
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B,h,T,d] views of the token-major tensors
     cache_k.append(k)
     cache_v.append(v)
     a = ttt_attention(q, cache_k, cache_v, 1.0 / math.sqrt(d.cfg.head_dim), segments, kv_sum, fast)
@@ -162,7 +181,7 @@ def embedding_table(d: Eagle3Drafter, fast: FastPath, tokens, steps: int, like, 
     A = d.midlayer.self_attn
     B, T = tokens.shape
     H = d.cfg.hidden_size
-    ext = torch.cat([tokens[:, 1:], tokens.new_zeros(B, steps)], dim=1)      # [B, T-1+steps]
+    ext = torch.cat([tokens[:, 1:], tokens.new_zeros(B, steps)], dim=1)  # [B, T-1+steps]
     e = fast.kernel(embedding_norm)(d, ext, like)
     ys = multi_linear(e, (A.q_proj.weight, A.k_proj.weight, A.v_proj.weight), (0, H), fast.accumulate_wgrad)
     # every step's slice of each table, and (packed rows) its last row, always a fed 0 (steps >= 1
@@ -174,6 +193,7 @@ def embedding_table(d: Eagle3Drafter, fast: FastPath, tokens, steps: int, like, 
     def table(j):
         keep = None if doc is None else shift(doc, j + 1, fill=-1) == doc
         return (*(s[j] for s in sl), keep, fills)
+
     return table
 
 
@@ -188,8 +208,21 @@ def packed_args(batch) -> dict:
     return {"doc": doc, "positions": batch.positions, "segments": seg}
 
 
-def unroll(d: Eagle3Drafter, aux, tokens, steps: int, *, fast: FastPath, teacher_tokens: bool = True,
-           valid=None, return_normed: bool = False, doc=None, positions=None, segments=None, live=None):
+def unroll(
+    d: Eagle3Drafter,
+    aux,
+    tokens,
+    steps: int,
+    *,
+    fast: FastPath,
+    teacher_tokens: bool = True,
+    valid=None,
+    return_normed: bool = False,
+    doc=None,
+    positions=None,
+    segments=None,
+    live=None,
+):
     """Eagle3Drafter.unroll's function on the fast path (see the module docstring).
 
     Called as unroll(drafter, ...), or through the drafter's forward (drafter(..., impl=unroll,
@@ -206,8 +239,17 @@ def unroll(d: Eagle3Drafter, aux, tokens, steps: int, *, fast: FastPath, teacher
     B, T, _ = aux.shape
     h = d.fc(aux)
     if not fused_attention_supported(h):
-        return Eagle3Drafter.unroll(d, aux, tokens, steps, teacher_tokens=teacher_tokens, valid=valid,
-                        return_normed=return_normed, doc=doc, positions=positions)
+        return Eagle3Drafter.unroll(
+            d,
+            aux,
+            tokens,
+            steps,
+            teacher_tokens=teacher_tokens,
+            valid=valid,
+            return_normed=return_normed,
+            doc=doc,
+            positions=positions,
+        )
     seg = None
     if doc is not None:
         if segments is None:
@@ -222,7 +264,7 @@ def unroll(d: Eagle3Drafter, aux, tokens, steps: int, *, fast: FastPath, teacher
     # the tokens fed at each step; with the table its slices stand for them (step reads no tokens)
     tok = shift(tokens, 1, doc=doc) if table is None else None
     use_live = live is not None and table is not None and return_normed
-    held = None   # the rows h holds (None: all B*T)
+    held = None  # the rows h holds (None: all B*T)
     cache_k, cache_v, outs = [], [], []
     for j in range(steps):
         emb = None if table is None else table(j)
@@ -233,10 +275,23 @@ def unroll(d: Eagle3Drafter, aux, tokens, steps: int, *, fast: FastPath, teacher
             if held is None:
                 h = select_rows(h, rows)
             elif rows.numel() < held.numel():
-                h = h[:, :rows.numel()]   # a prefix of the rows held
+                h = h[:, : rows.numel()]  # a prefix of the rows held
             held = rows
-        h, res = step(d, fast, tok, h, base_pos + j, cache_k, cache_v, head=not return_normed, segments=seg,
-                      emb=emb, kv_sum=kv_sum, rows=rows, shape=(B, T))
+        h, res = step(
+            d,
+            fast,
+            tok,
+            h,
+            base_pos + j,
+            cache_k,
+            cache_v,
+            head=not return_normed,
+            segments=seg,
+            emb=emb,
+            kv_sum=kv_sum,
+            rows=rows,
+            shape=(B, T),
+        )
         if rows is not None:
             res = scatter_rows(res, rows, B, T)
         outs.append(res)

@@ -48,9 +48,15 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
 
     d, c, e = s.p["data"], s.p["curves"], s.p["eval"]
     rdir = root / f"r{k}"
-    spec = {"n_samples": n, "offset": n_prev, "seeds": d["seeds"], "features": s.p["features"],
-            "train": {seed: train_config(c, {"n_samples": n, "seed": seed, "recipe": "plain"}) for seed in d["seeds"]},
-            "eval": e, "inputs": [_fingerprint(read_json(Path(p) / "index.json")) for p in parts]}
+    spec = {
+        "n_samples": n,
+        "offset": n_prev,
+        "seeds": d["seeds"],
+        "features": s.p["features"],
+        "train": {seed: train_config(c, {"n_samples": n, "seed": seed, "recipe": "plain"}) for seed in d["seeds"]},
+        "eval": e,
+        "inputs": [_fingerprint(read_json(Path(p) / "index.json")) for p in parts],
+    }
     fp, done, mark = _fingerprint(spec), rdir / "round.json", rdir / "spec.json"
     if done.is_file() and json.loads(done.read_text()).get("spec") == fp:
         print(f"budget: round {k} (n = {n:,}) finished before: kept", flush=True)
@@ -65,8 +71,9 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
         data = rdir / "data"
         if not (data / "index.json").is_file():  # a killed capture left no folder (atomic): captured again
             print(f"budget: round {k}: regenerating and capturing prompts {n_prev:,}..{n:,}", flush=True)
-            _features(s, data, s.input("target"), s.p["targets"]["prompts_train"], n=n - n_prev, offset=n_prev,
-                      training=True)
+            _features(
+                s, data, s.input("target"), s.p["targets"]["prompts_train"], n=n - n_prev, offset=n_prev, training=True
+            )
             timing = dict(s.timing.pop("data"))  # _features records the capture's seconds by its folder's name
             (rdir / "capture.json").write_text(json.dumps(timing) + "\n")
         else:
@@ -78,29 +85,70 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
         tc = spec["train"][seed]
         cfg = TrainConfig(**tc)
         name = f"round{k}_n{n}_s{seed}"
-        pt = {"name": name, "arm": "source", "init": "source", "answers": "regenerated", "recipe": "plain",
-              "n_samples": n, "seed": seed}
-        kw = dict(features_dir=[str(p) for p in parts], n_samples=n, target_dir=s.input("target"),
-                  vocab_path=s.input("vocab"), init="source", source_dir=s.input("source"),
-                  monitor=monitor_of(s, cfg), ckpt_dir=rdir / "ckpt" / f"s{seed}", verifier=s.p["targets"]["new"],
-                  **online_of(s, f"{s.name}-{name}"))
-        jobs.append({"i": i, "of": len(d["seeds"]), "point": pt, "kw": kw, "train": tc, "label": f"budget round {k}",
-                     "out": str(rdir / "drafters" / f"s{seed}"), "profile": s.p["profile"], "parent": None,
-                     "step": s.name})
+        pt = {
+            "name": name,
+            "arm": "source",
+            "init": "source",
+            "answers": "regenerated",
+            "recipe": "plain",
+            "n_samples": n,
+            "seed": seed,
+        }
+        kw = dict(
+            features_dir=[str(p) for p in parts],
+            n_samples=n,
+            target_dir=s.input("target"),
+            vocab_path=s.input("vocab"),
+            init="source",
+            source_dir=s.input("source"),
+            monitor=monitor_of(s, cfg),
+            ckpt_dir=rdir / "ckpt" / f"s{seed}",
+            verifier=s.p["targets"]["new"],
+            **online_of(s, f"{s.name}-{name}"),
+        )
+        jobs.append(
+            {
+                "i": i,
+                "of": len(d["seeds"]),
+                "point": pt,
+                "kw": kw,
+                "train": tc,
+                "label": f"budget round {k}",
+                "out": str(rdir / "drafters" / f"s{seed}"),
+                "profile": s.p["profile"],
+                "parent": None,
+                "step": s.name,
+            }
+        )
     launch = rule_resources(s.p, s.name)
     trained = train_jobs_torchrun(jobs, launch["gpu"]) if launch["torchrun"] else train_jobs(jobs, world)[0]
     acc, cyc, taus = [], [], []
     for j in jobs:
-        res = evaluate_drafter(Path(j["out"]) / "drafter", s.input("target"), s.input("eval"), k=e["k"],
-                               batch_size=e["batch_size"], max_samples=e["max_samples"], device=e["device"])
+        res = evaluate_drafter(
+            Path(j["out"]) / "drafter",
+            s.input("target"),
+            s.input("eval"),
+            k=e["k"],
+            batch_size=e["batch_size"],
+            max_samples=e["max_samples"],
+            device=e["device"],
+        )
         acc.append(res["per_sample"]["accepted"])
         cyc.append(res["per_sample"]["cycles"])
         taus.append(res["accept_length"])
-    rec = {"spec": fp, "round": k, "n_samples": n, "offset": n_prev, "seeds": d["seeds"],
-           "seed_taus": taus, "train_steps": [t["train_steps"] for t in trained],
-           "train_processes": [t.get("processes", 1) for t in trained],
-           "accepted": acc, "cycles": cyc,
-           "seconds": {**timing, "train": sum(t["train_seconds"] for t in trained)}}
+    rec = {
+        "spec": fp,
+        "round": k,
+        "n_samples": n,
+        "offset": n_prev,
+        "seeds": d["seeds"],
+        "seed_taus": taus,
+        "train_steps": [t["train_steps"] for t in trained],
+        "train_processes": [t.get("processes", 1) for t in trained],
+        "accepted": acc,
+        "cycles": cyc,
+        "seconds": {**timing, "train": sum(t["train_seconds"] for t in trained)},
+    }
     shutil.rmtree(rdir / "drafters", ignore_errors=True)  # the round's figures are what it keeps
     done.write_text(json.dumps(rec) + "\n")
     return rec
@@ -134,41 +182,92 @@ def budget(s: StepContext) -> dict:
             per_sample = (sec["regenerate"] + sec["capture"]) * dev / max(1, sec["samples"])
             steps = train_config(s.p["curves"], {"n_samples": nn, "seed": 0, "recipe": "plain"})["steps"]
             next_h = ((nn - n) * per_sample + sec["train"] * dev * steps / max(1, rec["train_steps"][0])) / 3600
-            reason = stop_reason(proj, n=n, cap=cap, min_gain=dec["min_gain"], hours_spent=hours,
-                                 next_hours=next_h, max_hours=d["max_hours"])
-            row.update(gain=proj["gains"][-1], projected_gain=proj["projected_gain"], projected_gain_ci_low=proj["ci"][0],
-                       projected_gain_ci_high=proj["ci"][1])
-        print(f"budget: round {k}: n = {n:,}, tau {tau:.3f}"
-              + (f", gain {row['gain']:+.3f}, next round (n = {nn:,}) projects {proj['projected_gain']:+.3f} "
-                 f"[{proj['ci'][0]:+.3f}, {proj['ci'][1]:+.3f}]" if proj else "")
-              + f"; {hours:.3g} device-h so far", flush=True)
+            reason = stop_reason(
+                proj,
+                n=n,
+                cap=cap,
+                min_gain=dec["min_gain"],
+                hours_spent=hours,
+                next_hours=next_h,
+                max_hours=d["max_hours"],
+            )
+            row.update(
+                gain=proj["gains"][-1],
+                projected_gain=proj["projected_gain"],
+                projected_gain_ci_low=proj["ci"][0],
+                projected_gain_ci_high=proj["ci"][1],
+            )
+        print(
+            f"budget: round {k}: n = {n:,}, tau {tau:.3f}"
+            + (
+                f", gain {row['gain']:+.3f}, next round (n = {nn:,}) projects {proj['projected_gain']:+.3f} "
+                f"[{proj['ci'][0]:+.3f}, {proj['ci'][1]:+.3f}]"
+                if proj
+                else ""
+            )
+            + f"; {hours:.3g} device-h so far",
+            flush=True,
+        )
         if s.run is not None:
             s.run.log_metrics({**{key: v for key, v in row.items() if key != "round"}, "device_hours": hours}, step=k)
         rec["row"] = row
         if reason is not None:
             break
         n_prev, n = n, nn
-    why = explain(reason, n=n, projection=proj, min_gain=dec["min_gain"], next_n_=nn, hours_spent=hours,
-                  next_hours=next_h, max_hours=d["max_hours"])
+    why = explain(
+        reason,
+        n=n,
+        projection=proj,
+        min_gain=dec["min_gain"],
+        next_n_=nn,
+        hours_spent=hours,
+        next_hours=next_h,
+        max_hours=d["max_hours"],
+    )
     print(f"budget: {why}", flush=True)
     names = []
     for r in rounds[1:]:  # the captures: Phase 2's data, one part per round
         names.append(f"r{r['round']}")
         _link_tree(root / names[-1] / "data", s.path("train", names[-1]))
     idx = [read_json(s.path("train", p, "index.json")) for p in names]
-    write_chain(s.path("train"), names, {"samples": sum(i["samples"] for i in idx),
-                                         "tokens": sum(i["tokens"] for i in idx),
-                                         "samples_file": idx[0].get("samples_file"), "offset": n1,
-                                         "regenerated": idx[0].get("regenerated")})
+    write_chain(
+        s.path("train"),
+        names,
+        {
+            "samples": sum(i["samples"] for i in idx),
+            "tokens": sum(i["tokens"] for i in idx),
+            "samples_file": idx[0].get("samples_file"),
+            "offset": n1,
+            "regenerated": idx[0].get("regenerated"),
+        },
+    )
     sec = [r["seconds"] for r in rounds]
     s.timing["train"] = {key: sum(x[key] for x in sec) for key in ("samples", "regenerate", "capture")}
     s.timing["rounds_train_seconds"] = sum(x["train"] for x in sec) * dev  # device-seconds of the rounds' trainings
-    write_json(s.path("budget.json"), {
-        "rule": "project the next round's gain from the last two slopes per e-fold of n; stop when its upper CI "
-                "bound < decision.min_gain, at phase2.n_samples, or at data.max_hours",
-        "factor": d["factor"], "seeds": d["seeds"], "min_gain": dec["min_gain"], "cap": cap,
-        "max_hours": d["max_hours"], "level": dec["level"], "stop": reason, "why": why, "n_samples": n,
-        "rounds": [{**r["row"], "seed_taus": r["seed_taus"], "train_steps": r["train_steps"],
+    write_json(
+        s.path("budget.json"),
+        {
+            "rule": "project the next round's gain from the last two slopes per e-fold of n; stop when its upper CI "
+            "bound < decision.min_gain, at phase2.n_samples, or at data.max_hours",
+            "factor": d["factor"],
+            "seeds": d["seeds"],
+            "min_gain": dec["min_gain"],
+            "cap": cap,
+            "max_hours": d["max_hours"],
+            "level": dec["level"],
+            "stop": reason,
+            "why": why,
+            "n_samples": n,
+            "rounds": [
+                {
+                    **r["row"],
+                    "seed_taus": r["seed_taus"],
+                    "train_steps": r["train_steps"],
                     "train_processes": r["train_processes"],
-                    "per_sample": {"accepted": r["accepted"], "cycles": r["cycles"]}} for r in rounds]})
+                    "per_sample": {"accepted": r["accepted"], "cycles": r["cycles"]},
+                }
+                for r in rounds
+            ],
+        },
+    )
     return {"n_samples": n, "rounds": len(rounds), "stopped_flattened": int(reason == "flattened")}

@@ -21,8 +21,9 @@ def compare(s: StepContext) -> dict:
     cfg, _ = read_config(src)
     d2t, t2d = read_vocab(s.input("vocab"))
     tcfg = target_text_config(s.input("target"))
-    layout = DrafterConfig(**{**cfg.__dict__, "draft_vocab_size": int(d2t.shape[0]),
-                              "vocab_size": int(tcfg["vocab_size"])})
+    layout = DrafterConfig(
+        **{**cfg.__dict__, "draft_vocab_size": int(d2t.shape[0]), "vocab_size": int(tcfg["vocab_size"])}
+    )
     dtype = inspect_drafter(src).tensors["fc.weight"].dtype
     write_header_only_drafter(s.path("new_layout"), layout, d2t, t2d, dtype=dtype)
     rep = compare_drafters(src, s.path("new_layout"), target=s.input("target"))  # + embed_tokens vs the target's
@@ -31,11 +32,14 @@ def compare(s: StepContext) -> dict:
     write_json(s.path("compare.json"), rep)
     compare_tables(rep, s.dir)
     v, verdict = rep["vocab"], rep["verdict"]
-    print("compare:", "compatible" if verdict["compatible_architecture"] else "INCOMPATIBLE",
-          "|", verdict["vocab_action"])
-    return {"compatible_architecture": int(verdict["compatible_architecture"]),
-            "config_mismatches": sum(not r["match"] for r in rep["config"]),
-            "weight_mismatches": sum(r["status"] != "match" for r in rep["weights"]),
-            "warnings": len(verdict["warnings"]),
-            "embedding_differs": int(rep["embedding"]["src"]["engines_agree"] is False),
-            "vocab": {k: v[k] for k in ("overlap", "jaccard", "src_only", "dst_only", "positions_differ")}}
+    print(
+        "compare:", "compatible" if verdict["compatible_architecture"] else "INCOMPATIBLE", "|", verdict["vocab_action"]
+    )
+    return {
+        "compatible_architecture": int(verdict["compatible_architecture"]),
+        "config_mismatches": sum(not r["match"] for r in rep["config"]),
+        "weight_mismatches": sum(r["status"] != "match" for r in rep["weights"]),
+        "warnings": len(verdict["warnings"]),
+        "embedding_differs": int(rep["embedding"]["src"]["engines_agree"] is False),
+        "vocab": {k: v[k] for k in ("overlap", "jaccard", "src_only", "dst_only", "positions_differ")},
+    }

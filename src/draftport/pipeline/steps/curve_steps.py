@@ -28,9 +28,20 @@ POINT_RUNS = Path(RUNS_DIR, "train_curves.points.json")  # nested runs' ids (out
 def _child_run(profile: str, parent_id: str, step: str, pt: dict):
     """A nested MLflow run of the step's run for one point."""
     arm = pt.get("arm", pt["init"])
-    return PhaseRun(profile, f"curves {arm} n={pt['n_samples']} seed={pt['seed']}", tags={
-        "mlflow.parentRunId": parent_id, "init": pt["init"], "arm": arm, "answers": pt.get("answers", "regenerated"),
-        "recipe": pt.get("recipe", "plain"), "n_samples": pt["n_samples"], "seed": pt["seed"], "draftport.step": step})
+    return PhaseRun(
+        profile,
+        f"curves {arm} n={pt['n_samples']} seed={pt['seed']}",
+        tags={
+            "mlflow.parentRunId": parent_id,
+            "init": pt["init"],
+            "arm": arm,
+            "answers": pt.get("answers", "regenerated"),
+            "recipe": pt.get("recipe", "plain"),
+            "n_samples": pt["n_samples"],
+            "seed": pt["seed"],
+            "draftport.step": step,
+        },
+    )
 
 
 def _train_point(job: dict) -> dict:
@@ -42,22 +53,41 @@ def _train_point(job: dict) -> dict:
     cfg = TrainConfig(**job["train"])
     kw["train_cfg"] = cfg
     what = job.get("label", "curves")
-    print(f"{what}: point {job['i']}/{job['of']}: {pt['arm']} n={pt['n_samples']} seed={pt['seed']}, "
-          f"{cfg.steps} steps", flush=True)
+    print(
+        f"{what}: point {job['i']}/{job['of']}: {pt['arm']} n={pt['n_samples']} seed={pt['seed']}, {cfg.steps} steps",
+        flush=True,
+    )
     child = _child_run(job["profile"], job["parent"], job["step"], pt) if job["parent"] else None
     if child is not None:
-        child.log_params({"init": pt["init"], "arm": pt["arm"], "answers": pt["answers"], "recipe": pt["recipe"],
-                          "n_samples": pt["n_samples"], "seed": pt["seed"], "train_steps": cfg.steps,
-                          **{f"train.{k}": v for k, v in cfg.model_dump().items()}})
+        child.log_params(
+            {
+                "init": pt["init"],
+                "arm": pt["arm"],
+                "answers": pt["answers"],
+                "recipe": pt["recipe"],
+                "n_samples": pt["n_samples"],
+                "seed": pt["seed"],
+                "train_steps": cfg.steps,
+                **{f"train.{k}": v for k, v in cfg.model_dump().items()},
+            }
+        )
     t0 = time.perf_counter()
     rep = train_phase(job["out"], logger=child.background() if child else None, progress=True, **kw)
     seconds = round(time.perf_counter() - t0, 3)
     print(f"{what}: point {job['i']}/{job['of']} ({pt['name']}) done in {seconds:.1f} s", flush=True)
     if child is not None:
         child.finish(ok=True)
-    return {**pt, "dir": f"points/{pt['name']}", "train_steps": rep["train_steps"],
-            "stopped_early": rep["stopped_early"], "curve": rep["curve"], "final_loss": rep["final"].get("loss"),
-            "train_seconds": seconds, "run_id": child.run_id if child else None, "run": rep["run"]}
+    return {
+        **pt,
+        "dir": f"points/{pt['name']}",
+        "train_steps": rep["train_steps"],
+        "stopped_early": rep["stopped_early"],
+        "curve": rep["curve"],
+        "final_loss": rep["final"].get("loss"),
+        "train_seconds": seconds,
+        "run_id": child.run_id if child else None,
+        "run": rep["run"],
+    }
 
 
 def _worker_init(log_path: str | None, gpus=None) -> None:
@@ -140,15 +170,27 @@ def train_jobs_torchrun(jobs: list[dict], nproc: int) -> list[dict]:
         f = Path(f"{j['out']}.job.json")
         f.parent.mkdir(parents=True, exist_ok=True)
         write_json(f, j)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "draftport.pipeline.steps.curve_steps", str(f)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "draftport.pipeline.steps.curve_steps",
+            str(f),
+        ]
         # the agent dies with the step (kill -9 of the step leaves no training writing checkpoints)
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
+        p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent
+        )
         for line in p.stdout:  # through the step's own stdout: its log gets them
             print(line, end="", flush=True)
         if p.wait() != 0:
-            raise DraftportError(f"training {j['point']['name']}", f"torchrun over {nproc} processes exited {p.returncode} "
-                                 "(its lines are above in the step's log)")
+            raise DraftportError(
+                f"training {j['point']['name']}",
+                f"torchrun over {nproc} processes exited {p.returncode} (its lines are above in the step's log)",
+            )
         out.append(read_json(f"{j['out']}.result.json"))
     return out
 
@@ -195,7 +237,7 @@ def train_curves(s: StepContext) -> dict:
 
     from draftport.model.device import pick as pick_device
 
-    pick_device(s.p["curves"]["train"].get("device", "auto"), "curves.train.device")   # before any work
+    pick_device(s.p["curves"]["train"].get("device", "auto"), "curves.train.device")  # before any work
     # under torchrun every rank trains each point on its slice of the batch
     rank, world = init_distributed(s.p["curves"]["train"].get("device", "auto"))
     c = s.p["curves"]
@@ -204,38 +246,72 @@ def train_curves(s: StepContext) -> dict:
     pts = [p for p in points(c) if p["answers"] == DATASET or p["n_samples"] <= have]
     beyond = sorted({p["n_samples"] for p in points(c)} - {p["n_samples"] for p in pts})
     if beyond:  # data.budget adaptive stopped below them
-        print(f"curves: n = {', '.join(map(str, beyond))} not trained: beyond the {have:,} samples captured "
-              "(the adaptive data budget stopped there)", flush=True)
+        print(
+            f"curves: n = {', '.join(map(str, beyond))} not trained: beyond the {have:,} samples captured "
+            "(the adaptive data budget stopped there)",
+            flush=True,
+        )
     jobs = []
     for i, pt in enumerate(pts, 1):
         tc = train_config(c, pt)
         cfg = TrainConfig(**tc)
-        kw = dict(features_dir=[s.input("features_dataset")] if pt["answers"] == DATASET else regenerated,
-                  n_samples=pt["n_samples"], target_dir=s.input("target"), vocab_path=s.input("vocab"),
-                  init=pt["init"], source_dir=s.input("source"), monitor=monitor_of(s, cfg),
-                  ckpt_dir=checkpoints(s.name) / pt["name"], verifier=s.p["targets"]["new"],
-                  **online_of(s, f"{s.name}-{pt['name']}"))
+        kw = dict(
+            features_dir=[s.input("features_dataset")] if pt["answers"] == DATASET else regenerated,
+            n_samples=pt["n_samples"],
+            target_dir=s.input("target"),
+            vocab_path=s.input("vocab"),
+            init=pt["init"],
+            source_dir=s.input("source"),
+            monitor=monitor_of(s, cfg),
+            ckpt_dir=checkpoints(s.name) / pt["name"],
+            verifier=s.p["targets"]["new"],
+            **online_of(s, f"{s.name}-{pt['name']}"),
+        )
         if rank > 0:  # rank 0 writes the files, logs and checkpoints
             with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
                 train_phase(scratch, logger=None, progress=False, train_cfg=cfg, **kw)
             continue
-        jobs.append({"i": i, "of": len(pts), "point": pt, "kw": kw, "train": tc,
-                     "out": str(s.path("points", pt["name"])), "profile": s.p["profile"],
-                     "parent": s.run.run_id if s.run is not None else None, "step": s.name})
+        jobs.append(
+            {
+                "i": i,
+                "of": len(pts),
+                "point": pt,
+                "kw": kw,
+                "train": tc,
+                "out": str(s.path("points", pt["name"])),
+                "profile": s.p["profile"],
+                "parent": s.run.run_id if s.run is not None else None,
+                "step": s.name,
+            }
+        )
     if rank > 0:
         return {}
     out, n_workers = train_jobs(jobs, world)
     runs = {r["name"]: r.pop("run_id") for r in out}
     s.timing["points"] = {r["name"]: r.pop("train_seconds") for r in out}  # the decision's hours
-    s.timing["points_run"] = {r["name"]: r.pop("run") for r in out}      # device and rate: never artifacts
+    s.timing["points_run"] = {r["name"]: r.pop("run") for r in out}  # device and rate: never artifacts
     if s.run is not None:
         write_json(POINT_RUNS, {"uri": s.run.uri, "runs": runs})
-    write_json(s.path("points.json"), {"budget": {"rule": "same epochs", "epochs": c["epochs"],
-                                                  "min_steps": c["min_steps"], "max_steps": c["train"]["steps"],
-                                                  "patience": c["train"]["patience"]},
-                                       "points": out, **({"beyond_data": beyond} if beyond else {})})
-    return {"points": len(out), "steps_total": sum(p["train_steps"] for p in out),
-            "stopped_early": sum(bool(p["stopped_early"]) for p in out), "workers": n_workers}
+    write_json(
+        s.path("points.json"),
+        {
+            "budget": {
+                "rule": "same epochs",
+                "epochs": c["epochs"],
+                "min_steps": c["min_steps"],
+                "max_steps": c["train"]["steps"],
+                "patience": c["train"]["patience"],
+            },
+            "points": out,
+            **({"beyond_data": beyond} if beyond else {}),
+        },
+    )
+    return {
+        "points": len(out),
+        "steps_total": sum(p["train_steps"] for p in out),
+        "stopped_early": sum(bool(p["stopped_early"]) for p in out),
+        "workers": n_workers,
+    }
 
 
 def _point_run(s: StepContext, pt: dict, recorded: dict):
@@ -259,26 +335,68 @@ def eval_curves(s: StepContext) -> dict:
     recorded = json.loads(POINT_RUNS.read_text()) if POINT_RUNS.is_file() else {}
     res_points = []
     for i, pt in enumerate(trained["points"], 1):
-        res = evaluate_drafter(root / pt["dir"] / "drafter", s.input("target"), s.input("features"), k=e["k"],
-                               batch_size=e["batch_size"], max_samples=e["max_samples"], device=e["device"])
+        res = evaluate_drafter(
+            root / pt["dir"] / "drafter",
+            s.input("target"),
+            s.input("features"),
+            k=e["k"],
+            batch_size=e["batch_size"],
+            max_samples=e["max_samples"],
+            device=e["device"],
+        )
         s.timing.setdefault("points_run", {})[pt["name"]] = res.pop("run")
         ci = tau_ci([res["per_sample"]["accepted"]], [res["per_sample"]["cycles"]], n_boot=1000)["ci"]
-        print(f"curves: {i}/{len(trained['points'])} {pt.get('arm', pt['init'])} n={pt['n_samples']} seed={pt['seed']}: "
-              f"tau {res['accept_length']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]", flush=True)
+        print(
+            f"curves: {i}/{len(trained['points'])} {pt.get('arm', pt['init'])} n={pt['n_samples']} seed={pt['seed']}: "
+            f"tau {res['accept_length']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]",
+            flush=True,
+        )
         if s.run is not None:
             run = _point_run(s, pt, recorded)
-            run.log_metrics({"accept_length": res["accept_length"], "accept_length_ci_low": ci[0],
-                             "accept_length_ci_high": ci[1], "simulated_acc_len": res["simulated_acc_len"],
-                             "acceptance_rate": res["acceptance_rate"]}, step=pt["train_steps"])
+            run.log_metrics(
+                {
+                    "accept_length": res["accept_length"],
+                    "accept_length_ci_low": ci[0],
+                    "accept_length_ci_high": ci[1],
+                    "simulated_acc_len": res["simulated_acc_len"],
+                    "acceptance_rate": res["acceptance_rate"],
+                },
+                step=pt["train_steps"],
+            )
             run.finish(ok=True)
-        res_points.append({k: pt[k] for k in ("arm", "init", "answers", "recipe", "n_samples", "seed", "train_steps",
-                                              "stopped_early", "curve") if k in pt}
-                          | {"accept_length": res["accept_length"], "ci": ci, "per_sample": res["per_sample"]})
+        res_points.append(
+            {
+                k: pt[k]
+                for k in (
+                    "arm",
+                    "init",
+                    "answers",
+                    "recipe",
+                    "n_samples",
+                    "seed",
+                    "train_steps",
+                    "stopped_early",
+                    "curve",
+                )
+                if k in pt
+            }
+            | {"accept_length": res["accept_length"], "ci": ci, "per_sample": res["per_sample"]}
+        )
     c = s.p["curves"]
-    write_json(s.path("curves.json"), {"n_samples": c["n_samples"], "seeds": c["seeds"], "inits": c["inits"],
-                                       "arms_n_samples": c["arms_n_samples"], "recipes": c["recipes"],
-                                       "budget": trained["budget"], "eval_samples": res["eval_samples"],
-                                       "k": e["k"], "points": res_points})
+    write_json(
+        s.path("curves.json"),
+        {
+            "n_samples": c["n_samples"],
+            "seeds": c["seeds"],
+            "inits": c["inits"],
+            "arms_n_samples": c["arms_n_samples"],
+            "recipes": c["recipes"],
+            "budget": trained["budget"],
+            "eval_samples": res["eval_samples"],
+            "k": e["k"],
+            "points": res_points,
+        },
+    )
     out: dict = {}
     for pt in res_points:  # the seeds' mean per (init, n): MLflow's compare view and DVC metrics
         out.setdefault(pt.get("arm", pt["init"]), {}).setdefault(f"n{pt['n_samples']}", []).append(pt["accept_length"])

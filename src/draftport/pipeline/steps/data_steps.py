@@ -26,22 +26,39 @@ def world(s: StepContext) -> dict:
     torch.set_num_threads(1)  # the drafter is small: one thread, no OpenMP spinning on busy cores
     sd = w["source_drafter"]
     src = build_source_drafter(
-        s.dir, n_samples=sd["n_samples"], max_new_tokens=sd["max_new_tokens"],
-        draft_vocab_ratio=sd["draft_vocab_ratio"], aux_layer_ids=f["aux_layer_ids"],
-        convention=f["aux_convention"], arch=sd["arch"], train_cfg=TrainConfig(**sd["train"]),
-        repo_id=s.p["source"]["repo_id"], batch_size=sd["batch_size"], answers=sd["answers"],
-        monitor_samples=sd["monitor_samples"], device=world_device(w))
+        s.dir,
+        n_samples=sd["n_samples"],
+        max_new_tokens=sd["max_new_tokens"],
+        draft_vocab_ratio=sd["draft_vocab_ratio"],
+        aux_layer_ids=f["aux_layer_ids"],
+        convention=f["aux_convention"],
+        arch=sd["arch"],
+        train_cfg=TrainConfig(**sd["train"]),
+        repo_id=s.p["source"]["repo_id"],
+        batch_size=sd["batch_size"],
+        answers=sd["answers"],
+        monitor_samples=sd["monitor_samples"],
+        device=world_device(w),
+    )
     src["train"].pop("train_seconds", None)  # outputs stay byte-identical between identical runs
     write_json(s.path("source_drafter.json"), src)
     m = manifest["metrics"]
     return {
         "targets": {k: m[k] for k in sorted(m) if not k.startswith("assistant_tokens")},
-        "source": {"train_set_accept_length": src["train_set_accept_length"], "n_samples": src["n_samples"],
-                   **({"held_out_accept_length": src["monitor"][-1]["accept_length"],
-                       "best_held_out_accept_length": max(c["accept_length"] for c in src["monitor"])}
-                      if src["monitor"] else {}),
-                   "draft_vocab_size": src["draft_vocab_size"],
-                   "vocab_coverage": src["vocab"]["coverage"]},
+        "source": {
+            "train_set_accept_length": src["train_set_accept_length"],
+            "n_samples": src["n_samples"],
+            **(
+                {
+                    "held_out_accept_length": src["monitor"][-1]["accept_length"],
+                    "best_held_out_accept_length": max(c["accept_length"] for c in src["monitor"]),
+                }
+                if src["monitor"]
+                else {}
+            ),
+            "draft_vocab_size": src["draft_vocab_size"],
+            "vocab_coverage": src["vocab"]["coverage"],
+        },
         "world_mb": round(manifest["bytes"]["total"] / 1e6, 2),
     }
 
@@ -58,29 +75,56 @@ def fetch(s: StepContext) -> dict:
     if src["offline"]:
         os.environ["HF_HUB_OFFLINE"] = "1"
     pickle = src["allow_pickle"]  # off by default: .bin/.pt weights are refused
-    lock = F.fetch(src["repo_id"], s.path("source"), revision=src["revision"], cache_dir=src["cache_dir"],
-                   offline=src["offline"], lock_file=src["lock_file"], allow_pickle=pickle)
+    lock = F.fetch(
+        src["repo_id"],
+        s.path("source"),
+        revision=src["revision"],
+        cache_dir=src["cache_dir"],
+        offline=src["offline"],
+        lock_file=src["lock_file"],
+        allow_pickle=pickle,
+    )
     out = {"source": {"files": len(lock["files"])}}
     ref = s.p["reference"]
     if ref:  # the upper bound Phase 0 evaluates next to the source, fetched the same way
-        rl = F.fetch(ref["repo_id"], s.path("reference"), revision=ref["revision"], cache_dir=src["cache_dir"],
-                     offline=src["offline"], allow_pickle=pickle)
+        rl = F.fetch(
+            ref["repo_id"],
+            s.path("reference"),
+            revision=ref["revision"],
+            cache_dir=src["cache_dir"],
+            offline=src["offline"],
+            allow_pickle=pickle,
+        )
         lock["reference"] = {"repo_id": ref["repo_id"], "requested": ref["revision"], "commit": rl["commit"]}
         out["reference"] = {"files": len(rl["files"])}
     for which in ("new", "old"):  # a target given as a hub id (the old one: the source's own reference)
         if t[which] and is_hub_id(t[which]):
-            tl = F.fetch(t[which], s.path(f"target_{which}"), revision=None, patterns=F.TARGET_PATTERNS,
-                         offline=src["offline"], allow_pickle=pickle,
-                         trust_remote_code=t[which] in t["trust_remote_code"])  # its *.py only when named
+            tl = F.fetch(
+                t[which],
+                s.path(f"target_{which}"),
+                revision=None,
+                patterns=F.TARGET_PATTERNS,
+                offline=src["offline"],
+                allow_pickle=pickle,
+                trust_remote_code=t[which] in t["trust_remote_code"],
+            )  # its *.py only when named
             lock[f"target_{which}"] = {"source": t[which], "commit": tl["commit"]}
-    write_json(s.path("revision.json"), {"repo_id": src["repo_id"], "requested": src["revision"],
-                                         "commit": lock["commit"],
-                                         **{k: lock[k] for k in ("target_new", "target_old", "reference")
-                                            if k in lock}})
+    write_json(
+        s.path("revision.json"),
+        {
+            "repo_id": src["repo_id"],
+            "requested": src["revision"],
+            "commit": lock["commit"],
+            **{k: lock[k] for k in ("target_new", "target_old", "reference") if k in lock},
+        },
+    )
     cfg, _ = read_config(s.path("source"))
-    out["source"].update(draft_vocab_size=cfg.draft_vocab_size, vocab_size=cfg.vocab_size,
-                         hidden_size=cfg.hidden_size,
-                         bytes=sum(p.stat().st_size for p in s.path("source").iterdir()))
+    out["source"].update(
+        draft_vocab_size=cfg.draft_vocab_size,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        bytes=sum(p.stat().st_size for p in s.path("source").iterdir()),
+    )
     print(f"fetch: {src['repo_id']}@{src['revision']} -> commit {lock['commit']}")
     return out
 
@@ -89,15 +133,29 @@ def _check_source_fits(source: Path, features: dict) -> None:
     """The features must be captured at the aux layers the source drafter reads: fail before compute."""
     cfg, _ = read_config(source)
     if cfg.aux_layer_ids is not None and list(cfg.aux_layer_ids) != list(features["aux_layer_ids"]):
-        raise DraftportError("features.aux_layer_ids", f"{features['aux_layer_ids']} but the source drafter "
-                             f"reads {list(cfg.aux_layer_ids)}: the features would not fit it")
+        raise DraftportError(
+            "features.aux_layer_ids",
+            f"{features['aux_layer_ids']} but the source drafter "
+            f"reads {list(cfg.aux_layer_ids)}: the features would not fit it",
+        )
     if cfg.aux_convention and cfg.aux_convention != features["aux_convention"]:
-        raise DraftportError("features.aux_convention", f"{features['aux_convention']} but the source drafter "
-                             f"was trained under {cfg.aux_convention}")
+        raise DraftportError(
+            "features.aux_convention",
+            f"{features['aux_convention']} but the source drafter was trained under {cfg.aux_convention}",
+        )
 
 
-def _features(s: StepContext, out_dir, target, prompts, *, n: int, offset: int = 0, training: bool = False,
-              regenerate: bool = True) -> dict:
+def _features(
+    s: StepContext,
+    out_dir,
+    target,
+    prompts,
+    *,
+    n: int,
+    offset: int = 0,
+    training: bool = False,
+    regenerate: bool = True,
+) -> dict:
     """training: a training set (features.storage applies: online / hybrid store the answers
     only); held-out and evaluation sets are always stored with their states. regenerate false:
     the prompts file's own answers, teacher-forced (one prefill per sample)."""
@@ -109,16 +167,33 @@ def _features(s: StepContext, out_dir, target, prompts, *, n: int, offset: int =
     f = s.p["features"]
     storage = f["storage"] if training else "disk"
     with out_of_memory(f"capture {Path(out_dir).name}", "features.batch_size"):
-        idx = build_features(target, prompts, out_dir, n_samples=n, offset=offset,
-                             trust_remote_code=trusted(target, s.p["targets"]["trust_remote_code"]),
-                             aux_layer_ids=f["aux_layer_ids"], convention=f["aux_convention"],
-                             regenerate_responses=regenerate, max_new_tokens=f["max_new_tokens"],
-                             batch_size=f["batch_size"], dtype=f["dtype"], device=f["device"],
-                             engine=f["engine"], tensor_parallel_size=f["tensor_parallel_size"],
-                             regenerate_via=f["regenerate"], base_url=f["base_url"],
-                             served_model=f["served_model"], storage=storage, compile=f["compile"])
-    out = {"samples": idx["samples"], "tokens": idx["tokens"],
-           "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2)}
+        idx = build_features(
+            target,
+            prompts,
+            out_dir,
+            n_samples=n,
+            offset=offset,
+            trust_remote_code=trusted(target, s.p["targets"]["trust_remote_code"]),
+            aux_layer_ids=f["aux_layer_ids"],
+            convention=f["aux_convention"],
+            regenerate_responses=regenerate,
+            max_new_tokens=f["max_new_tokens"],
+            batch_size=f["batch_size"],
+            dtype=f["dtype"],
+            device=f["device"],
+            engine=f["engine"],
+            tensor_parallel_size=f["tensor_parallel_size"],
+            regenerate_via=f["regenerate"],
+            base_url=f["base_url"],
+            served_model=f["served_model"],
+            storage=storage,
+            compile=f["compile"],
+        )
+    out = {
+        "samples": idx["samples"],
+        "tokens": idx["tokens"],
+        "mb": round(idx["tokens"] * idx["bytes_per_token"] / 1e6, 2),
+    }
     s.timing[Path(out_dir).name] = {"samples": idx["samples"], **idx["seconds"]}
     if storage != "disk":  # mb: what the states would take on disk; stored: the answers alone
         out.update(storage=storage, stored_mb=round(sum(p.stat().st_size for p in Path(out_dir).iterdir()) / 1e6, 3))
@@ -130,8 +205,16 @@ def features_new(s: StepContext) -> dict:
     at the source drafter's aux layers (train/; features.storage online / hybrid: the answers
     only, the training steps capture the states)."""
     _check_source_fits(s.input("source"), s.p["features"])
-    return {"train": _features(s, s.path("train"), s.input("target"), s.p["targets"]["prompts_train"],
-                               n=s.p["phase1"]["n_samples"], training=True)}
+    return {
+        "train": _features(
+            s,
+            s.path("train"),
+            s.input("target"),
+            s.p["targets"]["prompts_train"],
+            n=s.p["phase1"]["n_samples"],
+            training=True,
+        )
+    }
 
 
 def features_monitor(s: StepContext) -> dict:
@@ -146,8 +229,10 @@ def features_monitor(s: StepContext) -> dict:
     if n >= total:
         raise DraftportError("monitor.n_samples", f"{n} but {prompts} holds {total} prompts: none left to train on")
     _check_source_fits(s.input("source"), s.p["features"])
-    return {"held_out": _features(s, s.path("held_out"), s.input("target"), prompts, n=n, offset=total - n),
-            "offset": total - n}
+    return {
+        "held_out": _features(s, s.path("held_out"), s.input("target"), prompts, n=n, offset=total - n),
+        "offset": total - n,
+    }
 
 
 def features_eval(s: StepContext) -> dict:
@@ -155,11 +240,11 @@ def features_eval(s: StepContext) -> dict:
     phase is measured on it) and the old target's (the source drafter's home)."""
     t, f = s.p["targets"], s.p["features"]
     _check_source_fits(s.input("source"), f)
-    out = {"eval_new": _features(s, s.path("eval_new"), s.input("target"), t["prompts_eval_new"],
-                                 n=f["eval_samples"])}
+    out = {"eval_new": _features(s, s.path("eval_new"), s.input("target"), t["prompts_eval_new"], n=f["eval_samples"])}
     if "target_old" in s.inputs:
-        out["eval_old"] = _features(s, s.path("eval_old"), s.input("target_old"), t["prompts_eval_old"],
-                                    n=f["eval_samples"])
+        out["eval_old"] = _features(
+            s, s.path("eval_old"), s.input("target_old"), t["prompts_eval_old"], n=f["eval_samples"]
+        )
     return out
 
 
@@ -168,8 +253,12 @@ def features_phase2(s: StepContext) -> dict:
     target, up to phase2.n_samples in all."""
     _check_source_fits(s.input("source"), s.p["features"])
     n1, n2 = s.p["phase1"]["n_samples"], s.p["phase2"]["n_samples"]
-    return {"train": _features(s, s.path("train"), s.input("target"), s.p["targets"]["prompts_train"],
-                               n=n2 - n1, offset=n1, training=True), "offset": n1}
+    return {
+        "train": _features(
+            s, s.path("train"), s.input("target"), s.p["targets"]["prompts_train"], n=n2 - n1, offset=n1, training=True
+        ),
+        "offset": n1,
+    }
 
 
 def features_dataset(s: StepContext) -> dict:
@@ -177,8 +266,17 @@ def features_dataset(s: StepContext) -> dict:
     prompts the regenerated points read), with the answers the prompts file gives them,
     teacher-forced through the new target: a prefill per sample, no decoding."""
     _check_source_fits(s.input("source"), s.p["features"])
-    return {"train": _features(s, s.path("train"), s.input("target"), s.p["targets"]["prompts_train"],
-                               n=max(s.p["curves"]["arms_n_samples"]), training=True, regenerate=False)}
+    return {
+        "train": _features(
+            s,
+            s.path("train"),
+            s.input("target"),
+            s.p["targets"]["prompts_train"],
+            n=max(s.p["curves"]["arms_n_samples"]),
+            training=True,
+            regenerate=False,
+        )
+    }
 
 
 def vocab_new(s: StepContext) -> dict:
@@ -189,9 +287,17 @@ def vocab_new(s: StepContext) -> dict:
     from draftport.model.vocab import compare_maps
 
     vocab = target_text_config(s.input("target"))["vocab_size"]
-    stats = build_vocab(s.input("features"), s.path("vocab.safetensors"),
-                        draft_vocab_size=s.p["vocab_new"]["draft_vocab_size"], vocab_size=vocab)
+    stats = build_vocab(
+        s.input("features"),
+        s.path("vocab.safetensors"),
+        draft_vocab_size=s.p["vocab_new"]["draft_vocab_size"],
+        vocab_size=vocab,
+    )
     new_d2t, _ = read_vocab(s.path("vocab.safetensors"))
     cmp = compare_maps(cfg_d2t(s.input("source")), new_d2t)
-    return {**stats, "vs_source": {k: cmp[k] for k in ("overlap", "jaccard", "src_only", "dst_only",
-                                                        "positions_differ", "overlap_frac_of_src")}}
+    return {
+        **stats,
+        "vs_source": {
+            k: cmp[k] for k in ("overlap", "jaccard", "src_only", "dst_only", "positions_differ", "overlap_frac_of_src")
+        },
+    }

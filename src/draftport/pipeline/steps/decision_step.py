@@ -20,8 +20,15 @@ def _hours(s: StepContext, curves: dict | None) -> dict | None:
     The curve points get their training seconds (train_seconds) for the decision's rows."""
     res = s.p["resources"]
     phase2_data = "budget" if "budget" in s.inputs else "features_phase2"  # data.budget adaptive: the rounds'
-    steps = ["features_new", phase2_data, *(["features_dataset"] if "data_features_dataset" in s.inputs else []),
-             "train_phase1_scratch", "train_phase1", "train_phase2", *(["train_curves"] if curves else [])]
+    steps = [
+        "features_new",
+        phase2_data,
+        *(["features_dataset"] if "data_features_dataset" in s.inputs else []),
+        "train_phase1_scratch",
+        "train_phase1",
+        "train_phase2",
+        *(["train_curves"] if curves else []),
+    ]
     rec = {st: timing_of(st) for st in steps}
     missing = [st for st, t in rec.items() if not t]
     if missing:
@@ -29,16 +36,21 @@ def _hours(s: StepContext, curves: dict | None) -> dict | None:
         return None
     data = {st: rec[st]["train"] for st in ("features_new", phase2_data, "features_dataset") if st in rec}
     r = {**rates(data, res), "source": "wall seconds of this run's steps x GPUs"}
-    train = {ph: float(rec[f"train_{ph}"]["train_seconds"]) * devices(res, f"train_{ph}")
-             for ph in ("phase1_scratch", "phase1", "phase2")}
+    train = {
+        ph: float(rec[f"train_{ph}"]["train_seconds"]) * devices(res, f"train_{ph}")
+        for ph in ("phase1_scratch", "phase1", "phase2")
+    }
     point_s = rec["train_curves"]["points"] if curves else {}
     for p in (curves or {}).get("points", []):
         if point_name(p) in point_s:
             p["train_seconds"] = point_s[point_name(p)] * devices(res, "train_curves")
     n1 = data["features_new"]["samples"]
     n2 = n1 + data[phase2_data]["samples"]
-    phases = {"phase1": split(n1, train["phase1"], r), "phase1_scratch": split(0, train["phase1_scratch"], r),
-              "phase2": split(n2 - n1, train["phase2"], r)}
+    phases = {
+        "phase1": split(n1, train["phase1"], r),
+        "phase1_scratch": split(0, train["phase1_scratch"], r),
+        "phase2": split(n2 - n1, train["phase2"], r),
+    }
     curve_train = sum(float(p.get("train_seconds") or 0.0) for p in (curves or {}).get("points", []))
     dataset = split(data.get("features_dataset", {}).get("samples", 0), 0.0, r, "dataset")  # no arm: zeros
     plan = {key: sum(h[key] for h in phases.values()) + dataset[key] for key in ("regenerate", "capture", "train")}
@@ -57,23 +69,37 @@ def decision(s: StepContext) -> dict:
     curves = read_json(s.input("curves")) if "curves" in s.inputs else None
     phases = {ph: read_json(s.input(ph)) for ph in PHASES if ph in s.inputs}
     drift = read_json(s.input("drift")) if "drift" in s.inputs else None
-    out = decide(curves, phases, costmodel=s.p["costmodel"], k=s.p["eval"]["k"], drift=drift,
-                 n_boot=d["n_boot"], level=d["level"], seed=d["seed"], min_gain=d["min_gain"],
-                 hours=_hours(s, curves), serving_tokens_per_day=d["serving_tokens_per_day"])
+    out = decide(
+        curves,
+        phases,
+        costmodel=s.p["costmodel"],
+        k=s.p["eval"]["k"],
+        drift=drift,
+        n_boot=d["n_boot"],
+        level=d["level"],
+        seed=d["seed"],
+        min_gain=d["min_gain"],
+        hours=_hours(s, curves),
+        serving_tokens_per_day=d["serving_tokens_per_day"],
+    )
     if "budget" in s.inputs:  # data.budget adaptive: where the rounds stopped, and why
         b = read_json(s.input("budget"))
-        out["data_budget"] = {**{key: b[key] for key in ("stop", "why", "n_samples", "factor", "min_gain", "cap")},
-                              "rounds": [{key: v for key, v in row.items() if key != "per_sample"}
-                                         for row in b["rounds"]]}
+        out["data_budget"] = {
+            **{key: b[key] for key in ("stop", "why", "n_samples", "factor", "min_gain", "cap")},
+            "rounds": [{key: v for key, v in row.items() if key != "per_sample"} for row in b["rounds"]],
+        }
     write_json(s.path("decision.json"), out)
     text = render_text(out)
     s.path("decision.txt").write_text(text + ("" if text.endswith("\n") else "\n"))
     print(text)
     r = out["recommendation"]
-    metrics = {"init_source": int(r["init"] == "source"), "init_scratch": int(r["init"] == "scratch"),
-               "confidence": {"low": 0, "medium": 1, "high": 2}[r["confidence"]],
-               "deploy_source_now": int(bool(r["deploy_source_now"])),
-               "recipe_plain": int(r["recipe"] == "plain")}
+    metrics = {
+        "init_source": int(r["init"] == "source"),
+        "init_scratch": int(r["init"] == "scratch"),
+        "confidence": {"low": 0, "medium": 1, "high": 2}[r["confidence"]],
+        "deploy_source_now": int(bool(r["deploy_source_now"])),
+        "recipe_plain": int(r["recipe"] == "plain"),
+    }
     if r["regenerate"] is not None:
         metrics["regenerate"] = int(r["regenerate"])
     for key in ("n_samples", "n_enough"):

@@ -12,8 +12,14 @@ from draftport.model.device import pick as pick_device
 from draftport.pipeline.runner import StepContext, read_json, write_json
 
 # tau (bonus token counted, as vLLM and SGLang), SpecForge's simulated_acc_len, vLLM's acceptance rate
-EVAL_KEYS = ("accept_length", "simulated_acc_len", "acceptance_rate", "accept_length_all_positions", "num_cycles",
-             "eval_samples")
+EVAL_KEYS = (
+    "accept_length",
+    "simulated_acc_len",
+    "acceptance_rate",
+    "accept_length_all_positions",
+    "num_cycles",
+    "eval_samples",
+)
 
 
 def cost_metrics(accept_length: float, costmodel: dict, k: int) -> dict:
@@ -22,8 +28,11 @@ def cost_metrics(accept_length: float, costmodel: dict, k: int) -> dict:
 
     cm = CostModel(costmodel["baseline_tok_s"], costmodel["verify_ms"], costmodel["draft_ms"], k=k)
     tok_s = cm.tok_s(accept_length)
-    return {"projected_tok_s": tok_s, "break_even_accept_length": cm.break_even_accept_length,
-            "speedup_vs_baseline": tok_s / costmodel["baseline_tok_s"]}
+    return {
+        "projected_tok_s": tok_s,
+        "break_even_accept_length": cm.break_even_accept_length,
+        "speedup_vs_baseline": tok_s / costmodel["baseline_tok_s"],
+    }
 
 
 def phase_metrics(res: dict, p: dict) -> dict:
@@ -40,9 +49,16 @@ def phase_metrics(res: dict, p: dict) -> dict:
 def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.json") -> dict:
     """Offline accept length of a drafter on a feature set; the full result in <name>."""
     e = s.p["eval"]
-    pick_device(e["device"], "eval.device")   # cuda without a GPU: refused before any work, by its key
-    res = evaluate_drafter(drafter, target, features, k=e["k"], batch_size=e["batch_size"],
-                           max_samples=e["max_samples"], device=e["device"])
+    pick_device(e["device"], "eval.device")  # cuda without a GPU: refused before any work, by its key
+    res = evaluate_drafter(
+        drafter,
+        target,
+        features,
+        k=e["k"],
+        batch_size=e["batch_size"],
+        max_samples=e["max_samples"],
+        device=e["device"],
+    )
     res.pop("eval_seconds", None)  # outputs stay byte-identical between identical runs
     s.record_run("eval" if name == "eval.json" else name.removesuffix(".json"), res.pop("run", None))
     write_json(s.path(name), res)
@@ -53,10 +69,14 @@ def write_plot_tables(s: StepContext, out: dict) -> dict:
     """tau.csv (the phase's tau beside break-even) and positions.csv (acceptance by draft
     position): what `dvc plots show/diff` draws per phase and between experiments."""
     phase, k = s.row.run, s.p["eval"]["k"]
-    s.path("tau.csv").write_text("phase,accept_length,break_even_accept_length\n"
-                                 f"{phase},{out['accept_length']:.6f},{out['break_even_accept_length']:.6f}\n")
-    s.path("positions.csv").write_text("phase,position,accept_rate,cond_acc\n" + "".join(
-        f"{phase},{i + 1},{out[f'accept_rate_pos_{i}']:.6f},{out[f'cond_acc_{i}']:.6f}\n" for i in range(k)))
+    s.path("tau.csv").write_text(
+        "phase,accept_length,break_even_accept_length\n"
+        f"{phase},{out['accept_length']:.6f},{out['break_even_accept_length']:.6f}\n"
+    )
+    s.path("positions.csv").write_text(
+        "phase,position,accept_rate,cond_acc\n"
+        + "".join(f"{phase},{i + 1},{out[f'accept_rate_pos_{i}']:.6f},{out[f'cond_acc_{i}']:.6f}\n" for i in range(k))
+    )
     return out
 
 
@@ -72,8 +92,10 @@ def eval_phase0(s: StepContext) -> dict:
     if "reference" in s.inputs:  # the upper bound: a drafter trained for the new target itself
         ref = evaluate_on(s, s.input("reference"), s.input("target"), s.input("features"), "eval_reference.json")
         out["reference_accept_length"] = ref["accept_length"]
-        print(f"eval_phase0: reference {s.p['reference']['repo_id']}: accept length {ref['accept_length']:.3f} "
-              f"(source {res['accept_length']:.3f})")
+        print(
+            f"eval_phase0: reference {s.p['reference']['repo_id']}: accept length {ref['accept_length']:.3f} "
+            f"(source {res['accept_length']:.3f})"
+        )
     return write_plot_tables(s, out)
 
 
@@ -99,18 +121,32 @@ def drift(s: StepContext) -> dict:
     from draftport.evaluation.drift import drift_probe
 
     e, f = s.p["eval"], s.p["features"]
-    s.record_run("eval", describe_device(pick_device(e["device"], "eval.device")))   # the source drafter's evaluations
+    s.record_run("eval", describe_device(pick_device(e["device"], "eval.device")))  # the source drafter's evaluations
     old = s.input("target_old")
-    out = drift_probe(s.input("drafter"), old, s.input("target"), s.input("features"), s.dir, k=e["k"],
-                      batch_size=e["batch_size"], max_samples=e["max_samples"], feature_batch_size=f["batch_size"],
-                      dtype=f["dtype"], device=f["device"],
-                      trust_remote_code=trusted(old, s.p["targets"]["trust_remote_code"]),
-                      engine=f["engine"], tensor_parallel_size=f["tensor_parallel_size"],
-                      max_tokens=s.p["drift"]["max_tokens"], eval_device=e["device"])
+    out = drift_probe(
+        s.input("drafter"),
+        old,
+        s.input("target"),
+        s.input("features"),
+        s.dir,
+        k=e["k"],
+        batch_size=e["batch_size"],
+        max_samples=e["max_samples"],
+        feature_batch_size=f["batch_size"],
+        dtype=f["dtype"],
+        device=f["device"],
+        trust_remote_code=trusted(old, s.p["targets"]["trust_remote_code"]),
+        engine=f["engine"],
+        tensor_parallel_size=f["tensor_parallel_size"],
+        max_tokens=s.p["drift"]["max_tokens"],
+        eval_device=e["device"],
+    )
     phase0 = read_json(s.input("phase0"))
     if "source_on_old_accept_length" in phase0:  # the source on the old target's own answers
         out["tau_source_on_old_answers"] = phase0["source_on_old_accept_length"]
-    print(f"drift: cos final {out['cos_final']:.3f}, CKA final {out['cka_final']:.3f}, greedy agreement "
-          f"{out['greedy_agreement']:.3f}; source tau on the old target's states {out['tau_source_old_features']:.3f} "
-          f"vs the new target's {out['tau_source_new_features']:.3f} (same tokens)")
+    print(
+        f"drift: cos final {out['cos_final']:.3f}, CKA final {out['cka_final']:.3f}, greedy agreement "
+        f"{out['greedy_agreement']:.3f}; source tau on the old target's states {out['tau_source_old_features']:.3f} "
+        f"vs the new target's {out['tau_source_new_features']:.3f} (same tokens)"
+    )
     return out

@@ -21,30 +21,56 @@ def _online(s: StepContext, phase: str) -> dict:
     ran = read_json(s.input("phase"))
     rec = run_file(f"eval_{phase}")
     if not rec.is_file():
-        raise DraftportError(rec, f"missing: the MLflow run of {phase} (rerun eval_{phase}: "
-                                  f"snakemake --forcerun eval_{phase} online)")
+        raise DraftportError(
+            rec, f"missing: the MLflow run of {phase} (rerun eval_{phase}: snakemake --forcerun eval_{phase} online)"
+        )
     run = PhaseRun.attach(json.loads(rec.read_text())["run_id"], where=rec)  # before compute
-    drafter, how = online_check.for_vllm(s.input("drafter"), s.path("export"), s.p["features"]["aux_convention"],
-                                  embed_tokens=o["embed_tokens"], target_dir=s.input("target"))
+    drafter, how = online_check.for_vllm(
+        s.input("drafter"),
+        s.path("export"),
+        s.p["features"]["aux_convention"],
+        embed_tokens=o["embed_tokens"],
+        target_dir=s.input("target"),
+    )
     print(f"{s.name}: {drafter}: {how}")
-    m = online_check.run_step(s.input("target"), drafter, s.p["targets"]["prompts_eval_new"], s.dir,
-                       n_prompts=o["n_prompts"], k=k, max_new_tokens=o["max_new_tokens"], tol=o["tolerance"],
-                       vllm_python_path=o["vllm_python"], max_num_seqs=o["max_num_seqs"], dtype=o["dtype"],
-                       tensor_parallel_size=o["tensor_parallel_size"], embed_tokens=o["embed_tokens"], check=False,
-                       # beside the step's log: it outlives a failed step, whose folder is dropped
-                       log_path=Path("logs", f"{s.name}.vllm.log"))
+    m = online_check.run_step(
+        s.input("target"),
+        drafter,
+        s.p["targets"]["prompts_eval_new"],
+        s.dir,
+        n_prompts=o["n_prompts"],
+        k=k,
+        max_new_tokens=o["max_new_tokens"],
+        tol=o["tolerance"],
+        vllm_python_path=o["vllm_python"],
+        max_num_seqs=o["max_num_seqs"],
+        dtype=o["dtype"],
+        tensor_parallel_size=o["tensor_parallel_size"],
+        embed_tokens=o["embed_tokens"],
+        check=False,
+        # beside the step's log: it outlives a failed step, whose folder is dropped
+        log_path=Path("logs", f"{s.name}.vllm.log"),
+    )
     out = {"accept_length": ran["accept_length"], **{key: v for key, v in m.items() if not isinstance(v, str)}}
     agree = abs(m["online_offline_difference"]) <= o["tolerance"]
     run.log_metrics({key: v for key, v in out.items() if key != "accept_length"}, step=int(ran.get("train_steps", 0)))
     run.set_tags({"draftport.online": "agrees" if agree else "DISAGREES", "draftport.vllm": m.get("vllm_version")})
-    print(f"{s.name}: vLLM tau {m['online_accept_length']:.4f} ({m['online_seconds']:.0f} s) vs offline on the "
-          f"same sequences {m['offline_same_prompts_accept_length']:.4f} "
-          f"({m['offline_same_prompts_seconds']:.0f} s); the phase's offline tau {ran['accept_length']:.4f}; "
-          f"logged to MLflow run {run.run_id}")
+    print(
+        f"{s.name}: vLLM tau {m['online_accept_length']:.4f} ({m['online_seconds']:.0f} s) vs offline on the "
+        f"same sequences {m['offline_same_prompts_accept_length']:.4f} "
+        f"({m['offline_same_prompts_seconds']:.0f} s); the phase's offline tau {ran['accept_length']:.4f}; "
+        f"logged to MLflow run {run.run_id}"
+    )
     if not agree:
-        online_check.agreement_check(m, {"accept_length": m["offline_same_prompts_accept_length"], "k": k,
-                                  **{f"accept_rate_pos_{i}": m[f"offline_same_prompts_accept_rate_pos_{i}"]
-                                     for i in range(k)}}, o["tolerance"])
+        online_check.agreement_check(
+            m,
+            {
+                "accept_length": m["offline_same_prompts_accept_length"],
+                "k": k,
+                **{f"accept_rate_pos_{i}": m[f"offline_same_prompts_accept_rate_pos_{i}"] for i in range(k)},
+            },
+            o["tolerance"],
+        )
     return out
 
 

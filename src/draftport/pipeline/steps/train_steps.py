@@ -21,13 +21,22 @@ from draftport.training.phases import train_phase
 def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> dict:
     """Train, save drafter/ (flat format), train_history.json and history.csv; the metrics."""
     cfg = TrainConfig(**s.p[group]["train"])
-    pick_device(cfg.device, f"{group}.train.device")   # cuda without a GPU: refused before any work
+    pick_device(cfg.device, f"{group}.train.device")  # cuda without a GPU: refused before any work
     if init == "scratch":  # the control: the group's budget without its port recipes (no weights to anchor or keep)
         cfg = cfg.model_copy(update={"l2sp_lambda": 0.0, "freeze": []})
-    kw = dict(features_dir=s.input("features"), target_dir=s.input("target"), vocab_path=s.input("vocab"),
-              init=init, source_dir=s.input("source"), vocab_policy=vocab_policy,
-              train_cfg=cfg, ckpt_dir=checkpoints(s.name), monitor=monitor_of(s, cfg),
-              verifier=s.p["targets"]["new"], **online_of(s))
+    kw = dict(
+        features_dir=s.input("features"),
+        target_dir=s.input("target"),
+        vocab_path=s.input("vocab"),
+        init=init,
+        source_dir=s.input("source"),
+        vocab_policy=vocab_policy,
+        train_cfg=cfg,
+        ckpt_dir=checkpoints(s.name),
+        monitor=monitor_of(s, cfg),
+        verifier=s.p["targets"]["new"],
+        **online_of(s),
+    )
     rank, _ = init_distributed(cfg.device)  # under torchrun: every rank trains on its slice of each batch
     if rank > 0:  # the same run, its files written by rank 0 (checkpoints: shared ckpt_dir)
         with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
@@ -37,22 +46,28 @@ def _train(s: StepContext, group: str, *, init, vocab_policy: str = "remap") -> 
     rep = train_phase(s.dir, logger=s.run.background() if s.run else None, progress=True, **kw)
     seconds = round(time.perf_counter() - t0, 3)
     hist = json.loads(s.path("train_history.json").read_text())
-    cols = ["step", "loss", "acc_0", "lr", "accept_length"]   # accept_length: held-out tau, at eval steps
+    cols = ["step", "loss", "acc_0", "lr", "accept_length"]  # accept_length: held-out tau, at eval steps
     with open(s.path("history.csv"), "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(cols)
         for h in hist:
             w.writerow([h.get(c, "") for c in cols])
     fin = rep.get("final", {})
-    out = {"train_processes": dist_info()[1],  # > 1 under torchrun (resources.<rule>.torchrun)
-           "train_steps": rep["train_steps"], "final_loss": fin.get("loss"), "final_acc_0": fin.get("acc_0"),
-           "resumed_from_step": rep["resumed_from_step"]}
+    out = {
+        "train_processes": dist_info()[1],  # > 1 under torchrun (resources.<rule>.torchrun)
+        "train_steps": rep["train_steps"],
+        "final_loss": fin.get("loss"),
+        "final_acc_0": fin.get("acc_0"),
+        "resumed_from_step": rep["resumed_from_step"],
+    }
     s.timing["train_seconds"] = seconds  # this run's own part after a resume; the decision's hours
     s.record_run("train", rep.get("run"), step=rep["train_steps"])
     if rep["curve"]:  # the held-out tau by step (DVC plots read curve.csv)
-        out.update(held_out_accept_length=rep["curve"][-1]["accept_length"],
-                   best_held_out_accept_length=max(c["accept_length"] for c in rep["curve"]),
-                   stopped_early=rep["stopped_early"])
+        out.update(
+            held_out_accept_length=rep["curve"][-1]["accept_length"],
+            best_held_out_accept_length=max(c["accept_length"] for c in rep["curve"]),
+            stopped_early=rep["stopped_early"],
+        )
         with open(s.path("curve.csv"), "w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["step", "accept_length"])
@@ -70,8 +85,10 @@ def online_of(s: StepContext, name: str | None = None) -> dict:
     f = s.p["features"]
     name = name or s.name
     sdir = f"{f['spool_dir'].rstrip('/')}/{name}" if f["spool_dir"] else None
-    return {"spool": {"gb": f["spool_gb"], "dir": sdir}, "trust_remote_code": trusted(s.input("target"),
-                                                                                      s.p["targets"]["trust_remote_code"])}
+    return {
+        "spool": {"gb": f["spool_gb"], "dir": sdir},
+        "trust_remote_code": trusted(s.input("target"), s.p["targets"]["trust_remote_code"]),
+    }
 
 
 def monitor_of(s: StepContext, cfg) -> dict | None:
@@ -94,8 +111,9 @@ def train_phase1(s: StepContext) -> dict:
     by target id, or the source map kept: phase1.vocab_policy)."""
     verdict = read_json(s.input("compare"))["verdict"]
     if not verdict["compatible_architecture"]:
-        raise DraftportError("compare", "the source drafter does not load into the new layout: "
-                             + "; ".join(verdict["reasons"]))
+        raise DraftportError(
+            "compare", "the source drafter does not load into the new layout: " + "; ".join(verdict["reasons"])
+        )
     return _train(s, "phase1", init="source", vocab_policy=s.p["phase1"]["vocab_policy"])
 
 

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             hs = torch.zeros(1, L, aux.shape[1], dtype=dtype)
             hs[0, :T] = aux[s:e].to(dtype)
             ids = torch.zeros(1, L, dtype=torch.long)
-            ids[0, : T - 1] = tokens[s + 1: e]
+            ids[0, : T - 1] = tokens[s + 1 : e]
             doc = torch.full((1, L), -1, dtype=torch.long)
             doc[0, :T] = 0
             pos = torch.arange(L, dtype=torch.long)[None]
@@ -81,12 +81,20 @@ def main(argv=None) -> int:
         out["embed_tokens"] = model.embed_tokens.weight.detach().contiguous()
     save_file(out, a.out)
     verifier = config.speculators_config.verifier
-    meta = {"speculators_version": version("speculators"), "transformers_version": version("transformers"),
-            "torch_version": torch.__version__, "attn_implementation": attn, "dtype": str(dtype).removeprefix("torch."),
-            "verifier": verifier.name_or_path, "steps": a.steps, "sequences": len(offsets) - 1,
-            "rows": int(offsets[-1]), "embed_tokens_has_nan": bool(model.embed_tokens.weight.isnan().any()),
-            "norm_before_residual": bool(config.norm_before_residual),
-            "aux_layer_ids": list(config.eagle_aux_hidden_state_layer_ids or [])}
+    meta = {
+        "speculators_version": version("speculators"),
+        "transformers_version": version("transformers"),
+        "torch_version": torch.__version__,
+        "attn_implementation": attn,
+        "dtype": str(dtype).removeprefix("torch."),
+        "verifier": verifier.name_or_path,
+        "steps": a.steps,
+        "sequences": len(offsets) - 1,
+        "rows": int(offsets[-1]),
+        "embed_tokens_has_nan": bool(model.embed_tokens.weight.isnan().any()),
+        "norm_before_residual": bool(config.norm_before_residual),
+        "aux_layer_ids": list(config.eagle_aux_hidden_state_layer_ids or []),
+    }
     with open(a.meta, "w") as f:
         json.dump(meta, f, indent=2)
     return 0

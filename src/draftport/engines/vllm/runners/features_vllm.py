@@ -38,7 +38,9 @@ def _cpu_connector_class():
     import torch
     from safetensors.torch import save_file
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        ExampleHiddenStatesConnector, extract_from_kv_cache)
+        ExampleHiddenStatesConnector,
+        extract_from_kv_cache,
+    )
 
     class _Written:  # stands for the CUDA event of a finished copy
         def query(self):
@@ -98,12 +100,17 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                 "kv_connector_extra_config": {"shared_storage_path": store}}
+    connector = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": store},
+    }
     if not torch.cuda.is_available():
         # the engine's workers import this file as a module to find the CPU writer
         here = os.path.dirname(os.path.abspath(__file__))
-        os.environ["PYTHONPATH"] = here + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+        os.environ["PYTHONPATH"] = here + (
+            os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
+        )
         sys.path.insert(0, here)
         connector.update(kv_connector=CPU_CONNECTOR, kv_connector_module_path="features_vllm")
     llm = LLM(
@@ -143,9 +150,15 @@ def main() -> int:
         if data["token_ids"][: len(seqs[i])].tolist() != seqs[i][:n]:
             raise RuntimeError(f"request {i}: the captured token ids differ from the sequence sent")
         files.append({"path": path, "tokens": n, "shape": list(data["hidden_states"].shape)})
-    result = {"files": files, "layer_ids": layer_ids, "load_seconds": t_load, "generate_seconds": t_gen,
-              "vllm_version": vllm.__version__, "device": "cuda" if torch.cuda.is_available() else "cpu",
-              "tensor_parallel_size": args.tensor_parallel_size}
+    result = {
+        "files": files,
+        "layer_ids": layer_ids,
+        "load_seconds": t_load,
+        "generate_seconds": t_gen,
+        "vllm_version": vllm.__version__,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
     out = os.path.join(args.out_dir, "result.json")
     with open(out + ".tmp", "w") as f:
         json.dump(result, f)

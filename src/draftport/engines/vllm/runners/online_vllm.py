@@ -62,8 +62,12 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
-                    help="default: 0.85 on a GPU, 0.2 of the memory on the CPU engine")
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="default: 0.85 on a GPU, 0.2 of the memory on the CPU engine",
+    )
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -92,8 +96,7 @@ def main() -> int:
     llm = LLM(
         model=args.target,
         tokenizer=args.target,
-        speculative_config={"method": "eagle3", "model": args.drafter,
-                            "num_speculative_tokens": args.k},
+        speculative_config={"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.k},
         dtype=args.dtype,
         enforce_eager=True,
         seed=args.seed,
@@ -120,12 +123,14 @@ def main() -> int:
     for o in outs:
         c = o.outputs[0]
         sd = c.spec_decode_metrics
-        requests.append({
-            "output_token_ids": list(c.token_ids),
-            "finish_reason": c.finish_reason,
-            "per_step_accepted": list(sd.per_step_accepted) if sd is not None else None,
-            "per_step_drafted": list(sd.per_step_drafted) if sd is not None else None,
-        })
+        requests.append(
+            {
+                "output_token_ids": list(c.token_ids),
+                "finish_reason": c.finish_reason,
+                "per_step_accepted": list(sd.per_step_accepted) if sd is not None else None,
+                "per_step_drafted": list(sd.per_step_drafted) if sd is not None else None,
+            }
+        )
     result = {
         **counters,
         "k": args.k,
@@ -142,9 +147,11 @@ def main() -> int:
     with open(args.out + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(args.out + ".tmp", args.out)
-    print(f"vllm: {len(prompts)} prompts, {counters['num_drafts']} drafts, "
-          f"{counters['num_accepted_tokens']} accepted, load {t_load:.1f}s, generate {t_gen:.1f}s",
-          flush=True)
+    print(
+        f"vllm: {len(prompts)} prompts, {counters['num_drafts']} drafts, "
+        f"{counters['num_accepted_tokens']} accepted, load {t_load:.1f}s, generate {t_gen:.1f}s",
+        flush=True,
+    )
     return 0
 
 
