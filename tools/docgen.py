@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import json
 import os
 import re
 import sys
@@ -393,14 +394,38 @@ def render(text: str) -> str:
     return BLOCK.sub(fill, text)
 
 
+def rate_table() -> str:
+    """src/draftport/outputs/rates.json: the estimate's figures from benchmarks/results, shipped
+    with the package (an installed draftport has no benchmarks/ folder)."""
+    from draftport.outputs import train_rates as T
+
+    return json.dumps(T.packaged_table(), indent=1, default=str) + "\n"
+
+
+def packaged_params() -> str:
+    """src/draftport/plan/defaults.yaml: params.yaml as it ships with the package, the base an
+    installed `draftport estimate` layers a profile on outside a checkout."""
+    return (
+        "# generated from params.yaml by tools/docgen.py (do not edit): the base of `draftport estimate`\n"
+        "# where no params.yaml is at hand (an installed draftport)\n" + (ROOT / "params.yaml").read_text()
+    )
+
+
+# whole generated files: path -> what writes it
+WHOLE = {
+    ROOT / "src" / "draftport" / "outputs" / "rates.json": rate_table,
+    ROOT / "src" / "draftport" / "plan" / "defaults.yaml": packaged_params,
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 when a generated block is out of date")
     a = ap.parse_args(argv)
     stale = []
-    for f in FILES:
-        text = f.read_text()
-        new = render(text)
+    outputs = [(f, f.read_text(), render(f.read_text())) for f in FILES]
+    outputs += [(f, f.read_text() if f.is_file() else "", make()) for f, make in WHOLE.items()]
+    for f, text, new in outputs:
         if new == text:
             continue
         if a.check:

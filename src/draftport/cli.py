@@ -318,6 +318,8 @@ def estimate(
     from draftport.outputs import estimate as E
     from draftport.plan.params import load
 
+    if params == Path("params.yaml") and not params.is_file():  # outside a checkout: params.yaml as shipped
+        params = Path(E.__file__).resolve().parents[1] / "plan" / "defaults.yaml"
     rep = E.estimate(
         load(*configfile, base=params),
         tokens_per_sample=tokens_per_sample,

@@ -2,6 +2,7 @@
 a cycle), and the modules the Snakefile and the header-only commands load stay torch-free."""
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -170,3 +171,30 @@ def test_a_wheel_carries_every_module_and_the_in_venv_scripts(tmp_path):
     want = {str(p.relative_to(SRC)) for p in PKG.rglob("*.py")}
     assert want <= names, sorted(want - names)
     assert "draftport/engines/vllm/runners/online_vllm.py" in names and "draftport/plan/registry.py" in names
+    assert {"draftport/outputs/rates.json", "draftport/plan/defaults.yaml"} <= names
+    # installed, outside any checkout: the estimate of a profile from the packaged rates and params
+    site, away = tmp_path / "site", tmp_path / "away"
+    zipfile.ZipFile(wheel).extractall(site)
+    away.mkdir()
+    shutil.copy(root / "configs" / "kimi-k2.5.yaml", away / "kimi.yaml")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, draftport; from draftport.cli import main; "
+            f"assert draftport.__file__.startswith({str(site)!r}), draftport.__file__; sys.exit(main(sys.argv[1:]))",
+            "estimate",
+            "--configfile",
+            "kimi.yaml",
+        ],
+        cwd=away,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (
+        "measured: training NVIDIA H200" in r.stdout
+        and "benchmarks/results/2026-12-03-h200-train-kimi.json" in r.stdout
+    )
+    assert "capture rate" in r.stdout and "stated" not in r.stdout.split("capture rate")[1].split("\n")[0]

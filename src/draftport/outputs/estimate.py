@@ -347,6 +347,8 @@ def capture_flops_per_token(shape: dict, tokens_per_sample: int) -> dict:
 
 # ---- the capture's fraction of roofline: measured or stated ---------------------------------------
 def newest_capture_bench(results=RESULTS) -> Path | None:
+    if not Path(results).is_dir():
+        return None
     files = sorted(Path(results).glob("*-h200-capture.json"))
     return files[-1] if files else None
 
@@ -417,6 +419,12 @@ def capture_efficiency(bench=None, stated: float | None = None) -> dict:
     path = bench if bench is not None else newest_capture_bench()
     if path is not None:
         return capture_bench(path)
+    if bench is None and not RESULTS.is_dir():  # an installed draftport: the packaged table's
+        from draftport.outputs.train_rates import _packaged
+
+        cap = _packaged().get("capture")
+        if cap is not None:
+            return cap
     return {"source": "stated", "note": CAPTURE_STATED_SOURCE, **CAPTURE_STATED}
 
 

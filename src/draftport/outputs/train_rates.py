@@ -176,9 +176,40 @@ def read_result(path: Path) -> dict | None:
         return None
 
 
+# The newest result per shape and the newest capture result, shipped with the package, so that an
+# installed draftport estimates without the repository (`python tools/docgen.py` rewrites it from
+# benchmarks/results; tests/outputs/test_train_rates.py checks that they agree).
+PACKAGED = Path(__file__).with_name("rates.json")
+
+
+def packaged_table(results: Path = RESULTS) -> dict:
+    """What PACKAGED holds, read from the results folder: {"train": measured's records, "capture":
+    the newest capture result's figures}."""
+    # lazy: estimate imports this module
+    from draftport.outputs.estimate import capture_bench, newest_capture_bench
+
+    cap = newest_capture_bench(results)
+    return {
+        "train": [{**r, "file": _shown(r["file"])} for r in measured(results)],
+        "capture": capture_bench(cap) if cap is not None else None,
+    }
+
+
+def _packaged() -> dict:
+    try:
+        return json.loads(PACKAGED.read_text())
+    except (OSError, ValueError):
+        raise DraftportError(
+            PACKAGED, "the packaged rate table is missing or unreadable: reinstall draftport"
+        ) from None
+
+
 def measured(results: Path = RESULTS) -> list[dict]:
     """Per drafter shape, its newest result (read_result: the latest date, then the latest round
-    of that date), ordered by hidden size."""
+    of that date), ordered by hidden size. Without the repository's results folder (an installed
+    draftport), the packaged table's."""
+    if Path(results) == RESULTS and not RESULTS.is_dir():
+        return _packaged()["train"]
     best: dict[tuple, dict] = {}
     for p in sorted(Path(results).glob("*-h200-train-*.json")):
         r = read_result(p)

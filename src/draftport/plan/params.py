@@ -44,12 +44,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from draftport.errors import DraftportError
-from draftport.plan.registry import (
-    STEP_NAMES,
-    TORCHRUN_INSIDE,
-    TRAINING_STEPS,
-    get,
-)  # get: the dotted-key lookup both use
+
+# get: the dotted-key lookup both use
+from draftport.plan.registry import STEP_NAMES, TORCHRUN_INSIDE, TRAINING_STEPS, get
 
 PARAMS_FILE = "params.yaml"
 

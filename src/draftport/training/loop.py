@@ -428,11 +428,8 @@ def train(
     stopped = bool(history and history[-1].get("early_stop"))  # a stopped run stays stopped
     scores = [r["accept_length"] for r in history if "accept_length" in r]
     bar = _bar(cfg, step) if progress and run.rank == 0 else None
-    if cfg.packing:
-        from draftport.data.packing import (
-            ROW_MULTIPLE,
-            pack,
-        )  # only then: a step that never packs does not run the module
+    if cfg.packing:  # only then: a step that never packs does not run the module
+        from draftport.data.packing import ROW_MULTIPLE, pack
     n = len(features)
     done_this_call = 0
     t0 = time.time()

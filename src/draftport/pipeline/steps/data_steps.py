@@ -106,8 +106,8 @@ def fetch(s: StepContext) -> dict:
                 patterns=F.TARGET_PATTERNS,
                 offline=src["offline"],
                 allow_pickle=pickle,
-                trust_remote_code=t[which] in t["trust_remote_code"],
-            )  # its *.py only when named
+                trust_remote_code=t[which] in t["trust_remote_code"],  # its *.py only when named
+            )
             lock[f"target_{which}"] = {"source": t[which], "commit": tl["commit"]}
     write_json(
         s.path("revision.json"),
