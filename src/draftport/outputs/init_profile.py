@@ -562,61 +562,68 @@ def like_lines(like: Path, n1: int, n2: int) -> list[Line]:
     return out
 
 
-def build(
-    name: str,
-    *,
-    source: str,
-    target_new: str,
-    target_old: str | None = None,
-    prompts: Path | None = None,
-    prompts_eval: Path | None = None,
-    regenerate: str = "local",
-    base_url: str | None = None,
-    served_model: str | None = None,
-    cache_dir=None,
-    offline: bool = False,
-    trust_remote_code: bool = False,
-    like: Path | None = None,
-    gpus: int = 8,
-    phase1_samples: int | None = None,
-    phase2_samples: int | None = None,
-    baseline_tok_s: float | None = None,
-    verify_ms: float | None = None,
-    draft_ms: float | None = None,
-    reference: str | None = None,
-    pin: bool = True,
-    read_offline: bool | None = None,
-    out: Path | None = None,
-    force: bool = False,
-) -> dict:
+@dataclass(frozen=True)
+class InitRequest:
+    """What `draftport init` is asked: the pair (a source drafter, the new target, the old one),
+    its prompt files, how the answers are made, the deployment's measured figures, the profile to
+    copy training settings from (`like`), and where to write."""
+
+    name: str
+    source: str
+    target_new: str
+    target_old: str | None = None
+    prompts: Path | None = None
+    prompts_eval: Path | None = None
+    regenerate: str = "local"
+    base_url: str | None = None
+    served_model: str | None = None
+    cache_dir: str | Path | None = None
+    offline: bool = False
+    trust_remote_code: bool = False
+    like: Path | None = None
+    gpus: int = 8
+    phase1_samples: int | None = None
+    phase2_samples: int | None = None
+    baseline_tok_s: float | None = None
+    verify_ms: float | None = None
+    draft_ms: float | None = None
+    reference: str | None = None
+    pin: bool = True
+    read_offline: bool | None = None
+    out: Path | None = None
+    force: bool = False
+
+
+def build(req: InitRequest) -> dict:
     """Check the pair and write configs/NAME.yaml (atomically; nothing when a problem is found).
     -> {"path", "problems", "gaps", "notes", "profile" (the validated params), "text"}."""
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", req.name):
         raise DraftportError(
             "NAME",
-            f"{name!r}: letters, digits, '.', '_' and '-' only (it names configs/NAME.yaml and the MLflow experiment)",
+            f"{req.name!r}: letters, digits, '.', '_' and '-' only "
+            "(it names configs/NAME.yaml and the MLflow experiment)",
         )
-    if regenerate not in ("local", "openai"):
-        raise DraftportError("--regenerate", f"{regenerate!r}: local or openai")
-    if regenerate == "openai" and not base_url:
+    if req.regenerate not in ("local", "openai"):
+        raise DraftportError("--regenerate", f"{req.regenerate!r}: local or openai")
+    if req.regenerate == "openai" and not req.base_url:
         raise DraftportError("--base-url", "needed with --regenerate openai (the served target's /v1 address)")
-    path = out or Path("configs") / f"{name}.yaml"
-    if path.exists() and not force:
+    path = req.out or Path("configs") / f"{req.name}.yaml"
+    if path.exists() and not req.force:
         raise DraftportError(
             path, "exists: pass --force to replace it (the old file is kept until the new one is whole)"
         )
     f = Findings()
     # offline: what the profile's fetch does; read_offline: how init itself reads (HF_HUB_OFFLINE too)
-    ro = offline if read_offline is None else read_offline
-    src = locate(source, "source", cache_dir=cache_dir, offline=ro, headers=True)
-    if not pin:  # an example profile: the branch stays, the commit is named a gap below
+    ro = req.offline if req.read_offline is None else req.read_offline
+    src = locate(req.source, "source", cache_dir=req.cache_dir, offline=ro, headers=True)
+    if not req.pin:  # an example profile: the branch stays, the commit is named a gap below
         src.commit = None
-    new = locate(target_new, "targets.new", cache_dir=cache_dir, offline=ro)
-    old = locate(target_old, "targets.old", cache_dir=cache_dir, offline=ro) if target_old else None
+    new = locate(req.target_new, "targets.new", cache_dir=req.cache_dir, offline=ro)
+    old = locate(req.target_old, "targets.old", cache_dir=req.cache_dir, offline=ro) if req.target_old else None
     pair = check_pair(src, new, old, f)
-    data_dir = Path("data") / name
-    train_path = prompts or data_dir / "train.jsonl"
-    eval_path = prompts_eval or data_dir / "heldout.jsonl"
+    data_dir = Path("data") / req.name
+    train_path = req.prompts or data_dir / "train.jsonl"
+    eval_path = req.prompts_eval or data_dir / "heldout.jsonl"
     counts = check_prompts(train_path, eval_path, f)
     rep = {
         "path": str(path),
@@ -640,7 +647,7 @@ def build(
         tp *= 2
     big = weight_bytes > 0.8 * GPU_BYTES
     n_train, n_eval = counts["train"], counts["heldout"]
-    mon = 512 if like is None else int((P.read_yaml(like).get("monitor") or {}).get("n_samples", 64))
+    mon = 512 if req.like is None else int((P.read_yaml(req.like).get("monitor") or {}).get("n_samples", 64))
     usable = max(0, n_train - mon)
     # Phase 2 takes every usable prompt (200K while the file is not there yet); Phase 1 a fifth,
     # at most the 37K of the Kimi case
@@ -651,8 +658,8 @@ def build(
             "which leaves too few for Phase 1 and Phase 2",
         )
         return rep
-    n2 = phase2_samples or (usable if n_train else 200000)
-    n1 = phase1_samples or min(37000, max(1, n2 // 5))
+    n2 = req.phase2_samples or (usable if n_train else 200000)
+    n1 = req.phase1_samples or min(37000, max(1, n2 // 5))
     if n_train and n2 > usable:
         f.problem(
             "--phase2-samples",
@@ -673,9 +680,9 @@ def build(
     cfg, conv = pair["cfg"], pair["convention"]
     remote = needs_remote_code(new) or needs_remote_code(src)
     pin_src = src.commit or ("local folder" if src.repo_id is None else None)
-    ref = split_spec(reference) if reference else None
+    ref = split_spec(req.reference) if req.reference else None
     lines = [
-        Line("profile", name, "the MLflow experiment is draftport-<profile>"),
+        Line("profile", req.name, "the MLflow experiment is draftport-<profile>"),
         Line("world.build", False, "a real pair: no embedded world"),
         Line("source.repo_id", src.repo_id or _as_path(src.folder), "the drafter trained for the old target"),
         Line(
@@ -689,12 +696,14 @@ def build(
         ),
         Line(
             "source.cache_dir",
-            str(cache_dir) if cache_dir else None,
-            "the hub cache init read" if cache_dir else "the default HF cache (HF_HOME)",
+            str(req.cache_dir) if req.cache_dir else None,
+            "the hub cache init read" if req.cache_dir else "the default HF cache (HF_HOME)",
         ),
-        Line("source.offline", bool(offline), "only the cache" if offline else "the hub may be reached"),
-        Line("source.lock_file", f"configs/{name}.source.lock.json", "every file's sha256: a later fetch must match"),
-        Line("targets.new", new.repo_id or str(new.folder), _target_why(new, pair, pin)),
+        Line("source.offline", bool(req.offline), "only the cache" if req.offline else "the hub may be reached"),
+        Line(
+            "source.lock_file", f"configs/{req.name}.source.lock.json", "every file's sha256: a later fetch must match"
+        ),
+        Line("targets.new", new.repo_id or str(new.folder), _target_why(new, pair, req.pin)),
         *(
             [
                 Line(
@@ -721,9 +730,9 @@ def build(
         Line("targets.prompts_eval_old", None, "the old target's held-out set: optional"),
         Line(
             "targets.trust_remote_code",
-            [x for x in (new.repo_id, old.repo_id if old else None) if x] if remote and trust_remote_code else [],
+            [x for x in (new.repo_id, old.repo_id if old else None) if x] if remote and req.trust_remote_code else [],
             "its own code (auto_map) runs: you said --trust-remote-code"
-            if remote and trust_remote_code
+            if remote and req.trust_remote_code
             else "the target needs its own code (auto_map): run init with --trust-remote-code if you trust it"
             if remote
             else "transformers' own classes: no repo code runs",
@@ -751,20 +760,20 @@ def build(
         Line("features.tensor_parallel_size", tp, "GPUs the target is sharded over"),
         Line(
             "features.regenerate",
-            regenerate,
+            req.regenerate,
             "the answers from the target served at base_url (another job or node)"
-            if regenerate == "openai"
+            if req.regenerate == "openai"
             else "the answers are generated in the capture step itself",
         ),
         Line(
             "features.base_url",
-            base_url,
-            "the served target (OpenAI-compatible: vLLM or SGLang)" if base_url else "not used (regenerate local)",
+            req.base_url,
+            "the served target (OpenAI-compatible: vLLM or SGLang)" if req.base_url else "not used (regenerate local)",
         ),
         Line(
             "features.served_model",
-            served_model or (new.repo_id if regenerate == "openai" else None),
-            "the model name the server knows the target by" if regenerate == "openai" else "not used",
+            req.served_model or (new.repo_id if req.regenerate == "openai" else None),
+            "the model name the server knows the target by" if req.regenerate == "openai" else "not used",
         ),
         Line("features.eval_samples", min(1000, n_eval) if n_eval else 1000, "held-out prompts per eval set"),
         Line("vocab_new.draft_vocab_size", cfg.draft_vocab_size, "the source's draft vocab: lm_head keeps its shape"),
@@ -778,25 +787,27 @@ def build(
         ),
         Line(
             "costmodel.baseline_tok_s",
-            baseline_tok_s if baseline_tok_s else 82.0,
-            "measured (--baseline-tok-s)" if baseline_tok_s else "PLACEHOLDER: your target's tok/s without a drafter",
+            req.baseline_tok_s if req.baseline_tok_s else 82.0,
+            "measured (--baseline-tok-s)"
+            if req.baseline_tok_s
+            else "PLACEHOLDER: your target's tok/s without a drafter",
         ),
         Line(
             "costmodel.verify_ms",
-            verify_ms if verify_ms else 30.0,
-            "measured (--verify-ms)" if verify_ms else "PLACEHOLDER: one verify step of your deployment, ms",
+            req.verify_ms if req.verify_ms else 30.0,
+            "measured (--verify-ms)" if req.verify_ms else "PLACEHOLDER: one verify step of your deployment, ms",
         ),
         Line(
             "costmodel.draft_ms",
-            draft_ms if draft_ms is not None else 0.0,
-            "measured (--draft-ms)" if draft_ms is not None else "0: drafting counted inside verify_ms",
+            req.draft_ms if req.draft_ms is not None else 0.0,
+            "measured (--draft-ms)" if req.draft_ms is not None else "0: drafting counted inside verify_ms",
         ),
         Line("phase1.n_samples", n1, "new-target samples of Phase 1 (and of the control)"),
         Line("phase2.n_samples", n2, "Phase 2's total, Phase 1's included"),
     ]
-    if like is not None:
+    if req.like is not None:
         have = {ln.key for ln in lines}
-        lines += [ln for ln in like_lines(like, n1, n2) if ln.key not in have or ln.key.startswith("features.")]
+        lines += [ln for ln in like_lines(req.like, n1, n2) if ln.key not in have or ln.key.startswith("features.")]
         lines = _dedupe(lines)
         if n_eval:  # never more held-out samples than the held-out file holds
             lines = [
@@ -806,14 +817,14 @@ def build(
                 for ln in lines
             ]
     else:
-        lines += real_scale(n1, n2, gpus, tp, counts) + resources(tp, gpus)
-    if not (baseline_tok_s and verify_ms):
+        lines += real_scale(n1, n2, req.gpus, tp, counts) + resources(tp, req.gpus)
+    if not (req.baseline_tok_s and req.verify_ms):
         f.gap(
             "costmodel",
             "baseline_tok_s / verify_ms are placeholders: measure them on your deployment "
             "(docs: your own model pair) or pass --baseline-tok-s / --verify-ms",
         )
-    if remote and not trust_remote_code:
+    if remote and not req.trust_remote_code:
         f.gap(
             "targets.trust_remote_code", f"{new.spec} needs its own code (auto_map): run init with --trust-remote-code"
         )
@@ -822,12 +833,12 @@ def build(
             "source.revision",
             f"{src.revision or 'main'} is a branch, not a commit: run init again without --no-pin to pin it",
         )
-    if regenerate == "openai":
-        f.gap("features.base_url", f"{base_url}: serve the new target there before the feature steps run")
+    if req.regenerate == "openai":
+        f.gap("features.base_url", f"{req.base_url}: serve the new target there before the feature steps run")
 
     header = [
-        f"{name}: {src.spec} (drafter) -> {new.spec} (new target), written by `draftport init`.",
-        f"  snakemake --configfile=configs/{name}.yaml --cores 8 decision",
+        f"{req.name}: {src.spec} (drafter) -> {new.spec} (new target), written by `draftport init`.",
+        f"  snakemake --configfile=configs/{req.name}.yaml --cores 8 decision",
         "Each value says why it is there; edit freely, then `snakemake -n` shows what reruns.",
     ]
     text = render_yaml(header, lines)
