@@ -47,6 +47,7 @@ from draftport.data.storage import MODES, SPOOL_GB, _positive, bytes_per_token, 
 from draftport.data.storage import DISK_MARGIN, TOKEN_BYTES, check_storage  # noqa: F401
 from draftport.model.config import target_text_config
 from draftport.outputs.render import estimate_renderables
+from draftport.outputs.train_rates import _packaged, capture_bench, newest_capture_bench
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/estimate.py)
 # the default: the training figures of the profile's own drafter shape (draftport.outputs.train_rates:
@@ -346,71 +347,6 @@ def capture_flops_per_token(shape: dict, tokens_per_sample: int) -> dict:
 
 
 # ---- the capture's fraction of roofline: measured or stated ---------------------------------------
-def newest_capture_bench(results=RESULTS) -> Path | None:
-    if not Path(results).is_dir():
-        return None
-    files = sorted(Path(results).glob("*-h200-capture.json"))
-    return files[-1] if files else None
-
-
-def _first(d: dict, names: tuple[str, ...]):
-    return next((d[n] for n in names if isinstance(d, dict) and d.get(n) is not None), None)
-
-
-def _fraction(m, roofline_tok_s) -> float | None:
-    if isinstance(m, (int, float)):
-        return float(m)
-    if not isinstance(m, dict):
-        return None
-    f = _first(m, ("fraction_of_roofline", "roofline_fraction", "fraction"))
-    if f is None and roofline_tok_s:
-        t = _first(m, ("tok_s", "tokens_per_s"))
-        f = t / roofline_tok_s if t else None
-    return None if f is None else float(f)
-
-
-def capture_bench(path) -> dict:
-    """A capture benchmark result: per shape, tok/s and fraction of roofline for forward / capture /
-    capture+write. Read: the shape with the most FLOPs per token (the nearest to a 1T MoE's 32B
-    active), its capture+write fraction (disk modes) and capture fraction (online; capture+write
-    when absent). Accepted layout: {"date", "device", "shapes": {name: {"roofline_tok_s",
-    "forward" | "capture" | "capture_write": {"tok_s", "fraction_of_roofline"}}}} (shapes may be a
-    list of such dicts with a "name")."""
-    path = Path(path)
-    d = _read_json(path, "no such capture benchmark result")
-    shapes = d.get("shapes") if isinstance(d, dict) else None
-    if isinstance(shapes, list):
-        shapes = {str(s.get("name", i)): s for i, s in enumerate(shapes) if isinstance(s, dict)}
-    if not isinstance(shapes, dict) or not shapes:
-        raise DraftportError(path, "capture benchmark result lacks 'shapes'")
-
-    def size(item):
-        s = item[1]
-        roof = _first(s, ("roofline_tok_s", "roofline_tokens_per_s"))
-        return -roof if roof else float(_first(s, ("params", "flops_per_token")) or 0)
-
-    name, s = max(shapes.items(), key=size)
-    roof = _first(s, ("roofline_tok_s", "roofline_tokens_per_s"))
-    write = _fraction(_first(s, ("capture_write", "capture+write", "capture_and_write")), roof)
-    cap = _fraction(_first(s, ("capture",)), roof)
-    if write is None:
-        raise DraftportError(path, f"shape {name}: no capture+write fraction of roofline")
-    for f in (write, cap):
-        if f is not None and not 0 < f <= 1:
-            raise DraftportError(path, f"shape {name}: fraction of roofline {f} is not in (0, 1]")
-    shown = path.relative_to(ROOT) if path.is_absolute() and path.is_relative_to(ROOT) else path
-    return {
-        "source": "measured",
-        "file": str(shown),
-        "date": d.get("date"),
-        "device": d.get("device"),
-        "shape": name,
-        "capture_write": write,
-        "capture": cap if cap is not None else write,
-        "capture_measured": cap is not None,
-    }
-
-
 def capture_efficiency(bench=None, stated: float | None = None) -> dict:
     """stated (given) > the benchmark file given > the newest *-h200-capture.json > CAPTURE_STATED."""
     if stated is not None:
@@ -420,8 +356,6 @@ def capture_efficiency(bench=None, stated: float | None = None) -> dict:
     if path is not None:
         return capture_bench(path)
     if bench is None and not RESULTS.is_dir():  # an installed draftport: the packaged table's
-        from draftport.outputs.train_rates import _packaged
-
         cap = _packaged().get("capture")
         if cap is not None:
             return cap

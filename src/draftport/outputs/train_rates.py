@@ -33,6 +33,7 @@ import re
 from pathlib import Path
 
 from draftport.errors import DraftportError
+from draftport.files import load_json
 from draftport.model.flops import flops_per_token  # the benchmark's count (tests/outputs/test_train_rates.py)
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/train_rates.py)
@@ -185,13 +186,76 @@ PACKAGED = Path(__file__).with_name("rates.json")
 def packaged_table(results: Path = RESULTS) -> dict:
     """What PACKAGED holds, read from the results folder: {"train": measured's records, "capture":
     the newest capture result's figures}."""
-    # lazy: estimate imports this module
-    from draftport.outputs.estimate import capture_bench, newest_capture_bench
-
     cap = newest_capture_bench(results)
     return {
         "train": [{**r, "file": _shown(r["file"])} for r in measured(results)],
         "capture": capture_bench(cap) if cap is not None else None,
+    }
+
+
+# ---- the capture benchmark's result (the estimate's capture rate) ---------------------------------
+def newest_capture_bench(results=RESULTS) -> Path | None:
+    if not Path(results).is_dir():
+        return None
+    files = sorted(Path(results).glob("*-h200-capture.json"))
+    return files[-1] if files else None
+
+
+def _first(d: dict, names: tuple[str, ...]):
+    return next((d[n] for n in names if isinstance(d, dict) and d.get(n) is not None), None)
+
+
+def _fraction(m, roofline_tok_s) -> float | None:
+    if isinstance(m, (int, float)):
+        return float(m)
+    if not isinstance(m, dict):
+        return None
+    f = _first(m, ("fraction_of_roofline", "roofline_fraction", "fraction"))
+    if f is None and roofline_tok_s:
+        t = _first(m, ("tok_s", "tokens_per_s"))
+        f = t / roofline_tok_s if t else None
+    return None if f is None else float(f)
+
+
+def capture_bench(path) -> dict:
+    """A capture benchmark result: per shape, tok/s and fraction of roofline for forward / capture /
+    capture+write. Read: the shape with the most FLOPs per token (the nearest to a 1T MoE's 32B
+    active), its capture+write fraction (disk modes) and capture fraction (online; capture+write
+    when absent). Accepted layout: {"date", "device", "shapes": {name: {"roofline_tok_s",
+    "forward" | "capture" | "capture_write": {"tok_s", "fraction_of_roofline"}}}} (shapes may be a
+    list of such dicts with a "name")."""
+    path = Path(path)
+    d = load_json(path, "no such capture benchmark result")
+    shapes = d.get("shapes") if isinstance(d, dict) else None
+    if isinstance(shapes, list):
+        shapes = {str(s.get("name", i)): s for i, s in enumerate(shapes) if isinstance(s, dict)}
+    if not isinstance(shapes, dict) or not shapes:
+        raise DraftportError(path, "capture benchmark result lacks 'shapes'")
+
+    def size(item):
+        s = item[1]
+        roof = _first(s, ("roofline_tok_s", "roofline_tokens_per_s"))
+        return -roof if roof else float(_first(s, ("params", "flops_per_token")) or 0)
+
+    name, s = max(shapes.items(), key=size)
+    roof = _first(s, ("roofline_tok_s", "roofline_tokens_per_s"))
+    write = _fraction(_first(s, ("capture_write", "capture+write", "capture_and_write")), roof)
+    cap = _fraction(_first(s, ("capture",)), roof)
+    if write is None:
+        raise DraftportError(path, f"shape {name}: no capture+write fraction of roofline")
+    for f in (write, cap):
+        if f is not None and not 0 < f <= 1:
+            raise DraftportError(path, f"shape {name}: fraction of roofline {f} is not in (0, 1]")
+    shown = _shown(path)
+    return {
+        "source": "measured",
+        "file": str(shown),
+        "date": d.get("date"),
+        "device": d.get("device"),
+        "shape": name,
+        "capture_write": write,
+        "capture": cap if cap is not None else write,
+        "capture_measured": cap is not None,
     }
 
 

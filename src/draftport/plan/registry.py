@@ -96,21 +96,28 @@ DRAFTING_MODULES = (
     "model.bind",
     "data.shards",
     "model.drafter",
-    *FAST_MODULES,
-    "training.ttt",
-    "data.capture",
     "model.vocab",
     "model.device",
     "model.formats",
     "model.config",
     "model.target",
 )
-EVAL_MODULES = (*DRAFTING_MODULES, "evaluation.costmodel", "pipeline.tracking", "pipeline.steps.eval_steps")
+EVAL_MODULES = (
+    *DRAFTING_MODULES,
+    "data.capture",
+    "evaluation.costmodel",
+    "pipeline.tracking",
+    "pipeline.steps.eval_steps",
+)
+# what a training step runs: the TTT loss and its fast path, besides drafting (its held-out monitor)
+LOSS_MODULES = (*FAST_MODULES, "training.ttt")
 # spool on: the capture runs in training, hence the features and vLLM modules
 TRAIN_MODULES = (
     "training.phases",
     "training.loop",
     "training.optim",
+    *LOSS_MODULES,
+    "data.capture",
     "data.draftmap",
     "model.flops",
     *DRAFTING_MODULES,
@@ -185,7 +192,9 @@ STEPS: tuple[Step, ...] = (
             "training.loop",
             "training.optim",
             "model.flops",
+            *LOSS_MODULES,
             *DRAFTING_MODULES,
+            "data.capture",
             "data.fetch",
             "data.storage",
             "data.packing",
@@ -369,6 +378,7 @@ STEPS: tuple[Step, ...] = (
             "evaluation.drift",
             "data.features",
             *DRAFTING_MODULES,
+            "data.capture",
             "pipeline.tracking",
             "pipeline.steps.eval_steps",
             "data.vllm_capture",
@@ -561,6 +571,7 @@ STEPS: tuple[Step, ...] = (
                 "engines.export",
                 "data.features",
                 *DRAFTING_MODULES,
+                "data.capture",
                 "pipeline.tracking",
                 "pipeline.steps.online_steps",
             ),
@@ -588,6 +599,7 @@ STEPS: tuple[Step, ...] = (
             "evaluation.decision",
             "evaluation.bootstrap",
             *DRAFTING_MODULES,
+            "data.capture",
             "evaluation.costmodel",
             "pipeline.steps.publish_step",
         ),

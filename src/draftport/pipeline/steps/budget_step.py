@@ -42,100 +42,25 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
     """Round k: capture prompts [n_prev, n) (k > 0), train every seed at n, score each one."""
     # lazy (registry): the features step's capture and the training run only here
     from draftport.pipeline.steps.curve_steps import train_jobs, train_jobs_torchrun
-    from draftport.pipeline.steps.data_steps import _features
-    from draftport.pipeline.steps.train_steps import monitor_of, online_of
     from draftport.training.loop import init_distributed
 
-    d, c, e = s.p["data"], s.p["curves"], s.p["eval"]
+    d = s.p["data"]
     rdir = root / f"r{k}"
-    spec = {
-        "n_samples": n,
-        "offset": n_prev,
-        "seeds": d["seeds"],
-        "features": s.p["features"],
-        "train": {seed: train_config(c, {"n_samples": n, "seed": seed, "recipe": "plain"}) for seed in d["seeds"]},
-        "eval": e,
-        "inputs": [_fingerprint(read_json(Path(p) / "index.json")) for p in parts],
-    }
-    fp, done, mark = _fingerprint(spec), rdir / "round.json", rdir / "spec.json"
+    spec = _round_spec(s, n_prev, n, parts)
+    fp, done = _fingerprint(spec), rdir / "round.json"
     if done.is_file() and json.loads(done.read_text()).get("spec") == fp:
         print(f"budget: round {k} (n = {n:,}) finished before: kept", flush=True)
         return json.loads(done.read_text())
-    if rdir.exists() and (not mark.is_file() or json.loads(mark.read_text()) != fp):
-        print(f"budget: round {k} was begun under other values: begun again", flush=True)
-        shutil.rmtree(rdir)
-    rdir.mkdir(parents=True, exist_ok=True)
-    mark.write_text(json.dumps(fp) + "\n")
+    _begin(rdir, k, fp)
     timing = {"samples": 0, "regenerate": 0.0, "capture": 0.0}
     if k > 0:
-        data = rdir / "data"
-        if not (data / "index.json").is_file():  # a killed capture left no folder (atomic): captured again
-            print(f"budget: round {k}: regenerating and capturing prompts {n_prev:,}..{n:,}", flush=True)
-            _features(
-                s, data, s.input("target"), s.p["targets"]["prompts_train"], n=n - n_prev, offset=n_prev, training=True
-            )
-            timing = dict(s.timing.pop("data"))  # _features records the capture's seconds by its folder's name
-            (rdir / "capture.json").write_text(json.dumps(timing) + "\n")
-        else:
-            timing = json.loads((rdir / "capture.json").read_text())
-        parts = [*parts, data]
+        timing = _capture(s, rdir, k, n_prev, n)
+        parts = [*parts, rdir / "data"]
     _, world = init_distributed(spec["train"][d["seeds"][0]].get("device", "auto"))
-    jobs = []
-    for i, seed in enumerate(d["seeds"], 1):
-        tc = spec["train"][seed]
-        cfg = TrainConfig(**tc)
-        name = f"round{k}_n{n}_s{seed}"
-        pt = {
-            "name": name,
-            "arm": "source",
-            "init": "source",
-            "answers": "regenerated",
-            "recipe": "plain",
-            "n_samples": n,
-            "seed": seed,
-        }
-        kw = dict(
-            features_dir=[str(p) for p in parts],
-            n_samples=n,
-            target_dir=s.input("target"),
-            vocab_path=s.input("vocab"),
-            init="source",
-            source_dir=s.input("source"),
-            monitor=monitor_of(s, cfg),
-            ckpt_dir=rdir / "ckpt" / f"s{seed}",
-            verifier=s.p["targets"]["new"],
-            **online_of(s, f"{s.name}-{name}"),
-        )
-        jobs.append(
-            {
-                "i": i,
-                "of": len(d["seeds"]),
-                "point": pt,
-                "kw": kw,
-                "train": tc,
-                "label": f"budget round {k}",
-                "out": str(rdir / "drafters" / f"s{seed}"),
-                "profile": s.p["profile"],
-                "parent": None,
-                "step": s.name,
-            }
-        )
+    jobs = _jobs(s, k, n, parts, rdir, spec)
     launch = rule_resources(s.p, s.name)
     trained = train_jobs_torchrun(jobs, launch["gpu"]) if launch["torchrun"] else train_jobs(jobs, world)[0]
-    acc, cyc, taus = [], [], []
-    for j in jobs:
-        res = evaluate_drafter(
-            Path(j["out"]) / "drafter",
-            s.input("target"),
-            s.input("eval"),
-            k=e["k"],
-            batch_size=e["batch_size"],
-            max_samples=e["max_samples"],
-            device=e["device"],
-        )
-        acc.append(res["per_sample"]["accepted"])
-        cyc.append(res["per_sample"]["cycles"])
-        taus.append(res["accept_length"])
+    acc, cyc, taus = _scores(s, jobs)
     rec = {
         "spec": fp,
         "round": k,
@@ -154,6 +79,113 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
     return rec
 
 
+def _round_spec(s: StepContext, n_prev: int, n: int, parts: list[Path]) -> dict:
+    """What a round computes with: a finished round is kept only when its spec is this one."""
+    d, c = s.p["data"], s.p["curves"]
+    return {
+        "n_samples": n,
+        "offset": n_prev,
+        "seeds": d["seeds"],
+        "features": s.p["features"],
+        "train": {seed: train_config(c, {"n_samples": n, "seed": seed, "recipe": "plain"}) for seed in d["seeds"]},
+        "eval": s.p["eval"],
+        "inputs": [_fingerprint(read_json(Path(p) / "index.json")) for p in parts],
+    }
+
+
+def _begin(rdir: Path, k: int, fp: str) -> None:
+    """A round's folder, marked with its spec: one begun under other values is begun again."""
+    mark = rdir / "spec.json"
+    if rdir.exists() and (not mark.is_file() or json.loads(mark.read_text()) != fp):
+        print(f"budget: round {k} was begun under other values: begun again", flush=True)
+        shutil.rmtree(rdir)
+    rdir.mkdir(parents=True, exist_ok=True)
+    mark.write_text(json.dumps(fp) + "\n")
+
+
+def _capture(s: StepContext, rdir: Path, k: int, n_prev: int, n: int) -> dict:
+    """Round k's data: prompts [n_prev, n) regenerated and captured (kept when a killed round had
+    finished it); -> its seconds."""
+    # lazy (registry): the features step's capture runs only here
+    from draftport.pipeline.steps.data_steps import _features
+
+    data = rdir / "data"
+    if (data / "index.json").is_file():  # a killed capture left no folder (atomic): captured again
+        return json.loads((rdir / "capture.json").read_text())
+    print(f"budget: round {k}: regenerating and capturing prompts {n_prev:,}..{n:,}", flush=True)
+    _features(s, data, s.input("target"), s.p["targets"]["prompts_train"], n=n - n_prev, offset=n_prev, training=True)
+    timing = dict(s.timing.pop("data"))  # _features records the capture's seconds by its folder's name
+    (rdir / "capture.json").write_text(json.dumps(timing) + "\n")
+    return timing
+
+
+def _jobs(s: StepContext, k: int, n: int, parts: list[Path], rdir: Path, spec: dict) -> list[dict]:
+    """One training job per seed: the source fine-tuned on the first n samples of the captures."""
+    from draftport.pipeline.steps.train_steps import monitor_of, online_of
+
+    seeds = s.p["data"]["seeds"]
+    jobs = []
+    for i, seed in enumerate(seeds, 1):
+        tc = spec["train"][seed]
+        name = f"round{k}_n{n}_s{seed}"
+        pt = {
+            "name": name,
+            "arm": "source",
+            "init": "source",
+            "answers": "regenerated",
+            "recipe": "plain",
+            "n_samples": n,
+            "seed": seed,
+        }
+        kw = dict(
+            features_dir=[str(p) for p in parts],
+            n_samples=n,
+            target_dir=s.input("target"),
+            vocab_path=s.input("vocab"),
+            init="source",
+            source_dir=s.input("source"),
+            monitor=monitor_of(s, TrainConfig(**tc)),
+            ckpt_dir=rdir / "ckpt" / f"s{seed}",
+            verifier=s.p["targets"]["new"],
+            **online_of(s, f"{s.name}-{name}"),
+        )
+        jobs.append(
+            {
+                "i": i,
+                "of": len(seeds),
+                "point": pt,
+                "kw": kw,
+                "train": tc,
+                "label": f"budget round {k}",
+                "out": str(rdir / "drafters" / f"s{seed}"),
+                "profile": s.p["profile"],
+                "parent": None,
+                "step": s.name,
+            }
+        )
+    return jobs
+
+
+def _scores(s: StepContext, jobs: list[dict]) -> tuple[list, list, list]:
+    """Each seed's drafter on the new target's held-out set: (accepted, cycles per prompt, tau)."""
+    e = s.p["eval"]
+    acc, cyc, taus = [], [], []
+    for j in jobs:
+        res = evaluate_drafter(
+            Path(j["out"]) / "drafter",
+            s.input("target"),
+            s.input("eval"),
+            k=e["k"],
+            batch_size=e["batch_size"],
+            max_samples=e["max_samples"],
+            device=e["device"],
+        )
+        acc.append(res["per_sample"]["accepted"])
+        cyc.append(res["per_sample"]["cycles"])
+        taus.append(res["accept_length"])
+    return acc, cyc, taus
+
+
 def budget(s: StepContext) -> dict:
     d, dec = s.p["data"], s.p["decision"]
     n1, cap = s.p["phase1"]["n_samples"], s.p["phase2"]["n_samples"]
@@ -170,44 +202,7 @@ def budget(s: StepContext) -> dict:
         rounds.append(rec)
         sec = rec["seconds"]
         hours += (sec["regenerate"] + sec["capture"] + sec["train"]) * dev / 3600
-        tau = sum(rec["seed_taus"]) / len(rec["seed_taus"])
-        row = {"round": k, "n_samples": n, "accept_length": tau}
-        if k == 0:
-            proj, nn, next_h = None, next_n(n, d["factor"], cap), 0.0
-            reason = None
-        else:
-            # at the cap, what one more round would still have bought (the text: "still rising")
-            nn = next_n(n, d["factor"], cap) if n < cap else next_n(n, d["factor"], 2 * n + 1)
-            proj = project_next_gain(rounds, nn, n_boot=dec["n_boot"], level=dec["level"], seed=dec["seed"])
-            per_sample = (sec["regenerate"] + sec["capture"]) * dev / max(1, sec["samples"])
-            steps = train_config(s.p["curves"], {"n_samples": nn, "seed": 0, "recipe": "plain"})["steps"]
-            next_h = ((nn - n) * per_sample + sec["train"] * dev * steps / max(1, rec["train_steps"][0])) / 3600
-            reason = stop_reason(
-                proj,
-                n=n,
-                cap=cap,
-                min_gain=dec["min_gain"],
-                hours_spent=hours,
-                next_hours=next_h,
-                max_hours=d["max_hours"],
-            )
-            row.update(
-                gain=proj["gains"][-1],
-                projected_gain=proj["projected_gain"],
-                projected_gain_ci_low=proj["ci"][0],
-                projected_gain_ci_high=proj["ci"][1],
-            )
-        print(
-            f"budget: round {k}: n = {n:,}, tau {tau:.3f}"
-            + (
-                f", gain {row['gain']:+.3f}, next round (n = {nn:,}) projects {proj['projected_gain']:+.3f} "
-                f"[{proj['ci'][0]:+.3f}, {proj['ci'][1]:+.3f}]"
-                if proj
-                else ""
-            )
-            + f"; {hours:.3g} device-h so far",
-            flush=True,
-        )
+        row, proj, nn, next_h, reason = _next(s, rounds, n, cap, hours, dev)
         if s.run is not None:
             s.run.log_metrics({**{key: v for key, v in row.items() if key != "round"}, "device_hours": hours}, step=k)
         rec["row"] = row
@@ -225,6 +220,59 @@ def budget(s: StepContext) -> dict:
         max_hours=d["max_hours"],
     )
     print(f"budget: {why}", flush=True)
+    _write(s, rounds, root, n1, n, cap, reason, why, dev)
+    return {"n_samples": n, "rounds": len(rounds), "stopped_flattened": int(reason == "flattened")}
+
+
+def _next(s: StepContext, rounds: list[dict], n: int, cap: int, hours: float, dev: int) -> tuple:
+    """The last round's row (n, tau, its gain and the next round's projected gain), the next n, the
+    next round's hours and why the rounds stop (None: go on)."""
+    d, dec = s.p["data"], s.p["decision"]
+    k, rec = len(rounds) - 1, rounds[-1]
+    sec = rec["seconds"]
+    tau = sum(rec["seed_taus"]) / len(rec["seed_taus"])
+    row = {"round": k, "n_samples": n, "accept_length": tau}
+    if k == 0:
+        proj, nn, next_h, reason = None, next_n(n, d["factor"], cap), 0.0, None
+    else:
+        # at the cap, what one more round would still have bought (the text: "still rising")
+        nn = next_n(n, d["factor"], cap) if n < cap else next_n(n, d["factor"], 2 * n + 1)
+        proj = project_next_gain(rounds, nn, n_boot=dec["n_boot"], level=dec["level"], seed=dec["seed"])
+        per_sample = (sec["regenerate"] + sec["capture"]) * dev / max(1, sec["samples"])
+        steps = train_config(s.p["curves"], {"n_samples": nn, "seed": 0, "recipe": "plain"})["steps"]
+        next_h = ((nn - n) * per_sample + sec["train"] * dev * steps / max(1, rec["train_steps"][0])) / 3600
+        reason = stop_reason(
+            proj,
+            n=n,
+            cap=cap,
+            min_gain=dec["min_gain"],
+            hours_spent=hours,
+            next_hours=next_h,
+            max_hours=d["max_hours"],
+        )
+        row.update(
+            gain=proj["gains"][-1],
+            projected_gain=proj["projected_gain"],
+            projected_gain_ci_low=proj["ci"][0],
+            projected_gain_ci_high=proj["ci"][1],
+        )
+    print(
+        f"budget: round {k}: n = {n:,}, tau {tau:.3f}"
+        + (
+            f", gain {row['gain']:+.3f}, next round (n = {nn:,}) projects {proj['projected_gain']:+.3f} "
+            f"[{proj['ci'][0]:+.3f}, {proj['ci'][1]:+.3f}]"
+            if proj
+            else ""
+        )
+        + f"; {hours:.3g} device-h so far",
+        flush=True,
+    )
+    return row, proj, nn, next_h, reason
+
+
+def _write(s: StepContext, rounds: list[dict], root: Path, n1: int, n: int, cap: int, reason, why: str, dev: int):
+    """Phase 2's data as a chain of the rounds' captures, the rounds' seconds, budget.json."""
+    d, dec = s.p["data"], s.p["decision"]
     names = []
     for r in rounds[1:]:  # the captures: Phase 2's data, one part per round
         names.append(f"r{r['round']}")
@@ -270,4 +318,3 @@ def budget(s: StepContext) -> dict:
             ],
         },
     )
-    return {"n_samples": n, "rounds": len(rounds), "stopped_flattened": int(reason == "flattened")}

@@ -231,11 +231,9 @@ def train_curves(s: StepContext) -> dict:
     train that many points at once. A killed step resumes: finished points continue from their
     last checkpoint (0 steps left), the interrupted ones from their own."""
     # lazy (registry): eval_curves runs this module and trains nothing
-    from draftport.training.phases import feature_dirs, train_phase
-    from draftport.training.loop import init_distributed
-    from draftport.pipeline.steps.train_steps import monitor_of, online_of
-
     from draftport.model.device import pick as pick_device
+    from draftport.training.loop import init_distributed
+    from draftport.training.phases import feature_dirs, train_phase
 
     pick_device(s.p["curves"]["train"].get("device", "auto"), "curves.train.device")  # before any work
     # under torchrun every rank trains each point on its slice of the batch
@@ -253,37 +251,12 @@ def train_curves(s: StepContext) -> dict:
         )
     jobs = []
     for i, pt in enumerate(pts, 1):
-        tc = train_config(c, pt)
-        cfg = TrainConfig(**tc)
-        kw = dict(
-            features_dir=[s.input("features_dataset")] if pt["answers"] == DATASET else regenerated,
-            n_samples=pt["n_samples"],
-            target_dir=s.input("target"),
-            vocab_path=s.input("vocab"),
-            init=pt["init"],
-            source_dir=s.input("source"),
-            monitor=monitor_of(s, cfg),
-            ckpt_dir=checkpoints(s.name) / pt["name"],
-            verifier=s.p["targets"]["new"],
-            **online_of(s, f"{s.name}-{pt['name']}"),
-        )
+        job = _curve_job(s, i, len(pts), pt, regenerated)
         if rank > 0:  # rank 0 writes the files, logs and checkpoints
             with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
-                train_phase(scratch, logger=None, progress=False, train_cfg=cfg, **kw)
+                train_phase(scratch, logger=None, progress=False, train_cfg=TrainConfig(**job["train"]), **job["kw"])
             continue
-        jobs.append(
-            {
-                "i": i,
-                "of": len(pts),
-                "point": pt,
-                "kw": kw,
-                "train": tc,
-                "out": str(s.path("points", pt["name"])),
-                "profile": s.p["profile"],
-                "parent": s.run.run_id if s.run is not None else None,
-                "step": s.name,
-            }
-        )
+        jobs.append(job)
     if rank > 0:
         return {}
     out, n_workers = train_jobs(jobs, world)
@@ -311,6 +284,38 @@ def train_curves(s: StepContext) -> dict:
         "steps_total": sum(p["train_steps"] for p in out),
         "stopped_early": sum(bool(p["stopped_early"]) for p in out),
         "workers": n_workers,
+    }
+
+
+def _curve_job(s: StepContext, i: int, of: int, pt: dict, regenerated: list) -> dict:
+    """A point's training job (_train_point's): its data (a prefix of the regenerated captures, or
+    the dataset's own answers), init, budget, monitor, checkpoints and MLflow parent."""
+    # lazy (registry): eval_curves runs this module and trains nothing
+    from draftport.pipeline.steps.train_steps import monitor_of, online_of
+
+    tc = train_config(s.p["curves"], pt)
+    kw = dict(
+        features_dir=[s.input("features_dataset")] if pt["answers"] == DATASET else regenerated,
+        n_samples=pt["n_samples"],
+        target_dir=s.input("target"),
+        vocab_path=s.input("vocab"),
+        init=pt["init"],
+        source_dir=s.input("source"),
+        monitor=monitor_of(s, TrainConfig(**tc)),
+        ckpt_dir=checkpoints(s.name) / pt["name"],
+        verifier=s.p["targets"]["new"],
+        **online_of(s, f"{s.name}-{pt['name']}"),
+    )
+    return {
+        "i": i,
+        "of": of,
+        "point": pt,
+        "kw": kw,
+        "train": tc,
+        "out": str(s.path("points", pt["name"])),
+        "profile": s.p["profile"],
+        "parent": s.run.run_id if s.run is not None else None,
+        "step": s.name,
     }
 
 
