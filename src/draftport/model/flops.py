@@ -23,9 +23,7 @@ SHAPE_KEYS = (
 
 
 def shape_of(cfg) -> dict:
-    """The sizes the count reads, from a DrafterConfig (or anything with those attributes) or a dict."""
-    if isinstance(cfg, dict):
-        return {k: int(cfg[k]) for k in SHAPE_KEYS} | ({"fc_in": int(cfg["fc_in"])} if cfg.get("fc_in") else {})
+    """The sizes the count reads, from a DrafterConfig (or anything with those attributes)."""
     return {k: int(getattr(cfg, k)) for k in SHAPE_KEYS} | {"fc_in": int(getattr(cfg, "fc_in", 0) or 0)}
 
 

@@ -34,20 +34,13 @@ from pathlib import Path
 
 from draftport.errors import DraftportError
 from draftport.files import load_json
-from draftport.model.flops import flops_per_token  # the benchmark's count (tests/outputs/test_train_rates.py)
+
+# the benchmark's count (tests/outputs/test_train_rates.py) and the sizes that set a training's rate (the full
+# vocab only matters to a mask computed in the step; the pipeline stores it with the features)
+from draftport.model.flops import SHAPE_KEYS, flops_per_token
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/train_rates.py)
 RESULTS = ROOT / "benchmarks" / "results"
-# the sizes that set a drafter's training rate (the full vocab only matters to a mask computed
-# in the step; the pipeline stores it with the features)
-SHAPE_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "draft_vocab_size",
-)
 # estimate's figure name -> the benchmark's mix result it reads
 FIGURES = {
     "lm_head_trainable": "packed_trainable_stored",
