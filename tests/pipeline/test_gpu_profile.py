@@ -14,6 +14,8 @@ import sys
 import pytest
 
 from draftport.outputs.train_rates import drafter_shape
+from draftport.pipeline import bridge, local
+from draftport.plan import cluster
 from draftport.plan import params as P
 from draftport.plan import registry as R
 from repo import BIN, ROOT, copy_repo, smk
@@ -59,9 +61,15 @@ def test_the_gpu_profile_plans_the_whole_plan():
 def test_the_gpu_profile_at_toy_size_runs_end_to_end_on_the_cpu(tmp_path):
     repo = tmp_path / "repo"
     copy_repo(repo)
+    # a `python` on PATH that is not this interpreter (a bare GPU node's is another one, or none):
+    # the runner must launch every step with its own
+    other = tmp_path / "other-python"
+    other.mkdir()
+    (other / "python").write_text("#!/bin/sh\necho 'not the runner's interpreter' >&2\nexit 97\n")
+    (other / "python").chmod(0o755)
     env = {
         **os.environ,
-        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        "PATH": f"{other}:{BIN}:{os.environ.get('PATH', '')}",
         "PYTHONPATH": str(repo / "src"),
         "MLFLOW_TRACKING_URI": "http://127.0.0.1:9",
     }  # unreachable: --no-tracking must open no run
@@ -135,6 +143,17 @@ def test_the_gpu_profile_at_toy_size_runs_end_to_end_on_the_cpu(tmp_path):
         text=True,
     )
     assert again.returncode == 0 and again.stdout.count("done before, kept") == len(ran), again.stdout[-2000:]
+
+
+def test_the_local_runner_launches_steps_with_its_own_interpreter():
+    assert local.this_interpreter("python") == sys.executable
+    assert local.this_interpreter("torchrun --standalone --nproc_per_node 1") == (
+        f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 1"
+    )
+    cfg = P.load(ROOT / GPU, ROOT / TOY)
+    base = P.load()
+    cmd = bridge.shell_command("world", cfg, base, local.this_interpreter(cluster.launcher(cfg, "world")))
+    assert cmd.startswith(f"{sys.executable} scripts/world.py ")
 
 
 def test_the_local_runner_refuses_an_unknown_target_in_one_line():

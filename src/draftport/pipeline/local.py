@@ -1,5 +1,6 @@
 """The plan without Snakemake: a target's steps run one after another, in the step table's order,
-with the commands Snakemake's rules run (draftport.pipeline.bridge.shell_command).
+with the commands Snakemake's rules run (draftport.pipeline.bridge.shell_command), launched by the
+interpreter that runs this module (the node's `python` may be another, or missing).
 
 For a machine that can carry the library's own dependencies but not Snakemake's, DVC's and MLflow's
 (an air-gapped GPU node given the `core` wheelhouse): `--no-tracking` runs the tracked steps
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -55,6 +57,17 @@ def plan(target: str, cfg: dict) -> list[str]:
     return [s.name for s in R.active(cfg) if s.name in need]
 
 
+def this_interpreter(launcher: str) -> str:
+    """The rule's launcher run by this interpreter: `python` and `torchrun` on PATH may be another
+    environment's, or missing (a node with python3 alone)."""
+    exe = shlex.quote(sys.executable)
+    if launcher == "python":
+        return exe
+    if launcher.startswith("torchrun "):
+        return f"{exe} -m torch.distributed.run {launcher.removeprefix('torchrun ')}"
+    return launcher
+
+
 def run(
     target: str, configfiles: list[str], *, tracking: bool = True, force: tuple[str, ...] = (), log=print
 ) -> dict[str, float]:
@@ -71,7 +84,7 @@ def run(
         if Path(R.done(name)).is_file() and name not in force:
             log(f"[{i}/{len(steps)}] {name}: done before, kept")
             continue
-        cmd = bridge.shell_command(name, cfg, base, cluster.launcher(cfg, name))
+        cmd = bridge.shell_command(name, cfg, base, this_interpreter(cluster.launcher(cfg, name)))
         log(f"[{i}/{len(steps)}] {name}: {cmd}")
         t0 = time.time()
         rc = subprocess.run(cmd, shell=True, env=env).returncode
