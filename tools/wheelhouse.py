@@ -30,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
-SETS = {"core": [], "full": ["pipeline"]}  # the extras each set installs (core: the library's steps alone)
+# the extras each set installs (core: every step of the plan, its report too; no snakemake/dvc/mlflow)
+SETS = {"core": ["report"], "full": ["pipeline"]}
 # Pinned dependencies PyPI has as sdists only (dvc's omegaconf, snakemake): pure Python, so their
 # wheels are built here; any other package without a binary wheel fails the build, named.
 SDISTS = ("antlr4-python3-runtime", "connection-pool")

@@ -152,7 +152,8 @@ def test_sets_leave_torch_out_unless_asked():
     assert {"transformers", "safetensors", "pydantic", "typer"} <= {W.req_name(r) for r in core}
     assert not {"snakemake", "dvc", "mlflow"} & {W.req_name(r) for r in core}
     assert {"snakemake", "dvc", "mlflow"} <= {W.req_name(r) for r in full}
-    assert (W.install_spec("core"), W.install_spec("full")) == ("draftport", "draftport[pipeline]")
+    assert (W.install_spec("core"), W.install_spec("full")) == ("draftport[report]", "draftport[pipeline]")
+    assert "matplotlib" in {W.req_name(r) for r in core}  # the report step runs from the core set too
 
 
 def test_platform_expands_to_older_glibc_tags():
