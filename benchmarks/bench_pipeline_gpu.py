@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -72,7 +73,16 @@ def run_plan(a, cfg_files: list[str], log) -> dict:
     log(f"plan: {' '.join(cmd)}")
     env = {**os.environ, **({} if tracking else {"DRAFTPORT_TRACKING": "off"})}
     t0 = time.time()
-    rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    # its own session: past --plan-timeout-s the runner and the step it runs are stopped together,
+    # and what the steps recorded so far is still written out
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=a.plan_timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = "timeout"
+        log(f"plan: stopped after {a.plan_timeout_s:.0f} s")
     return {
         "runner": runner,
         "command": " ".join(cmd),
@@ -252,6 +262,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-tracking", action="store_true", help="no MLflow runs (also when mlflow is missing)")
     ap.add_argument("--no-bench", action="store_true", help="skip the training benchmark at the same shape")
     ap.add_argument("--bench-s", type=float, default=150.0, help="the benchmark's wall budget")
+    ap.add_argument("--plan-timeout-s", type=float, default=None, help="stop the plan after this long (partial result)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="the roofline's bf16 rate (as the benches)")
     ap.add_argument("--json", default=None, help="the result (default benchmarks/results/<date>-<gpu>-pipeline.json)")
     a = ap.parse_args(argv)
