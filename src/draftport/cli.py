@@ -133,80 +133,131 @@ def inspect(
         show(inspect_renderables(rep))
 
 
+# init's arguments and options that do not fit one line of its signature (help and defaults as typer shows them)
+InitName = Annotated[
+    str,
+    typer.Argument(help="The profile's name: writes configs/NAME.yaml (and the MLflow experiment draftport-NAME)."),
+]
+InitTargetOld = Annotated[
+    str | None, typer.Option(help="The old target (the source's home): Phase 0 on it and the drift probe.")
+]
+InitPrompts = Annotated[
+    Path | None,
+    typer.Option(help='Training prompts, JSONL ({"user": ...} per line; default data/NAME/train.jsonl).'),
+]
+InitPromptsEval = Annotated[
+    Path | None, typer.Option(help="Held-out prompts, disjoint from --prompts (default data/NAME/heldout.jsonl).")
+]
+InitRegenerate = Annotated[
+    str,
+    typer.Option(help="Who writes the new target's answers: local (the capture step) or openai (a served target)."),
+]
+InitServedModel = Annotated[
+    str | None,
+    typer.Option(help="With --regenerate openai: the model name the server knows (default: the target's id)."),
+]
+InitOffline = Annotated[bool, typer.Option("--offline", help="Read the hub cache only (also HF_HUB_OFFLINE=1).")]
+InitTrustRemoteCode = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Let the target's own code (auto_map) run; names it in targets.trust_remote_code.",
+    ),
+]
+InitLike = Annotated[
+    Path | None,
+    typer.Option(
+        help="Take training, eval and resources settings from this profile (e.g. configs/micro.yaml) "
+        "instead of the GPU-node defaults."
+    ),
+]
+InitPhase1Samples = Annotated[
+    int | None, typer.Option(help="Phase 1's samples (default: a fifth of Phase 2's, at most 37,000).")
+]
+InitPhase2Samples = Annotated[
+    int | None, typer.Option(help="Phase 2's samples (default: every training prompt but the monitor's).")
+]
+InitBaselineTokS = Annotated[float | None, typer.Option(help="Your target's tok/s without a drafter (measured).")]
+InitVerifyMs = Annotated[
+    float | None,
+    typer.Option(help="One verify cycle of your deployment, ms (measured; drafting included when --draft-ms is 0)."),
+]
+InitReference = Annotated[
+    str | None,
+    typer.Option(help="A drafter already trained for the new target (hub id[@revision]): Phase 0's upper bound."),
+]
+InitPin = Annotated[
+    bool,
+    typer.Option(
+        "--pin/--no-pin",
+        help="Pin the source to the commit its revision resolves to (--no-pin: keep the branch; an example profile).",
+    ),
+]
+
+
+def _init_refuse(rep: dict) -> None:
+    """init's problems, one line each on stderr, then exit 2: nothing is written."""
+    if rep["problems"]:
+        for where, what in rep["problems"]:
+            sys.stderr.write(f"draftport: error: {where}: {what}\n")
+        sys.stderr.write(f"draftport: error: {len(rep['problems'])} problem(s): {rep['path']} not written\n")
+        raise typer.Exit(2)
+
+
+def _init_estimate(rep: dict) -> dict | None:
+    """The written profile's estimate (None, named a gap, while it needs what is still missing)."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
+    from draftport.outputs.estimate import estimate as estimate_profile
+
+    est = None
+    try:
+        est = estimate_profile(rep["profile"], target_config_path=rep["target_config"])
+    except DraftportError as e:  # the profile stands; the estimate needs what is missing
+        rep["gaps"].append(("estimate", str(e)))
+    return est
+
+
+def _init_print(rep: dict, path: Path, est: dict | None) -> None:
+    """init's text output: the file written, its notes, the estimate and what is still missing."""
+    # lazy: a command imports what it runs when it runs (see the module docstring)
+    from draftport.outputs.estimate import render as render_estimate
+
+    sys.stdout.write(f"wrote {path}\n")
+    for where, what in rep["notes"]:
+        sys.stdout.write(f"  note  {where}: {what}\n")
+    if est is not None:
+        sys.stdout.write(render_estimate(est) + "\n")
+    if rep["gaps"]:
+        sys.stdout.write(f"still missing before `snakemake --configfile={path} --cores 8 decision`:\n")
+        for where, what in rep["gaps"]:
+            sys.stdout.write(f"  - {where}: {what}\n")
+    else:
+        sys.stdout.write(f"nothing missing: snakemake --configfile={path} --cores 8 -n decision\n")
+
+
 @app.command()
 def init(
-    name: Annotated[
-        str,
-        typer.Argument(help="The profile's name: writes configs/NAME.yaml (and the MLflow experiment draftport-NAME)."),
-    ],
+    name: InitName,
     source: Annotated[str, typer.Option(help="The source drafter: a hub id[@revision] or a folder.")],
     target_new: Annotated[str, typer.Option(help="The new target: a hub id[@revision] or a folder.")],
-    target_old: Annotated[
-        str | None, typer.Option(help="The old target (the source's home): Phase 0 on it and the drift probe.")
-    ] = None,
-    prompts: Annotated[
-        Path | None,
-        typer.Option(help='Training prompts, JSONL ({"user": ...} per line; default data/NAME/train.jsonl).'),
-    ] = None,
-    prompts_eval: Annotated[
-        Path | None, typer.Option(help="Held-out prompts, disjoint from --prompts (default data/NAME/heldout.jsonl).")
-    ] = None,
-    regenerate: Annotated[
-        str,
-        typer.Option(help="Who writes the new target's answers: local (the capture step) or openai (a served target)."),
-    ] = "local",
+    target_old: InitTargetOld = None,
+    prompts: InitPrompts = None,
+    prompts_eval: InitPromptsEval = None,
+    regenerate: InitRegenerate = "local",
     base_url: Annotated[str | None, typer.Option(help="With --regenerate openai: the server's /v1 address.")] = None,
-    served_model: Annotated[
-        str | None,
-        typer.Option(help="With --regenerate openai: the model name the server knows (default: the target's id)."),
-    ] = None,
+    served_model: InitServedModel = None,
     cache_dir: Annotated[Path | None, typer.Option(help="The hub cache to read (default: HF_HOME's).")] = None,
-    offline: Annotated[
-        bool, typer.Option("--offline", help="Read the hub cache only (also HF_HUB_OFFLINE=1).")
-    ] = False,
-    trust_remote_code: Annotated[
-        bool,
-        typer.Option(
-            "--trust-remote-code",
-            help="Let the target's own code (auto_map) run; names it in targets.trust_remote_code.",
-        ),
-    ] = False,
-    like: Annotated[
-        Path | None,
-        typer.Option(
-            help="Take training, eval and resources settings from this profile (e.g. configs/micro.yaml) "
-            "instead of the GPU-node defaults."
-        ),
-    ] = None,
+    offline: InitOffline = False,
+    trust_remote_code: InitTrustRemoteCode = False,
+    like: InitLike = None,
     gpus: Annotated[int, typer.Option(help="GPUs of one training node.")] = 8,
-    phase1_samples: Annotated[
-        int | None, typer.Option(help="Phase 1's samples (default: a fifth of Phase 2's, at most 37,000).")
-    ] = None,
-    phase2_samples: Annotated[
-        int | None, typer.Option(help="Phase 2's samples (default: every training prompt but the monitor's).")
-    ] = None,
-    baseline_tok_s: Annotated[
-        float | None, typer.Option(help="Your target's tok/s without a drafter (measured).")
-    ] = None,
-    verify_ms: Annotated[
-        float | None,
-        typer.Option(
-            help="One verify cycle of your deployment, ms (measured; drafting included when --draft-ms is 0)."
-        ),
-    ] = None,
+    phase1_samples: InitPhase1Samples = None,
+    phase2_samples: InitPhase2Samples = None,
+    baseline_tok_s: InitBaselineTokS = None,
+    verify_ms: InitVerifyMs = None,
     draft_ms: Annotated[float | None, typer.Option(help="One draft step, ms (0: inside verify_ms).")] = None,
-    reference: Annotated[
-        str | None,
-        typer.Option(help="A drafter already trained for the new target (hub id[@revision]): Phase 0's upper bound."),
-    ] = None,
-    pin: Annotated[
-        bool,
-        typer.Option(
-            "--pin/--no-pin",
-            help="Pin the source to the commit its revision resolves to "
-            "(--no-pin: keep the branch; an example profile).",
-        ),
-    ] = True,
+    reference: InitReference = None,
+    pin: InitPin = True,
     out: Annotated[Path | None, typer.Option(help="Where to write the profile (default configs/NAME.yaml).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing profile.")] = False,
     as_json: JsonFlag = False,
@@ -215,7 +266,6 @@ def init(
     files from headers only, pins the revision, writes configs/NAME.yaml (a comment per key), prints
     the estimate and what is still missing before `snakemake --configfile=configs/NAME.yaml --cores 8 decision`."""
     # lazy: a command imports what it runs when it runs (see the module docstring)
-    from draftport.outputs import estimate as E
     from draftport.outputs import init_profile as I
 
     rep = I.build(
@@ -246,31 +296,13 @@ def init(
             force=force,
         )
     )
-    if rep["problems"]:
-        for where, what in rep["problems"]:
-            sys.stderr.write(f"draftport: error: {where}: {what}\n")
-        sys.stderr.write(f"draftport: error: {len(rep['problems'])} problem(s): {rep['path']} not written\n")
-        raise typer.Exit(2)
+    _init_refuse(rep)
     path = I.write(rep, force=force)
-    est = None
-    try:
-        est = E.estimate(rep["profile"], target_config_path=rep["target_config"])
-    except DraftportError as e:  # the profile stands; the estimate needs what is missing
-        rep["gaps"].append(("estimate", str(e)))
+    est = _init_estimate(rep)
     if as_json:
         _print_json({k: v for k, v in rep.items() if k not in ("text", "profile")} | {"estimate": est})
         return
-    sys.stdout.write(f"wrote {path}\n")
-    for where, what in rep["notes"]:
-        sys.stdout.write(f"  note  {where}: {what}\n")
-    if est is not None:
-        sys.stdout.write(E.render(est) + "\n")
-    if rep["gaps"]:
-        sys.stdout.write(f"still missing before `snakemake --configfile={path} --cores 8 decision`:\n")
-        for where, what in rep["gaps"]:
-            sys.stdout.write(f"  - {where}: {what}\n")
-    else:
-        sys.stdout.write(f"nothing missing: snakemake --configfile={path} --cores 8 -n decision\n")
+    _init_print(rep, path, est)
 
 
 @app.command()

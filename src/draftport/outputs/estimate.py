@@ -558,24 +558,17 @@ def _adaptive(cfg: dict, data: list[dict], b: dict, tps: int, gpus: int | None, 
     }
 
 
-def estimate(
+def _estimate_inputs(
     cfg: dict,
-    *,
-    tokens_per_sample: int | None = None,
-    gpus: int | None = None,
-    efficiency: float = 0.9,
-    bench=DEFAULT_BENCH,
-    capture_bench_path=None,
-    capture_eff: float | None = None,
-    serve_tok_s: float | None = None,
-    answer_tokens: int | None = None,
-    target_config_path=None,
-    spool_gb: float | None = None,
-    peak_tflops: float = PEAK_TFLOPS,
-) -> dict:
-    """Per training rule: tokens, throughput used, hours. Per feature step: the answers'
-    regeneration and the capture. Per phase and storage mode: hours (data + training) and disk."""
-    b = bench_throughput(bench, cfg)
+    b: dict,
+    tokens_per_sample: int | None,
+    gpus: int | None,
+    efficiency: float,
+    answer_tokens: int | None,
+    spool_gb: float | None,
+    peak_tflops: float,
+) -> tuple:
+    """The options checked: -> (tokens per sample, answer tokens, spool GB, where the spool came from, storage)."""
     tps = tokens_per_sample if tokens_per_sample is not None else b["seq"]
     _positive("--tokens-per-sample", tps)
     _positive("--peak-tflops", peak_tflops)
@@ -594,14 +587,24 @@ def estimate(
     storage = f.get("storage", "disk")
     if storage not in MODES:
         raise DraftportError("features.storage", f"{storage!r}: expected one of {', '.join(MODES)}")
+    return tps, answer, spool, spool_from, storage
 
+
+def _train_rate(b: dict, tr: dict) -> tuple[bool, bool, float]:
+    """A training's lm_head (trainable?), rows (packed?) and the benchmark's one-GPU rate for that pair."""
+    trainable = tr.get("train_lm_head", True)
+    packed = bool(tr.get("packing", False))
+    rate = b[("" if packed else "padded_") + ("lm_head_trainable" if trainable else "lm_head_frozen")]
+    return trainable, packed, rate
+
+
+def _training_rows(cfg: dict, b: dict, tps: int, gpus: int | None, efficiency: float) -> list[dict]:
+    """One row per training rule (the curves' last, when on): its tokens, the rate used and its hours."""
     rows = []
     for rule, group in PHASES:
         tr = cfg[group]["train"]
         n_gpu = _gpus(cfg, f"train_{rule}", gpus)  # the training step's resources (draftport.plan.registry)
-        trainable = tr.get("train_lm_head", True)
-        packed = bool(tr.get("packing", False))
-        rate = b[("" if packed else "padded_") + ("lm_head_trainable" if trainable else "lm_head_frozen")]
+        trainable, packed, rate = _train_rate(b, tr)
         steps, batch = int(tr["steps"]), int(tr["batch_size"])
         sec = train_seconds(
             steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate, gpus=n_gpu, efficiency=efficiency
@@ -624,59 +627,74 @@ def estimate(
                 "hours": sec / 3600,
             }
         )
+    curves = _curves_row(cfg, b, tps, gpus, efficiency)
+    if curves is not None:
+        rows.append(curves)
+    return rows
 
-    # the learning curves: every point a training of its own under the budget rule (train_curves)
+
+def _curves_row(cfg: dict, b: dict, tps: int, gpus: int | None, efficiency: float) -> dict | None:
+    """The learning curves' row (None when they are off): every point a training under the budget rule."""
     c = cfg.get("curves") or {}
-    if c.get("enabled"):
-        tr = c["train"]
-        n_gpu = _gpus(cfg, "train_curves", gpus)
-        trainable = tr.get("train_lm_head", True)
-        packed = bool(tr.get("packing", False))
-        rate = b[("" if packed else "padded_") + ("lm_head_trainable" if trainable else "lm_head_frozen")]
-        pts = points(c)
-        steps = sum(budget_steps(pt["n_samples"], c) for pt in pts)
-        batch = int(tr["batch_size"])
-        sec = train_seconds(
-            steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate, gpus=n_gpu, efficiency=efficiency
-        )
-        rows.append(
-            {
-                "rule": "curves",
-                "phase": "curves",
-                "steps": steps,
-                "batch_size": batch,
-                "samples": sum(pt["n_samples"] for pt in pts),
-                "points": len(pts),
-                "epochs": float(c["epochs"]),
-                "tokens": steps * batch * tps,
-                "lm_head": "trainable" if trainable else "frozen",
-                "rows": "packed" if packed else "padded",
-                "tok_s_per_gpu": round(rate),
-                "gpus": n_gpu,
-                "seconds": sec,
-                "hours": sec / 3600,
-            }
-        )
+    if not c.get("enabled"):
+        return None
+    tr = c["train"]
+    n_gpu = _gpus(cfg, "train_curves", gpus)
+    trainable, packed, rate = _train_rate(b, tr)
+    pts = points(c)
+    steps = sum(budget_steps(pt["n_samples"], c) for pt in pts)
+    batch = int(tr["batch_size"])
+    sec = train_seconds(
+        steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate, gpus=n_gpu, efficiency=efficiency
+    )
+    return {
+        "rule": "curves",
+        "phase": "curves",
+        "steps": steps,
+        "batch_size": batch,
+        "samples": sum(pt["n_samples"] for pt in pts),
+        "points": len(pts),
+        "epochs": float(c["epochs"]),
+        "tokens": steps * batch * tps,
+        "lm_head": "trainable" if trainable else "frozen",
+        "rows": "packed" if packed else "padded",
+        "tok_s_per_gpu": round(rate),
+        "gpus": n_gpu,
+        "seconds": sec,
+        "hours": sec / 3600,
+    }
 
+
+def _target_side(
+    cfg: dict,
+    target_config_path,
+    tps: int,
+    answer: int,
+    gpus: int | None,
+    serve_tok_s: float | None,
+    capture_bench_path,
+    capture_eff: float | None,
+) -> tuple:
+    """The target's shape, the answers' serving rate and the capture's inputs:
+    -> (shape_from, shape, serve, n_aux, flops per token, capture efficiency)."""
     tc, shape_from = target_config(cfg, target_config_path)
     shape = target_shape(tc, shape_from)
     # the answers decode after their prompt: a step's mean context is the prompt + half the answer
     serve = serving(
         cfg, tc, gpus=_gpus(cfg, "features_new", gpus), context=tps - answer / 2, given=serve_tok_s, where=shape_from
     )
-    serve_tok_s = serve["tok_s"]
-    hidden = shape["hidden_size"]
-    n_aux = len(f["aux_layer_ids"])
+    n_aux = len(cfg["features"]["aux_layer_ids"])
     flops = capture_flops_per_token(shape, tps)
     eff = capture_efficiency(capture_bench_path, capture_eff)
-    peak = peak_tflops * 1e12
+    return shape_from, shape, serve, n_aux, flops, eff
 
-    def capture_s(tokens: int, n_gpu: int, kind: str) -> float:
-        return tokens * flops["total"] / (peak * n_gpu * eff[kind])
 
-    # the feature steps: Phase 1's training data, the held-out sets, Phase 2's new samples
-    n1, n2 = int(cfg["phase1"]["n_samples"]), int(cfg["phase2"]["n_samples"])
-    t = cfg["targets"]
+def _data_rows(
+    cfg: dict, n1: int, n2: int, tps: int, answer: int, serve_tok_s: float, gpus: int | None, capture_s
+) -> tuple[list[dict], int, int]:
+    """The feature steps (Phase 1's training data, the held-out sets, Phase 2's new samples, the
+    dataset's answers): their regeneration and capture hours. -> (rows, eval samples, monitor samples)."""
+    f, c, t = cfg["features"], cfg.get("curves") or {}, cfg["targets"]
     n_eval = int(f["eval_samples"]) * (2 if t.get("old") and t.get("prompts_eval_old") else 1)
     n_mon = (
         int(cfg["monitor"]["n_samples"])
@@ -709,14 +727,27 @@ def estimate(
                 "capture_hours": cap / 3600,
             }
         )
-    held = data[1]["samples"]
-    adaptive = _adaptive(cfg, data, b, tps, gpus, efficiency)
+    return data, n_eval, n_mon
 
-    # per phase and mode: hours = regenerate + capture (+ online's recompute) + train; disk at the
-    # phase's end (Phase 2 trains on Phase 1's samples too: both folders stay)
-    dtypes = list(dict.fromkeys(["bfloat16", "fp8_e4m3", f["dtype"]]))
-    per_tok = {d: bytes_per_token(hidden, d, n_aux) for d in dtypes}
-    online_gpus = _gpus(cfg, "features_new", gpus)
+
+def _mode_rows(
+    cfg: dict,
+    rows: list[dict],
+    data: list[dict],
+    tps: int,
+    hidden: int,
+    n_aux: int,
+    dtypes: list[str],
+    spool: float,
+    storage: str,
+    capture_s,
+    online_gpus: int,
+) -> list[dict]:
+    """Per phase and storage mode: hours = regenerate + capture (+ online's recompute) + train, and the
+    disk at the phase's end (Phase 2 trains on Phase 1's samples too: both folders stay)."""
+    f = cfg["features"]
+    n1, n2 = int(cfg["phase1"]["n_samples"]), int(cfg["phase2"]["n_samples"])
+    held = data[1]["samples"]
     phases = []
     for phase, samples_on_disk in (("phase1", n1 + held), ("phase2", n2 + held)):
         dr = [r for r in data if r["phase"] == phase]
@@ -766,17 +797,22 @@ def estimate(
                 "profile": storage in ("online", "hybrid"),
             }
         )
+    return phases
 
+
+def _bench_summary(b: dict, bench) -> dict:
+    """The training benchmark the rates came from, as the report names it."""
     return {
-        "bench": {
-            **{k: b[k] for k in ("device", "date", "seq", "ttt_steps", "rate")},
-            "shape_source": b.get("shape_source", "given file"),
-            "drafter": b.get("drafter"),
-            "files": b.get("files", [str(bench)]),
-        },
-        "tokens_per_sample": tps,
-        "efficiency": efficiency,
-        "rows": rows,
+        **{k: b[k] for k in ("device", "date", "seq", "ttt_steps", "rate")},
+        "shape_source": b.get("shape_source", "given file"),
+        "drafter": b.get("drafter"),
+        "files": b.get("files", [str(bench)]),
+    }
+
+
+def _hour_totals(rows: list[dict], data: list[dict]) -> dict:
+    """The report's per-phase training hours, the curves' data hours and the regeneration R7 may save."""
+    return {
         "phase1_hours": sum(r["hours"] for r in rows if r["rule"] in ("phase1_scratch", "phase1")),
         "phase2_hours": sum(r["hours"] for r in rows if r["rule"] == "phase2"),
         "curves_hours": sum(r["hours"] for r in rows if r["rule"] == "curves"),
@@ -786,15 +822,62 @@ def estimate(
             ph: sum(r["regenerate_hours"] for r in data if r["phase"] == ph and r["step"] != "features_eval+monitor")
             for ph in ("phase1", "phase2")
         },
+    }
+
+
+def estimate(
+    cfg: dict,
+    *,
+    tokens_per_sample: int | None = None,
+    gpus: int | None = None,
+    efficiency: float = 0.9,
+    bench=DEFAULT_BENCH,
+    capture_bench_path=None,
+    capture_eff: float | None = None,
+    serve_tok_s: float | None = None,
+    answer_tokens: int | None = None,
+    target_config_path=None,
+    spool_gb: float | None = None,
+    peak_tflops: float = PEAK_TFLOPS,
+) -> dict:
+    """Per training rule: tokens, throughput used, hours. Per feature step: the answers'
+    regeneration and the capture. Per phase and storage mode: hours (data + training) and disk."""
+    b = bench_throughput(bench, cfg)
+    tps, answer, spool, spool_from, storage = _estimate_inputs(
+        cfg, b, tokens_per_sample, gpus, efficiency, answer_tokens, spool_gb, peak_tflops
+    )
+    f = cfg["features"]
+    rows = _training_rows(cfg, b, tps, gpus, efficiency)
+    shape_from, shape, serve, n_aux, flops, eff = _target_side(
+        cfg, target_config_path, tps, answer, gpus, serve_tok_s, capture_bench_path, capture_eff
+    )
+    hidden = shape["hidden_size"]
+    peak = peak_tflops * 1e12
+
+    def capture_s(tokens: int, n_gpu: int, kind: str) -> float:
+        return tokens * flops["total"] / (peak * n_gpu * eff[kind])
+
+    n1, n2 = int(cfg["phase1"]["n_samples"]), int(cfg["phase2"]["n_samples"])
+    data, n_eval, n_mon = _data_rows(cfg, n1, n2, tps, answer, serve["tok_s"], gpus, capture_s)
+    adaptive = _adaptive(cfg, data, b, tps, gpus, efficiency)
+    per_tok = {d: bytes_per_token(hidden, d, n_aux) for d in dict.fromkeys(["bfloat16", "fp8_e4m3", f["dtype"]])}
+    online_gpus = _gpus(cfg, "features_new", gpus)
+    phases = _mode_rows(cfg, rows, data, tps, hidden, n_aux, list(per_tok), spool, storage, capture_s, online_gpus)
+    return {
+        "bench": _bench_summary(b, bench),
+        "tokens_per_sample": tps,
+        "efficiency": efficiency,
+        "rows": rows,
+        **_hour_totals(rows, data),
         "adaptive": adaptive,
         "bytes_per_token": per_tok[f["dtype"]][0],
         "hidden_size": hidden,
-        "target": {"id": t["new"], "config": shape_from, **shape},
+        "target": {"id": cfg["targets"]["new"], "config": shape_from, **shape},
         "flops_per_token": flops,
         "peak_tflops": peak_tflops,
         "capture_efficiency": eff,
         "capture_tok_s": {k: peak * online_gpus * eff[k] / flops["total"] for k in ("capture_write", "capture")},
-        "serve_tok_s": serve_tok_s,
+        "serve_tok_s": serve["tok_s"],
         "serve_source": serve["source"],
         "serve": serve,
         "answer_tokens": answer,

@@ -174,22 +174,17 @@ def needs_remote_code(m: Model) -> bool:
 
 
 # ---- checks -------------------------------------------------------------------------------------
-def check_pair(src: Model, new: Model, old: Model | None, f: Findings) -> dict:
-    """The drafter against the new target; -> what the profile takes from them."""
-    where = f"source ({src.spec})/config.json"
+def _target_sizes(tc: dict, twhere: str, f: Findings) -> tuple[int, int, int] | None:
+    """The new target's hidden size, vocab and layer count (None, a problem noted, when it lacks one)."""
     try:
-        cfg: DrafterConfig = parse_config(src.config, where)
-    except DraftportError as e:
-        f.problem(where, str(e).split(": ", 1)[-1])
-        return {}
-    tc = text_config(new)
-    twhere = f"targets.new ({new.spec})/config.json"
-    try:
-        hidden, vocab, layers = int(tc["hidden_size"]), int(tc["vocab_size"]), int(tc["num_hidden_layers"])
+        return int(tc["hidden_size"]), int(tc["vocab_size"]), int(tc["num_hidden_layers"])
     except (KeyError, TypeError, ValueError) as e:
         f.problem(twhere, f"lacks {e}")
-        return {}
-    ctx = int(tc.get("max_position_embeddings") or 0)
+        return None
+
+
+def _check_drafter_fits(src: Model, cfg: DrafterConfig, hidden: int, vocab: int, where: str, f: Findings) -> None:
+    """The drafter's hidden size and vocab against the target's; its vocab maps and embed_tokens (headers)."""
     reads = cfg.target_hidden_size or cfg.hidden_size
     if reads != hidden:
         f.problem(
@@ -217,21 +212,26 @@ def check_pair(src: Model, new: Model, old: Model | None, f: Findings) -> dict:
             "its safetensors headers were not read (offline, weights not in the cache): "
             "the fetch step checks the tensors",
         )
-    # aux ids and their numbering
+
+
+def _aux_convention(cfg: DrafterConfig) -> tuple[str, str]:
+    """How the drafter numbers its aux layer ids, and why that numbering is assumed."""
     if cfg.aux_convention:
-        conv, why = cfg.aux_convention, "the drafter's config says so (draftport_aux_convention)"
-    elif cfg.format == "speculators":
-        conv, why = "vllm", "a speculators-format drafter: trained on vLLM's hidden states"
-    else:
-        conv, why = (
-            FLAT_DEFAULT_CONVENTION,
-            (
-                "a flat config without a convention marker: SpecForge/SGLang's numbering "
-                "assumed (id k = the state leaving layer k); set vllm if it was trained "
-                "on vLLM's hidden states"
-            ),
-        )
-    ids = cfg.aux_layer_ids
+        return cfg.aux_convention, "the drafter's config says so (draftport_aux_convention)"
+    if cfg.format == "speculators":
+        return "vllm", "a speculators-format drafter: trained on vLLM's hidden states"
+    return (
+        FLAT_DEFAULT_CONVENTION,
+        (
+            "a flat config without a convention marker: SpecForge/SGLang's numbering "
+            "assumed (id k = the state leaving layer k); set vllm if it was trained "
+            "on vLLM's hidden states"
+        ),
+    )
+
+
+def _check_aux_layers(ids, layers: int, conv: str, where: str, f: Findings) -> None:
+    """The layers the drafter reads exist in the new target (in the drafter's numbering)."""
     if not ids:
         f.problem(where, "no eagle_aux_hidden_state_layer_ids: the layers the drafter reads are unknown")
     else:
@@ -239,6 +239,26 @@ def check_pair(src: Model, new: Model, old: Model | None, f: Findings) -> dict:
             check_aux_ids(ids, layers, conv, where)
         except DraftportError as e:
             f.problem(where, str(e).split(": ", 1)[-1])
+
+
+def check_pair(src: Model, new: Model, old: Model | None, f: Findings) -> dict:
+    """The drafter against the new target; -> what the profile takes from them."""
+    where = f"source ({src.spec})/config.json"
+    try:
+        cfg: DrafterConfig = parse_config(src.config, where)
+    except DraftportError as e:
+        f.problem(where, str(e).split(": ", 1)[-1])
+        return {}
+    tc = text_config(new)
+    sizes = _target_sizes(tc, f"targets.new ({new.spec})/config.json", f)
+    if sizes is None:
+        return {}
+    hidden, vocab, layers = sizes
+    ctx = int(tc.get("max_position_embeddings") or 0)
+    _check_drafter_fits(src, cfg, hidden, vocab, where, f)
+    conv, why = _aux_convention(cfg)
+    ids = cfg.aux_layer_ids
+    _check_aux_layers(ids, layers, conv, where, f)
     if ctx and cfg.max_position_embeddings < ctx:
         f.note(
             "features.max_new_tokens",
@@ -594,9 +614,8 @@ class InitRequest:
     force: bool = False
 
 
-def build(req: InitRequest) -> dict:
-    """Check the pair and write configs/NAME.yaml (atomically; nothing when a problem is found).
-    -> {"path", "problems", "gaps", "notes", "profile" (the validated params), "text"}."""
+def _profile_path(req: InitRequest) -> Path:
+    """The request's name and answer source checked; -> where the profile goes (never over one without force)."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", req.name):
         raise DraftportError(
             "NAME",
@@ -612,30 +631,23 @@ def build(req: InitRequest) -> dict:
         raise DraftportError(
             path, "exists: pass --force to replace it (the old file is kept until the new one is whole)"
         )
-    f = Findings()
+    return path
+
+
+def _read_pair(req: InitRequest, f: Findings) -> tuple[Model, Model, Model | None, dict]:
+    """The drafter (with its headers) and the targets located; -> (source, new, old, check_pair's)."""
     # offline: what the profile's fetch does; read_offline: how init itself reads (HF_HUB_OFFLINE too)
     ro = req.offline if req.read_offline is None else req.read_offline
     src = locate(req.source, "source", cache_dir=req.cache_dir, offline=ro, headers=True)
-    if not req.pin:  # an example profile: the branch stays, the commit is named a gap below
+    if not req.pin:  # an example profile: the branch stays, the commit is named a gap (_closing_gaps)
         src.commit = None
     new = locate(req.target_new, "targets.new", cache_dir=req.cache_dir, offline=ro)
     old = locate(req.target_old, "targets.old", cache_dir=req.cache_dir, offline=ro) if req.target_old else None
-    pair = check_pair(src, new, old, f)
-    data_dir = Path("data") / req.name
-    train_path = req.prompts or data_dir / "train.jsonl"
-    eval_path = req.prompts_eval or data_dir / "heldout.jsonl"
-    counts = check_prompts(train_path, eval_path, f)
-    rep = {
-        "path": str(path),
-        "problems": f.problems,
-        "gaps": f.gaps,
-        "notes": f.notes,
-        "target_config": str(new.folder / "config.json"),
-    }
-    if f.problems or not pair:
-        return rep
+    return src, new, old, check_pair(src, new, old, f)
 
-    # sizes: the target's weights decide the engine and its GPUs
+
+def _target_gpus(pair: dict, new: Model, f: Findings) -> tuple[float, int]:
+    """The target's bf16 weight bytes (0: unknown) and the GPUs they are sharded over."""
     try:
         shape = E.target_shape(pair["target_config"], f"targets.new ({new.spec})/config.json")
     except DraftportError as e:
@@ -645,8 +657,12 @@ def build(req: InitRequest) -> dict:
     tp = 1
     while tp < 8 and weight_bytes > 0.8 * GPU_BYTES * tp:
         tp *= 2
-    big = weight_bytes > 0.8 * GPU_BYTES
-    n_train, n_eval = counts["train"], counts["heldout"]
+    return weight_bytes, tp
+
+
+def _phase_samples(req: InitRequest, counts: dict, train_path: Path, f: Findings) -> tuple[int, int] | None:
+    """Phase 1's and Phase 2's sample counts (None, a problem noted, when the prompts cannot give them)."""
+    n_train = counts["train"]
     mon = 512 if req.like is None else int((P.read_yaml(req.like).get("monitor") or {}).get("n_samples", 64))
     usable = max(0, n_train - mon)
     # Phase 2 takes every usable prompt (200K while the file is not there yet); Phase 1 a fifth,
@@ -657,7 +673,7 @@ def build(req: InitRequest) -> dict:
             f"{n_train} prompts: the training monitor holds back {mon} of them (monitor.n_samples), "
             "which leaves too few for Phase 1 and Phase 2",
         )
-        return rep
+        return None
     n2 = req.phase2_samples or (usable if n_train else 200000)
     n1 = req.phase1_samples or min(37000, max(1, n2 // 5))
     if n_train and n2 > usable:
@@ -668,7 +684,7 @@ def build(req: InitRequest) -> dict:
     if n1 >= n2:
         f.problem("--phase1-samples", f"{n1} must be below Phase 2's {n2} (Phase 2 scales the data)")
     if f.problems:
-        return rep
+        return None
     if not n_train:  # say how many the plan needs where the missing file is named
         f.gaps[:] = [
             (w, f"{what}; the plan needs {n2 + mon:,}: Phase 2's {n2:,} and the monitor's {mon}")
@@ -676,12 +692,12 @@ def build(req: InitRequest) -> dict:
             else (w, what)
             for w, what in f.gaps
         ]
+    return n1, n2
 
-    cfg, conv = pair["cfg"], pair["convention"]
-    remote = needs_remote_code(new) or needs_remote_code(src)
-    pin_src = src.commit or ("local folder" if src.repo_id is None else None)
-    ref = split_spec(req.reference) if req.reference else None
-    lines = [
+
+def _source_lines(req: InitRequest, src: Model) -> list[Line]:
+    """The profile's name, no world, and the source drafter: where, which commit, how it is fetched."""
+    return [
         Line("profile", req.name, "the MLflow experiment is draftport-<profile>"),
         Line("world.build", False, "a real pair: no embedded world"),
         Line("source.repo_id", src.repo_id or _as_path(src.folder), "the drafter trained for the old target"),
@@ -703,6 +719,22 @@ def build(req: InitRequest) -> dict:
         Line(
             "source.lock_file", f"configs/{req.name}.source.lock.json", "every file's sha256: a later fetch must match"
         ),
+    ]
+
+
+def _target_lines(
+    req: InitRequest,
+    new: Model,
+    old: Model | None,
+    pair: dict,
+    paths: tuple[Path, Path],
+    counts: dict,
+    remote: bool,
+) -> list[Line]:
+    """The targets, the reference drafter (when given), the prompt files and the remote code allowed."""
+    ref = split_spec(req.reference) if req.reference else None
+    (train_path, eval_path), n_train, n_eval = paths, counts["train"], counts["heldout"]
+    return [
         Line("targets.new", new.repo_id or str(new.folder), _target_why(new, pair, req.pin)),
         *(
             [
@@ -737,15 +769,22 @@ def build(req: InitRequest) -> dict:
             if remote
             else "transformers' own classes: no repo code runs",
         ),
+    ]
+
+
+def _feature_lines(req: InitRequest, new: Model, pair: dict, weight_bytes: float, tp: int, n_eval: int) -> list[Line]:
+    """The capture: which layers in which numbering, the engine and its GPUs, who writes the answers."""
+    big = weight_bytes > 0.8 * GPU_BYTES
+    return [
         Line(
             "features.aux_layer_ids",
             pair["aux_ids"],
             f"the drafter's eagle_aux_hidden_state_layer_ids ({pair['layers']}-layer target)",
         ),
-        Line("features.aux_convention", conv, pair["convention_why"]),
+        Line("features.aux_convention", pair["convention"], pair["convention_why"]),
         Line(
             "features.max_new_tokens",
-            min(2048, cfg.max_position_embeddings),
+            min(2048, pair["cfg"].max_position_embeddings),
             "answers up to this many tokens (within the drafter's context)",
         ),
         Line("features.dtype", "bfloat16", "the hidden states on disk"),
@@ -776,6 +815,12 @@ def build(req: InitRequest) -> dict:
             "the model name the server knows the target by" if req.regenerate == "openai" else "not used",
         ),
         Line("features.eval_samples", min(1000, n_eval) if n_eval else 1000, "held-out prompts per eval set"),
+    ]
+
+
+def _plan_lines(req: InitRequest, cfg: DrafterConfig, old: Model | None, n1: int, n2: int) -> list[Line]:
+    """The draft vocab, eval k, the drift probe, the cost model's figures and the phases' sample counts."""
+    return [
         Line("vocab_new.draft_vocab_size", cfg.draft_vocab_size, "the source's draft vocab: lm_head keeps its shape"),
         Line(
             "eval.k", 3, "draft tokens per verify cycle (set your engine's: SGLang steps, vLLM num_speculative_tokens)"
@@ -805,6 +850,11 @@ def build(req: InitRequest) -> dict:
         Line("phase1.n_samples", n1, "new-target samples of Phase 1 (and of the control)"),
         Line("phase2.n_samples", n2, "Phase 2's total, Phase 1's included"),
     ]
+
+
+def _training_setup(lines: list[Line], req: InitRequest, n1: int, n2: int, tp: int, counts: dict) -> list[Line]:
+    """The training side: --like's profile (its held-out samples capped by the file), else a GPU node's."""
+    n_eval = counts["heldout"]
     if req.like is not None:
         have = {ln.key for ln in lines}
         lines += [ln for ln in like_lines(req.like, n1, n2) if ln.key not in have or ln.key.startswith("features.")]
@@ -818,6 +868,12 @@ def build(req: InitRequest) -> dict:
             ]
     else:
         lines += real_scale(n1, n2, req.gpus, tp, counts) + resources(tp, req.gpus)
+    return lines
+
+
+def _closing_gaps(req: InitRequest, src: Model, new: Model, remote: bool, f: Findings) -> None:
+    """What the user still has to do: measure the cost model, allow remote code, pin, serve the target."""
+    pin_src = src.commit or ("local folder" if src.repo_id is None else None)
     if not (req.baseline_tok_s and req.verify_ms):
         f.gap(
             "costmodel",
@@ -835,6 +891,44 @@ def build(req: InitRequest) -> dict:
         )
     if req.regenerate == "openai":
         f.gap("features.base_url", f"{req.base_url}: serve the new target there before the feature steps run")
+
+
+def build(req: InitRequest) -> dict:
+    """Check the pair and write configs/NAME.yaml (atomically; nothing when a problem is found).
+    -> {"path", "problems", "gaps", "notes", "profile" (the validated params), "text"}."""
+    path = _profile_path(req)
+    f = Findings()
+    src, new, old, pair = _read_pair(req, f)
+    data_dir = Path("data") / req.name
+    train_path = req.prompts or data_dir / "train.jsonl"
+    eval_path = req.prompts_eval or data_dir / "heldout.jsonl"
+    counts = check_prompts(train_path, eval_path, f)
+    rep = {
+        "path": str(path),
+        "problems": f.problems,
+        "gaps": f.gaps,
+        "notes": f.notes,
+        "target_config": str(new.folder / "config.json"),
+    }
+    if f.problems or not pair:
+        return rep
+
+    # sizes: the target's weights decide the engine and its GPUs
+    weight_bytes, tp = _target_gpus(pair, new, f)
+    samples = _phase_samples(req, counts, train_path, f)
+    if samples is None:
+        return rep
+    n1, n2 = samples
+
+    remote = needs_remote_code(new) or needs_remote_code(src)
+    lines = [
+        *_source_lines(req, src),
+        *_target_lines(req, new, old, pair, (train_path, eval_path), counts, remote),
+        *_feature_lines(req, new, pair, weight_bytes, tp, counts["heldout"]),
+        *_plan_lines(req, pair["cfg"], old, n1, n2),
+    ]
+    lines = _training_setup(lines, req, n1, n2, tp, counts)
+    _closing_gaps(req, src, new, remote, f)
 
     header = [
         f"{req.name}: {src.spec} (drafter) -> {new.spec} (new target), written by `draftport init`.",

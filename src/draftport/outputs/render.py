@@ -289,12 +289,9 @@ def _serve_source(rep: dict) -> str:
     )
 
 
-def estimate_renderables(rep: dict) -> list:
-    """`draftport estimate`: the inputs, the per-rule training table, the data steps, and per
-    phase and storage mode the hours (data + training) and the disk."""
-    # lazy: data.shards imports torch; compare and inspect render from headers, torch-free
-    from draftport.data.shards import human
-
+def _estimate_head(rep: dict) -> Text:
+    """The inputs: the measured training rate, the target, the capture's FLOPs and rate, the answers'
+    rate and the stated assumptions."""
     b, tg, fl, ce = rep["bench"], rep["target"], rep["flops_per_token"], rep["capture_efficiency"]
     tps, g = rep["tokens_per_sample"], rep["data"][0]["gpus"]
     moe = tg["moe"]
@@ -314,7 +311,7 @@ def estimate_renderables(rep: dict) -> list:
         if ce["capture_write"] == ce["capture"]
         else f"{ce['capture_write']:.4g} with the write, {ce['capture']:.4g} without (online)"
     )
-    head = Text.assemble(
+    return Text.assemble(
         ("measured: ", "bold"),
         f"training {b['device']} ({b['date']}), seq {b['seq']}, TTT {b['ttt_steps']}, bf16, one GPU, {b['rate']}\n",
         ("target: ", "bold"),
@@ -343,6 +340,10 @@ def estimate_renderables(rep: dict) -> list:
             f"on {g} GPU{'s' if g > 1 else ''}" + (" (tensor parallel)" if g > 1 else "")
         ),
     )
+
+
+def _rules_table(rep: dict) -> Table:
+    """One row per training rule: steps, batch, epochs, tokens, lm_head, rate, GPUs, hours."""
     # no cell padding (the box's column divider is a space): the nine columns fit an 80-column
     # terminal without cutting a figure (the rows' layout goes on the line below the table)
     t = Table(box=box.SIMPLE_HEAD, padding=0)
@@ -361,13 +362,19 @@ def estimate_renderables(rep: dict) -> list:
             str(r["gpus"]),
             f"{r['hours']:.2f}",
         )
+    return t
+
+
+def _training_totals(rep: dict) -> Text:
+    """Below the rules: each rule's rows layout, the phases' training hours, the curves', what not
+    regenerating saves and the adaptive budget."""
     layout = {k: [r["rule"] for r in rep["rows"] if r["rows"] == k] for k in ("packed", "padded")}
     rows_line = Text.assemble(
         ("rows: ", "bold"),
         ";  ".join(f"{k} ({', '.join(v)})" for k, v in layout.items() if v),
         " as each rule's train.packing says\n",
     )
-    mid = Text.assemble(
+    return Text.assemble(
         rows_line,
         ("Phase 1 (control + fine-tune): ", "bold"),
         f"{rep['phase1_hours']:.2f} h;  ",
@@ -400,6 +407,10 @@ def estimate_renderables(rep: dict) -> list:
         ),
         *(_adaptive_line(rep["adaptive"]) if rep.get("adaptive") else ()),
     )
+
+
+def _data_table(rep: dict) -> Table:
+    """One row per feature step: samples, the answers regenerated and the capture."""
     d = Table(box=box.SIMPLE_HEAD, padding=0)
     d.add_column("data step", no_wrap=True)
     for col in ("samples", "answer tok", "regen h", "capture tok", "GPUs", "capture h"):
@@ -414,6 +425,11 @@ def estimate_renderables(rep: dict) -> list:
             str(r["gpus"]),
             f"{r['capture_hours']:.2f}",
         )
+    return d
+
+
+def _modes_table(rep: dict, human) -> Table:
+    """One row per phase and storage mode: the hours (data + training) and the disk (human: its bytes' format)."""
     p = Table(box=box.SIMPLE_HEAD, padding=0)
     p.add_column("phase", no_wrap=True)
     p.add_column("storage", no_wrap=True)
@@ -430,12 +446,18 @@ def estimate_renderables(rep: dict) -> list:
             f"{r['total_hours']:.2f}",
             human(r["disk_bytes"]),
         )
+    return p
+
+
+def _estimate_foot(rep: dict) -> Text:
+    """How the disk and online figures are made, the hybrid rule, the profile's mark and what is not estimated."""
+    tps = rep["tokens_per_sample"]
     ho, ptb = rep["held_out"], rep["per_token_bytes"]
     held = ho["eval"] + ho["monitor"]
     n1, n2 = rep["samples"]["phase1"], rep["samples"]["phase2"]
     rec = {r["phase"]: r["recompute_tokens"] for r in rep["phases"] if r["mode"] == "online"}
     dt = next(r["dtype"] for r in rep["phases"] if r["mode"] == "online")
-    foot = Text.assemble(
+    return Text.assemble(
         ("disk: ", "bold"),
         f"(samples + {held:,} held-out: {ho['eval']:,} eval + {ho['monitor']:,} monitor) x {tps} "
         "tokens x B/token: "
@@ -454,7 +476,22 @@ def estimate_renderables(rep: dict) -> list:
         ("not estimated: ", "bold"),
         "the learning curves' evaluations, the drift probe, the online steps, fetching the target's weights",
     )
-    return [head, t, mid, d, p, foot]
+
+
+def estimate_renderables(rep: dict) -> list:
+    """`draftport estimate`: the inputs, the per-rule training table, the data steps, and per
+    phase and storage mode the hours (data + training) and the disk."""
+    # lazy: data.shards imports torch; compare and inspect render from headers, torch-free
+    from draftport.data.shards import human
+
+    return [
+        _estimate_head(rep),
+        _rules_table(rep),
+        _training_totals(rep),
+        _data_table(rep),
+        _modes_table(rep, human),
+        _estimate_foot(rep),
+    ]
 
 
 def _si(n: int) -> str:
