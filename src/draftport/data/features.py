@@ -87,6 +87,198 @@ def read_samples(path: str | Path, n: int | None = None, offset: int = 0) -> lis
 
 
 # ---- features -----------------------------------------------------------------------------------
+def _read_prompts(target_dir, samples_path, n_samples, offset, regenerate_responses, max_len, dtype, trust_remote_code):
+    """The samples and their prompts, checked to fit the context; with the target's tokenizer, text
+    config, context, hidden size and stored bytes per token."""
+    samples = read_samples(samples_path, n_samples, offset)
+    if not regenerate_responses:
+        bad = next((i for i, x in enumerate(samples) if not isinstance(x.get("assistant"), str)), None)
+        if bad is not None:  # the line number counts non-blank lines of the file
+            raise DraftportError(
+                f"{samples_path}:{offset + bad + 1}",
+                "no string 'assistant' field: the dataset's own answer is needed when the answers are not regenerated",
+            )
+    tok = load_tokenizer(target_dir, trust_remote_code)
+    tcfg = target_text_config(target_dir)
+    ctx = max_len or int(tcfg.get("max_position_embeddings", 4096))
+    hidden = int(tcfg["hidden_size"])
+    per_tok = bytes_per_token(hidden, dtype)
+    prompts = [encode_prompt(tok, s["user"]) for s in samples]
+    too_long = [i for i, p in enumerate(prompts) if len(p) >= ctx]
+    if too_long:
+        raise DraftportError(
+            f"{samples_path}:{offset + too_long[0] + 1}",
+            f"prompt of {len(prompts[too_long[0]])} tokens does not fit the target's context of {ctx}",
+        )
+    return samples, tok, tcfg, ctx, hidden, per_tok, prompts
+
+
+def _capture_need(storage, spool_gb, est_tokens, n_samples, per_tok, hidden, dtype, aux_layer_ids) -> dict:
+    """The projected bytes, logged; -> what check_storage must find free (data.storage.storage_need)."""
+    # lazy (registry): drift and online_* run this module without data.storage
+    from draftport.data.storage import SPOOL_GB, storage_need
+
+    log(
+        f"features: {n_samples} samples, ~{est_tokens} tokens x {per_tok} B/token "
+        f"= ~{est_tokens * per_tok / 1e6:.1f} MB projected"
+        + ("" if storage == "disk" else f" (storage {storage}: captured in training)")
+    )
+    need = storage_need(
+        storage,
+        tokens=est_tokens,
+        hidden_size=hidden,
+        dtype=dtype,
+        n_aux=len(aux_layer_ids),
+        spool_gb=SPOOL_GB if spool_gb is None else spool_gb,
+    )
+    if storage != "disk" and spool_gb is None:  # the answers only: the spool is checked where training makes it
+        return {
+            "mode": "online",
+            "need_bytes": need["ids_bytes"],
+            "formula": f"{est_tokens:,} tokens x {need['ids_bytes'] // max(est_tokens, 1)} B (ids + mask); "
+            f"the spool{' and the cache' if storage == 'hybrid' else ''}: checked by the training step",
+        }
+    return need
+
+
+def _capture_model(target_dir, engine, regenerate_responses, regenerate_via, dtype, device, trust_remote_code):
+    """The target loaded here when it captures the states or writes the answers, else None."""
+    need_model = engine == "transformers" or (regenerate_responses and regenerate_via == "local")
+    return (
+        load_target(target_dir, dtype=capture_dtype(device, dtype), device=device, trust_remote_code=trust_remote_code)
+        if need_model
+        else None
+    )
+
+
+def _regenerated_sequences(model, prompts, ctx, max_new_tokens, eos, pad, batch_size, via, base_url, served_model):
+    """Each prompt + the target's own greedy answer (the model here, or via 'openai' the served one),
+    cut to the context."""
+    budget = [min(max_new_tokens, ctx - len(p)) for p in prompts]
+    with progress(len(prompts), "regenerate", "sample") as bar:
+        if via == "openai":
+            # lazy (registry): only features.engine openai runs engines.openai; the training rows do not list it
+            from draftport.engines.openai import regenerate_openai
+
+            resp = regenerate_openai(
+                base_url, served_model, prompts, max_new_tokens=max(budget), eos_id=eos, progress=bar.update
+            )
+        else:
+            resp = regenerate(
+                model,
+                prompts,
+                max_new_tokens=max(budget),
+                eos_id=eos,
+                pad_id=pad,
+                batch_size=batch_size,
+                progress=bar.update,
+            )
+    return [Sequence(p + r[:b], len(p)) for p, r, b in zip(prompts, resp, budget)]
+
+
+def _dataset_sequences(tok, samples, ctx) -> list[Sequence]:
+    """Each sample's chat with the dataset's own answer, cut to the context."""
+    seqs = []
+    for s in samples:
+        ids, start = encode_chat(tok, s["user"], s["assistant"])
+        seqs.append(Sequence(ids[:ctx], start))
+    return seqs
+
+
+def _seconds_since(t0: float) -> float:
+    # wall seconds of the answers and of the capture (the decision's hours; never in index.json)
+    return round(time.perf_counter() - t0, 3)
+
+
+def _features_meta(target_dir, samples_path, offset, aux_layer_ids, convention, regenerate_responses, tcfg) -> dict:
+    """What index.json records of the capture's inputs."""
+    return {
+        "aux_layer_ids": list(aux_layer_ids),
+        "aux_convention": convention,
+        "target": target_identity(target_dir),
+        "regenerated": regenerate_responses,
+        "samples_file": str(samples_path),
+        "offset": offset,
+        "num_target_layers": int(tcfg.get("num_hidden_layers", 0)),
+    }
+
+
+def _capture_settings(storage, engine, dtype, device, batch_size, tensor_parallel_size, shard_samples, hidden, compile):
+    """The capture settings, as a sequences folder records them (index['capture'], capture_writer)."""
+    return {
+        "storage": storage,
+        "engine": engine,
+        "dtype": dtype,
+        "device": device,
+        "batch_size": batch_size,
+        "tensor_parallel_size": tensor_parallel_size,
+        "shard_samples": shard_samples,
+        "hidden_size": hidden,
+        "compile": bool(compile),
+    }
+
+
+def _write_answers_only(out_dir, seqs, meta, capture) -> dict:
+    """storage online / hybrid: the answers alone, the states left to the training step."""
+    index = write_sequences(out_dir, seqs, meta=meta, capture=capture)
+    log(
+        f"features: wrote {index['samples']} sequences, {index['tokens']} tokens to {out_dir} "
+        f"(storage {capture['storage']}: the training step captures their states)"
+    )
+    return index
+
+
+def _capture_vllm(capture_features_vllm, target_dir, seqs, out_dir, meta, capture) -> dict:
+    """engine vllm: the states from vLLM's extract_hidden_states (it loads the target itself), at
+    the aux layers meta records; -> the index. capture_features_vllm: build_features imports it
+    (lazily) before it lets its own model go."""
+    with progress(len(seqs), "capture (vLLM)", "sample") as bar:
+        index = capture_features_vllm(
+            target_dir,
+            seqs,
+            out_dir,
+            aux_ids=meta["aux_layer_ids"],
+            convention=meta["aux_convention"],
+            meta=meta,
+            tensor_parallel_size=capture["tensor_parallel_size"],
+            dtype=capture["dtype"],
+            batch_size=capture["batch_size"],
+            shard_samples=capture["shard_samples"],
+            progress=bar.update,
+        )
+    log(
+        f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
+        f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir} (vLLM)"
+    )
+    return index
+
+
+def _capture_here(model, seqs, out_dir, meta, capture, pad) -> dict:
+    """engine transformers: the states from the target loaded in this process, at the aux layers
+    meta records; -> the index."""
+    device = capture["device"]
+    aux, conv = meta["aux_layer_ids"], meta["aux_convention"]
+    featurize = featurizer(model, aux, conv, device, pad, compile=capture["compile"], log=log)
+
+    with progress(len(seqs), "capture", "sample") as bar:
+        index = write_features(
+            out_dir,
+            seqs,
+            featurize,
+            meta=meta,
+            batch_size=capture["batch_size"],
+            dtype=capture["dtype"],
+            shard_samples=capture["shard_samples"],
+            progress=bar.update,
+            by_length=on_gpu(model, device),
+        )
+    log(
+        f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
+        f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir}"
+    )
+    return index
+
+
 def build_features(
     target_dir,
     samples_path,
@@ -130,161 +322,42 @@ def build_features(
     The storage check covers every mode: disk the states; online / hybrid the token ids, plus the
     spool bound when spool_gb is given (the training step checks its spool where it makes it)."""
     # lazy (registry): drift and online_* run this module without data.storage
-    from draftport.data.storage import SPOOL_GB, check_storage, storage_need
+    from draftport.data.storage import check_storage
 
-    samples = read_samples(samples_path, n_samples, offset)
-    if not regenerate_responses:
-        bad = next((i for i, x in enumerate(samples) if not isinstance(x.get("assistant"), str)), None)
-        if bad is not None:  # the line number counts non-blank lines of the file
-            raise DraftportError(
-                f"{samples_path}:{offset + bad + 1}",
-                "no string 'assistant' field: the dataset's own answer is needed when the answers are not regenerated",
-            )
-    tok = load_tokenizer(target_dir, trust_remote_code)
-    tcfg = target_text_config(target_dir)
-    ctx = max_len or int(tcfg.get("max_position_embeddings", 4096))
-    hidden = int(tcfg["hidden_size"])
-    per_tok = bytes_per_token(hidden, dtype)
-    prompts = [encode_prompt(tok, s["user"]) for s in samples]
-    too_long = [i for i, p in enumerate(prompts) if len(p) >= ctx]
-    if too_long:
-        raise DraftportError(
-            f"{samples_path}:{offset + too_long[0] + 1}",
-            f"prompt of {len(prompts[too_long[0]])} tokens does not fit the target's context of {ctx}",
-        )
+    samples, tok, tcfg, ctx, hidden, per_tok, prompts = _read_prompts(
+        target_dir, samples_path, n_samples, offset, regenerate_responses, max_len, dtype, trust_remote_code
+    )
     est_tokens = sum(len(p) for p in prompts) + len(prompts) * (max_new_tokens if regenerate_responses else 64)
-    log(
-        f"features: {len(samples)} samples, ~{est_tokens} tokens x {per_tok} B/token "
-        f"= ~{est_tokens * per_tok / 1e6:.1f} MB projected"
-        + ("" if storage == "disk" else f" (storage {storage}: captured in training)")
-    )
-    need = storage_need(
-        storage,
-        tokens=est_tokens,
-        hidden_size=hidden,
-        dtype=dtype,
-        n_aux=len(aux_layer_ids),
-        spool_gb=SPOOL_GB if spool_gb is None else spool_gb,
-    )
-    if storage != "disk" and spool_gb is None:  # the answers only: the spool is checked where training makes it
-        need = {
-            "mode": "online",
-            "need_bytes": need["ids_bytes"],
-            "formula": f"{est_tokens:,} tokens x {need['ids_bytes'] // max(est_tokens, 1)} B (ids + mask); "
-            f"the spool{' and the cache' if storage == 'hybrid' else ''}: checked by the training step",
-        }
+    need = _capture_need(storage, spool_gb, est_tokens, len(samples), per_tok, hidden, dtype, aux_layer_ids)
     check_storage(Path(out_dir).parent, need, log)  # before loading any weights
-    need_model = engine == "transformers" or (regenerate_responses and regenerate_via == "local")
-    model = (
-        load_target(target_dir, dtype=capture_dtype(device, dtype), device=device, trust_remote_code=trust_remote_code)
-        if need_model
-        else None
-    )
+    model = _capture_model(target_dir, engine, regenerate_responses, regenerate_via, dtype, device, trust_remote_code)
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    seqs: list[Sequence] = []
     t0 = time.perf_counter()
     if regenerate_responses:
-        budget = [min(max_new_tokens, ctx - len(p)) for p in prompts]
-        with progress(len(prompts), "regenerate", "sample") as bar:
-            if regenerate_via == "openai":
-                # lazy (registry): only features.engine openai runs engines.openai; the training rows do not list it
-                from draftport.engines.openai import regenerate_openai
-
-                resp = regenerate_openai(
-                    base_url, served_model, prompts, max_new_tokens=max(budget), eos_id=eos, progress=bar.update
-                )
-            else:
-                resp = regenerate(
-                    model,
-                    prompts,
-                    max_new_tokens=max(budget),
-                    eos_id=eos,
-                    pad_id=pad,
-                    batch_size=batch_size,
-                    progress=bar.update,
-                )
-        for p, r, b in zip(prompts, resp, budget):
-            seqs.append(Sequence(p + r[:b], len(p)))
+        seqs = _regenerated_sequences(
+            model, prompts, ctx, max_new_tokens, eos, pad, batch_size, regenerate_via, base_url, served_model
+        )
     else:
-        for s in samples:
-            ids, start = encode_chat(tok, s["user"], s["assistant"])
-            seqs.append(Sequence(ids[:ctx], start))
-    # wall seconds of the answers and of the capture (the decision's hours; never in index.json)
-    seconds = {"regenerate": round(time.perf_counter() - t0, 3) if regenerate_responses else 0.0}
+        seqs = _dataset_sequences(tok, samples, ctx)
+    seconds = {"regenerate": _seconds_since(t0) if regenerate_responses else 0.0}
     t0 = time.perf_counter()
-
-    meta = {
-        "aux_layer_ids": list(aux_layer_ids),
-        "aux_convention": convention,
-        "target": target_identity(target_dir),
-        "regenerated": regenerate_responses,
-        "samples_file": str(samples_path),
-        "offset": offset,
-        "num_target_layers": int(tcfg.get("num_hidden_layers", 0)),
-    }
+    meta = _features_meta(target_dir, samples_path, offset, aux_layer_ids, convention, regenerate_responses, tcfg)
+    capture = _capture_settings(
+        storage, engine, dtype, device, batch_size, tensor_parallel_size, shard_samples, hidden, compile
+    )
     if storage != "disk":
         del model
-        capture = {
-            "storage": storage,
-            "engine": engine,
-            "dtype": dtype,
-            "device": device,
-            "batch_size": batch_size,
-            "tensor_parallel_size": tensor_parallel_size,
-            "shard_samples": shard_samples,
-            "hidden_size": hidden,
-            "compile": bool(compile),
-        }
-        index = write_sequences(out_dir, seqs, meta=meta, capture=capture)
-        log(
-            f"features: wrote {index['samples']} sequences, {index['tokens']} tokens to {out_dir} "
-            f"(storage {storage}: the training step captures their states)"
-        )
-        return {**index, "seconds": {**seconds, "capture": 0.0}}
+        return {**_write_answers_only(out_dir, seqs, meta, capture), "seconds": {**seconds, "capture": 0.0}}
     if engine == "vllm":
         # lazy (registry): only features.engine vllm runs this; world's and online_*'s rows do not list it
         from draftport.data.vllm_capture import capture_features_vllm
 
         del model
-        with progress(len(seqs), "capture (vLLM)", "sample") as bar:
-            index = capture_features_vllm(
-                target_dir,
-                seqs,
-                out_dir,
-                aux_ids=aux_layer_ids,
-                convention=convention,
-                meta=meta,
-                tensor_parallel_size=tensor_parallel_size,
-                dtype=dtype,
-                batch_size=batch_size,
-                shard_samples=shard_samples,
-                progress=bar.update,
-            )
-        log(
-            f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
-            f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir} (vLLM)"
-        )
-        return {**index, "seconds": {**seconds, "capture": round(time.perf_counter() - t0, 3)}}
-    featurize = featurizer(model, aux_layer_ids, convention, device, pad, compile=compile, log=log)
-
-    with progress(len(seqs), "capture", "sample") as bar:
-        index = write_features(
-            out_dir,
-            seqs,
-            featurize,
-            meta=meta,
-            batch_size=batch_size,
-            dtype=dtype,
-            shard_samples=shard_samples,
-            progress=bar.update,
-            by_length=on_gpu(model, device),
-        )
-    log(
-        f"features: wrote {index['samples']} samples, {index['tokens']} tokens, "
-        f"{index['tokens'] * index['bytes_per_token'] / 1e6:.1f} MB to {out_dir}"
-    )
-    return {**index, "seconds": {**seconds, "capture": round(time.perf_counter() - t0, 3)}}
+        index = _capture_vllm(capture_features_vllm, target_dir, seqs, out_dir, meta, capture)
+    else:
+        index = _capture_here(model, seqs, out_dir, meta, capture, pad)
+    return {**index, "seconds": {**seconds, "capture": _seconds_since(t0)}}
 
 
 def capture_writer(target_dir, index: dict, trust_remote_code: bool = False):

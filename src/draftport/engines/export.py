@@ -78,21 +78,42 @@ def export_problems(
     if embed_tokens is not None and embed_tokens not in EMBED_CHOICES:
         raise DraftportError("online.embed_tokens", f"must be one of {', '.join(EMBED_CHOICES)}, got {embed_tokens!r}")
     folder = Path(drafter_dir)
+    raw, cfg, stop = _read_export_config(folder)
+    if stop is not None:
+        return [stop]
+    tcfg = target_text_config(target_dir)
+    problems = _config_format_problems(raw)
+    tables = _raw_tables(folder)
+    problems += _tensor_layout_problems(tables, cfg)
+    problems += _draft_vocab_problems(tables, cfg, tcfg)
+    problems += _aux_layer_problems(raw, cfg, tcfg, convention)
+    # -- positions: RoPE tables as long as the longest sequence served --------------------------
+    ctx = context or tcfg.get("max_position_embeddings")
+    if ctx is not None and cfg.max_position_embeddings < ctx:
+        problems.append(f"max_position_embeddings {cfg.max_position_embeddings} < the target's context {ctx}")
+    problems += _embed_tokens_problems(tables, target_dir, embed_tokens)
+    return problems
+
+
+def _read_export_config(folder: Path):
+    """(raw config.json, its parsed config, None), or (None, None, the problem that stops every other check)."""
     cpath = folder / "config.json"
     if not cpath.is_file():
-        return [f"{cpath}: missing (vLLM reads the drafter's architecture from it)"]
+        return None, None, f"{cpath}: missing (vLLM reads the drafter's architecture from it)"
     try:
         raw = json.loads(cpath.read_text())
     except json.JSONDecodeError as e:
-        return [f"{cpath}: not valid JSON ({e})"]
-    problems: list[str] = []
+        return None, None, f"{cpath}: not valid JSON ({e})"
     try:
         cfg = parse_config(raw, cpath)
     except DraftportError as e:
-        return [e.problem]
-    tcfg = target_text_config(target_dir)
+        return None, None, e.problem
+    return raw, cfg, None
 
-    # -- format: flat, as the engines' LlamaForCausalLMEagle3 loaders expect ------------------
+
+def _config_format_problems(raw: dict) -> list[str]:
+    """config.json in the flat format, naming the architecture the engines' EAGLE-3 loaders expect."""
+    problems = []
     if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
         problems.append("config is in the speculators format; the online step serves the flat format")
     if FLAT_ARCH not in (raw.get("architectures") or []):
@@ -100,7 +121,12 @@ def export_problems(
             f"config architectures {raw.get('architectures')} lack {FLAT_ARCH!r} "
             "(the engine would not pick the EAGLE-3 head)"
         )
-    tables = _raw_tables(folder)
+    return problems
+
+
+def _tensor_layout_problems(tables: dict, cfg) -> list[str]:
+    """The stored tensor names are the flat EAGLE-3 layout's, none missing, each of the shape config.json implies."""
+    problems = []
     names = set(tables)
     not_flat = sorted(n for n in names if n not in REQUIRED_KEYS and n not in OPTIONAL_KEYS)
     if not_flat:
@@ -124,8 +150,12 @@ def export_problems(
         want = exp.get(name)
         if want is not None and tuple(info.shape) != want:
             problems.append(f"tensor {name} has shape {list(info.shape)}, config.json implies {list(want)}")
+    return problems
 
-    # -- draft vocab ------------------------------------------------------------------------------
+
+def _draft_vocab_problems(tables: dict, cfg, tcfg: dict) -> list[str]:
+    """lm_head, the vocab size and the d2t / t2d maps agree with config.json and the target's vocab."""
+    problems = []
     dv = cfg.draft_vocab_size
     if "lm_head.weight" in tables and tables["lm_head.weight"].shape[0] != dv:
         problems.append(
@@ -135,27 +165,36 @@ def export_problems(
     if vocab_t is not None and cfg.vocab_size != vocab_t:
         problems.append(f"drafter vocab_size {cfg.vocab_size} != target's {vocab_t}")
     if "d2t" in tables:
-        d2t = _read(tables["d2t"]).astype(np.int64)
-        if d2t.ndim != 1 or d2t.shape[0] != dv:
-            problems.append(f"d2t has shape {list(d2t.shape)}, draft_vocab_size is {dv}")
-        elif d2t.size:
-            ids = np.arange(d2t.size) + d2t
-            bad = np.nonzero((ids < 0) | (ids >= (vocab_t or cfg.vocab_size)))[0]
-            if bad.size:
-                problems.append(
-                    f"d2t slot {int(bad[0])} maps to target id {int(ids[bad[0]])}, "
-                    f"outside the vocab of {vocab_t or cfg.vocab_size} ({bad.size} slots out of range)"
-                )
-            elif np.unique(ids).size != ids.size:
-                problems.append("d2t maps two draft slots to the same target id")
-            elif "t2d" in tables:
-                t2d = _read(tables["t2d"]).astype(bool)
-                if t2d.shape == (cfg.vocab_size,) and not (t2d.sum() == ids.size and t2d[ids].all()):
-                    problems.append(
-                        "t2d disagrees with d2t (SGLang reads t2d, vLLM d2t: they would draft different vocabularies)"
-                    )
+        problems.extend(_d2t_problems(tables, cfg, dv, vocab_t))
+    return problems
 
-    # -- aux layers: explicit, in range, and the convention the engine uses -----------------------
+
+def _d2t_problems(tables: dict, cfg, dv: int, vocab_t: int | None) -> list[str]:
+    """d2t maps each draft slot to a distinct target id in the vocab, and t2d marks exactly those ids."""
+    d2t = _read(tables["d2t"]).astype(np.int64)
+    if d2t.ndim != 1 or d2t.shape[0] != dv:
+        return [f"d2t has shape {list(d2t.shape)}, draft_vocab_size is {dv}"]
+    if not d2t.size:
+        return []
+    ids = np.arange(d2t.size) + d2t
+    bad = np.nonzero((ids < 0) | (ids >= (vocab_t or cfg.vocab_size)))[0]
+    if bad.size:
+        return [
+            f"d2t slot {int(bad[0])} maps to target id {int(ids[bad[0]])}, "
+            f"outside the vocab of {vocab_t or cfg.vocab_size} ({bad.size} slots out of range)"
+        ]
+    if np.unique(ids).size != ids.size:
+        return ["d2t maps two draft slots to the same target id"]
+    if "t2d" in tables:
+        t2d = _read(tables["t2d"]).astype(bool)
+        if t2d.shape == (cfg.vocab_size,) and not (t2d.sum() == ids.size and t2d[ids].all()):
+            return ["t2d disagrees with d2t (SGLang reads t2d, vLLM d2t: they would draft different vocabularies)"]
+    return []
+
+
+def _aux_layer_problems(raw: dict, cfg, tcfg: dict, convention: str | None) -> list[str]:
+    """Aux layers explicit, in range, and in the convention the engine uses; fc's input size the target's."""
+    problems = []
     eagle = raw.get("eagle_config") or {}
     aux = eagle.get("eagle_aux_hidden_state_layer_ids")
     n_layers = tcfg.get("num_hidden_layers")
@@ -180,29 +219,26 @@ def export_problems(
     th = cfg.target_hidden_size or cfg.hidden_size
     if tcfg.get("hidden_size") is not None and th != tcfg["hidden_size"]:
         problems.append(f"fc expects target hidden size {th}, the target has {tcfg['hidden_size']}")
+    return problems
 
-    # -- positions ------------------------------------------------------------------------------
-    ctx = context or tcfg.get("max_position_embeddings")
-    if ctx is not None and cfg.max_position_embeddings < ctx:
-        problems.append(f"max_position_embeddings {cfg.max_position_embeddings} < the target's context {ctx}")
 
-    # -- embed_tokens: absent (shared from the target) or exactly the target's --------------------
+def _embed_tokens_problems(tables: dict, target_dir, embed_tokens: str | None) -> list[str]:
+    """embed_tokens absent (shared from the target) or exactly the target's, as online.embed_tokens asks."""
     # vLLM serves a drafter's own embed_tokens (SGLang the target's): a foreign one would make the
     # two engines draft differently, so it is never servable.
     embed = tables.get("embed_tokens.weight")
     if embed_tokens == "drop" and embed is not None:
-        problems.append(
+        return [
             "the export carries embed_tokens but online.embed_tokens is drop (vLLM would serve "
             "the drafter's copy, SGLang the target's)"
-        )
-    elif embed_tokens == "target":
+        ]
+    if embed_tokens == "target":
         if embed is None:
-            problems.append("online.embed_tokens is target but the export carries no embed_tokens")
-        else:
-            problems.extend(_embed_bits_problems(embed, target_dir))
-    elif embed is not None:
-        problems.extend(_embed_problems(embed, target_dir))
-    return problems
+            return ["online.embed_tokens is target but the export carries no embed_tokens"]
+        return _embed_bits_problems(embed, target_dir)
+    if embed is not None:
+        return _embed_problems(embed, target_dir)
+    return []
 
 
 def _embed_bits_problems(info, target_dir) -> list[str]:

@@ -150,21 +150,20 @@ def _fmt(x, nd: int = 3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
-def model_card(facts: dict) -> str:
-    """README.md: huggingface_hub ModelCard (metadata + body) from the facts publish_drafter gathers."""
-    f = facts
-    repo = f["repo_id"] or f"./{f['folder']}"
-    base, k, ids = f["base_model"], f["k"], f["aux"]["ids"]
-    data = ModelCardData(
-        base_model=base, library_name=f["library_name"], tags=list(f["tags"]), license=f.get("license")
-    )
-    src = f["source"]
-    lines = [
+def _card_intro(f: dict, base: str, src: dict) -> list[str]:
+    """The card's title and what the drafter is."""
+    return [
         f"# {f['repo_id'] or f['folder']}",
         "",
         f"An EAGLE-3 draft model for speculative decoding with [{base}]({_link(base)}): {HOW[f['phase']]}. "
         f"Ported by draftport from [{src['repo_id']}]({_link(src['repo_id'])}) at revision `{src['commit']}`.",
         "",
+    ]
+
+
+def _card_accept_length(f: dict, k: int) -> list[str]:
+    """## Accept length: tau per k with its CI, engine and counts, then how it was measured."""
+    lines = [
         "## Accept length",
         "",
         "| k | tau | CI | engine | prompts | verify cycles | accepted at position 0..k-1 | projected tok/s |",
@@ -178,7 +177,7 @@ def model_card(facts: dict) -> str:
             f"{r.get('num_cycles', '-')} | {rates} | {_fmt(r.get('projected_tok_s'), 1)} |"
         )
     ev = f["evaluation"]
-    lines += [
+    return lines + [
         "",
         TAU_DEFINITION,
         "",
@@ -189,9 +188,12 @@ def model_card(facts: dict) -> str:
         f"{ev['costmodel']['verify_ms']:g} ms per verify without a drafter (break-even tau "
         f"{ev['break_even']:.2f} at k = {k}): a model, not a measurement of this drafter's speed.",
         "",
-        "## Training data",
-        "",
     ]
+
+
+def _card_training_data(f: dict, ids: list[int]) -> list[str]:
+    """## Training data: each phase's samples and tokens, then each phase's training."""
+    lines = ["## Training data", ""]
     for d in f["data"]:
         lines.append(
             f"- {d['phase']}: {d['samples']} samples, {d['tokens']} tokens: the new target's "
@@ -209,10 +211,14 @@ def model_card(facts: dict) -> str:
             f"- {t['phase']} training: init {t['init']}, {t['train_steps']} steps, final loss "
             f"{_fmt(t.get('final_loss'))}{extra}."
         )
+    return lines + [""]
+
+
+def _card_lineage(f: dict, base: str, src: dict, ids: list[int]) -> list[str]:
+    """## Lineage (source repo@commit -> phases -> this drafter) and ## Aux layers (both numberings)."""
     asked = f" (requested revision `{src['requested_revision']}`)" if src.get("requested_revision") else ""
     home = f"`{src['verifier']}`" if src.get("verifier") else "the old target"
-    lines += [
-        "",
+    return [
         "## Lineage",
         "",
         f"`{src['repo_id']}@{src['commit']}`{asked}, trained for {home} -> "
@@ -234,6 +240,12 @@ def model_card(facts: dict) -> str:
             "state: serve this drafter with vLLM."
         ),
         "",
+    ]
+
+
+def _card_serving(f: dict, base: str, repo: str, k: int) -> list[str]:
+    """## Serving (vLLM, SGLang) and the speculators convert command."""
+    return [
         "## Serving",
         "",
         "vLLM:",
@@ -263,6 +275,12 @@ def model_card(facts: dict) -> str:
         convert_command(repo, base, f"{f['folder']}-speculators", f["cfg"]),
         "```",
         "",
+    ]
+
+
+def _card_why_and_files(f: dict, base: str) -> list[str]:
+    """## Why this drafter (with the decision's summary) and ## Files."""
+    lines = [
         "## Why this drafter",
         "",
         f"{f['why'][:1].upper()}{f['why'][1:]}.",
@@ -270,13 +288,32 @@ def model_card(facts: dict) -> str:
     ]
     if f.get("decision"):
         lines += ["```", *f["decision"], "```", ""]
-    lines += [
+    return lines + [
         "## Files",
         "",
         "- `config.json`: the flat EAGLE-3 layout vLLM and SGLang load (`LlamaForCausalLMEagle3`), "
         f"`verifier: {base}`.",
         f"- `model.safetensors`: {', '.join(f['tensors'])}.",
         "",
+    ]
+
+
+def model_card(facts: dict) -> str:
+    """README.md: huggingface_hub ModelCard (metadata + body) from the facts publish_drafter gathers."""
+    f = facts
+    repo = f["repo_id"] or f"./{f['folder']}"
+    base, k, ids = f["base_model"], f["k"], f["aux"]["ids"]
+    data = ModelCardData(
+        base_model=base, library_name=f["library_name"], tags=list(f["tags"]), license=f.get("license")
+    )
+    src = f["source"]
+    lines = [
+        *_card_intro(f, base, src),
+        *_card_accept_length(f, k),
+        *_card_training_data(f, ids),
+        *_card_lineage(f, base, src, ids),
+        *_card_serving(f, base, repo, k),
+        *_card_why_and_files(f, base),
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
@@ -345,6 +382,55 @@ def check_folder(folder, target_dir, *, embed_tokens: str | None = "target", dra
     return {"base_model": base, "files": files, "bytes": sum((folder / n).stat().st_size for n in files)}
 
 
+def _stage_hub_files(drafter_dir, target_dir, tmp: Path, embed_tokens: str, base: str):
+    """for_vllm's export of the drafter into tmp: its weights, and config.json naming base as its
+    verifier; -> what for_vllm did."""
+    staged, done = for_vllm(drafter_dir, tmp / ".staged", None, embed_tokens, target_dir=target_dir)
+    staged = Path(staged)
+    for f in staged.iterdir():
+        if not (f.is_file() and _hub_file(f.name)) or f.name in (CARD, "config.json"):
+            continue
+        if staged == tmp / ".staged":
+            os.replace(f, tmp / f.name)  # for_vllm's copy: moved, never copied twice
+        else:  # the drafter's own file (nothing to change): linked, copied across devices
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:
+                shutil.copy2(f, tmp / f.name)
+    raw = json.loads((staged / "config.json").read_text())
+    raw["verifier"] = base
+    (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    shutil.rmtree(tmp / ".staged", ignore_errors=True)
+    return done
+
+
+def _check_expected_tau(out_dir: Path, taus: list[dict], expected: dict) -> None:
+    """The folder's tau at the phase's k must be the phase's evaluation: else the export changed the drafter."""
+    got = next((r["accept_length"] for r in taus if r["k"] == expected["k"]), None)
+    if got is None or abs(got - expected["accept_length"]) > 1e-9:
+        raise DraftportError(
+            out_dir,
+            f"the published folder's tau at k={expected['k']} is {got}, the phase's "
+            f"evaluation measured {expected['accept_length']}: the export changed the drafter",
+        )
+
+
+def _embed_note(tensors: dict, target_dir, base: str) -> str:
+    """What the card says of the folder's embed_tokens (the target's bytes, or none)."""
+    if "embed_tokens.weight" in tensors:
+        theirs = find_target_embedding(target_dir)
+        return (
+            f"embed_tokens: {base}'s `{theirs.name}` ({theirs.dtype} {list(theirs.shape)}, sha256 "
+            f"{tensor_sha256(theirs)[:16]}...), bit for bit: vLLM embeds with a drafter's own copy, "
+            "SGLang with the target's, both the same bytes; speculators 0.9.0 would fill a missing one "
+            "with uninitialized memory"
+        )
+    return (
+        "no embed_tokens: vLLM and SGLang embed with the target's; speculators 0.9.0 would fill it "
+        "with uninitialized memory (publish.embed_tokens: target avoids it)"
+    )
+
+
 def publish_drafter(
     drafter_dir,
     target_dir,
@@ -366,53 +452,18 @@ def publish_drafter(
     out_dir = Path(out_dir)
     base = facts["base_model"]
     with atomic_dir(out_dir) as tmp:
-        staged, done = for_vllm(drafter_dir, tmp / ".staged", None, embed_tokens, target_dir=target_dir)
-        staged = Path(staged)
-        for f in staged.iterdir():
-            if not (f.is_file() and _hub_file(f.name)) or f.name in (CARD, "config.json"):
-                continue
-            if staged == tmp / ".staged":
-                os.replace(f, tmp / f.name)  # for_vllm's copy: moved, never copied twice
-            else:  # the drafter's own file (nothing to change): linked, copied across devices
-                try:
-                    os.link(f, tmp / f.name)
-                except OSError:
-                    shutil.copy2(f, tmp / f.name)
-        raw = json.loads((staged / "config.json").read_text())
-        raw["verifier"] = base
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        shutil.rmtree(tmp / ".staged", ignore_errors=True)
-
+        done = _stage_hub_files(drafter_dir, target_dir, tmp, embed_tokens, base)
         taus = tau_table(tmp, target_dir, features_dir, ks, **(eval_opts or {}))
         if expected is not None:
-            got = next((r["accept_length"] for r in taus if r["k"] == expected["k"]), None)
-            if got is None or abs(got - expected["accept_length"]) > 1e-9:
-                raise DraftportError(
-                    out_dir,
-                    f"the published folder's tau at k={expected['k']} is {got}, the phase's "
-                    f"evaluation measured {expected['accept_length']}: the export changed the drafter",
-                )
+            _check_expected_tau(out_dir, taus, expected)
         cfg, _ = read_config(tmp)
         tensors = {}
         for f in sorted(tmp.glob("*.safetensors")):
             tensors.update(read_header(f)[0])
-        if "embed_tokens.weight" in tensors:
-            theirs = find_target_embedding(target_dir)
-            note = (
-                f"embed_tokens: {base}'s `{theirs.name}` ({theirs.dtype} {list(theirs.shape)}, sha256 "
-                f"{tensor_sha256(theirs)[:16]}...), bit for bit: vLLM embeds with a drafter's own copy, "
-                "SGLang with the target's, both the same bytes; speculators 0.9.0 would fill a missing one "
-                "with uninitialized memory"
-            )
-        else:
-            note = (
-                "no embed_tokens: vLLM and SGLang embed with the target's; speculators 0.9.0 would fill it "
-                "with uninitialized memory (publish.embed_tokens: target avoids it)"
-            )
         facts = {
             **facts,
             "taus": [*taus, *facts.get("online", [])],
-            "embed_note": note,
+            "embed_note": _embed_note(tensors, target_dir, base),
             "cfg": cfg,
             "tensors": [f"`{n}` {t.dtype} {list(t.shape)}" for n, t in sorted(tensors.items())],
         }
@@ -436,34 +487,28 @@ def _index(path) -> dict:
     return load_json(path, "missing (has the features step run?)")
 
 
-def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, repo_id: str | None = None) -> dict:
-    """The publish step (and `draftport publish`): p = its params (publish, targets.new, eval,
-    costmodel, decision), inputs = its named inputs (registry row `publish`)."""
-    pp = p["publish"]
+def _input(inputs: dict, name: str) -> Path:
+    """The step's named input (registry row `publish`); a missing one is said in one line."""
+    if name not in inputs:
+        raise DraftportError("publish", f"no input {name!r} (the step's registry row lists it)")
+    return Path(inputs[name])
 
-    def inp(name):
-        if name not in inputs:
-            raise DraftportError("publish", f"no input {name!r} (the step's registry row lists it)")
-        return Path(inputs[name])
 
-    decision = load_decision(inp("decision")) if "decision" in inputs else None
-    ph, why = choose_phase(decision, phase if phase is not None else pp["phase"])
-    drafter, target = inp(f"drafter_{ph}"), inp("target")
-    base = pp["base_model"] or p["targets"]["new"]
-    cfg, _ = read_config(drafter)
-    lock = load_json(inp("source"), "missing (has the fetch step run?)")
-    src_cfg, _ = read_config(inp("source").parent)  # the source drafter as fetched: the target it names
+def _target_id(target: Path) -> dict:
+    """The new target as the card names it: a hub fetch's repo and commit, else its folder's identity."""
     tlock = target / "fetch.lock.json"  # a target fetched from the hub: its repo and commit
     if tlock.is_file():
         t = load_json(tlock, "missing")
-        tid = {"id": t.get("source"), "revision": t.get("commit")}
-    else:
-        tid = target_identity(target)
+        return {"id": t.get("source"), "revision": t.get("commit")}
+    return target_identity(target)
+
+
+def _data_and_training(inputs: dict, chain: list[str]) -> tuple[list[dict], list[dict]]:
+    """For each phase of the chain: its training data (the features' index) and its training (metrics)."""
     datas, training = [], []
-    chain = {"phase1_scratch": ["phase1_scratch"], "phase1": ["phase1"], "phase2": ["phase1", "phase2"]}[ph]
     for step in chain:
         data = "data_phase1" if step != "phase2" else "data_phase2" if "data_phase2" in inputs else "data_phase2_chain"
-        ix = _index(inp(data))
+        ix = _index(_input(inputs, data))
         datas.append(
             {
                 "phase": step,
@@ -474,7 +519,7 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
                 "regenerated": ix.get("regenerated"),
             }
         )
-        tm = load_json(inp(f"train_{step}"), "missing (has the training step run?)")
+        tm = load_json(_input(inputs, f"train_{step}"), "missing (has the training step run?)")
         training.append(
             {
                 "phase": step,
@@ -484,14 +529,14 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
                 **{k: tm.get(k) for k in ("train_steps", "final_loss", "lm_head_rows_kept", "lm_head_rows_new")},
             }
         )
-    ev = load_json(inp(f"eval_{ph}"), "missing (has the evaluation step run?)")
-    k = int(p["eval"]["k"])
-    d = p["decision"]
+    return datas, training
 
-    cm = p["costmodel"]
+
+def _online_taus(inputs: dict, ph: str) -> list[dict]:
+    """vLLM's own tau for the card's table: Phase 1's, when the online step ran."""
     online = []
     if ph == "phase1" and "online_phase1" in inputs:
-        om = load_json(inp("online_phase1"), "missing (has the online step run?)")
+        om = load_json(_input(inputs, "online_phase1"), "missing (has the online step run?)")
         engine = (
             f"vLLM {om['vllm_version']} (its own counters)" if om.get("vllm_version") else "vLLM (its own counters)"
         )
@@ -505,6 +550,50 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
                 "accept_rate_pos": [om[f"online_accept_rate_pos_{i}"] for i in range(om["online_k"])],
             }
         )
+    return online
+
+
+def _source_facts(lock: dict, src_cfg) -> dict:
+    """The source drafter as fetched: repo, requested revision, commit, the target it was trained for."""
+    return {
+        "repo_id": lock.get("source"),
+        "requested_revision": lock.get("requested_revision"),
+        "commit": lock.get("commit"),
+        "verifier": src_cfg.extra.get("verifier"),
+    }
+
+
+def _evaluation_facts(ev: dict, base: str, d: dict, cm: dict, k: int) -> dict:
+    """How the card's tau was measured: prompts, CI level and draws, the cost model and its break-even."""
+    return {
+        "prompts": ev.get("eval_samples"),
+        "target": base,
+        "level": d["level"],
+        "n_boot": d["n_boot"],
+        "costmodel": cm,
+        "break_even": CostModel(cm["baseline_tok_s"], cm["verify_ms"], cm["draft_ms"], k=k).break_even_accept_length,
+    }
+
+
+def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, repo_id: str | None = None) -> dict:
+    """The publish step (and `draftport publish`): p = its params (publish, targets.new, eval,
+    costmodel, decision), inputs = its named inputs (registry row `publish`)."""
+    pp = p["publish"]
+    decision = load_decision(_input(inputs, "decision")) if "decision" in inputs else None
+    ph, why = choose_phase(decision, phase if phase is not None else pp["phase"])
+    drafter, target = _input(inputs, f"drafter_{ph}"), _input(inputs, "target")
+    base = pp["base_model"] or p["targets"]["new"]
+    cfg, _ = read_config(drafter)
+    lock = load_json(_input(inputs, "source"), "missing (has the fetch step run?)")
+    src_cfg, _ = read_config(_input(inputs, "source").parent)  # the source drafter as fetched: the target it names
+    tid = _target_id(target)
+    chain = {"phase1_scratch": ["phase1_scratch"], "phase1": ["phase1"], "phase2": ["phase1", "phase2"]}[ph]
+    datas, training = _data_and_training(inputs, chain)
+    ev = load_json(_input(inputs, f"eval_{ph}"), "missing (has the evaluation step run?)")
+    k = int(p["eval"]["k"])
+    d = p["decision"]
+    cm = p["costmodel"]
+    online = _online_taus(inputs, ph)
     facts = {
         "phase": ph,
         "why": why,
@@ -515,12 +604,7 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
         "tags": pp["tags"],
         "license": pp["license"],
         "k": k,
-        "source": {
-            "repo_id": lock.get("source"),
-            "requested_revision": lock.get("requested_revision"),
-            "commit": lock.get("commit"),
-            "verifier": src_cfg.extra.get("verifier"),
-        },
+        "source": _source_facts(lock, src_cfg),
         "target": tid,
         "aux": {"ids": list(cfg.aux_layer_ids or []), "convention": cfg.aux_convention},
         "data": datas,
@@ -529,16 +613,7 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
             {"phase1_scratch": "a random init", "phase1": "Phase 1 (fine-tuned)", "phase2": "Phase 2"}[s] for s in chain
         ],
         "online": online,
-        "evaluation": {
-            "prompts": ev.get("eval_samples"),
-            "target": base,
-            "level": d["level"],
-            "n_boot": d["n_boot"],
-            "costmodel": cm,
-            "break_even": CostModel(
-                cm["baseline_tok_s"], cm["verify_ms"], cm["draft_ms"], k=k
-            ).break_even_accept_length,
-        },
+        "evaluation": _evaluation_facts(ev, base, d, cm, k),
         "decision": render_text(decision).rstrip("\n").splitlines() if decision is not None else None,
     }
     ks = sorted(set(pp["k"]) | {k})
@@ -553,7 +628,7 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
         target,
         out_dir,
         facts,
-        features_dir=inp("features"),
+        features_dir=_input(inputs, "features"),
         ks=ks,
         embed_tokens=pp["embed_tokens"],
         eval_opts=eval_opts,

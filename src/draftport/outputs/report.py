@@ -578,17 +578,9 @@ def _gain_line(what: str, g: dict | None) -> str:
     )
 
 
-def decision_section(d: dict, curves_png: Path | None) -> list[str]:
-    rec = d.get("recommendation") or {}
-    level = _num(d.get("level"))
-    lvl = f"{level * 100:g}% " if level is not None else ""
+def _decision_kpis(rec: dict, init_txt: str) -> list[tuple[str, str]]:
+    """The recommendation's KPI strip: (label, value) pairs."""
     n = rec.get("n_samples")
-    init = rec.get("init")
-    init_txt = {
-        "source": "fine-tune the source drafter",
-        "scratch": "train a drafter from scratch",
-        "either": "either init (fine-tune the source or from scratch)",
-    }.get(init, str(init))
     ne = rec.get("n_enough")
     summary = [
         ("init", init_txt),
@@ -609,7 +601,21 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
             ("device-hours (the drafter)", "—" if hrs is None else f"{hrs:.3g}"),
             ("payback (days)", "—" if days is None else f"{days:.3g}"),
         ]
-    parts = [
+    return summary
+
+
+def _decision_verdict(rec: dict) -> list[str]:
+    """The section's heading, its one-paragraph verdict and the KPI strip."""
+    init = rec.get("init")
+    init_txt = {
+        "source": "fine-tune the source drafter",
+        "scratch": "train a drafter from scratch",
+        "either": "either init (fine-tune the source or from scratch)",
+    }.get(init, str(init))
+    n = rec.get("n_samples")
+    ne = rec.get("n_enough")
+    summary = _decision_kpis(rec, init_txt)
+    return [
         "<h2>Decision</h2>",
         f"<div class='verdict ok'><b>Recommendation:</b> {html.escape(init_txt)}"
         + (f": it beats break-even from {html.escape(str(n))} samples" if n is not None else "")
@@ -619,6 +625,11 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
         f"<b>{html.escape(str(rec.get('confidence', '—')))}</b>.</div>",
         "".join(f"<div class='kpi'><small>{html.escape(a)}</small><b>{html.escape(b)}</b></div>" for a, b in summary),
     ]
+
+
+def _recommendation_notes(rec: dict) -> list[str]:
+    """The recommendation's sentences and the table of the rules that fired."""
+    parts = []
     text = rec.get("text") or []
     if isinstance(text, str):
         text = [text]
@@ -627,17 +638,26 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
     rules = [r for r in rec.get("rules") or [] if isinstance(r, dict)]
     if rules:
         parts.append("<h3>Rules fired</h3>" + html_table(rules, ["id", "fired"], ["rule", "fired"]))
-    if curves_png is not None:
-        parts.append(_img(curves_png))
+    return parts
+
+
+def _break_even_lead(d: dict, lvl: str) -> list[str]:
+    """The break-even τ and what the intervals are, when the decision has a cost model."""
     cost = d.get("costmodel") or {}
-    if _num(cost.get("break_even_accept_length")) is not None:
-        parts.append(
-            f"<p class='lead'>Break-even τ {cost['break_even_accept_length']:.3f} "
-            f"({html.escape(str(cost.get('baseline_tok_s')))} tok/s without a drafter); intervals are "
-            f"{html.escape(lvl)}bootstrap CIs"
-            + (f" ({html.escape(str(d['n_boot']))} resamples)" if d.get("n_boot") else "")
-            + ".</p>"
-        )
+    if _num(cost.get("break_even_accept_length")) is None:
+        return []
+    return [
+        f"<p class='lead'>Break-even τ {cost['break_even_accept_length']:.3f} "
+        f"({html.escape(str(cost.get('baseline_tok_s')))} tok/s without a drafter); intervals are "
+        f"{html.escape(lvl)}bootstrap CIs"
+        + (f" ({html.escape(str(d['n_boot']))} resamples)" if d.get("n_boot") else "")
+        + ".</p>"
+    ]
+
+
+def _init_curve_tables(d: dict, lvl: str) -> list[str]:
+    """One table per init: τ by training samples, with the smallest n beating break-even."""
+    parts = []
     smallest = d.get("smallest_n_beating_break_even") or {}
     for init in INITS:
         items = [it for it in (d.get("curves") or {}).get(init) or [] if isinstance(it, dict)]
@@ -678,6 +698,12 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
                 ],
             )
         )
+    return parts
+
+
+def _arm_tables(d: dict, lvl: str) -> list[str]:
+    """The other arms' curves (the dataset's own answers, the recipes) and their gains."""
+    parts = []
     arms = [
         {"arm": arm, **it, "ci_text": _ci_text(it), "hours_total": (it.get("hours") or {}).get("total")}
         for arm, items in (d.get("curves") or {}).items()
@@ -710,6 +736,12 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
                     ["arm", "samples", "Δτ", f"{lvl}CI", "significant", "better"],
                 )
             )
+    return parts
+
+
+def _gain_and_phase_tables(d: dict, lvl: str) -> list[str]:
+    """The gain of fine-tuning the source by n, the phases' τ, and the phases' gains in a line each."""
+    parts = []
     gains = [g for g in d.get("gain") or [] if isinstance(g, dict)]
     if gains:
         grows = [{**g, "ci_text": _ci_text(g), "sig": _yes(g.get("significant"))} for g in gains]
@@ -739,40 +771,46 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
         )
     parts.append(_gain_line("Phase 1: fine-tuned vs from scratch", d.get("phase1_gain_vs_scratch")))
     parts.append(_gain_line("Phase 2 over Phase 1", d.get("phase2_gain")))
+    return parts
+
+
+def decision_section(d: dict, curves_png: Path | None) -> list[str]:
+    """The report's first section from decision.json: the verdict, then its tables (empty parts left out)."""
+    rec = d.get("recommendation") or {}
+    level = _num(d.get("level"))
+    lvl = f"{level * 100:g}% " if level is not None else ""
+    parts = _decision_verdict(rec) + _recommendation_notes(rec)
+    if curves_png is not None:
+        parts.append(_img(curves_png))
+    parts += _break_even_lead(d, lvl)
+    parts += _init_curve_tables(d, lvl)
+    parts += _arm_tables(d, lvl)
+    parts += _gain_and_phase_tables(d, lvl)
     return [x for x in parts if x]
 
 
-def build_report(out_dir, p: dict, inputs: dict) -> dict:
-    """inputs (the step's, by name): phase0 .. phase2 (each phase's evaluation metrics.json),
-    history_<phase> (its training's history.csv), compare (compare.json), world (its
-    metrics.json), online_<phase> (the online steps' metrics.json), decision (decision.json: the
-    recommendation, the first section), curves (curves.json: τ by training samples per seed),
-    source_drafter (the world's source_drafter.json: its training monitor); absent ones are left out.
-    Returns the phases' τ and tok/s, the break-even τ and, with a decision, its recommendation."""
-    out_dir = Path(out_dir)
-    inputs = {k: Path(v) for k, v in inputs.items()}
-    k, cost = p["eval"]["k"], p["costmodel"]
-    phases = {ph: m for ph in PHASES if ph in inputs and (m := _read(inputs[ph]))}
-    histories = {
-        ph: _history(inputs[f"history_{ph}"])
-        for ph in ("phase1_scratch", "phase1", "phase2")
-        if f"history_{ph}" in inputs
-    }
-    world = _read(inputs["world"]) if "world" in inputs else None
-    compare = _read(inputs["compare"]) if "compare" in inputs else None
-    source_on_old = phases.get("phase0", {}).get("source_on_old_accept_length")
+def _read_input(inputs: dict, name: str) -> Any:
+    """The named input's JSON, None when the step was not given it."""
+    return _read(inputs[name]) if name in inputs else None
 
+
+def _read_dict_input(inputs: dict, name: str) -> dict | None:
+    """The named input's JSON when it is an object, else None."""
+    value = _read_input(inputs, name)
+    return value if isinstance(value, dict) else None
+
+
+def _plot_phases(out_dir: Path, phases: dict, histories: dict, cost: dict, k: int, source_on_old) -> None:
+    """tau.png (and its small copy for the landing page), positions.png and loss.png."""
     plot_tau(phases, cost, k, out_dir / "tau.png", source_on_old)
     plot_tau(phases, cost, k, out_dir / "tau_small.png", source_on_old, figsize=(7.6, 5.4))
     plot_positions(phases, k, out_dir / "positions.png")
     plot_loss(histories, out_dir / "loss.png")
 
-    decision = _read(inputs["decision"]) if "decision" in inputs else None
-    decision = decision if isinstance(decision, dict) else None
-    curves = _read(inputs["curves"]) if "curves" in inputs else None
-    curves = curves if isinstance(curves, dict) else None
-    sdrafter = _read(inputs["source_drafter"]) if "source_drafter" in inputs else None
-    sdrafter = sdrafter if isinstance(sdrafter, dict) else None
+
+def _write_optional_outputs(out_dir: Path, p: dict, phases: dict, histories: dict, decision, curves, sdrafter):
+    """curves.png, tau_by_step.png, source_curve.png and decision.csv, each only when its input has
+    data; -> (curves.png or None, the τ-by-step series, the source drafter's monitor)."""
     be_tau = break_even(p, decision)
     # plots only made when their inputs have data: drop a previous run's (the folder may be reused)
     for name in ("curves.png", "tau_by_step.png", "source_curve.png", "decision.csv"):
@@ -792,7 +830,11 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
         plot_source_curve(monitor, out_dir / "source_curve.png", (sdrafter or {}).get("n_samples"))
     if decision is not None:
         write_csv(out_dir / "decision.csv", decision_rows(decision), DECISION_COLS)
+    return curves_png, tau_steps, monitor
 
+
+def _write_phase_tables(out_dir: Path, phases: dict, k: int) -> list[dict]:
+    """phases.csv and positions.csv; -> the phases' rows."""
     rows = []
     for ph, m in phases.items():
         rows.append(
@@ -814,8 +856,11 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
         for i in range(k)
     ]
     write_csv(out_dir / "positions.csv", pos_rows, ["phase", "position", "accept_rate", "cond_acc"])
+    return rows
 
-    be = next(iter(phases.values()))["break_even_accept_length"] if phases else None
+
+def _phase_kpis(phases: dict, source_on_old, be, cost: dict) -> list[tuple[str, str]]:
+    """The KPI strip: the source on the old target, each phase's τ and tok/s, the break-even."""
     kpis = []
     if source_on_old is not None:
         kpis.append(("source on old target", f"τ {source_on_old:.2f}"))
@@ -823,7 +868,12 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
         kpis.append((LABELS[ph].replace("\n", " "), f"τ {m['accept_length']:.2f} · {m['projected_tok_s']:.0f} tok/s"))
     if be is not None:
         kpis.append(("break-even", f"τ {be:.2f} · {cost['baseline_tok_s']:g} tok/s"))
-    body = [
+    return kpis
+
+
+def _phases_body(out_dir: Path, p: dict, k: int, cost: dict, rows: list[dict], kpis: list) -> list[str]:
+    """The page's lead paragraph, the KPI strip, then τ per phase, by draft position and the loss."""
+    return [
         f"<p class='lead'>Profile <b>{html.escape(p['profile'])}</b>. τ = offline accept length on the "
         f"new target's held-out prompts, k = {k} drafts per cycle, bonus token counted. Projected tok/s = "
         f"τ / (verify {cost['verify_ms']:g} ms + {k} × {cost['draft_ms']:g} ms).</p>",
@@ -850,51 +900,68 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
         "<h2>Training curves</h2>",
         _img(out_dir / "loss.png"),
     ]
-    if tau_steps:
-        body += [
-            "<p class='lead'>Held-out accept length during training (the steps where it was evaluated), "
-            "fine-tuning the source vs from scratch, against the break-even τ.</p>",
-            _img(out_dir / "tau_by_step.png"),
-        ]
-    # the first section: after the lead paragraph and the phases' KPI strip (body[0], body[1])
-    if decision is not None:
-        body[2:2] = decision_section(decision, curves_png)
-    elif curves_png is not None:
-        body[2:2] = ["<h2>Accept length by training samples</h2>", _img(curves_png)]
-    # only when the DAG made the online steps inputs of this one (params online.enabled)
+
+
+def _tau_by_step_part(out_dir: Path, tau_steps) -> list[str]:
+    """The held-out τ during training, when the histories logged it."""
+    if not tau_steps:
+        return []
+    return [
+        "<p class='lead'>Held-out accept length during training (the steps where it was evaluated), "
+        "fine-tuning the source vs from scratch, against the break-even τ.</p>",
+        _img(out_dir / "tau_by_step.png"),
+    ]
+
+
+def _online_part(out_dir: Path, inputs: dict, p: dict, k: int) -> list[str]:
+    """online.csv and the vLLM section, only when the DAG made the online steps inputs of this one
+    (params online.enabled)."""
     on_enabled = bool(p.get("online", {}).get("enabled"))
     on_rows = online_rows(inputs, k) if on_enabled else []
     if on_rows:
         write_csv(out_dir / "online.csv", on_rows, list(on_rows[0]))
-    body += online_section(on_rows, k, on_enabled)
-    drift = _read(inputs["drift"]) if "drift" in inputs else None
-    if drift is not None:
-        body += drift_section(drift)
-    if compare is not None:
-        (out_dir / "compare.html").write_text(_page("Source drafter vs the new target's layout", compare_html(compare)))
-        body += ["<h2>Source drafter vs the new target's layout</h2>", compare_html(compare)]
-    if world is not None:
-        t = world.get("targets", {})
-        wrows = [{"what": key, "value": t.get(key)} for key in sorted(t)]
-        wrows += [{"what": f"source drafter {key}", "value": val} for key, val in world.get("source", {}).items()]
-        body += ["<h2>The embedded world</h2>", html_table(wrows, ["what", "value"])]
-    if monitor:
-        n_src = (sdrafter or {}).get("n_samples")
-        seen = (
-            f"It was trained on <b>{html.escape(str(n_src))}</b> samples of the old target's answers"
-            if n_src is not None
-            else "Its training samples are not recorded"
-        )
-        body += [
-            "<h2>The source drafter's training</h2>",
-            f"<p class='lead'>{seen}; τ on the old target's held-out answers as it trained "
-            f"(last: {monitor[-1][1]:.2f} at step {monitor[-1][0]:g}).</p>",
-            _img(out_dir / "source_curve.png"),
-        ]
+    return online_section(on_rows, k, on_enabled)
+
+
+def _compare_part(out_dir: Path, compare) -> list[str]:
+    """With the compare step's result: compare.html and its section."""
     if compare is None:
-        (out_dir / "compare.html").write_text(_page("No comparison", "<p>The compare step has not run.</p>"))
-    # The Snakemake report's landing page embeds this fragment (report/workflow.rst): the chart
-    # and its numbers first, the rest one click away.
+        return []
+    (out_dir / "compare.html").write_text(_page("Source drafter vs the new target's layout", compare_html(compare)))
+    return ["<h2>Source drafter vs the new target's layout</h2>", compare_html(compare)]
+
+
+def _world_section(world) -> list[str]:
+    """The embedded world's targets and source drafter, when the world step ran."""
+    if world is None:
+        return []
+    t = world.get("targets", {})
+    wrows = [{"what": key, "value": t.get(key)} for key in sorted(t)]
+    wrows += [{"what": f"source drafter {key}", "value": val} for key, val in world.get("source", {}).items()]
+    return ["<h2>The embedded world</h2>", html_table(wrows, ["what", "value"])]
+
+
+def _source_training_section(out_dir: Path, monitor, sdrafter) -> list[str]:
+    """The source drafter's training monitor, when source_drafter.json has one."""
+    if not monitor:
+        return []
+    n_src = (sdrafter or {}).get("n_samples")
+    seen = (
+        f"It was trained on <b>{html.escape(str(n_src))}</b> samples of the old target's answers"
+        if n_src is not None
+        else "Its training samples are not recorded"
+    )
+    return [
+        "<h2>The source drafter's training</h2>",
+        f"<p class='lead'>{seen}; τ on the old target's held-out answers as it trained "
+        f"(last: {monitor[-1][1]:.2f} at step {monitor[-1][0]:g}).</p>",
+        _img(out_dir / "source_curve.png"),
+    ]
+
+
+def _write_landing(out_dir: Path, rows: list[dict]) -> None:
+    """landing.html: the fragment the Snakemake report's landing page embeds (report/workflow.rst),
+    the chart and its numbers first, the rest one click away."""
     (out_dir / "landing.html").write_text(
         "<div>"
         + _img(out_dir / "tau_small.png", wrap=True)
@@ -913,6 +980,53 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
         )
         + "</div>\n"
     )
+
+
+def build_report(out_dir, p: dict, inputs: dict) -> dict:
+    """inputs (the step's, by name): phase0 .. phase2 (each phase's evaluation metrics.json),
+    history_<phase> (its training's history.csv), compare (compare.json), world (its
+    metrics.json), online_<phase> (the online steps' metrics.json), decision (decision.json: the
+    recommendation, the first section), curves (curves.json: τ by training samples per seed),
+    source_drafter (the world's source_drafter.json: its training monitor); absent ones are left out.
+    Returns the phases' τ and tok/s, the break-even τ and, with a decision, its recommendation."""
+    out_dir = Path(out_dir)
+    inputs = {k: Path(v) for k, v in inputs.items()}
+    k, cost = p["eval"]["k"], p["costmodel"]
+    phases = {ph: m for ph in PHASES if ph in inputs and (m := _read(inputs[ph]))}
+    histories = {
+        ph: _history(inputs[f"history_{ph}"])
+        for ph in ("phase1_scratch", "phase1", "phase2")
+        if f"history_{ph}" in inputs
+    }
+    world = _read_input(inputs, "world")
+    compare = _read_input(inputs, "compare")
+    source_on_old = phases.get("phase0", {}).get("source_on_old_accept_length")
+    _plot_phases(out_dir, phases, histories, cost, k, source_on_old)
+
+    decision = _read_dict_input(inputs, "decision")
+    curves = _read_dict_input(inputs, "curves")
+    sdrafter = _read_dict_input(inputs, "source_drafter")
+    curves_png, tau_steps, monitor = _write_optional_outputs(out_dir, p, phases, histories, decision, curves, sdrafter)
+    rows = _write_phase_tables(out_dir, phases, k)
+
+    be = next(iter(phases.values()))["break_even_accept_length"] if phases else None
+    body = _phases_body(out_dir, p, k, cost, rows, _phase_kpis(phases, source_on_old, be, cost))
+    body += _tau_by_step_part(out_dir, tau_steps)
+    # the first section: after the lead paragraph and the phases' KPI strip (body[0], body[1])
+    if decision is not None:
+        body[2:2] = decision_section(decision, curves_png)
+    elif curves_png is not None:
+        body[2:2] = ["<h2>Accept length by training samples</h2>", _img(curves_png)]
+    body += _online_part(out_dir, inputs, p, k)
+    drift = _read_input(inputs, "drift")
+    if drift is not None:
+        body += drift_section(drift)
+    body += _compare_part(out_dir, compare)
+    body += _world_section(world)
+    body += _source_training_section(out_dir, monitor, sdrafter)
+    if compare is None:
+        (out_dir / "compare.html").write_text(_page("No comparison", "<p>The compare step has not run.</p>"))
+    _write_landing(out_dir, rows)
     (out_dir / "summary.html").write_text(_page("draftport: porting the drafter to the new target", "\n".join(body)))
     res = {
         "phases": {
