@@ -513,10 +513,7 @@ def decide(
     gain = _source_gains(groups, opts)
     smallest = {i: next((r["n_samples"] for r in curves_out[i] if r["beats_break_even"] == "yes"), None) for i in INITS}
     counts = _phase_counts(phases)
-    phases_out = {name: _point(tau_ci(*ps, where=f"phases: {name}", **opts), cm, be) for name, ps in counts.items()}
-    for name, h in ((hours or {}).get("phases") or {}).items():
-        if name in phases_out:
-            phases_out[name]["hours"] = h
+    phases_out = _phases_table(counts, cm, be, opts, hours)
     p1, p2 = _phase_gains(counts, opts)
 
     init, init_sig, f1, s1 = rule_r1_init(gain)
@@ -532,17 +529,7 @@ def decide(
     pay = _payback(chosen, cm, hours, serving_tokens_per_day)
     text = [s1, s8, s7, s2, s6, s3, s4, *_evidence_text(chosen, pay, hours, p1, drift), f"Confidence: {conf}."]
     return {
-        "schema": SCHEMA,
-        "level": float(level),
-        "n_boot": n_boot,
-        "k": k,
-        "min_gain": float(min_gain),
-        "costmodel": {
-            "baseline_tok_s": cm.baseline_tok_s,
-            "verify_ms": cm.verify_ms,
-            "draft_ms": cm.draft_ms,
-            "break_even_accept_length": be,
-        },
+        **_settings(level, n_boot, k, min_gain, cm, be),
         "curves": curves_out,
         "gain": gain,
         "smallest_n_beating_break_even": smallest,
@@ -567,6 +554,32 @@ def decide(
             "payback": pay,
             "rules": [{"id": f"R{i}", "fired": f} for i, f in enumerate((f1, f2, f3, f4, f5, f6, f7, f8), 1)],
             "text": text,
+        },
+    }
+
+
+def _phases_table(counts: dict, cm, be: float, opts: dict, hours: dict | None) -> dict:
+    """phase -> its tau with the CI over prompts, tok/s and break-even verdict, and its measured hours."""
+    phases_out = {name: _point(tau_ci(*ps, where=f"phases: {name}", **opts), cm, be) for name, ps in counts.items()}
+    for name, h in ((hours or {}).get("phases") or {}).items():
+        if name in phases_out:
+            phases_out[name]["hours"] = h
+    return phases_out
+
+
+def _settings(level: float, n_boot: int, k: int, min_gain: float, cm, be: float) -> dict:
+    """decision.json's head: its schema, the bootstrap's settings and the cost model."""
+    return {
+        "schema": SCHEMA,
+        "level": float(level),
+        "n_boot": n_boot,
+        "k": k,
+        "min_gain": float(min_gain),
+        "costmodel": {
+            "baseline_tok_s": cm.baseline_tok_s,
+            "verify_ms": cm.verify_ms,
+            "draft_ms": cm.draft_ms,
+            "break_even_accept_length": be,
         },
     }
 

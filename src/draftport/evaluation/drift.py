@@ -192,18 +192,7 @@ def capture_same_tokens(
     tcfg = check_compatible(target_dir, fs, like_target=like_target, sequences=seqs)
     aux_ids, conv = list(fs.index["aux_layer_ids"]), fs.index["aux_convention"]
     shard_samples = shard_samples or int(fs.index["shards"][0]["samples"])
-    meta = {
-        "aux_layer_ids": aux_ids,
-        "aux_convention": conv,
-        "target": target_identity(target_dir),
-        "regenerated": False,
-        "tokens_from": {"features": str(features_dir), "target": fs.index.get("target")},
-        "num_target_layers": int(tcfg.get("num_hidden_layers", 0)),
-        "vocab_size": int(tcfg["vocab_size"]),
-    }
-    for key in ("samples_file", "offset"):  # where the prompts came from: the input folder's
-        if key in fs.index:
-            meta[key] = fs.index[key]
+    meta = _capture_meta(target_dir, fs, tcfg, aux_ids, conv)
     ntok = sum(len(s.tokens) for s in seqs)
     log(f"drift: {target_identity(target_dir)['id']} over the {len(seqs)} sequences ({ntok} tokens) of {features_dir}")
 
@@ -224,7 +213,33 @@ def capture_same_tokens(
             )
     if engine != "transformers":
         raise DraftportError("features.engine", f"unknown engine {engine!r} (transformers or vllm)")
+    return _capture_transformers(
+        target_dir, seqs, out_dir, aux_ids, conv, meta, batch_size, dtype, device, trust_remote_code, shard_samples
+    )
 
+
+def _capture_meta(target_dir, fs: FeatureSet, tcfg: dict, aux_ids: list, conv: str) -> dict:
+    """The capture's index fields beyond the states: the folder's aux layers and convention, this
+    target, where the tokens came from (the folder, and its prompts)."""
+    meta = {
+        "aux_layer_ids": aux_ids,
+        "aux_convention": conv,
+        "target": target_identity(target_dir),
+        "regenerated": False,
+        "tokens_from": {"features": str(fs.folder), "target": fs.index.get("target")},
+        "num_target_layers": int(tcfg.get("num_hidden_layers", 0)),
+        "vocab_size": int(tcfg["vocab_size"]),
+    }
+    for key in ("samples_file", "offset"):  # where the prompts came from: the input folder's
+        if key in fs.index:
+            meta[key] = fs.index[key]
+    return meta
+
+
+def _capture_transformers(
+    target_dir, seqs, out_dir: Path, aux_ids, conv, meta, batch_size, dtype, device, trust_remote_code, shard_samples
+) -> dict:
+    """The target loaded in transformers over the sequences, written as a feature folder; -> its index."""
     model = load_target(
         target_dir, dtype=capture_dtype(device, dtype), device=device, trust_remote_code=trust_remote_code
     )
@@ -345,17 +360,11 @@ def drift_stats(
     n = _check_pair(fa, fb, max_samples)
     slots = _slots(fa)
     n_aux, H = len(slots) - 1, int(fa.index["hidden_size"])
-
-    # the CKA sample: seeded positions among all assistant tokens (masks read without the states)
-    total = _assistant_tokens(fa, n)
-    if total == 0:
-        raise DraftportError(fa.folder, "no assistant tokens (loss mask) to compare")
-    m = min(max_tokens, total)
-    pick = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:m].sort().values
+    total, m, pick = _cka_sample(fa, n, max_tokens, seed)
     picked: dict[str, list[list[torch.Tensor]]] = {s: [[], []] for s in slots}
 
     sums = {f"{stat}_{s}": 0.0 for s in slots for stat in ("cos", "rel_norm_change", "rel_diff_norm")}
-    agree = positions = match_a = match_b = 0
+    greedy = {"agree": 0, "positions": 0, "match_a": 0, "match_b": 0}
     seen = 0
     for i, (sa, sb) in enumerate(zip(_iter_samples(fa, n), _iter_samples(fb, n))):
         if not torch.equal(sa["tokens"], sb["tokens"]) or not torch.equal(sa["loss_mask"], sb["loss_mask"]):
@@ -366,36 +375,62 @@ def drift_stats(
         lo = seen
         seen += int(mask.sum())
         sel = pick[(pick >= lo) & (pick < seen)] - lo
-        for s, xa, xb in zip(slots, _split(sa, n_aux, H), _split(sb, n_aux, H)):
-            xa, xb = xa[mask], xb[mask]
-            na, nb = xa.norm(dim=-1).double(), xb.norm(dim=-1).double()
-            den = na.clamp_min(1e-12)
-            dot = (xa.double() * xb.double()).sum(-1)
-            sums[f"cos_{s}"] += float((dot / (den * nb.clamp_min(1e-12))).sum())
-            sums[f"rel_norm_change_{s}"] += float(((nb - na).abs() / den).sum())
-            sums[f"rel_diff_norm_{s}"] += float(((xb.double() - xa.double()).norm(dim=-1) / den).sum())
-            if sel.numel():
-                picked[s][0].append(xa[sel])
-                picked[s][1].append(xb[sel])
-        ga, gb = _greedy(sa, head_a, fa), _greedy(sb, head_b, fb)
-        pred = torch.zeros_like(mask)
-        pred[:-1] = mask[1:]  # position p predicts token p + 1
-        nxt = sa["tokens"][1:][pred[:-1]]
-        agree += int((ga[pred] == gb[pred]).sum())
-        match_a += int((ga[pred] == nxt).sum())
-        match_b += int((gb[pred] == nxt).sum())
-        positions += int(pred.sum())
+        _add_moves(sums, picked, slots, _split(sa, n_aux, H), _split(sb, n_aux, H), mask, sel)
+        _add_greedy(greedy, sa["tokens"], mask, _greedy(sa, head_a, fa), _greedy(sb, head_b, fb))
+    return _drift_out(n, total, m, slots, sums, picked, greedy)
 
+
+def _cka_sample(fa: FeatureSet, n: int, max_tokens: int, seed: int) -> tuple[int, int, torch.Tensor]:
+    """The CKA sample: seeded positions among all assistant tokens (masks read without the states).
+    -> (assistant tokens, the sample's size, its sorted positions)."""
+    total = _assistant_tokens(fa, n)
+    if total == 0:
+        raise DraftportError(fa.folder, "no assistant tokens (loss mask) to compare")
+    m = min(max_tokens, total)
+    pick = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:m].sort().values
+    return total, m, pick
+
+
+def _add_moves(sums: dict, picked: dict, slots: list, parts_a: list, parts_b: list, mask, sel) -> None:
+    """One sample's per-token cos and relative norms at its assistant tokens, summed into sums per
+    slot; its tokens in the CKA sample (sel) appended to picked."""
+    for s, xa, xb in zip(slots, parts_a, parts_b):
+        xa, xb = xa[mask], xb[mask]
+        na, nb = xa.norm(dim=-1).double(), xb.norm(dim=-1).double()
+        den = na.clamp_min(1e-12)
+        dot = (xa.double() * xb.double()).sum(-1)
+        sums[f"cos_{s}"] += float((dot / (den * nb.clamp_min(1e-12))).sum())
+        sums[f"rel_norm_change_{s}"] += float(((nb - na).abs() / den).sum())
+        sums[f"rel_diff_norm_{s}"] += float(((xb.double() - xa.double()).norm(dim=-1) / den).sum())
+        if sel.numel():
+            picked[s][0].append(xa[sel])
+            picked[s][1].append(xb[sel])
+
+
+def _add_greedy(counts: dict, tokens: torch.Tensor, mask, ga: torch.Tensor, gb: torch.Tensor) -> None:
+    """One sample's greedy choices compared at the positions predicting an assistant token, added to counts."""
+    pred = torch.zeros_like(mask)
+    pred[:-1] = mask[1:]  # position p predicts token p + 1
+    nxt = tokens[1:][pred[:-1]]
+    counts["agree"] += int((ga[pred] == gb[pred]).sum())
+    counts["match_a"] += int((ga[pred] == nxt).sum())
+    counts["match_b"] += int((gb[pred] == nxt).sum())
+    counts["positions"] += int(pred.sum())
+
+
+def _drift_out(n: int, total: int, m: int, slots: list, sums: dict, picked: dict, greedy: dict) -> dict:
+    """drift_stats' flat result: the per-slot means and CKA, then the greedy agreement figures."""
     out: dict = {"samples": n, "tokens": total, "cka_tokens": m}
     for s in slots:
         out[f"cos_{s}"] = sums[f"cos_{s}"] / total
         out[f"cka_{s}"] = linear_cka(torch.cat(picked[s][0]), torch.cat(picked[s][1]))
         out[f"rel_norm_change_{s}"] = sums[f"rel_norm_change_{s}"] / total
         out[f"rel_diff_norm_{s}"] = sums[f"rel_diff_norm_{s}"] / total
+    positions = greedy["positions"]
     out["greedy_positions"] = positions
-    out["greedy_agreement"] = agree / positions if positions else 0.0
-    out["next_token_match_a"] = match_a / positions if positions else 0.0
-    out["next_token_match_b"] = match_b / positions if positions else 0.0
+    out["greedy_agreement"] = greedy["agree"] / positions if positions else 0.0
+    out["next_token_match_a"] = greedy["match_a"] / positions if positions else 0.0
+    out["next_token_match_b"] = greedy["match_b"] / positions if positions else 0.0
     return out
 
 
@@ -526,11 +561,29 @@ def drift_probe(
     fs_old = FeatureSet(old_dir)
     stats = drift_stats(fs_old, fs_new, max_tokens=max_tokens, max_samples=n)
     ev = dict(k=k, batch_size=batch_size, max_samples=n, device=eval_device)
+    evals = _source_evals(source_drafter, target_old, target_new, old_dir, features_new, fs_old, fs_new, out_dir, ev)
+    out = _probe_out(stats, k, *evals)
+    if not keep_features:
+        shutil.rmtree(old_dir)
+    return out
+
+
+def _source_evals(
+    source_drafter, target_old, target_new, old_dir: Path, features_new, fs_old, fs_new, out_dir: Path, ev: dict
+):
+    """The source drafter on the old features, on the new ones, and on the new ones checked against
+    the old choices, each written to out_dir/eval_<name>.json; -> the three results."""
     ev_old = evaluate_drafter(source_drafter, target_old, old_dir, **ev)
     ev_new = evaluate_drafter(source_drafter, target_new, features_new, **ev)
     ev_cross = tau_with_choices(source_drafter, target_new, fs_new, fs_old, **ev)
     for name, res in (("old_features", ev_old), ("new_features", ev_new), ("new_features_old_choices", ev_cross)):
         _eval_json(out_dir / f"eval_{name}.json", res)
+    return ev_old, ev_new, ev_cross
+
+
+def _probe_out(stats: dict, k: int, ev_old: dict, ev_new: dict, ev_cross: dict) -> dict:
+    """drift_probe's result: the drift stats, the three tau and the gaps between them, the
+    per-position accept rates of the first two."""
     t_old, t_new, t_x = ev_old["accept_length"], ev_new["accept_length"], ev_cross["accept_length"]
     out = {
         **stats,
@@ -545,6 +598,4 @@ def drift_probe(
     for i in range(k):
         out[f"accept_rate_pos_{i}_old_features"] = ev_old[f"accept_rate_pos_{i}"]
         out[f"accept_rate_pos_{i}_new_features"] = ev_new[f"accept_rate_pos_{i}"]
-    if not keep_features:
-        shutil.rmtree(old_dir)
     return out

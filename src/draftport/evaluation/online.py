@@ -288,21 +288,11 @@ def offline_same_prompts(
     # lazy (registry): the publish step runs this module without data.features
     from draftport.data.features import load_tokenizer
 
-    if online_raw is not None:
-        if not isinstance(online_raw, dict):
-            online_raw = json.loads(Path(online_raw).read_text())
-        prompt_ids = online_raw["prompt_token_ids"]
-        responses = [r["output_token_ids"] for r in online_raw["requests"]]
+    prompt_ids, responses = _served(online_raw, prompt_ids, responses)
     if not prompt_ids:
         raise DraftportError(drafter_dir, "no prompts to evaluate")
     t0 = time.time()
-    cfg, state = load_drafter_state(drafter_dir)
-    if cfg.aux_convention and cfg.aux_convention != "vllm":
-        raise DraftportError(
-            drafter_dir, f"drafter trained under the {cfg.aux_convention} aux convention; vLLM reads vllm's"
-        )
-    drafter = drafter_for_target(cfg, target_dir, state).to(device).eval()
-    head = target_head(target_dir).to(device)
+    cfg, drafter, head = _vllm_drafter(drafter_dir, target_dir, device)
     model = load_target(target_dir, device=device)
     tok = load_tokenizer(target_dir)
     eos = tok.eos_token_id
@@ -314,6 +304,49 @@ def offline_same_prompts(
     seqs = [Sequence(list(p) + list(r), len(p)) for p, r in zip(prompt_ids, responses)]
     t_load = time.time() - t0
     t1 = time.time()
+    extended = _past_the_ends(model, seqs, k, pad, batch_size)
+    t_ext = time.time() - t1
+    run = _replay(model, drafter, head, cfg.aux_layer_ids, seqs, extended, k, pad, batch_size, device)
+    res = summarize(run["exact"], run["rows"], k)
+    plain = summarize(run["plain"], run["rows"], k)
+    res["accept_length_plain"] = plain["accept_length"]
+    res["num_cycles_plain"] = plain["num_cycles"]
+    res["num_prompts"] = len(seqs)
+    res["output_tokens"] = sum(len(s.tokens) - s.response_start for s in seqs)
+    res["offline_seconds"] = time.time() - t0
+    res["offline_load_seconds"] = t_load  # imports, target + drafter (+ regeneration)
+    res["offline_extend_seconds"] = t_ext  # k greedy tokens past each end
+    res["offline_feature_seconds"] = run["feature_seconds"]  # the target's aux/final states
+    res["offline_eval_seconds"] = run["eval_seconds"]  # the drafter: the offline evaluator proper
+    res["per_request_cycles"] = run["per_request"]
+    return res
+
+
+def _served(online_raw: dict | str | None, prompt_ids, responses) -> tuple:
+    """(prompt ids, responses): those of vLLM's raw result (the dict or measure's JSON file) when
+    given, else as given."""
+    if online_raw is None:
+        return prompt_ids, responses
+    if not isinstance(online_raw, dict):
+        online_raw = json.loads(Path(online_raw).read_text())
+    return online_raw["prompt_token_ids"], [r["output_token_ids"] for r in online_raw["requests"]]
+
+
+def _vllm_drafter(drafter_dir, target_dir, device: str) -> tuple:
+    """(config, drafter bound to the target, the target's head) on device; a drafter trained under
+    another aux convention than vLLM's is refused."""
+    cfg, state = load_drafter_state(drafter_dir)
+    if cfg.aux_convention and cfg.aux_convention != "vllm":
+        raise DraftportError(
+            drafter_dir, f"drafter trained under the {cfg.aux_convention} aux convention; vLLM reads vllm's"
+        )
+    drafter = drafter_for_target(cfg, target_dir, state).to(device).eval()
+    head = target_head(target_dir).to(device)
+    return cfg, drafter, head
+
+
+def _past_the_ends(model, seqs: list[Sequence], k: int, pad: int, batch_size: int) -> list[list[int]]:
+    """Each sequence's tokens extended past its end as far as vLLM's verifier scores drafts."""
     # The last verify step of a request starts at most 3 tokens before its end and checks k
     # drafts: the target's choices up to position L-3+k are needed, so the sequence grows by
     # k-2 greedy tokens plus one placeholder (which only makes position L-3+k "inside" for
@@ -321,14 +354,19 @@ def offline_same_prompts(
     extended = _extend_greedy(model, [s.tokens for s in seqs], max(k - 2, 0), pad, batch_size)
     if k >= 2:
         extended = [x + [pad] for x in extended]
-    t_ext = time.time() - t1
+    return extended
+
+
+def _replay(model, drafter, head, aux_layer_ids, seqs, extended, k: int, pad: int, batch_size: int, device) -> dict:
+    """The drafter over the target's features of the extended sequences, batch by batch: each
+    request's engine-exact cycles, the plain evaluator's, the rows, and the time of each part."""
     t_feat = t_eval = 0.0
     cycles_exact, cycles_plain, rows_all, per_request = [], [], [], []
     for b0 in range(0, len(seqs), batch_size):
         chunk, ext = seqs[b0 : b0 + batch_size], extended[b0 : b0 + batch_size]
         ids, mask = _right_padded(ext, pad)
         t1 = time.time()
-        aux, final = capture_features(model, ids.to(device), mask.to(device), cfg.aux_layer_ids, "vllm")
+        aux, final = capture_features(model, ids.to(device), mask.to(device), aux_layer_ids, "vllm")
         t_feat += time.time() - t1
         valid = mask.bool().to(device)
         ext_batch = Batch(aux.float(), final.float(), ids.to(device), valid, valid)
@@ -341,19 +379,14 @@ def offline_same_prompts(
             per_request.append(cyc)
             cycles_plain.extend(plain_cyc)
             rows_all.extend(rows)
-    res = summarize(cycles_exact, rows_all, k)
-    plain = summarize(cycles_plain, rows_all, k)
-    res["accept_length_plain"] = plain["accept_length"]
-    res["num_cycles_plain"] = plain["num_cycles"]
-    res["num_prompts"] = len(seqs)
-    res["output_tokens"] = sum(len(s.tokens) - s.response_start for s in seqs)
-    res["offline_seconds"] = time.time() - t0
-    res["offline_load_seconds"] = t_load  # imports, target + drafter (+ regeneration)
-    res["offline_extend_seconds"] = t_ext  # k greedy tokens past each end
-    res["offline_feature_seconds"] = t_feat  # the target's aux/final states
-    res["offline_eval_seconds"] = t_eval  # the drafter: the offline evaluator proper
-    res["per_request_cycles"] = per_request
-    return res
+    return {
+        "exact": cycles_exact,
+        "plain": cycles_plain,
+        "rows": rows_all,
+        "per_request": per_request,
+        "feature_seconds": t_feat,
+        "eval_seconds": t_eval,
+    }
 
 
 def _right_padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -626,21 +659,7 @@ def run_step(
     )
     off = offline_same_prompts(drafter_dir, target_dir, k=k, online_raw=raw)
     mism = cycle_mismatches(raw, off)
-    metrics = dict(on)
-    metrics["offline_same_prompts_accept_length"] = off["accept_length"]
-    metrics["offline_same_prompts_accept_length_plain"] = off["accept_length_plain"]
-    for i in range(k):
-        metrics[f"offline_same_prompts_accept_rate_pos_{i}"] = off[f"accept_rate_pos_{i}"]
-    metrics["offline_same_prompts_num_cycles"] = off["num_cycles"]
-    metrics["offline_same_prompts_seconds"] = off["offline_seconds"]
-    metrics["offline_same_prompts_eval_seconds"] = off["offline_eval_seconds"]
-    metrics["online_offline_difference"] = on["online_accept_length"] - off["accept_length"]
-    # vLLM's whole run against the replay from scratch (target load, features, drafter), and
-    # against the offline evaluator proper (the drafter over captured features)
-    metrics["online_time_ratio"] = on["online_seconds"] / max(off["offline_seconds"], 1e-9)
-    metrics["online_time_ratio_eval"] = on["online_seconds"] / max(off["offline_eval_seconds"], 1e-9)
-    metrics["online_requests_with_differing_cycles"] = mism["requests_differing"]
-    metrics["online_tolerance"] = tol
+    metrics = _online_metrics(on, off, mism, k, tol)
     report = {
         "metrics": metrics,
         "export": export,
@@ -660,6 +679,26 @@ def run_step(
     atomic_write_text(out_dir / "online.json", json.dumps(report, indent=2) + "\n")
     if check:
         agreement_check(on, off, tol)
+    return metrics
+
+
+def _online_metrics(on: dict, off: dict, mism: dict, k: int, tol: float) -> dict:
+    """run_step's flat metrics: vLLM's, the offline replay's, their difference and time ratios."""
+    metrics = dict(on)
+    metrics["offline_same_prompts_accept_length"] = off["accept_length"]
+    metrics["offline_same_prompts_accept_length_plain"] = off["accept_length_plain"]
+    for i in range(k):
+        metrics[f"offline_same_prompts_accept_rate_pos_{i}"] = off[f"accept_rate_pos_{i}"]
+    metrics["offline_same_prompts_num_cycles"] = off["num_cycles"]
+    metrics["offline_same_prompts_seconds"] = off["offline_seconds"]
+    metrics["offline_same_prompts_eval_seconds"] = off["offline_eval_seconds"]
+    metrics["online_offline_difference"] = on["online_accept_length"] - off["accept_length"]
+    # vLLM's whole run against the replay from scratch (target load, features, drafter), and
+    # against the offline evaluator proper (the drafter over captured features)
+    metrics["online_time_ratio"] = on["online_seconds"] / max(off["offline_seconds"], 1e-9)
+    metrics["online_time_ratio_eval"] = on["online_seconds"] / max(off["offline_eval_seconds"], 1e-9)
+    metrics["online_requests_with_differing_cycles"] = mism["requests_differing"]
+    metrics["online_tolerance"] = tol
     return metrics
 
 

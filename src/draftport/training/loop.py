@@ -428,10 +428,8 @@ def train(
     stopped = bool(history and history[-1].get("early_stop"))  # a stopped run stays stopped
     scores = [r["accept_length"] for r in history if "accept_length" in r]
     bar = _bar(cfg, step) if progress and run.rank == 0 else None
-    if cfg.packing:  # only then: a step that never packs does not run the module
-        from draftport.data.packing import ROW_MULTIPLE, pack
+    make_batch = _batcher(cfg)
     n = len(features)
-    done_this_call = 0
     t0 = time.time()
     rate = _Rate(drafter, cfg, run.device, run.world)
     # The host reads the device only at log / checkpoint steps, so the CPU can queue the next
@@ -439,31 +437,17 @@ def train(
     # before any checkpoint could save it.
     bad = torch.zeros((), dtype=torch.bool, device=run.device)
     while step < cfg.steps and not stopped:
-        samples = [features.sample(i) for i in batch_ids(step, n, cfg.batch_size, cfg.seed)[run.rank :: run.world]]
-        # packing: the same samples end to end in one row (rounded up to ROW_MULTIPLE
-        # tokens: fewer shapes for the compiled regions), the same loss as the padded batch
-        batch, _ = pack(samples, multiple=ROW_MULTIPLE) if cfg.packing else collate(samples)
-        rate.count(samples)
-        out = run.step(batch.to(run.device), step, cfg)
+        out = _draw_and_step(run, features, make_batch, rate, step, n, cfg)
         bad |= ~torch.isfinite(out[0].detach())
         step += 1
-        done_this_call += 1
-        last = stop_after is not None and done_this_call >= stop_after
-        eval_now = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
-        log_now = step % cfg.log_every == 0 or step == cfg.steps or eval_now
-        ckpt_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
+        last = stop_after is not None and step - resumed_from >= stop_after  # steps of this call
+        eval_now, log_now, ckpt_now = _due(step, cfg)
         if log_now or ckpt_now or last:
-            if bool(bad):
-                raise DraftportError(
-                    f"train step {step}",
-                    f"loss is not finite (at or before this step); last good checkpoint kept in {run.ckpt_root}",
-                )
+            _check_finite(bad, step, run.ckpt_root)
             stats = run.stats(out, cfg)
             rate.sync_point(step)
             if eval_now:  # every rank: the same drafter, the same set, the same stop
-                stats["accept_length"] = _held_out(monitor, drafter, step, rate)
-                scores.append(stats["accept_length"])
-                stopped = plateaued(scores, cfg.patience)
+                stopped = _watch(monitor, drafter, step, rate, stats, scores, cfg.patience)
             if log_now:
                 ckpt_now = _record(run, logger, history, step, stats, stopped, scores, cfg) or ckpt_now
             if bar is not None:
@@ -480,6 +464,54 @@ def train(
         bar.close()
     if run.fsdp:
         unshard_fsdp(drafter)
+    return _result(history, step, t0, resumed_from, stopped, rate)
+
+
+def _batcher(cfg: TrainConfig) -> Callable[[list], object]:
+    """samples -> the step's batch. Packing: the same samples end to end in one row (rounded up to
+    ROW_MULTIPLE tokens: fewer shapes for the compiled regions), the same loss as the padded batch."""
+    if not cfg.packing:
+        return lambda samples: collate(samples)[0]
+    from draftport.data.packing import ROW_MULTIPLE, pack  # only then: a step that never packs does not run the module
+
+    return lambda samples: pack(samples, multiple=ROW_MULTIPLE)[0]
+
+
+def _draw_and_step(run: "_Run", features, make_batch, rate: "_Rate", step: int, n: int, cfg: TrainConfig):
+    """This rank's slice of global batch `step`, counted in the rate, and one optimizer step on it
+    (train_step's outputs)."""
+    samples = [features.sample(i) for i in batch_ids(step, n, cfg.batch_size, cfg.seed)[run.rank :: run.world]]
+    batch = make_batch(samples)
+    rate.count(samples)
+    return run.step(batch.to(run.device), step, cfg)
+
+
+def _due(step: int, cfg: TrainConfig) -> tuple[bool, bool, bool]:
+    """What the loop does after `step` steps: (held-out tau, a logged record, a checkpoint)."""
+    eval_now = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
+    log_now = step % cfg.log_every == 0 or step == cfg.steps or eval_now
+    ckpt_now = step % cfg.checkpoint_every == 0 or step == cfg.steps
+    return eval_now, log_now, ckpt_now
+
+
+def _check_finite(bad: torch.Tensor, step: int, ckpt_root: Path) -> None:
+    """Raise if any loss since the last sync point was not finite (reads the device)."""
+    if bool(bad):
+        raise DraftportError(
+            f"train step {step}",
+            f"loss is not finite (at or before this step); last good checkpoint kept in {ckpt_root}",
+        )
+
+
+def _watch(monitor, drafter, step: int, rate: "_Rate", stats: dict, scores: list, patience: int) -> bool:
+    """The held-out tau into this step's stats and the scores; -> whether training stops (plateaued)."""
+    stats["accept_length"] = _held_out(monitor, drafter, step, rate)
+    scores.append(stats["accept_length"])
+    return plateaued(scores, patience)
+
+
+def _result(history: list, step: int, t0: float, resumed_from: int, stopped: bool, rate: "_Rate") -> dict:
+    """train()'s return value (see its docstring)."""
     curve = [{"step": r["step"], "accept_length": r["accept_length"]} for r in history if "accept_length" in r]
     return {
         "history": history,

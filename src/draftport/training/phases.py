@@ -116,48 +116,49 @@ def train_phase(
     cache in spool["cache_dir"] (default: beside the spool); the target's code runs only when
     trust_remote_code.
     """
+    _refuse_scratch_anchor(init, train_cfg)
+    device = pick_device(train_cfg.device, "train.device")  # before any load: cuda without a GPU fails here
+    out_dir = Path(out_dir)
+    sets = [open_set(d) for d in feature_dirs(features_dir)]
+    fs = sets[0] if len(sets) == 1 and n_samples is None else FeatureChain(sets, n_samples)
+    head = target_head(target_dir).to(device)  # the monitor's held-out batches are placed beside it
+    # where the initial weights come from: the initial drafter and the fingerprint both read it
+    origin = dict(vocab_path=vocab_path, source_dir=source_dir, vocab_policy=vocab_policy, arch=arch)
+    d, cfg, report = initial_drafter(
+        init, fs, features_dir, target_dir=target_dir, head=head, seed=train_cfg.seed, **origin
+    )
+    cfg = DrafterConfig(**{**cfg.__dict__, "extra": {**cfg.extra, "verifier": str(verifier or target_dir)}})
+    watch = _held_out_watch(monitor, cfg, fs, head)
+    inputs = inputs_fingerprint(features_dir=features_dir, init=init, n_samples=n_samples, monitor=monitor, **origin)
+    if fs.index.get("storage") in ("online", "hybrid"):
+        fs = _online(fs, target_dir, out_dir, ckpt_dir, spool, trust_remote_code, progress)
+    res = _train_to_end(d, fs, head, out_dir, train_cfg, logger, progress, ckpt_dir, inputs, watch)
+    return _save_phase(out_dir, d, cfg, init, report, res, fs)
+
+
+def _refuse_scratch_anchor(init: str, train_cfg) -> None:
+    """The L2-SP anchor is the initial weights, which init scratch draws at random."""
     if init == "scratch" and train_cfg.l2sp_lambda:
         raise DraftportError(
             "train.l2sp_lambda",
             f"{train_cfg.l2sp_lambda}: the L2-SP anchor holds a training near "
             "the weights it starts from, and init scratch starts from random ones (set 0)",
         )
-    device = pick_device(train_cfg.device, "train.device")  # before any load: cuda without a GPU fails here
-    out_dir = Path(out_dir)
-    sets = [open_set(d) for d in feature_dirs(features_dir)]
-    fs = sets[0] if len(sets) == 1 and n_samples is None else FeatureChain(sets, n_samples)
-    head = target_head(target_dir).to(device)  # the monitor's held-out batches are placed beside it
-    d, cfg, report = initial_drafter(
-        init,
-        fs,
-        features_dir,
-        target_dir=target_dir,
-        vocab_path=vocab_path,
-        source_dir=source_dir,
-        vocab_policy=vocab_policy,
-        arch=arch,
-        head=head,
-        seed=train_cfg.seed,
-    )
-    cfg = DrafterConfig(**{**cfg.__dict__, "extra": {**cfg.extra, "verifier": str(verifier or target_dir)}})
-    watch = None
-    if monitor is not None:
-        held = FeatureSet(monitor["features"])
-        check_features_fit(cfg, held, monitor["features"])
-        check_disjoint(fs, held, str(monitor["features"]))
-        watch = held_out_monitor(held, head, k=monitor["k"], batch_size=monitor.get("batch_size", 32))
-    inputs = inputs_fingerprint(
-        features_dir=features_dir,
-        vocab_path=vocab_path,
-        init=init,
-        source_dir=source_dir,
-        vocab_policy=vocab_policy,
-        arch=arch,
-        n_samples=n_samples,
-        monitor=monitor,
-    )
-    if fs.index.get("storage") in ("online", "hybrid"):
-        fs = _online(fs, target_dir, out_dir, ckpt_dir, spool, trust_remote_code, progress)
+
+
+def _held_out_watch(monitor: dict | None, cfg: DrafterConfig, fs, head: torch.Tensor):
+    """train's `monitor` from train_phase's: the held-out set checked against the drafter and
+    the training features; None without one."""
+    if monitor is None:
+        return None
+    held = FeatureSet(monitor["features"])
+    check_features_fit(cfg, held, monitor["features"])
+    check_disjoint(fs, held, str(monitor["features"]))
+    return held_out_monitor(held, head, k=monitor["k"], batch_size=monitor.get("batch_size", 32))
+
+
+def _train_to_end(d, fs, head, out_dir: Path, train_cfg, logger, progress, ckpt_dir, inputs: dict, watch) -> dict:
+    """train() on the features, which are closed however it ends; -> its result."""
     try:
         res = train(
             d,
@@ -176,6 +177,11 @@ def train_phase(
             fs.close()
     if hasattr(fs, "discard_cache"):  # trained to the end: hybrid's first-epoch cache has served
         fs.discard_cache()
+    return res
+
+
+def _save_phase(out_dir: Path, d, cfg: DrafterConfig, init: str, report: dict, res: dict, fs) -> dict:
+    """The trained drafter saved flat to out_dir/drafter and its loss history beside it; -> the report."""
     d.to("cpu")  # saved from host memory, as every caller reads it
     save_drafter(out_dir / "drafter", cfg, d.export_state(), metadata={"draftport_phase_init": init})
     report.update(

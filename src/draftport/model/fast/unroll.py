@@ -239,22 +239,8 @@ def unroll(
     B, T, _ = aux.shape
     h = d.fc(aux)
     if not fused_attention_supported(h):
-        return Eagle3Drafter.unroll(
-            d,
-            aux,
-            tokens,
-            steps,
-            teacher_tokens=teacher_tokens,
-            valid=valid,
-            return_normed=return_normed,
-            doc=doc,
-            positions=positions,
-        )
-    seg = None
-    if doc is not None:
-        if segments is None:
-            raise ValueError("packed rows on the fused path need their segments (cu_seqlens)")
-        seg = segments if isinstance(segments, Segments) else Segments(*segments)
+        return _reference_unroll(d, aux, tokens, steps, teacher_tokens, valid, return_normed, doc, positions)
+    seg = _packed_segments(doc, segments)
     if valid is not None:
         # right padding: no valid row after an invalid one (checked without a host sync)
         torch._assert_async(~(valid[:, 1:] & ~valid[:, :-1]).any())
@@ -269,14 +255,7 @@ def unroll(
     for j in range(steps):
         emb = None if table is None else table(j)
         rows = live.rows(j) if use_live and j > 0 else None
-        if rows is None and held is not None:
-            raise ValueError("live.rows: a step after a reduced one must be reduced too")
-        if rows is not None:
-            if held is None:
-                h = select_rows(h, rows)
-            elif rows.numel() < held.numel():
-                h = h[:, : rows.numel()]  # a prefix of the rows held
-            held = rows
+        h, held = _hold_rows(h, held, rows)
         h, res = step(
             d,
             fast,
@@ -296,8 +275,50 @@ def unroll(
             res = scatter_rows(res, rows, B, T)
         outs.append(res)
         if j + 1 < steps and table is None:
-            if teacher_tokens:
-                tok = shift(tokens, j + 2, doc=doc)
-            else:
-                tok = d.hot_ids[res.argmax(-1)]
+            tok = _next_tokens(d, tokens, res, j, teacher_tokens, doc)
     return outs
+
+
+def _reference_unroll(d: Eagle3Drafter, aux, tokens, steps: int, teacher_tokens, valid, return_normed, doc, positions):
+    """Eagle3Drafter.unroll, where the fused attention has no kernel."""
+    return Eagle3Drafter.unroll(
+        d,
+        aux,
+        tokens,
+        steps,
+        teacher_tokens=teacher_tokens,
+        valid=valid,
+        return_normed=return_normed,
+        doc=doc,
+        positions=positions,
+    )
+
+
+def _packed_segments(doc, segments) -> Segments | None:
+    """The packed rows' Segments (segments as given, or its (cu_seqlens, longest)); None unpacked."""
+    if doc is None:
+        return None
+    if segments is None:
+        raise ValueError("packed rows on the fused path need their segments (cu_seqlens)")
+    return segments if isinstance(segments, Segments) else Segments(*segments)
+
+
+def _hold_rows(h, held, rows):
+    """h at step j for live.rows(j) `rows`: all rows (None), or the kept rows, selected at the first
+    reduced step and a prefix of the rows held after it. -> (h, the rows it holds)."""
+    if rows is None and held is not None:
+        raise ValueError("live.rows: a step after a reduced one must be reduced too")
+    if rows is None:
+        return h, held
+    if held is None:
+        h = select_rows(h, rows)
+    elif rows.numel() < held.numel():
+        h = h[:, : rows.numel()]  # a prefix of the rows held
+    return h, rows
+
+
+def _next_tokens(d: Eagle3Drafter, tokens, res, j: int, teacher_tokens: bool, doc):
+    """The tokens fed at step j + 1: the teacher's, or the drafter's greedy choice at step j."""
+    if teacher_tokens:
+        return shift(tokens, j + 2, doc=doc)
+    return d.hot_ids[res.argmax(-1)]
