@@ -1046,39 +1046,36 @@ def validate(cfg: dict, group: type[Group] | None = None, prefix: str = "", cros
     return out
 
 
-def _cross_checks(cfg: dict) -> None:
-    w, f = cfg["world"], cfg["features"]
-    if cfg["phase2"]["n_samples"] <= cfg["phase1"]["n_samples"]:
+def _check_world_sizes(cfg: dict, w: dict, f: dict) -> None:
+    """A built world's targets have the layers, samples and vocab the other groups ask for."""
+    layers = w["model"]["num_hidden_layers"]
+    # as draftport.data.capture.check_aux_ids: vllm 0..L (L = leaving the last layer), sglang 0..L-1
+    limit = layers if f["aux_convention"] == "vllm" else layers - 1
+    bad = [i for i in f["aux_layer_ids"] if i > limit]
+    if bad:
         raise ParamsError(
-            "phase2.n_samples",
-            f"must exceed phase1.n_samples ({cfg['phase1']['n_samples']}): "
-            "Phase 2 scales the data (the total count, Phase 1's samples included)",
+            "features.aux_layer_ids",
+            f"{bad} out of range for the world's {layers}-layer targets ({f['aux_convention']} convention)",
         )
-    if w["build"]:
-        layers = w["model"]["num_hidden_layers"]
-        # as draftport.data.capture.check_aux_ids: vllm 0..L (L = leaving the last layer), sglang 0..L-1
-        limit = layers if f["aux_convention"] == "vllm" else layers - 1
-        bad = [i for i in f["aux_layer_ids"] if i > limit]
-        if bad:
-            raise ParamsError(
-                "features.aux_layer_ids",
-                f"{bad} out of range for the world's {layers}-layer targets ({f['aux_convention']} convention)",
-            )
-        need = cfg["phase2"]["n_samples"]
-        if need > w["n_new"]:
-            raise ParamsError(
-                "phase2.n_samples", f"{need} samples but the world's new corpus holds world.n_new = {w['n_new']}"
-            )
-        if f["eval_samples"] > w["n_heldout"]:
-            raise ParamsError(
-                "features.eval_samples",
-                f"{f['eval_samples']} but the world holds world.n_heldout = {w['n_heldout']} held-out prompts",
-            )
-        if cfg["vocab_new"]["draft_vocab_size"] > w["vocab_size"]:
-            raise ParamsError(
-                "vocab_new.draft_vocab_size",
-                f"{cfg['vocab_new']['draft_vocab_size']} exceeds the vocab (world.vocab_size = {w['vocab_size']})",
-            )
+    need = cfg["phase2"]["n_samples"]
+    if need > w["n_new"]:
+        raise ParamsError(
+            "phase2.n_samples", f"{need} samples but the world's new corpus holds world.n_new = {w['n_new']}"
+        )
+    if f["eval_samples"] > w["n_heldout"]:
+        raise ParamsError(
+            "features.eval_samples",
+            f"{f['eval_samples']} but the world holds world.n_heldout = {w['n_heldout']} held-out prompts",
+        )
+    if cfg["vocab_new"]["draft_vocab_size"] > w["vocab_size"]:
+        raise ParamsError(
+            "vocab_new.draft_vocab_size",
+            f"{cfg['vocab_new']['draft_vocab_size']} exceeds the vocab (world.vocab_size = {w['vocab_size']})",
+        )
+
+
+def _check_resources(cfg: dict) -> None:
+    """resources: a default row; torchrun only for training rules, and only with a GPU."""
     res = cfg["resources"]
     if "default" not in res:
         raise ParamsError("resources.default", "missing (every rule's gpu, mem_mb, runtime, threads, torchrun)")
@@ -1089,6 +1086,10 @@ def _cross_checks(cfg: dict) -> None:
             )
         if r.get("torchrun") and {**res["default"], **r}["gpu"] < 1:
             raise ParamsError(f"resources.{rule}.torchrun", "needs gpu >= 1 (one process per GPU)")
+
+
+def _check_engine_drift_seeds(cfg: dict, f: dict) -> None:
+    """The served engine's address, drift's old target and data.seeds without repeats."""
     if f["regenerate"] == "openai" and not (f["base_url"] and f["served_model"]):
         raise ParamsError(
             "features.base_url" if not f["base_url"] else "features.served_model",
@@ -1098,75 +1099,108 @@ def _cross_checks(cfg: dict) -> None:
         raise ParamsError("drift.enabled", "needs targets.old (the probe runs the old target on the new one's tokens)")
     if len(set(cfg["data"]["seeds"])) != len(cfg["data"]["seeds"]):
         raise ParamsError("data.seeds", f"{cfg['data']['seeds']}: a seed twice")
+
+
+def _check_curve_recipes(c: dict) -> None:
+    """Each curves recipe: a short lowercase name, a mapping of train keys that TrainConfig accepts,
+    none of the keys every arm shares."""
+    for name, over in c["recipes"].items():
+        if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", str(name)):
+            raise ParamsError(
+                f"curves.recipes.{name}",
+                "a recipe's name: lowercase letters, digits, _ (it names checkpoints and MLflow runs)",
+            )
+        if not isinstance(over, dict) or not over:
+            raise ParamsError(f"curves.recipes.{name}", "a mapping of the train keys the recipe changes")
+        for key in ("steps", "seed", "batch_size"):
+            if key in over:
+                raise ParamsError(
+                    f"curves.recipes.{name}.{key}",
+                    "set by the budget rule / the point: every arm trains the same steps on the same batches",
+                )
+        try:
+            TrainConfig.from_dict({**c["train"], **over}, f"curves.recipes.{name}")
+        except ParamsError:
+            raise
+        except DraftportError as e:  # from_dict's unknown-key error: the same line, as a params error
+            raise ParamsError(f"curves.recipes.{name}", e.problem) from None
+
+
+def _check_curves(cfg: dict, c: dict) -> None:
+    """An enabled curves group: ascending points within Phase 2's samples, distinct seeds and inits,
+    arms among the points, then its recipes."""
+    ns = c["n_samples"]
+    if ns != sorted(set(ns)):
+        raise ParamsError("curves.n_samples", f"{ns}: must be ascending, without repeats")
+    if ns[-1] > cfg["phase2"]["n_samples"]:
+        raise ParamsError(
+            "curves.n_samples",
+            f"{ns[-1]} exceeds phase2.n_samples ({cfg['phase2']['n_samples']}): "
+            "the points read a prefix of Phase 1's + Phase 2's capture",
+        )
+    if len(set(c["seeds"])) != len(c["seeds"]):
+        raise ParamsError("curves.seeds", f"{c['seeds']}: a seed twice")
+    if not c["inits"] or len(set(c["inits"])) != len(c["inits"]):
+        raise ParamsError("curves.inits", f"{c['inits']}: source and/or scratch, each once")
+    if "scratch" in c["inits"] and c["train"].get("l2sp_lambda"):
+        raise ParamsError(
+            "curves.train.l2sp_lambda",
+            "the scratch points start from random weights: anchor "
+            "the source's points through curves.recipes instead (or set 0)",
+        )
+    arms_n = c["arms_n_samples"]
+    if arms_n != sorted(set(arms_n)) or not set(arms_n) <= set(ns):
+        raise ParamsError("curves.arms_n_samples", f"{arms_n}: ascending, each among curves.n_samples {ns}")
+    if c["recipes"] and arms_n and "source" not in c["inits"]:
+        raise ParamsError("curves.recipes", "fine-tune the source: needs source among curves.inits")
+    _check_curve_recipes(c)
+
+
+def _check_world_source(cfg: dict, w: dict) -> None:
+    """A built world's new corpus holds Phase 2's and the monitor's prompts; its source drafter
+    trains from scratch on prompts the old corpus holds."""
+    need = cfg["phase2"]["n_samples"] + cfg["monitor"]["n_samples"]
+    if need > w["n_new"]:
+        raise ParamsError(
+            "monitor.n_samples",
+            f"phase2.n_samples + monitor.n_samples = {need} but the world's "
+            f"new corpus holds world.n_new = {w['n_new']} (the monitor takes the last prompts)",
+        )
+    sd = w["source_drafter"]
+    if sd["train"].get("l2sp_lambda"):
+        raise ParamsError(
+            "world.source_drafter.train.l2sp_lambda",
+            "the source drafter trains from random weights: nothing to anchor to (set 0)",
+        )
+    if sd["n_samples"] + sd["monitor_samples"] > w["n_old"]:
+        raise ParamsError(
+            "world.source_drafter.n_samples",
+            f"{sd['n_samples']} + monitor_samples {sd['monitor_samples']} exceed world.n_old = {w['n_old']}",
+        )
+
+
+def _cross_checks(cfg: dict) -> None:
+    """Checks across keys and groups; their order is fixed: the first one failing is the error shown."""
+    w, f = cfg["world"], cfg["features"]
+    if cfg["phase2"]["n_samples"] <= cfg["phase1"]["n_samples"]:
+        raise ParamsError(
+            "phase2.n_samples",
+            f"must exceed phase1.n_samples ({cfg['phase1']['n_samples']}): "
+            "Phase 2 scales the data (the total count, Phase 1's samples included)",
+        )
+    if w["build"]:
+        _check_world_sizes(cfg, w, f)
+    _check_resources(cfg)
+    _check_engine_drift_seeds(cfg, f)
     c = cfg["curves"]
     if c["enabled"]:
-        ns = c["n_samples"]
-        if ns != sorted(set(ns)):
-            raise ParamsError("curves.n_samples", f"{ns}: must be ascending, without repeats")
-        if ns[-1] > cfg["phase2"]["n_samples"]:
-            raise ParamsError(
-                "curves.n_samples",
-                f"{ns[-1]} exceeds phase2.n_samples ({cfg['phase2']['n_samples']}): "
-                "the points read a prefix of Phase 1's + Phase 2's capture",
-            )
-        if len(set(c["seeds"])) != len(c["seeds"]):
-            raise ParamsError("curves.seeds", f"{c['seeds']}: a seed twice")
-        if not c["inits"] or len(set(c["inits"])) != len(c["inits"]):
-            raise ParamsError("curves.inits", f"{c['inits']}: source and/or scratch, each once")
-        if "scratch" in c["inits"] and c["train"].get("l2sp_lambda"):
-            raise ParamsError(
-                "curves.train.l2sp_lambda",
-                "the scratch points start from random weights: anchor "
-                "the source's points through curves.recipes instead (or set 0)",
-            )
-        arms_n = c["arms_n_samples"]
-        if arms_n != sorted(set(arms_n)) or not set(arms_n) <= set(ns):
-            raise ParamsError("curves.arms_n_samples", f"{arms_n}: ascending, each among curves.n_samples {ns}")
-        if c["recipes"] and arms_n and "source" not in c["inits"]:
-            raise ParamsError("curves.recipes", "fine-tune the source: needs source among curves.inits")
-        for name, over in c["recipes"].items():
-            if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", str(name)):
-                raise ParamsError(
-                    f"curves.recipes.{name}",
-                    "a recipe's name: lowercase letters, digits, _ (it names checkpoints and MLflow runs)",
-                )
-            if not isinstance(over, dict) or not over:
-                raise ParamsError(f"curves.recipes.{name}", "a mapping of the train keys the recipe changes")
-            for key in ("steps", "seed", "batch_size"):
-                if key in over:
-                    raise ParamsError(
-                        f"curves.recipes.{name}.{key}",
-                        "set by the budget rule / the point: every arm trains the same steps on the same batches",
-                    )
-            try:
-                TrainConfig.from_dict({**c["train"], **over}, f"curves.recipes.{name}")
-            except ParamsError:
-                raise
-            except DraftportError as e:  # from_dict's unknown-key error: the same line, as a params error
-                raise ParamsError(f"curves.recipes.{name}", e.problem) from None
+        _check_curves(cfg, c)
     for group in ("phase1", "phase2", "curves"):
         t = cfg[group]["train"]
         if t.get("patience") and not t.get("eval_every"):
             raise ParamsError(f"{group}.train.patience", "needs eval_every > 0 (the held-out tau it watches)")
     if w["build"]:
-        need = cfg["phase2"]["n_samples"] + cfg["monitor"]["n_samples"]
-        if need > w["n_new"]:
-            raise ParamsError(
-                "monitor.n_samples",
-                f"phase2.n_samples + monitor.n_samples = {need} but the world's "
-                f"new corpus holds world.n_new = {w['n_new']} (the monitor takes the last prompts)",
-            )
-        sd = w["source_drafter"]
-        if sd["train"].get("l2sp_lambda"):
-            raise ParamsError(
-                "world.source_drafter.train.l2sp_lambda",
-                "the source drafter trains from random weights: nothing to anchor to (set 0)",
-            )
-        if sd["n_samples"] + sd["monitor_samples"] > w["n_old"]:
-            raise ParamsError(
-                "world.source_drafter.n_samples",
-                f"{sd['n_samples']} + monitor_samples {sd['monitor_samples']} exceed world.n_old = {w['n_old']}",
-            )
+        _check_world_source(cfg, w)
     pk = cfg["publish"]["k"]
     if pk != sorted(set(pk)):
         raise ParamsError("publish.k", f"{pk}: must be ascending, without repeats")

@@ -60,22 +60,10 @@ def base_params(world: dict | None = None) -> dict:
     return {k: copy.deepcopy(v) for k, v in world.items() if k not in PIPELINE_KEYS}
 
 
-def build_world_base(out_dir: str | Path, params: dict | None = None, progress: bool = True) -> dict:
-    """Corpus, tokenizer, target_old ("K2") and target_new ("K2.5") under out_dir.
-
-    params: a params `world` group (its `build` and `source_drafter` are not the base's and are
-    left out); None: the embedded world. Layout: tokenizer/, corpus/{old,new,heldout_old,
-    heldout_new}.jsonl, target_old/, target_new/, world_base.json (the manifest returned).
-    Held-out samples continue the training streams (start = n_train), so they are never in the
-    training set by construction.
-    """
-    out = Path(out_dir)
-    p = base_params(params)
+def _write_corpora(out: Path, p: dict) -> tuple[list, list, dict, dict]:
+    """The old and new corpora and their held-out continuations, written under out/corpus:
+    (old, new, {"old", "new"} held-out samples, the four files by name)."""
     seed, lseed = int(p["seed"]), int(p["language_seed"])
-    timings: dict[str, float] = {}
-    t_all = t = time.time()
-    cpu_all = time.process_time()  # CPU seconds: a fairer figure than wall time on a shared box
-
     old = generate_corpus("old", p["n_old"], seed, language_seed=lseed)
     new = generate_corpus("new", p["n_new"], seed, language_seed=lseed)
     heldout = {
@@ -92,16 +80,15 @@ def build_world_base(out_dir: str | Path, params: dict | None = None, progress: 
     write_jsonl(corpus["new"], new)
     write_jsonl(corpus["heldout_old"], heldout["old"])
     write_jsonl(corpus["heldout_new"], heldout["new"])
-    timings["corpus"] = time.time() - t
+    return old, new, heldout, corpus
 
-    t = time.time()
-    tok_dir = train_tokenizer(
-        out / "tokenizer", old + new, vocab_size=p["vocab_size"], model_max_length=p["model"]["max_position_embeddings"]
-    )
-    timings["tokenizer"] = time.time() - t
 
-    threads = p.get("threads")
-    device = world_device(p)
+def _train_targets(
+    out: Path, tok_dir: Path, old: list, new: list, p: dict, *, device: str, progress: bool, timings: dict
+) -> tuple[dict, dict]:
+    """target_old trained on the old corpus, then target_new continued from it on the new one;
+    their summaries (each one's seconds added to timings)."""
+    seed, threads = int(p["seed"]), p.get("threads")
     t = time.time()
     meta_old = train_target(
         out / "target_old",
@@ -133,6 +120,50 @@ def build_world_base(out_dir: str | Path, params: dict | None = None, progress: 
         **p["target_new"],
     )
     timings["target_new"] = time.time() - t
+    return meta_old, meta_new
+
+
+def _record_world(out: Path, manifest: dict, total_seconds: float, progress: bool) -> None:
+    """Write world_base.json (without the times) and print the one-line summary."""
+    # the file without the times: identical runs write identical bytes
+    timeless = {k: v for k, v in manifest.items() if k != "seconds"}
+    timeless["targets"] = {t: {k: v for k, v in m.items() if k != "seconds"} for t, m in manifest["targets"].items()}
+    (out / "world_base.json").write_text(json.dumps(timeless, indent=2) + "\n")
+    if progress:
+        m = manifest["metrics"]
+        print(
+            f"world base: {total_seconds:.0f} s | {manifest['bytes']['total'] / 1e6:.1f} MB | "
+            f"top1 A/old {m['top1_A_old']:.3f} B/new {m['top1_B_new']:.3f} | "
+            f"agree A-B new {m['agree_AB_new']:.3f} old {m['agree_AB_old']:.3f}"
+        )
+
+
+def build_world_base(out_dir: str | Path, params: dict | None = None, progress: bool = True) -> dict:
+    """Corpus, tokenizer, target_old ("K2") and target_new ("K2.5") under out_dir.
+
+    params: a params `world` group (its `build` and `source_drafter` are not the base's and are
+    left out); None: the embedded world. Layout: tokenizer/, corpus/{old,new,heldout_old,
+    heldout_new}.jsonl, target_old/, target_new/, world_base.json (the manifest returned).
+    Held-out samples continue the training streams (start = n_train), so they are never in the
+    training set by construction.
+    """
+    out = Path(out_dir)
+    p = base_params(params)
+    timings: dict[str, float] = {}
+    t_all = t = time.time()
+    cpu_all = time.process_time()  # CPU seconds: a fairer figure than wall time on a shared box
+    old, new, heldout, corpus = _write_corpora(out, p)
+    timings["corpus"] = time.time() - t
+
+    t = time.time()
+    tok_dir = train_tokenizer(
+        out / "tokenizer", old + new, vocab_size=p["vocab_size"], model_max_length=p["model"]["max_position_embeddings"]
+    )
+    timings["tokenizer"] = time.time() - t
+
+    threads = p.get("threads")
+    device = world_device(p)
+    meta_old, meta_new = _train_targets(out, tok_dir, old, new, p, device=device, progress=progress, timings=timings)
 
     t = time.time()
     n_m = p.get("measure_samples", p["n_heldout"])
@@ -161,15 +192,5 @@ def build_world_base(out_dir: str | Path, params: dict | None = None, progress: 
         "params": p,
     }
     manifest["bytes"]["total"] = _dir_size(out)
-    # the file without the times: identical runs write identical bytes
-    timeless = {k: v for k, v in manifest.items() if k != "seconds"}
-    timeless["targets"] = {t: {k: v for k, v in m.items() if k != "seconds"} for t, m in manifest["targets"].items()}
-    (out / "world_base.json").write_text(json.dumps(timeless, indent=2) + "\n")
-    if progress:
-        m = metrics
-        print(
-            f"world base: {timings['total']:.0f} s | {manifest['bytes']['total'] / 1e6:.1f} MB | "
-            f"top1 A/old {m['top1_A_old']:.3f} B/new {m['top1_B_new']:.3f} | "
-            f"agree A-B new {m['agree_AB_new']:.3f} old {m['agree_AB_old']:.3f}"
-        )
+    _record_world(out, manifest, timings["total"], progress)
     return manifest

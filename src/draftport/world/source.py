@@ -18,6 +18,113 @@ from draftport.data.draftmap import build_vocab
 from draftport.training.phases import train_phase
 
 
+def _old_corpus_size(corpus: Path, n_samples: int, monitor_samples: int) -> int:
+    """The old corpus's sample count, checked to hold the training and monitor prompts."""
+    n_old = len(read_samples(corpus))
+    if n_samples + monitor_samples > n_old:
+        raise DraftportError(
+            "world.source_drafter.n_samples",
+            f"{n_samples} + monitor_samples {monitor_samples} exceed the old corpus's {n_old} samples (world.n_old)",
+        )
+    return n_old
+
+
+def _capture_source_features(
+    target: Path, corpus: Path, work: Path, *, n_samples, n_old, monitor_samples, answers, train_cfg, batch_size, common
+) -> dict | None:
+    """target_old's features on the training prompts (work/features) and, with monitor_samples,
+    on the last old-corpus prompts (work/monitor); returns train_phase's `monitor` (None: none)."""
+    build_features(
+        target,
+        corpus,
+        work / "features",
+        n_samples=n_samples,
+        dtype="bfloat16",
+        regenerate_responses=answers == "regenerated",
+        **common,
+    )
+    if not monitor_samples:
+        return None
+    build_features(
+        target,
+        corpus,
+        work / "monitor",
+        n_samples=monitor_samples,
+        offset=n_old - monitor_samples,
+        dtype="float32",
+        regenerate_responses=True,
+        **common,
+    )
+    return {"features": work / "monitor", "k": train_cfg.ttt_steps, "batch_size": batch_size}
+
+
+def _train_source(
+    work: Path,
+    target: Path,
+    *,
+    arch,
+    aux_layer_ids,
+    convention,
+    draft_vocab_ratio,
+    train_cfg,
+    progress,
+    monitor,
+    n_samples,
+    device,
+) -> tuple[int, dict, dict, dict]:
+    """The draft vocab of the captured answers, a drafter trained from scratch on them and its
+    acceptance on its own training prompts: (draft vocab size, the vocab's stats, train_phase's
+    report, evaluate_drafter's result)."""
+    sizes = target_sizes(target)  # hidden, vocab, context: all a drafter takes from its target
+    vocab = sizes["vocab_size"]
+    dv = max(8, int(round(vocab * draft_vocab_ratio)))
+    vstats = build_vocab(work / "features", work / "vocab.safetensors", draft_vocab_size=dv, vocab_size=vocab)
+    cfg = new_drafter_config(arch, **sizes, aux_layer_ids=aux_layer_ids, convention=convention, draft_vocab_size=dv)
+    rep = train_phase(
+        work / "train",
+        features_dir=work / "features",
+        target_dir=target,
+        vocab_path=work / "vocab.safetensors",
+        init="scratch",
+        arch=cfg,
+        train_cfg=train_cfg,
+        progress=progress,
+        monitor=monitor,
+        verifier="draftport/world-target-old",
+    )
+    ev = evaluate_drafter(
+        work / "train" / "drafter",
+        target,
+        work / "features",
+        k=train_cfg.ttt_steps,
+        max_samples=min(n_samples, 200),
+        device=device,
+    )
+    return dv, vstats, rep, ev
+
+
+def _source_summary(
+    rep: dict, ev: dict, repo_id, commit, branch, dv, vstats, n_samples, answers, monitor_samples
+) -> dict:
+    """What build_source_drafter returns, the training's rate printed and left out of it."""
+    curve = rep.pop("curve", [])
+    run = rep.pop("run", {})  # a rate: the world's metrics stay byte-identical between runs
+    print(f"world: source drafter trained on {run.get('device')} at {run.get('tokens_per_s') or 0:,.0f} tok/s")
+    return {
+        "repo_id": repo_id,
+        "commit": commit,
+        "branch": branch,
+        "draft_vocab_size": dv,
+        "n_samples": n_samples,
+        "answers": answers,
+        "monitor_samples": monitor_samples,
+        "vocab": vstats,
+        "train": rep,
+        "train_set_accept_length": ev["accept_length"],
+        "monitor": curve,
+    }
+
+
 def build_source_drafter(
     world_dir,
     *,
@@ -49,12 +156,7 @@ def build_source_drafter(
     world = Path(world_dir)
     target = world / "target_old"
     corpus = world / "corpus" / "old.jsonl"
-    n_old = len(read_samples(corpus))
-    if n_samples + monitor_samples > n_old:
-        raise DraftportError(
-            "world.source_drafter.n_samples",
-            f"{n_samples} + monitor_samples {monitor_samples} exceed the old corpus's {n_old} samples (world.n_old)",
-        )
+    n_old = _old_corpus_size(corpus, n_samples, monitor_samples)
     world.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".source-build.", dir=world))
     common = dict(
@@ -65,69 +167,32 @@ def build_source_drafter(
         device=device,
     )
     try:
-        build_features(
+        monitor = _capture_source_features(
             target,
             corpus,
-            work / "features",
+            work,
             n_samples=n_samples,
-            dtype="bfloat16",
-            regenerate_responses=answers == "regenerated",
-            **common,
+            n_old=n_old,
+            monitor_samples=monitor_samples,
+            answers=answers,
+            train_cfg=train_cfg,
+            batch_size=batch_size,
+            common=common,
         )
-        monitor = None
-        if monitor_samples:
-            build_features(
-                target,
-                corpus,
-                work / "monitor",
-                n_samples=monitor_samples,
-                offset=n_old - monitor_samples,
-                dtype="float32",
-                regenerate_responses=True,
-                **common,
-            )
-            monitor = {"features": work / "monitor", "k": train_cfg.ttt_steps, "batch_size": batch_size}
-        sizes = target_sizes(target)  # hidden, vocab, context: all a drafter takes from its target
-        vocab = sizes["vocab_size"]
-        dv = max(8, int(round(vocab * draft_vocab_ratio)))
-        vstats = build_vocab(work / "features", work / "vocab.safetensors", draft_vocab_size=dv, vocab_size=vocab)
-        cfg = new_drafter_config(arch, **sizes, aux_layer_ids=aux_layer_ids, convention=convention, draft_vocab_size=dv)
-        rep = train_phase(
-            work / "train",
-            features_dir=work / "features",
-            target_dir=target,
-            vocab_path=work / "vocab.safetensors",
-            init="scratch",
-            arch=cfg,
+        dv, vstats, rep, ev = _train_source(
+            work,
+            target,
+            arch=arch,
+            aux_layer_ids=aux_layer_ids,
+            convention=convention,
+            draft_vocab_ratio=draft_vocab_ratio,
             train_cfg=train_cfg,
             progress=progress,
             monitor=monitor,
-            verifier="draftport/world-target-old",
-        )
-        ev = evaluate_drafter(
-            work / "train" / "drafter",
-            target,
-            work / "features",
-            k=train_cfg.ttt_steps,
-            max_samples=min(n_samples, 200),
+            n_samples=n_samples,
             device=device,
         )
         commit = publish_to_cache(work / "train" / "drafter", world / "hub", repo_id, branch)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    curve = rep.pop("curve", [])
-    run = rep.pop("run", {})  # a rate: the world's metrics stay byte-identical between runs
-    print(f"world: source drafter trained on {run.get('device')} at {run.get('tokens_per_s') or 0:,.0f} tok/s")
-    return {
-        "repo_id": repo_id,
-        "commit": commit,
-        "branch": branch,
-        "draft_vocab_size": dv,
-        "n_samples": n_samples,
-        "answers": answers,
-        "monitor_samples": monitor_samples,
-        "vocab": vstats,
-        "train": rep,
-        "train_set_accept_length": ev["accept_length"],
-        "monitor": curve,
-    }
+    return _source_summary(rep, ev, repo_id, commit, branch, dv, vstats, n_samples, answers, monitor_samples)

@@ -153,6 +153,134 @@ class _Deterministic:
             hf_logging.enable_progress_bar()
 
 
+def _token_stream(tok, samples: list[dict], seq_len: int, name: str) -> torch.Tensor:
+    """One long stream of <|bos|>…<|end|> chats; windows are drawn at random offsets."""
+    stream = []
+    for s in samples:
+        stream += encode_world_chat(tok, s)[0]
+    data = torch.tensor(stream, dtype=torch.long)
+    if len(data) <= seq_len + 1:
+        raise ValueError(f"{name}: corpus has {len(data)} tokens, fewer than seq_len {seq_len}")
+    return data
+
+
+def _initial_model(tok, init_from: str | Path | None, config: dict | None, vocab_size: int | None):
+    """The saved target to continue (init_from), or a fresh one from target_config."""
+    if init_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+        if model.config.vocab_size < tok.get_vocab_size():
+            raise ValueError(f"{init_from}: vocab {model.config.vocab_size} < tokenizer {tok.get_vocab_size()}")
+        return model
+    vocab = max(tok.get_vocab_size(), vocab_size or 0)
+    cfg = target_config(
+        config,
+        vocab_size=vocab,
+        bos_token_id=tok.token_to_id(BOS),
+        eos_token_id=tok.token_to_id(END),
+        pad_token_id=tok.token_to_id(PAD),
+    )
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _lr_at(step: int, *, lr: float, warmup: int, steps: int) -> float:
+    """Linear warmup, cosine down to 10%."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _train_steps(
+    model, data: torch.Tensor, *, steps, lr, batch_size, seq_len, warmup, seed, name, progress, device
+) -> list[float]:
+    """The training loop on random windows of the stream; the loss of every step."""
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    with progress_bar(steps, name, "step", enabled=progress, leave=False) as bar:
+        for step in range(steps):
+            ix = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
+            batch = torch.stack([data[i : i + seq_len + 1] for i in ix.tolist()]).to(device)
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, lr=lr, warmup=warmup, steps=steps)
+            # CUDA: bf16 autocast (a GPU world's targets are 1B-scale; the CPU stays float32)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device != "cpu"):
+                logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
+            )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.update()
+    return losses
+
+
+def _parent_of(init_from: str | Path | None) -> dict | None:
+    """Name and revision of the target continued from (its draftport_target.json), None if fresh."""
+    if init_from is None:
+        return None
+    parent_meta = Path(init_from) / "draftport_target.json"
+    parent = json.loads(parent_meta.read_text()) if parent_meta.exists() else {"path": str(init_from)}
+    return {k: parent.get(k) for k in ("name", "revision")}
+
+
+def _target_summary(
+    out_dir: Path,
+    model,
+    losses: list[float],
+    *,
+    name,
+    trained_on,
+    steps,
+    seed,
+    parent,
+    lr,
+    batch_size,
+    seq_len,
+    warmup,
+    t0,
+) -> dict:
+    """The summary train_target returns: the run's settings, its revision, loss and size."""
+    tail = losses[-max(1, steps // 10) :]  # last 10% of steps: less noisy than the last batch
+    return {
+        "name": name,
+        "revision": target_revision(out_dir),
+        "trained_on": trained_on,
+        "steps": steps,
+        "seed": seed,
+        "init_from": parent,
+        "lr": lr,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "warmup": warmup,
+        "tokens_seen": steps * batch_size * seq_len,
+        "final_loss": round(sum(tail) / len(tail), 4),
+        "seconds": round(time.time() - t0, 1),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        # mean loss of each tenth of the run: enough to see whether it had converged
+        "loss_curve": [round(sum(c) / len(c), 3) for c in _chunks(losses, 10)],
+    }
+
+
+def _record_target(out_dir: Path, meta: dict, progress: bool) -> None:
+    """Write draftport_target.json (without the time) and print the one-line summary."""
+    # the file without the time: identical runs write identical bytes
+    (out_dir / "draftport_target.json").write_text(
+        json.dumps({k: v for k, v in meta.items() if k != "seconds"}, indent=2) + "\n"
+    )
+    if progress:
+        print(
+            f"{meta['name']}: loss {meta['final_loss']:.3f} | {meta['steps']} steps | "
+            f"{meta['tokens_seen'] / 1e3:.0f}k tokens | {meta['seconds']:.1f} s | "
+            f"{meta['num_parameters'] / 1e6:.2f}M params | rev {meta['revision']}"
+        )
+
+
 def train_target(
     out_dir: str | Path,
     tokenizer_dir: str | Path,
@@ -186,102 +314,24 @@ def train_target(
     Returns the summary also written to draftport_target.json.
     """
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+    hp = {"steps": steps, "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "warmup": warmup}
     t0 = time.time()
     with _Deterministic(threads, cuda=device != "cpu"):
         torch.manual_seed(seed)
         tok = load_world_tokenizer(tokenizer_dir)
-        # one long stream of <|bos|>…<|end|> chats; windows are drawn at random offsets
-        stream = []
-        for s in samples:
-            stream += encode_world_chat(tok, s)[0]
-        data = torch.tensor(stream, dtype=torch.long)
-        if len(data) <= seq_len + 1:
-            raise ValueError(f"{name}: corpus has {len(data)} tokens, fewer than seq_len {seq_len}")
-
-        if init_from is not None:
-            model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32)
-            if model.config.vocab_size < tok.get_vocab_size():
-                raise ValueError(f"{init_from}: vocab {model.config.vocab_size} < tokenizer {tok.get_vocab_size()}")
-        else:
-            vocab = max(tok.get_vocab_size(), vocab_size or 0)
-            cfg = target_config(
-                config,
-                vocab_size=vocab,
-                bos_token_id=tok.token_to_id(BOS),
-                eos_token_id=tok.token_to_id(END),
-                pad_token_id=tok.token_to_id(PAD),
-            )
-            model = AutoModelForCausalLM.from_config(cfg)
-        model.to(device).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-        gen = torch.Generator().manual_seed(seed)
-
-        def lr_at(step: int) -> float:  # linear warmup, cosine down to 10%
-            if step < warmup:
-                return lr * (step + 1) / warmup
-            frac = (step - warmup) / max(1, steps - warmup)
-            return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-        losses = []
-        with progress_bar(steps, name, "step", enabled=progress, leave=False) as bar:
-            for step in range(steps):
-                ix = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
-                batch = torch.stack([data[i : i + seq_len + 1] for i in ix.tolist()]).to(device)
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(step)
-                # CUDA: bf16 autocast (a GPU world's targets are 1B-scale; the CPU stays float32)
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device != "cpu"):
-                    logits = model(input_ids=batch[:, :-1]).logits
-                loss = torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
-                )
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                losses.append(loss.item())
-                bar.set_postfix(loss=f"{loss.item():.3f}")
-                bar.update()
-
+        data = _token_stream(tok, samples, seq_len, name)
+        model = _initial_model(tok, init_from, config, vocab_size)
+        losses = _train_steps(model, data, seed=seed, name=name, progress=progress, device=device, **hp)
         out_dir.mkdir(parents=True, exist_ok=True)
         model.to("cpu").save_pretrained(out_dir)
     for f in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / f, out_dir / f)
 
-    tail = losses[-max(1, steps // 10) :]  # last 10% of steps: less noisy than the last batch
-    parent = None
-    if init_from is not None:
-        parent_meta = Path(init_from) / "draftport_target.json"
-        parent = json.loads(parent_meta.read_text()) if parent_meta.exists() else {"path": str(init_from)}
-        parent = {k: parent.get(k) for k in ("name", "revision")}
-    meta = {
-        "name": name,
-        "revision": target_revision(out_dir),
-        "trained_on": trained_on,
-        "steps": steps,
-        "seed": seed,
-        "init_from": parent,
-        "lr": lr,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "warmup": warmup,
-        "tokens_seen": steps * batch_size * seq_len,
-        "final_loss": round(sum(tail) / len(tail), 4),
-        "seconds": round(time.time() - t0, 1),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        # mean loss of each tenth of the run: enough to see whether it had converged
-        "loss_curve": [round(sum(c) / len(c), 3) for c in _chunks(losses, 10)],
-    }
-    # the file without the time: identical runs write identical bytes
-    (out_dir / "draftport_target.json").write_text(
-        json.dumps({k: v for k, v in meta.items() if k != "seconds"}, indent=2) + "\n"
+    parent = _parent_of(init_from)
+    meta = _target_summary(
+        out_dir, model, losses, name=name, trained_on=trained_on, seed=seed, parent=parent, t0=t0, **hp
     )
-    if progress:
-        print(
-            f"{name}: loss {meta['final_loss']:.3f} | {steps} steps | "
-            f"{meta['tokens_seen'] / 1e3:.0f}k tokens | {meta['seconds']:.1f} s | "
-            f"{meta['num_parameters'] / 1e6:.2f}M params | rev {meta['revision']}"
-        )
+    _record_target(out_dir, meta, progress)
     return meta
 
 

@@ -74,7 +74,8 @@ def __getattr__(name):  # vLLM's workers import the connector class from this mo
     raise AttributeError(name)
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
+    """The command line (the module docstring shows a call)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--sequences", required=True)
@@ -85,27 +86,18 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    layer_ids = [int(x) for x in args.layer_ids.split(",")]
-    seqs = json.loads(open(args.sequences).read())["token_ids"]
-    store = os.path.join(args.out_dir, "raw")
-    os.makedirs(store, exist_ok=True)
-    t0 = time.time()
-    # lazy: runs in the vLLM venv; loads after the VLLM_* defaults above, inside load_seconds
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+def _connector(store: str, cuda: bool) -> dict:
+    """The kv_transfer_config that writes the captured states under store; on CPU, this file's
+    CpuHiddenStatesConnector (put on the workers' import path)."""
     connector = {
         "kv_connector": "ExampleHiddenStatesConnector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": store},
     }
-    if not torch.cuda.is_available():
+    if not cuda:
         # the engine's workers import this file as a module to find the CPU writer
         here = os.path.dirname(os.path.abspath(__file__))
         os.environ["PYTHONPATH"] = here + (
@@ -113,7 +105,12 @@ def main() -> int:
         )
         sys.path.insert(0, here)
         connector.update(kv_connector=CPU_CONNECTOR, kv_connector_module_path="features_vllm")
-    llm = LLM(
+    return connector
+
+
+def _engine_args(args: argparse.Namespace, layer_ids: list[int], connector: dict) -> dict:
+    """The LLM's settings: one eager prefill per sequence, capturing the layers' states."""
+    return dict(
         model=args.target,
         tokenizer=args.target,
         dtype=args.dtype,
@@ -130,16 +127,11 @@ def main() -> int:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
         },
         kv_transfer_config=connector,
-        **kw,
     )
-    t_load = time.time() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-    t1 = time.time()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
-    t_gen = time.time() - t1
-    # lazy: runs in the vLLM venv; the connector's reader, once the engine has run
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
 
+
+def _captured_files(outs, seqs: list, load_hidden_states) -> list[dict]:
+    """Each request's capture file, checked against the sequence sent: path, tokens, shape."""
     files = []
     for i, o in enumerate(outs):
         path = (getattr(o, "kv_transfer_params", None) or {}).get("hidden_states_path")
@@ -150,6 +142,36 @@ def main() -> int:
         if data["token_ids"][: len(seqs[i])].tolist() != seqs[i][:n]:
             raise RuntimeError(f"request {i}: the captured token ids differ from the sequence sent")
         files.append({"path": path, "tokens": n, "shape": list(data["hidden_states"].shape)})
+    return files
+
+
+def main() -> int:
+    args = _parse_args()
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    layer_ids = [int(x) for x in args.layer_ids.split(",")]
+    seqs = json.loads(open(args.sequences).read())["token_ids"]
+    store = os.path.join(args.out_dir, "raw")
+    os.makedirs(store, exist_ok=True)
+    t0 = time.time()
+    # lazy: runs in the vLLM venv; loads after the VLLM_* defaults above, inside load_seconds
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    connector = _connector(store, torch.cuda.is_available())
+    llm = LLM(**_engine_args(args, layer_ids, connector), **kw)
+    t_load = time.time() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    t1 = time.time()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], sp, use_tqdm=False)
+    t_gen = time.time() - t1
+    # lazy: runs in the vLLM venv; the connector's reader, once the engine has run
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
+
+    files = _captured_files(outs, seqs, load_hidden_states)
     result = {
         "files": files,
         "layer_ids": layer_ids,

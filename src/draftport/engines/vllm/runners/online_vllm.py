@@ -51,7 +51,8 @@ def read_counters(llm, k: int) -> dict:
     return out
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
+    """The command line (the module docstring shows a call)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", required=True)
@@ -70,7 +71,79 @@ def main() -> int:
     )
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _engine_args(args: argparse.Namespace) -> dict:
+    """The LLM's settings for the target and its EAGLE-3 drafter, eager and with spec-decode stats."""
+    return dict(
+        model=args.target,
+        tokenizer=args.target,
+        speculative_config={"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.k},
+        dtype=args.dtype,
+        enforce_eager=True,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        disable_log_stats=False,
+        per_request_spec_decode_metrics="detailed",
+        enable_prefix_caching=False,
+    )
+
+
+def _counter_delta(before: dict, after: dict) -> dict:
+    """The counters' growth over the generate call."""
+    counters = {k: after[k] - before[k] for k in COUNTERS.values()}
+    counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"])]
+    return counters
+
+
+def _requests(outs) -> list[dict]:
+    """Per request: the greedy output and the accepted / drafted count of every verify step."""
+    requests = []
+    for o in outs:
+        c = o.outputs[0]
+        sd = c.spec_decode_metrics
+        requests.append(
+            {
+                "output_token_ids": list(c.token_ids),
+                "finish_reason": c.finish_reason,
+                "per_step_accepted": list(sd.per_step_accepted) if sd is not None else None,
+                "per_step_drafted": list(sd.per_step_drafted) if sd is not None else None,
+            }
+        )
+    return requests
+
+
+def _record(args, prompts, counters, outs, t_load, t_gen, *, vllm_version, torch_version, device) -> None:
+    """Write result.json (through a temporary file: no half-written result) and print the summary."""
+    requests = _requests(outs)
+    result = {
+        **counters,
+        "k": args.k,
+        "num_prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "output_tokens": sum(len(r["output_token_ids"]) for r in requests),
+        "load_seconds": t_load,
+        "generate_seconds": t_gen,
+        "vllm_version": vllm_version,
+        "torch_version": torch_version,
+        "device": device,
+        "requests": requests,
+    }
+    with open(args.out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(args.out + ".tmp", args.out)
+    print(
+        f"vllm: {len(prompts)} prompts, {counters['num_drafts']} drafts, "
+        f"{counters['num_accepted_tokens']} accepted, load {t_load:.1f}s, generate {t_gen:.1f}s",
+        flush=True,
+    )
+
+
+def main() -> int:
+    args = _parse_args()
 
     # CPU engine: a small KV cache (GiB) unless the caller set one.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -93,21 +166,7 @@ def main() -> int:
         args.gpu_memory_utilization = 0.85 if torch.cuda.is_available() else 0.2
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
-    llm = LLM(
-        model=args.target,
-        tokenizer=args.target,
-        speculative_config={"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.k},
-        dtype=args.dtype,
-        enforce_eager=True,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        disable_log_stats=False,
-        per_request_spec_decode_metrics="detailed",
-        enable_prefix_caching=False,
-        **kw,
-    )
+    llm = LLM(**_engine_args(args), **kw)
     t_load = time.time() - t0
     before = read_counters(llm, args.k)
     # Greedy, stop at the target's EOS as the offline regeneration does; no detokenization needed.
@@ -115,42 +174,17 @@ def main() -> int:
     t1 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     t_gen = time.time() - t1
-    after = read_counters(llm, args.k)
-    counters = {k: after[k] - before[k] for k in COUNTERS.values()}
-    counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"])]
-
-    requests = []
-    for o in outs:
-        c = o.outputs[0]
-        sd = c.spec_decode_metrics
-        requests.append(
-            {
-                "output_token_ids": list(c.token_ids),
-                "finish_reason": c.finish_reason,
-                "per_step_accepted": list(sd.per_step_accepted) if sd is not None else None,
-                "per_step_drafted": list(sd.per_step_drafted) if sd is not None else None,
-            }
-        )
-    result = {
-        **counters,
-        "k": args.k,
-        "num_prompts": len(prompts),
-        "max_tokens": args.max_tokens,
-        "output_tokens": sum(len(r["output_token_ids"]) for r in requests),
-        "load_seconds": t_load,
-        "generate_seconds": t_gen,
-        "vllm_version": vllm.__version__,
-        "torch_version": torch.__version__,
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "requests": requests,
-    }
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(args.out + ".tmp", args.out)
-    print(
-        f"vllm: {len(prompts)} prompts, {counters['num_drafts']} drafts, "
-        f"{counters['num_accepted_tokens']} accepted, load {t_load:.1f}s, generate {t_gen:.1f}s",
-        flush=True,
+    counters = _counter_delta(before, read_counters(llm, args.k))
+    _record(
+        args,
+        prompts,
+        counters,
+        outs,
+        t_load,
+        t_gen,
+        vllm_version=vllm.__version__,
+        torch_version=torch.__version__,
+        device="cuda" if torch.cuda.is_available() else "cpu",
     )
     return 0
 
