@@ -134,7 +134,7 @@ def test_manifest_records_target_set_version_commit_and_lock(built, lock):
         PY,
         "cp",
         "core",
-        "draftport",
+        "draftport[report]",
         False,
     )
     assert m["platforms"][0] == PLATFORM and f"manylinux2014_{platform.machine()}" in m["platforms"]
@@ -278,7 +278,7 @@ def test_offline_install_into_a_fresh_venv(house, tmp_path):
     (site_packages(env) / "node_torch.pth").write_text(f"{outer}\n")
 
     one_line_error(
-        run_tool("install", "--wheelhouse", str(house), "--venv", str(env)), "pip install draftport failed"
+        run_tool("install", "--wheelhouse", str(house), "--venv", str(env)), "pip install draftport[report] failed"
     )  # transformers & co. are on no index it may read
     assert not list(site_packages(env).glob("draftport*"))
 
