@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from draftport.files import atomic_write_text  # noqa: E402
-from draftport.plan import params as P  # noqa: E402
-from draftport.plan import registry as R  # noqa: E402
+from draftport.plan import params  # noqa: E402
+from draftport.plan import registry  # noqa: E402
 
 TRAIN_STEPS = ("train_phase1_scratch", "train_phase1", "train_phase2")
 CAPTURE_STEPS = ("features_new", "features_eval", "features_monitor", "features_phase2")
@@ -99,7 +99,7 @@ def read_json(path: Path):
 def steps_record(cfg: dict) -> dict:
     """Per step: its wall seconds and what it recorded of where it ran (logs/<step>.json)."""
     out = {}
-    for row in R.active(cfg):
+    for row in registry.active(cfg):
         rec = read_json(ROOT / "logs" / f"{row.name}.json")
         if rec is None:
             out[row.name] = {"ran": False}
@@ -142,10 +142,10 @@ def training_rates(steps: dict) -> dict:
 def capture_rates(cfg: dict, steps: dict, peak_tflops: float) -> dict:
     """Each capture's stored tokens per second of capture, against the prefill roofline at its
     mean sample length (draftport.outputs.estimate's FLOP count of a capture)."""
-    from draftport.outputs import estimate as E
+    from draftport.outputs import estimate
 
     try:
-        shape = E.target_shape(E.target_config(cfg)[0])
+        shape = estimate.target_shape(estimate.target_config(cfg)[0])
     except Exception as e:  # a result without the roofline beats no result
         shape, why = None, str(e)
     out = {}
@@ -166,7 +166,7 @@ def capture_rates(cfg: dict, steps: dict, peak_tflops: float) -> dict:
             if tokens and t["capture"]:
                 rec["tok_s"] = tokens / t["capture"]
                 if shape is not None:
-                    fpt = E.capture_flops_per_token(shape, tokens / t["samples"])["total"]
+                    fpt = estimate.capture_flops_per_token(shape, tokens / t["samples"])["total"]
                     rec["roofline_tok_s"] = peak_tflops * 1e12 / fpt
                     rec["of_roofline"] = rec["tok_s"] / rec["roofline_tok_s"]
                 else:
@@ -267,7 +267,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None, help="the result (default benchmarks/results/<date>-<gpu>-pipeline.json)")
     a = ap.parse_args(argv)
     files = a.configfile or ["configs/gpu.yaml"]
-    cfg = P.load(*files)
+    cfg = params.load(*files)
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

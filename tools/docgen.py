@@ -28,7 +28,7 @@ import typer.main  # noqa: E402
 import yaml  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
-from draftport.plan import params as P  # noqa: E402  (after the path: works from a bare checkout)
+from draftport.plan import params  # noqa: E402  (after the path: works from a bare checkout)
 from draftport.plan import registry  # noqa: E402
 
 
@@ -108,9 +108,9 @@ def _type_of(ann, meta) -> str:
         (item,) = typing.get_args(ann)
         return f"list of {_type_of(item, []).removeprefix('one of ')}"
     funcs = {getattr(m, "func", None) for m in meta}
-    if P._hub_id in funcs:
+    if params._hub_id in funcs:
         return "hub id (org/name)"
-    if P._folder_name in funcs:
+    if params._folder_name in funcs:
         return "folder name"
     if isinstance(ann, type) and issubclass(ann, BaseModel):
         return "group"
@@ -135,7 +135,7 @@ def _range(field) -> str:
             if bounds.get("max_len") is not None:
                 out.append(f"at most {bounds['max_len']} entries")
             out.append("not empty")
-        if func is P._non_empty:
+        if func is params._non_empty:
             out.append("not empty")
     return ", ".join(dict.fromkeys(out)) or "-"
 
@@ -185,7 +185,7 @@ def _rows(model, prefix: str, cfg) -> list[str]:
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         sub, nullable = _sub_model(field)
-        if sub is P.TrainConfig:
+        if sub is params.TrainConfig:
             rows.append(
                 f"| `{key}.*` | group | - | - | {_cell(field.description)}: the keys under "
                 f"[training groups](#training-groups) |"
@@ -210,9 +210,9 @@ HEAD = ["| key | type | range | default | description |", "|---|---|---|---|---|
 
 def params_reference() -> str:
     """Every key of params.yaml: one section per top-level group, the training groups once."""
-    cfg = yaml.safe_load((ROOT / P.PARAMS_FILE).read_text())
+    cfg = yaml.safe_load((ROOT / params.PARAMS_FILE).read_text())
     out = []
-    for name, field in P.Params.model_fields.items():
+    for name, field in params.Params.model_fields.items():
         sub, _ = _sub_model(field)
         if sub is None:
             out += [
@@ -227,13 +227,13 @@ def params_reference() -> str:
             ]
             continue
         out += [f"### `{name}`", "", _cell(_first_paragraph(sub.__doc__)), ""]
-        if sub is P.ResourcesParams:
-            dflt = P.ResourcesParams.model_fields["default"]
-            rows = _rows(P.ResourceDefault, "resources.default.", cfg)
+        if sub is params.ResourcesParams:
+            dflt = params.ResourcesParams.model_fields["default"]
+            rows = _rows(params.ResourceDefault, "resources.default.", cfg)
             rows += [
                 f"| `resources.<step>.{k}` | {_type(f)} | {_cell(_range(f))} | `resources.default.{k}` | "
                 f"{_cell(f.description)} |"
-                for k, f in P.ResourceOverride.model_fields.items()
+                for k, f in params.ResourceOverride.model_fields.items()
             ]
             over = {k: v for k, v in (cfg.get("resources") or {}).items() if k != "default"}
             out += [
@@ -281,7 +281,7 @@ def params_reference() -> str:
 
 def _train_fields():
     """(key inside a train group, field) of every training key, `fast.*` included."""
-    for name, field in P.TrainConfig.model_fields.items():
+    for name, field in params.TrainConfig.model_fields.items():
         sub, _ = _sub_model(field)
         if sub is None:
             yield name, field
@@ -356,13 +356,13 @@ def cli_reference() -> str:
 
 def kimi_estimate() -> str:
     """`draftport estimate --configfile configs/kimi-k2.5.yaml` as printed (the committed benchmarks)."""
-    from draftport.outputs import estimate as E  # torch via data.storage: only this block needs it
-    from draftport.plan import params as P
+    from draftport.outputs import estimate  # torch via data.storage: only this block needs it
+    from draftport.plan import params
 
     cwd = Path.cwd()
     try:  # the profile's relative paths (params.yaml, benchmark files) are the repository's
         os.chdir(ROOT)
-        text = E.render(E.estimate(P.load(ROOT / "configs" / "kimi-k2.5.yaml")))
+        text = estimate.render(estimate.estimate(params.load(ROOT / "configs" / "kimi-k2.5.yaml")))
     finally:
         os.chdir(cwd)
     return "```text\n" + text + "\n```\n"
@@ -397,9 +397,9 @@ def render(text: str) -> str:
 def rate_table() -> str:
     """src/draftport/outputs/rates.json: the estimate's figures from benchmarks/results, shipped
     with the package (an installed draftport has no benchmarks/ folder)."""
-    from draftport.outputs import train_rates as T
+    from draftport.outputs import train_rates
 
-    return json.dumps(T.packaged_table(), indent=1, default=str) + "\n"
+    return json.dumps(train_rates.packaged_table(), indent=1, default=str) + "\n"
 
 
 def packaged_params() -> str:

@@ -266,10 +266,10 @@ def init(
     files from headers only, pins the revision, writes configs/NAME.yaml (a comment per key), prints
     the estimate and what is still missing before `snakemake --configfile=configs/NAME.yaml --cores 8 decision`."""
     # lazy: a command imports what it runs when it runs (see the module docstring)
-    from draftport.outputs import init_profile as I
+    from draftport.outputs import init_profile
 
-    rep = I.build(
-        I.InitRequest(
+    rep = init_profile.build(
+        init_profile.InitRequest(
             name,
             source=source,
             target_new=target_new,
@@ -281,7 +281,7 @@ def init(
             served_model=served_model,
             cache_dir=cache_dir,
             offline=offline,
-            read_offline=offline or I.env_offline(),
+            read_offline=offline or init_profile.env_offline(),
             trust_remote_code=trust_remote_code,
             like=like,
             gpus=gpus,
@@ -297,7 +297,7 @@ def init(
         )
     )
     _init_refuse(rep)
-    path = I.write(rep, force=force)
+    path = init_profile.write(rep, force=force)
     est = _init_estimate(rep)
     if as_json:
         _print_json({k: v for k, v in rep.items() if k not in ("text", "profile")} | {"estimate": est})
@@ -349,24 +349,24 @@ def estimate(
     """Wall time and disk of a profile's phases: regenerating the answers, capturing the hidden
     states and training, per storage mode (disk bf16 / fp8, online), every input printed."""
     # lazy: a command imports what it runs when it runs (see the module docstring)
-    from draftport.outputs import estimate as E
+    from draftport.outputs import estimate as estimating
     from draftport.plan.params import load
 
     if params == Path("params.yaml") and not params.is_file():  # outside a checkout: params.yaml as shipped
-        params = Path(E.__file__).resolve().parents[1] / "plan" / "defaults.yaml"
-    rep = E.estimate(
+        params = Path(estimating.__file__).resolve().parents[1] / "plan" / "defaults.yaml"
+    rep = estimating.estimate(
         load(*configfile, base=params),
         tokens_per_sample=tokens_per_sample,
         gpus=gpus,
         efficiency=efficiency,
-        bench=bench or E.DEFAULT_BENCH,
+        bench=bench or estimating.DEFAULT_BENCH,
         capture_bench_path=capture_bench,
         capture_eff=capture_efficiency,
         serve_tok_s=serve_tok_s,
         answer_tokens=answer_tokens,
         target_config_path=target_config,
         spool_gb=spool_gb,
-        peak_tflops=E.PEAK_TFLOPS if peak_tflops is None else peak_tflops,
+        peak_tflops=estimating.PEAK_TFLOPS if peak_tflops is None else peak_tflops,
     )
     if as_json:
         _print_json(rep)
@@ -459,16 +459,16 @@ def publish(
         PUB.hub_token()
     # lazy: a command imports what it runs when it runs (see the module docstring)
     from draftport.plan.params import load
-    from draftport.plan import registry as R
+    from draftport.plan import registry
 
     cfg = load(*(configfile or []), base=params)
     pp = cfg["publish"]
     repo = repo_id or pp["repo_id"]
     if push:
         PUB.push_preflight(repo, pp["base_model"] or cfg["targets"]["new"])
-    inputs = R.inputs(R.BY_NAME["publish"], cfg)
+    inputs = registry.inputs(registry.BY_NAME["publish"], cfg)
     folder = out or Path("published") / pp["folder"]
-    rep = PUB.from_pipeline(R.step_params(cfg, "publish"), inputs, folder, phase=phase, repo_id=repo)
+    rep = PUB.from_pipeline(registry.step_params(cfg, "publish"), inputs, folder, phase=phase, repo_id=repo)
     if push:
         rep["push"] = PUB.push(folder, repo, inputs["target"], embed_tokens=pp["embed_tokens"], private=private)
     if as_json:

@@ -28,8 +28,8 @@ from pathlib import Path
 from draftport.errors import DraftportError
 from draftport.pipeline.runner import RUNS_DIR
 from draftport.pipeline.tracking import check_reachable, client, experiment_name, retry, tracking_uri
-from draftport.plan import params as P
-from draftport.plan import registry as R
+from draftport.plan import params
+from draftport.plan import registry
 
 METRIC = "accept_length"  # the phases' headline; by step in each training run (tau during training)
 CURVES = "curves"  # the learning curves' parent run (one nested run per point)
@@ -43,7 +43,7 @@ TOGGLE = (
 def phases() -> list[str]:
     """The phase runs, in the plan's order (the registry's evaluation steps), curves left out."""
     out = []
-    for row in R.STEPS:
+    for row in registry.STEPS:
         if row.run and row.run != CURVES and row.name == f"eval_{row.run}" and row.run not in out:
             out.append(row.run)
     return out
@@ -51,13 +51,13 @@ def phases() -> list[str]:
 
 def trained_phases() -> set[str]:
     """Phases with a training step: their runs hold accept_length by step."""
-    return {row.run for row in R.STEPS if row.trains and row.run}
+    return {row.run for row in registry.STEPS if row.trains and row.run}
 
 
 def profile_of(configfiles: list[Path], base: Path) -> str:
-    cfg = P.read_yaml(base)
+    cfg = params.read_yaml(base)
     for f in configfiles:
-        cfg = P.merge(cfg, P.read_yaml(f))
+        cfg = params.merge(cfg, params.read_yaml(f))
     profile = cfg.get("profile")
     if not isinstance(profile, str) or not profile:
         raise DraftportError(base, "no `profile` key: cannot name the MLflow experiment")

@@ -15,7 +15,7 @@ from draftport.data.capture import capture_features, decoder_parts, load_target,
 from draftport.errors import DraftportError
 from draftport.model.bind import drafter_for_target, new_drafter_config, target_head, target_sizes
 from draftport.model.config import target_text_config
-from draftport.plan import params as P
+from draftport.plan import params
 from draftport.world.language import generate_corpus
 from draftport.world.targets import target_config, train_target
 from draftport.world.tokenizer import END, PAD, load_world_tokenizer, train_tokenizer
@@ -155,17 +155,17 @@ def test_the_drafter_config_ignores_the_targets_other_keys(tmp_path):
 def test_world_model_params_per_arch():
     """arch and the DeepSeek-V3 keys stay out of the Llama world's dump; they are refused for
     another arch; a bad combination is named before any training."""
-    assert "arch" not in P.WorldModel().model_dump()
-    assert P.WorldModel(arch="llama").model_dump() == P.WorldModel().model_dump()
-    assert P.WorldModel(arch="qwen3").model_dump()["arch"] == "qwen3"
+    assert "arch" not in params.WorldModel().model_dump()
+    assert params.WorldModel(arch="llama").model_dump() == params.WorldModel().model_dump()
+    assert params.WorldModel(arch="qwen3").model_dump()["arch"] == "qwen3"
     with pytest.raises(
-        P.ParamsError,
+        params.ParamsError,
         match=r"^world\.model\.n_group: a deepseek_v3 key, but world\.model\.arch "
         r"is qwen3",
     ):
-        P.validate({"model": {"arch": "qwen3", "n_group": 2}}, P.WorldParams, "world.", cross=False)
+        params.validate({"model": {"arch": "qwen3", "n_group": 2}}, params.WorldParams, "world.", cross=False)
     for model in (
-        P.load(ROOT / f"configs/micro-{a}.yaml", base=ROOT / "params.yaml")["world"]["model"]
+        params.load(ROOT / f"configs/micro-{a}.yaml", base=ROOT / "params.yaml")["world"]["model"]
         for a in ("deepseek", "qwen3")
     ):
         assert model["arch"] in ("deepseek_v3", "qwen3")
@@ -193,11 +193,11 @@ def test_deepseek_v3_training_is_deterministic(tokenizer, tmp_path):
 @pytest.mark.parametrize("name,arch", [("micro-deepseek", "deepseek_v3"), ("micro-qwen3", "qwen3")])
 def test_the_arch_profiles_are_the_micro_profile(name, arch):
     """configs/micro-<arch>.yaml: configs/micro.yaml but for the profile name and world.model."""
-    micro = P.read_yaml(ROOT / "configs/micro.yaml")
-    mine = P.read_yaml(ROOT / f"configs/{name}.yaml")
+    micro = params.read_yaml(ROOT / "configs/micro.yaml")
+    mine = params.read_yaml(ROOT / f"configs/{name}.yaml")
     assert mine["profile"] == name and mine["world"]["model"]["arch"] == arch
     for cfg in (micro, mine):
         cfg.pop("profile"), cfg["world"].pop("model")
     assert mine == micro
-    world = P.load(ROOT / f"configs/{name}.yaml", base=ROOT / "params.yaml")["world"]
+    world = params.load(ROOT / f"configs/{name}.yaml", base=ROOT / "params.yaml")["world"]
     target_config(world["model"], vocab_size=world["vocab_size"])  # a shape the world's code builds

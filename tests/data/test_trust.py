@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftport.data import fetch as F
-from draftport.plan import params as P
+from draftport.data import fetch
+from draftport.plan import params
 from draftport.model.formats import load_drafter_state, save_drafter
 from draftport.errors import DraftportError
-from draftport.plan import registry as R
+from draftport.plan import registry
 from draftport.data.capture import load_target, trusted
 from toys import toy_drafter
 
@@ -37,14 +37,14 @@ def pickled_repo(tmp_path, payload=None) -> tuple[str, Path, dict]:
             torch.save(state, fh)
         else:
             pickle.dump(payload, fh)
-    F.publish_to_cache(folder, tmp_path / "hub", "org/pickled")
+    fetch.publish_to_cache(folder, tmp_path / "hub", "org/pickled")
     return "org/pickled", tmp_path / "hub", state
 
 
 def test_pickle_weights_are_refused_by_default_with_how_to_allow(tmp_path):
     repo, hub, _ = pickled_repo(tmp_path)
     with pytest.raises(DraftportError) as e:
-        F.fetch(repo, tmp_path / "out", cache_dir=hub, offline=True)
+        fetch.fetch(repo, tmp_path / "out", cache_dir=hub, offline=True)
     msg = str(e.value)
     assert "pytorch_model.bin" in msg and "refused" in msg and "source.allow_pickle: true" in msg
     assert "\n" not in msg and not (tmp_path / "out").exists()
@@ -52,7 +52,7 @@ def test_pickle_weights_are_refused_by_default_with_how_to_allow(tmp_path):
 
 def test_allowed_pickle_weights_are_converted_to_safetensors(tmp_path):
     repo, hub, state = pickled_repo(tmp_path)
-    lock = F.fetch(repo, tmp_path / "out", cache_dir=hub, offline=True, allow_pickle=True)
+    lock = fetch.fetch(repo, tmp_path / "out", cache_dir=hub, offline=True, allow_pickle=True)
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "fetch.lock.json", "pytorch_model.safetensors"]
     assert lock["converted"] == {"pytorch_model.bin": "pytorch_model.safetensors"}
@@ -73,7 +73,7 @@ def test_allowed_pickle_that_carries_code_is_still_refused(tmp_path, monkeypatch
     monkeypatch.setenv("DRAFTPORT_TEST_MARKER", str(marker))
     repo, hub, _ = pickled_repo(tmp_path, payload={"fc.weight": _Evil()})
     with pytest.raises(DraftportError) as e:
-        F.fetch(repo, tmp_path / "out", cache_dir=hub, offline=True, allow_pickle=True)
+        fetch.fetch(repo, tmp_path / "out", cache_dir=hub, offline=True, allow_pickle=True)
     assert "refused by torch.load(weights_only=True)" in str(e.value)
     assert not marker.exists() and not (tmp_path / "out").exists()
 
@@ -128,32 +128,33 @@ def test_remote_code_runs_only_when_trusted(tmp_path):
 
 def test_fetch_takes_a_repos_code_only_when_trusted(tmp_path):
     folder = custom_code_target(tmp_path)
-    F.publish_to_cache(folder, tmp_path / "hub", "org/toy")
-    F.fetch("org/toy", tmp_path / "plain", cache_dir=tmp_path / "hub", offline=True, patterns=F.TARGET_PATTERNS)
+    fetch.publish_to_cache(folder, tmp_path / "hub", "org/toy")
+    fetch.fetch("org/toy", tmp_path / "plain", cache_dir=tmp_path / "hub", offline=True, patterns=fetch.TARGET_PATTERNS)
     assert not list((tmp_path / "plain").glob("*.py"))
-    F.fetch(
+    fetch.fetch(
         "org/toy",
         tmp_path / "code",
         cache_dir=tmp_path / "hub",
         offline=True,
-        patterns=F.TARGET_PATTERNS,
+        patterns=fetch.TARGET_PATTERNS,
         trust_remote_code=True,
     )
     assert [p.name for p in (tmp_path / "code").glob("*.py")] == ["modeling_toy.py"]
 
 
 def test_trust_params_are_off_by_default_and_validated():
-    base = P.load(base=ROOT / "params.yaml")
+    base = params.load(base=ROOT / "params.yaml")
     assert base["source"]["allow_pickle"] is False and base["targets"]["trust_remote_code"] == []
-    ok = P.validate(P.merge(base, {"targets": {"trust_remote_code": ["moonshotai/Kimi-K2.5"]}}))
+    ok = params.validate(params.merge(base, {"targets": {"trust_remote_code": ["moonshotai/Kimi-K2.5"]}}))
     assert ok["targets"]["trust_remote_code"] == ["moonshotai/Kimi-K2.5"]
-    with pytest.raises(P.ParamsError) as e:
-        P.validate(P.merge(base, {"targets": {"trust_remote_code": True}}))
+    with pytest.raises(params.ParamsError) as e:
+        params.validate(params.merge(base, {"targets": {"trust_remote_code": True}}))
     assert str(e.value).startswith("targets.trust_remote_code: expected a list of hub ids")
-    with pytest.raises(P.ParamsError) as e:
-        P.validate(P.merge(base, {"source": {"allow_pickle": "yes"}}))
+    with pytest.raises(params.ParamsError) as e:
+        params.validate(params.merge(base, {"source": {"allow_pickle": "yes"}}))
     assert str(e.value) == 'source.allow_pickle: expected true or false, got "yes"'
-    assert "targets.trust_remote_code" in R.BY_NAME["fetch"].params
+    assert "targets.trust_remote_code" in registry.BY_NAME["fetch"].params
     assert all(
-        "targets.trust_remote_code" in R.BY_NAME[s].params for s in ("features_new", "features_eval", "features_phase2")
+        "targets.trust_remote_code" in registry.BY_NAME[s].params
+        for s in ("features_new", "features_eval", "features_phase2")
     )

@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftport.plan import params as P
+from draftport.plan import params
 from draftport.world import PIPELINE_KEYS, base_params, build_world_base
 from draftport.world.language import generate_corpus, make_language, read_jsonl, topic_distribution
 from draftport.world.tokenizer import CHAT_TEMPLATE, encode_world_chat, encode_world_prompt, load_world_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 # the micro profile's world group, as the pipeline passes it (build and source_drafter included)
-MICRO_GROUP = dict(P.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"], threads=1)
+MICRO_GROUP = dict(params.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"], threads=1)
 MICRO = base_params(MICRO_GROUP)  # one thread: the suite shares the cores
 
 
@@ -30,11 +30,11 @@ def test_the_world_is_built_from_the_params_world_group(world):
     """No copy of the world's values outside params: its defaults are WorldParams', the micro
     world is the micro profile's, and it reads only keys the params model has."""
     _, manifest = world
-    assert manifest["params"] == MICRO and set(MICRO) <= set(P.WorldParams.model_fields)
-    default = P.WorldParams().model_dump()
+    assert manifest["params"] == MICRO and set(MICRO) <= set(params.WorldParams.model_fields)
+    default = params.WorldParams().model_dump()
     assert base_params() == {k: v for k, v in default.items() if k not in PIPELINE_KEYS}
-    assert base_params(P.read_yaml(ROOT / "params.yaml")["world"]) == base_params()
-    assert set(PIPELINE_KEYS) <= set(P.WorldParams.model_fields) and not set(PIPELINE_KEYS) & set(MICRO)
+    assert base_params(params.read_yaml(ROOT / "params.yaml")["world"]) == base_params()
+    assert set(PIPELINE_KEYS) <= set(params.WorldParams.model_fields) and not set(PIPELINE_KEYS) & set(MICRO)
 
 
 def test_corpus_is_deterministic_and_prefix_stable():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from draftport.errors import DraftportError
-from draftport.evaluation import budget as B
+from draftport.evaluation import budget
 
 P, CYCLES = 200, 40  # prompts, verify cycles per prompt
 
@@ -29,11 +29,11 @@ def run_rounds(curve, *, n1=32, cap=512, factor=2.0, min_gain=0.05, hours_per_sa
         rounds.append({"n_samples": n, **counts(curve(n), rng, difficulty)})
         hours += (n - (rounds[-2]["n_samples"] if len(rounds) > 1 else n)) * hours_per_sample
         if len(rounds) == 1:
-            n = B.next_n(n, factor, cap)
+            n = budget.next_n(n, factor, cap)
             continue
-        nn = B.next_n(n, factor, cap) if n < cap else B.next_n(n, factor, 2 * n + 1)
-        proj = B.project_next_gain(rounds, nn, n_boot=500)
-        why = B.stop_reason(
+        nn = budget.next_n(n, factor, cap) if n < cap else budget.next_n(n, factor, 2 * n + 1)
+        proj = budget.project_next_gain(rounds, nn, n_boot=500)
+        why = budget.stop_reason(
             proj,
             n=n,
             cap=cap,
@@ -48,9 +48,9 @@ def run_rounds(curve, *, n1=32, cap=512, factor=2.0, min_gain=0.05, hours_per_sa
 
 
 def test_schedule_doubles_up_to_the_cap():
-    assert B.schedule(32, 2.0, 300) == [32, 64, 128, 256, 300]
-    assert B.next_n(10, 1.01, 100) == 11  # always more than n
-    assert B.next_n(256, 2.0, 300) == 300
+    assert budget.schedule(32, 2.0, 300) == [32, 64, 128, 256, 300]
+    assert budget.next_n(10, 1.01, 100) == 11  # always more than n
+    assert budget.next_n(256, 2.0, 300) == 300
 
 
 def test_the_projection_is_exact_on_a_power_law():
@@ -62,35 +62,35 @@ def test_the_projection_is_exact_on_a_power_law():
 
     ns = [32, 64, 128]
     taus = [tau(n) for n in ns]
-    assert B._projection(taus, ns, 256) == pytest.approx(tau(256) - tau(128), rel=1e-9)
+    assert budget._projection(taus, ns, 256) == pytest.approx(tau(256) - tau(128), rel=1e-9)
     # after one round there is no evidence of flattening: the last gain again (per e-fold)
-    assert B._projection(taus[:2], ns[:2], 128) == pytest.approx(tau(64) - tau(32), rel=1e-9)
+    assert budget._projection(taus[:2], ns[:2], 128) == pytest.approx(tau(64) - tau(32), rel=1e-9)
 
 
 def test_a_flattening_curve_stops_before_the_cap():
     n, why, ns = run_rounds(lambda n: 3.0 - 1.5 * (n / 32) ** -1.5)
-    assert why == B.FLATTENED and n < 512, (n, why, ns)
+    assert why == budget.FLATTENED and n < 512, (n, why, ns)
     # it went on while the gain could still be worth it: the round before the stop gained > min_gain
     assert 3.0 - 1.5 * (n / 32) ** -1.5 - (3.0 - 1.5 * (ns[-2] / 32) ** -1.5) > 0.05
 
 
 def test_a_curve_that_keeps_rising_goes_on_to_the_cap():
     n, why, ns = run_rounds(lambda n: 1.5 + 0.3 * math.log(n / 32))  # +0.21 per doubling
-    assert (n, why) == (512, B.CAP_SAMPLES)
+    assert (n, why) == (512, budget.CAP_SAMPLES)
     assert ns == [32, 64, 128, 256, 512]
 
 
 def test_an_hours_cap_stops_where_the_hours_run_out():
     # 0.01 h a sample: rounds to 64, 128 spend 0.32 + 0.64 = 0.96 h; the next (128 -> 256) would add 1.28
     n, why, ns = run_rounds(lambda n: 1.5 + 0.3 * math.log(n / 32), hours_per_sample=0.01, max_hours=2.0)
-    assert (n, why) == (128, B.CAP_HOURS), (n, why, ns)
+    assert (n, why) == (128, budget.CAP_HOURS), (n, why, ns)
 
 
 def test_the_ci_is_over_prompts_and_paired():
     rng = np.random.default_rng(1)
     difficulty = rng.normal(0, 0.3, P)
     rounds = [{"n_samples": n, **counts(t, rng, difficulty)} for n, t in ((32, 2.0), (64, 2.2), (128, 2.3))]
-    p = B.project_next_gain(rounds, 256, n_boot=1000)
+    p = budget.project_next_gain(rounds, 256, n_boot=1000)
     assert p["ci"][0] <= p["projected_gain"] <= p["ci"][1]
     # paired: the prompts' shared difficulty (std 0.3) cancels, the CI is far narrower than it
     assert p["ci"][1] - p["ci"][0] < 0.1
@@ -100,9 +100,9 @@ def test_bad_rounds_are_refused():
     rng = np.random.default_rng(0)
     one = {"n_samples": 32, **counts(2.0, rng, np.zeros(P))}
     with pytest.raises(DraftportError, match="at least two rounds"):
-        B.project_next_gain([one], 64)
+        budget.project_next_gain([one], 64)
     short = {"n_samples": 64, "accepted": [[1.0] * 10], "cycles": [[2.0] * 10]}
     with pytest.raises(DraftportError, match="same prompts"):
-        B.project_next_gain([one, short], 128)
+        budget.project_next_gain([one, short], 128)
     with pytest.raises(DraftportError, match="increasing"):
-        B.project_next_gain([one, {**one}], 128)
+        budget.project_next_gain([one, {**one}], 128)

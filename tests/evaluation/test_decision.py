@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from draftport.cli import main
-from draftport.evaluation import decision as D
+from draftport.evaluation import decision
 from draftport.errors import DraftportError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def phase(tau, seed, p=120):
 
 
 def run_decide(curves, phases=None, **kw):
-    return D.decide(curves, phases or {}, costmodel=CM, k=K, n_boot=NB, **kw)
+    return decision.decide(curves, phases or {}, costmodel=CM, k=K, n_boot=NB, **kw)
 
 
 # ---------------------------------------------------------------- statistics
@@ -81,13 +81,13 @@ def run_decide(curves, phases=None, **kw):
 def test_tau_ci_hand_computed():
     acc = [[3, 5, 0], [2, 0, 4]]
     cyc = [[2, 2, 1], [1, 1, 3]]
-    r = D.tau_ci(acc, cyc, n_boot=NB, seed=0)
+    r = decision.tau_ci(acc, cyc, n_boot=NB, seed=0)
     assert r["accept_length"] == pytest.approx(1 + 14 / 10)
     assert r["seeds"] == pytest.approx([1 + 8 / 5, 1 + 6 / 5])
     assert r["seed_std"] == pytest.approx(0.2)  # population std of (2.6, 2.2)
     assert r["n_prompts"] == 3
     assert r["ci"][0] <= r["accept_length"] <= r["ci"][1]
-    one = D.tau_ci([3, 5, 0], [2, 2, 1], n_boot=NB)  # 1-D: one seed
+    one = decision.tau_ci([3, 5, 0], [2, 2, 1], n_boot=NB)  # 1-D: one seed
     assert (
         one["accept_length"] == pytest.approx(2.6) and one["seed_std"] == 0.0 and one["seeds"] == [pytest.approx(2.6)]
     )
@@ -95,19 +95,19 @@ def test_tau_ci_hand_computed():
 
 def test_tau_ci_width_determinism():
     acc, cyc = counts(2.2, seed=1, p=400)
-    big = D.tau_ci(acc, cyc, n_boot=NB, seed=3)
-    small = D.tau_ci(acc[:25], cyc[:25], n_boot=NB, seed=3)
+    big = decision.tau_ci(acc, cyc, n_boot=NB, seed=3)
+    small = decision.tau_ci(acc[:25], cyc[:25], n_boot=NB, seed=3)
     assert big["ci"][0] < big["accept_length"] < big["ci"][1]
     assert small["ci"][1] - small["ci"][0] > 2 * (big["ci"][1] - big["ci"][0])
-    assert D.tau_ci(acc, cyc, n_boot=NB, seed=3) == big
-    assert D.tau_ci(acc, cyc, n_boot=NB, seed=4)["ci"] != big["ci"]
+    assert decision.tau_ci(acc, cyc, n_boot=NB, seed=3) == big
+    assert decision.tau_ci(acc, cyc, n_boot=NB, seed=4)["ci"] != big["ci"]
 
 
 def test_bootstrap_keeps_a_prompts_seeds_together():
     # Two seeds anti-correlated per prompt: resampling prompts jointly keeps every draw at tau = 2.
     acc = [[0, 20, 0, 20], [20, 0, 20, 0]]
     cyc = [[10] * 4, [10] * 4]
-    r = D.tau_ci(acc, cyc, n_boot=NB)
+    r = decision.tau_ci(acc, cyc, n_boot=NB)
     assert r["ci"] == pytest.approx([2.0, 2.0])
     assert r["seeds"] == pytest.approx([2.0, 2.0])
 
@@ -124,21 +124,21 @@ def test_bootstrap_keeps_a_prompts_seeds_together():
 )
 def test_tau_ci_bad_inputs(acc, cyc, problem):
     with pytest.raises(DraftportError) as e:
-        D.tau_ci(acc, cyc, n_boot=10)
+        decision.tau_ci(acc, cyc, n_boot=10)
     assert problem in str(e.value)
 
 
 def test_paired_diff_ci():
     a = counts(2.4, seed=1)
     b = counts(2.0, seed=2)
-    r = D.paired_diff_ci([a[0]], [a[1]], *b, n_boot=NB, level=0.95, seed=0)
+    r = decision.paired_diff_ci([a[0]], [a[1]], *b, n_boot=NB, level=0.95, seed=0)
     assert r["diff"] == pytest.approx((1 + sum(a[0]) / sum(a[1])) - (1 + sum(b[0]) / sum(b[1])))
     assert r["significant"] and r["better"] == "a" and r["ci"][0] > 0
-    assert D.paired_diff_ci(*b, *a, n_boot=NB, seed=0)["better"] == "b"
-    same = D.paired_diff_ci(a[0], a[1], same_mean(a[0]), a[1], n_boot=NB, seed=0)
+    assert decision.paired_diff_ci(*b, *a, n_boot=NB, seed=0)["better"] == "b"
+    same = decision.paired_diff_ci(a[0], a[1], same_mean(a[0]), a[1], n_boot=NB, seed=0)
     assert same["diff"] == pytest.approx(0.0) and not same["significant"] and same["better"] is None
     with pytest.raises(DraftportError, match="same prompts"):
-        D.paired_diff_ci(a[0], a[1], a[0][:-1], a[1][:-1], n_boot=NB, seed=0)
+        decision.paired_diff_ci(a[0], a[1], a[0][:-1], a[1][:-1], n_boot=NB, seed=0)
 
 
 # ---------------------------------------------------------------- the decision
@@ -302,20 +302,20 @@ def test_bad_inputs():
         run_decide(CURVES, {"phase0": phase(2.0, 1, p=10), "phase1": phase(2.0, 2, p=11)})
     assert e.value.where == "phases"
     with pytest.raises(DraftportError) as e:
-        D.decide(CURVES, {}, costmodel={"baseline_tok_s": 100.0}, k=1, n_boot=NB)
+        decision.decide(CURVES, {}, costmodel={"baseline_tok_s": 100.0}, k=1, n_boot=NB)
     assert e.value.where == "costmodel"
 
 
 def test_rules_are_documented_word_for_word():
     doc = (ROOT / "docs" / "decision.md").read_text()
-    for rid, txt in D.RULES.items():
+    for rid, txt in decision.RULES.items():
         assert f"**{rid}** {txt}" in doc, rid
 
 
 def test_render_text():
     ph = {"phase0": phase(2.5, 1), "phase1": phase(2.3, 3), "phase2": phase(2.7, 4)}
     d = run_decide(curves_from({"source": {100: 1.8, 200: 2.3}, "scratch": {100: 1.3, 200: 1.6}}), ph)
-    out = D.render_text(d)
+    out = decision.render_text(d)
     lines = out.splitlines()
     assert lines[0].startswith(
         "Recommendation: init source, recipe plain, regenerate not measured, n_samples 200 (enough: 200), phase2 helps"

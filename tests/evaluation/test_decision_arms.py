@@ -5,8 +5,8 @@ import zlib
 
 import pytest
 
-from draftport.evaluation import decision as D
-from draftport.evaluation import hours as H
+from draftport.evaluation import decision
+from draftport.evaluation import hours
 from draftport.errors import DraftportError
 from tests.evaluation.test_decision import CM, K, NB, counts, same_mean
 
@@ -51,7 +51,7 @@ RATES = {
 
 
 def run(points, **kw):
-    return D.decide({"points": points}, {}, costmodel=CM, k=K, n_boot=NB, **kw)
+    return decision.decide({"points": points}, {}, costmodel=CM, k=K, n_boot=NB, **kw)
 
 
 def test_regenerate_when_the_targets_answers_train_better():
@@ -116,13 +116,13 @@ def test_payback_by_hand():
     assert pay["saved_hours_per_day"] == pytest.approx(saved)
     assert pay["days"] == pytest.approx(ch["hours"]["total"] / saved)
     assert pay["plan"]["days"] == pytest.approx(3.5 / saved)
-    slow = H.payback(2.0, tok_s_chosen=50.0, tok_s_break_even=82.0, tokens_per_day=1e6)
+    slow = hours.payback(2.0, tok_s_chosen=50.0, tok_s_break_even=82.0, tokens_per_day=1e6)
     assert slow["days"] is None and slow["saved_hours_per_day"] < 0
 
 
 def test_rates_from_the_steps_metrics():
     m = lambda n, r, c: {"samples": n, "regenerate": r, "capture": c}  # noqa: E731
-    r = H.rates(
+    r = hours.rates(
         {
             "features_new": m(100, 30.0, 5.0),
             "features_phase2": m(300, 90.0, 15.0),
@@ -136,7 +136,7 @@ def test_rates_from_the_steps_metrics():
         "capture_dataset_s_per_sample": 4 / 200,
     }
     with pytest.raises(DraftportError, match="logs/features_new.json: no samples / regenerate / capture seconds"):
-        H.rates({"features_new": {"samples": 3}})
+        hours.rates({"features_new": {"samples": 3}})
 
 
 def test_the_pipeline_tests_checker_catches_a_wrong_field():

@@ -14,8 +14,8 @@ from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.decision import decide
 from draftport.model.bind import new_drafter_config
 from draftport.data.draftmap import build_vocab
-from draftport.plan import params as P
-from draftport.plan import registry as R
+from draftport.plan import params
+from draftport.plan import registry
 from draftport.training.loop import TrainConfig
 from draftport.training.phases import train_phase
 from repo import ROOT
@@ -117,7 +117,7 @@ def build_pipeline(root: Path, *, rope_theta: float = 10000.0, verifier_is_folde
         evals[ph].pop("eval_seconds")
         (a / f"eval_{ph}").mkdir(parents=True)
         (a / f"eval_{ph}" / "eval.json").write_text(json.dumps(evals[ph]))
-    p = P.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
+    p = params.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
     p["targets"]["new"] = verifier  # what the trainings named (the steps pass targets.new)
     p["decision"]["n_boot"] = 200
     dec = decide(None, evals, costmodel=p["costmodel"], k=K, n_boot=200, level=0.95, seed=0)
@@ -127,9 +127,9 @@ def build_pipeline(root: Path, *, rope_theta: float = 10000.0, verifier_is_folde
     where["targets"]["new"] = str(target)  # a folder: the registry passes it as is
     inputs = {
         name: Path(path) if name == "target" else a / Path(path).relative_to("artifacts")
-        for name, path in R.inputs(R.BY_NAME["publish"], where).items()
+        for name, path in registry.inputs(registry.BY_NAME["publish"], where).items()
     }
-    sp = R.step_params(p, "publish")
+    sp = registry.step_params(p, "publish")
     sp["publish"]["k"] = [1, 3]
     return {
         "inputs": inputs,

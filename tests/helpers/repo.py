@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from draftport.plan import params as P
+from draftport.plan import params
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -47,7 +47,7 @@ def micro_copy(dst: Path, edit=None) -> dict:
     """A copy of the repository whose params.yaml is the micro profile merged in (DVC tracks
     params.yaml, so both tools see it), changed by edit(cfg) first; returns those params."""
     copy_repo(dst)
-    cfg = P.merge(P.read_yaml(dst / "params.yaml"), P.read_yaml(dst / "configs/micro.yaml"))
+    cfg = params.merge(params.read_yaml(dst / "params.yaml"), params.read_yaml(dst / "configs/micro.yaml"))
     if edit is not None:
         edit(cfg)
     (dst / "params.yaml").write_text("# the micro profile, merged (test copy)\n" + yaml.safe_dump(cfg, sort_keys=False))

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftport.plan import params as P
+from draftport.plan import params
 from draftport.model.formats import (
     copy_tensors_safetensors,
     find_target_embedding,
@@ -267,10 +267,10 @@ def test_copied_tensors_give_save_safetensors_bytes(tmp_path):
 
 # ---- params -------------------------------------------------------------------------------
 def test_params_online_embed_tokens():
-    cfg = P.read_yaml(ROOT / "params.yaml")
+    cfg = params.read_yaml(ROOT / "params.yaml")
     assert cfg["online"]["embed_tokens"] == "drop"  # params.yaml shows it
-    assert P.OnlineParams.model_fields["embed_tokens"].default == "drop"
+    assert params.OnlineParams.model_fields["embed_tokens"].default == "drop"
     bad = copy.deepcopy(cfg)
     bad["online"]["embed_tokens"] = "keep"
-    with pytest.raises(P.ParamsError, match='online.embed_tokens: must be one of drop, target; got "keep"'):
-        P.validate(bad)
+    with pytest.raises(params.ParamsError, match='online.embed_tokens: must be one of drop, target; got "keep"'):
+        params.validate(bad)

@@ -11,41 +11,41 @@ import pytest
 
 from draftport.data.fetch import publish_to_cache
 from draftport.model.fixtures import frequency_maps, small_config, write_header_only_drafter
-from draftport.outputs import estimate as E
-from draftport.outputs import train_rates as T
-from draftport.plan import params as P
+from draftport.outputs import estimate
+from draftport.outputs import train_rates
+from draftport.plan import params
 from draftport.data import storage
 from draftport.errors import DraftportError
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "configs/kimi-k2.5.yaml"
 # the kimi profile's Phase 1 / Phase 2 steps (draftport init wrote them: 2 epochs at batch 64)
-P1_STEPS, P2_STEPS = (P.load(KIMI)[g]["train"]["steps"] for g in ("phase1", "phase2"))
+P1_STEPS, P2_STEPS = (params.load(KIMI)[g]["train"]["steps"] for g in ("phase1", "phase2"))
 
 
 @pytest.fixture(scope="module")
 def kimi_cfg():
-    return P.load(KIMI, base=ROOT / "params.yaml")
+    return params.load(KIMI, base=ROOT / "params.yaml")
 
 
 @pytest.fixture(scope="module")
 def kimi(kimi_cfg):
     # the stated capture fraction, whatever benchmark file lands in benchmarks/results later
-    return E.estimate(kimi_cfg, efficiency=0.9, capture_eff=0.42)
+    return estimate.estimate(kimi_cfg, efficiency=0.9, capture_eff=0.42)
 
 
 def test_train_seconds_is_tokens_over_aggregate_throughput():
     # 1200 steps x 64 samples x 2048 tokens = 157,286,400 tokens; 12,000 tok/s x 8 GPUs x 0.9
-    assert E.train_seconds(
+    assert estimate.train_seconds(
         steps=1200, batch_size=64, tokens_per_sample=2048, tok_s_per_gpu=12000.0, gpus=8, efficiency=0.9
     ) == pytest.approx(157_286_400 / 86_400)
     with pytest.raises(DraftportError):
-        E.train_seconds(steps=1, batch_size=1, tokens_per_sample=1, tok_s_per_gpu=1.0, gpus=1, efficiency=1.5)
+        estimate.train_seconds(steps=1, batch_size=1, tokens_per_sample=1, tok_s_per_gpu=1.0, gpus=1, efficiency=1.5)
 
 
 def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     rep = kimi
-    bench = json.loads(E.DEFAULT_BENCH.read_text())
+    bench = json.loads(estimate.DEFAULT_BENCH.read_text())
     rate = bench["packed_real_tokens_per_s"]  # draftport's default: lm_head trained, packed rows
     rows = {r["rule"]: r for r in rep["rows"]}
     assert rows["phase1"]["gpus"] == 8 and rows["phase1"]["tokens"] == P1_STEPS * 64 * 2048
@@ -55,16 +55,16 @@ def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     # 57 KB/token at H 7168, as DESIGN.md states
     assert rep["bytes_per_token"] == 4 * 7168 * 2 + 5
     assert {r["rows"] for r in rep["rows"]} == {"packed"}  # the profile packs (train.packing)
-    frozen = P.merge(kimi_cfg, {"phase2": {"train": {"train_lm_head": False}}})
-    assert {r["rule"]: r for r in E.estimate(frozen, capture_eff=0.42)["rows"]}["phase2"]["tok_s_per_gpu"] == round(
-        bench["packed_real_tokens_per_s_lm_head_frozen"]
-    )
+    frozen = params.merge(kimi_cfg, {"phase2": {"train": {"train_lm_head": False}}})
+    assert {r["rule"]: r for r in estimate.estimate(frozen, capture_eff=0.42)["rows"]}["phase2"][
+        "tok_s_per_gpu"
+    ] == round(bench["packed_real_tokens_per_s_lm_head_frozen"])
     # a rule that pads its rows reads the padded figures of the same mix
-    padded = P.merge(
+    padded = params.merge(
         kimi_cfg,
         {"phase1": {"train": {"packing": False}}, "phase2": {"train": {"packing": False, "train_lm_head": False}}},
     )
-    rows = {r["rule"]: r for r in E.estimate(padded, capture_eff=0.42)["rows"]}
+    rows = {r["rule"]: r for r in estimate.estimate(padded, capture_eff=0.42)["rows"]}
     assert (rows["phase1"]["rows"], rows["phase1"]["tok_s_per_gpu"]) == (
         "padded",
         round(bench["padded_real_tokens_per_s"]),
@@ -78,7 +78,7 @@ def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     # a result without a length mix: its full-row figures, for either layout
     old = ROOT / "benchmarks/results/2026-11-29-h200.json"
     full = json.loads(old.read_text())
-    b = E.bench_throughput(old)
+    b = estimate.bench_throughput(old)
     assert (b["lm_head_trainable"], b["lm_head_frozen"], b["rate"]) == (
         full["tokens_per_s_lm_head_trainable"],
         full["tokens_per_s_mask_precomputed"],
@@ -116,9 +116,9 @@ def test_flops_formula_is_the_capture_benchmarks_roofline():
         "num_key_value_heads": 8,
         "vocab_size": 128256,
     }
-    shape = E.target_shape(llama8b)
+    shape = estimate.target_shape(llama8b)
     assert 8.0e9 < shape["total_params"] < 8.06e9
-    f = E.capture_flops_per_token(shape, 2048)
+    f = estimate.capture_flops_per_token(shape, 2048)
     assert f["attention"] == 4 * 32 * 4096 * 2048 / 2
     assert 790e12 / f["total"] == pytest.approx(50_800, rel=0.005)
 
@@ -188,32 +188,32 @@ def test_capture_benchmark_file_is_read_and_labelled_measured(kimi_cfg, tmp_path
             },
         },
     )
-    eff = E.capture_efficiency(f)
+    eff = estimate.capture_efficiency(f)
     # the larger shape (lower roofline tok/s); capture's fraction from tok/s over the roofline
     assert eff["source"] == "measured" and eff["shape"] == "32b"
     assert eff["capture_write"] == 0.58 and eff["capture"] == pytest.approx(7140 / 11900)
-    rep = E.estimate(kimi_cfg, capture_bench_path=f)
+    rep = estimate.estimate(kimi_cfg, capture_bench_path=f)
     flops = rep["flops_per_token"]["total"]
     on = {(r["phase"], r["mode"]): r for r in rep["phases"]}["phase2", "online"]
     assert on["capture_hours"] == pytest.approx(P2_STEPS * 64 * 2048 * flops / (790e12 * 8 * 7140 / 11900) / 3600)
-    assert f"measured {f}" in E.render(rep)
+    assert f"measured {f}" in estimate.render(rep)
     # a stated fraction overrides any file, and says so
-    rep = E.estimate(kimi_cfg, capture_bench_path=f, capture_eff=0.3)
+    rep = estimate.estimate(kimi_cfg, capture_bench_path=f, capture_eff=0.3)
     assert rep["capture_efficiency"] == {
         "source": "stated",
         "note": "--capture-efficiency",
         "capture_write": 0.3,
         "capture": 0.3,
     }
-    assert "fraction stated: --capture-efficiency" in E.render(rep)
+    assert "fraction stated: --capture-efficiency" in estimate.render(rep)
 
 
 def test_newest_capture_benchmark_is_the_default(tmp_path):
-    assert E.newest_capture_bench(tmp_path) is None
+    assert estimate.newest_capture_bench(tmp_path) is None
     write_capture_bench(tmp_path / "2026-12-01-h200-capture.json", {"a": {"capture_write": 0.4}})
     newest = write_capture_bench(tmp_path / "2026-12-09-h200-capture.json", {"a": {"capture_write": 0.5}})
     (tmp_path / "2026-12-10-h200.json").write_text("{}")  # a training result, not a capture one
-    assert E.newest_capture_bench(tmp_path) == newest
+    assert estimate.newest_capture_bench(tmp_path) == newest
 
 
 @pytest.mark.parametrize(
@@ -234,7 +234,7 @@ def test_newest_capture_benchmark_is_the_default(tmp_path):
 )
 def test_bad_values_are_one_line_errors(kimi_cfg, kw, message):
     with pytest.raises(DraftportError) as e:
-        E.estimate(kimi_cfg, **({"capture_eff": 0.42} | kw))
+        estimate.estimate(kimi_cfg, **({"capture_eff": 0.42} | kw))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -249,45 +249,45 @@ def test_bad_values_are_one_line_errors(kimi_cfg, kw, message):
 def test_bad_capture_benchmark_is_refused(tmp_path, shapes, message):
     f = write_capture_bench(tmp_path / "x-h200-capture.json", shapes)
     with pytest.raises(DraftportError, match=re.escape(message)):
-        E.capture_efficiency(f)
+        estimate.capture_efficiency(f)
     with pytest.raises(DraftportError, match="no such capture benchmark"):
-        E.capture_efficiency(tmp_path / "missing.json")
+        estimate.capture_efficiency(tmp_path / "missing.json")
 
 
 def test_unknown_target_and_profile_storage_keys(kimi_cfg, tmp_path):
-    cfg = P.merge(kimi_cfg, {"targets": {"new": "someorg/unknown-model"}})
+    cfg = params.merge(kimi_cfg, {"targets": {"new": "someorg/unknown-model"}})
     with pytest.raises(DraftportError, match="targets.new: someorg/unknown-model: no config.json here"):
-        E.estimate(cfg, capture_eff=0.42)
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": E.KIMI_K2_TEXT, "model_type": "kimi_k25"}))
-    rep = E.estimate(cfg, capture_eff=0.42, target_config_path=tmp_path)  # a wrapper's text_config
+        estimate.estimate(cfg, capture_eff=0.42)
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": estimate.KIMI_K2_TEXT, "model_type": "kimi_k25"}))
+    rep = estimate.estimate(cfg, capture_eff=0.42, target_config_path=tmp_path)  # a wrapper's text_config
     assert rep["target"]["active_params"] > 32e9 and rep["target"]["config"] == str(tmp_path)
     # features.storage / features.spool_gb (another change adds them to params): read when present
     cfg = dict(kimi_cfg, features={**kimi_cfg["features"], "storage": "online", "spool_gb": 100.0})
-    rep = E.estimate(cfg, capture_eff=0.42)
+    rep = estimate.estimate(cfg, capture_eff=0.42)
     on = [r for r in rep["phases"] if r["mode"] == "online"]
     assert all(r["profile"] for r in on) and not any(r["profile"] for r in rep["phases"] if r["mode"] == "disk")
     assert rep["spool_from"] == "features.spool_gb" and on[0]["spool_bytes"] == 100 * 10**9
     with pytest.raises(DraftportError, match="features.storage: 'tape'"):
-        E.estimate(dict(kimi_cfg, features={**kimi_cfg["features"], "storage": "tape"}), capture_eff=0.42)
+        estimate.estimate(dict(kimi_cfg, features={**kimi_cfg["features"], "storage": "tape"}), capture_eff=0.42)
 
 
 def test_storage_need_per_mode():
-    bf16 = E.storage_need("disk", tokens=1000, hidden_size=7168)
+    bf16 = estimate.storage_need("disk", tokens=1000, hidden_size=7168)
     assert bf16["need_bytes"] == 1000 * (4 * 7168 * 2 + 5)
-    fp8 = E.storage_need("disk", tokens=1000, hidden_size=7168, dtype="fp8_e4m3")
+    fp8 = estimate.storage_need("disk", tokens=1000, hidden_size=7168, dtype="fp8_e4m3")
     assert fp8["need_bytes"] == 1000 * (4 * 7168 + 16 + 5)
-    on = E.storage_need("online", tokens=10**9, hidden_size=7168, spool_gb=64)
+    on = estimate.storage_need("online", tokens=10**9, hidden_size=7168, spool_gb=64)
     assert on["need_bytes"] == 64 * 10**9 + 10**9 * 5  # the spool bound + the answers as ids
-    small = E.storage_need("online", tokens=100, hidden_size=7168, spool_gb=64)
+    small = estimate.storage_need("online", tokens=100, hidden_size=7168, spool_gb=64)
     assert small["spool_bytes"] == 100 * (4 * 7168 * 2 + 5)  # never more than all the states
-    hy = E.storage_need("hybrid", tokens=10**9, hidden_size=7168, spool_gb=64)
+    hy = estimate.storage_need("hybrid", tokens=10**9, hidden_size=7168, spool_gb=64)
     assert hy["need_bytes"] == on["need_bytes"] and hy["cache_bytes"] == 10**9 * (4 * 7168 * 2 + 5)
     with pytest.raises(DraftportError, match="features.storage: 'cloud': expected one of disk, online, hybrid"):
-        E.storage_need("cloud", tokens=1, hidden_size=8)
+        estimate.storage_need("cloud", tokens=1, hidden_size=8)
     with pytest.raises(DraftportError, match="features.spool_gb: must be > 0"):
-        E.storage_need("online", tokens=1, hidden_size=8, spool_gb=0)
+        estimate.storage_need("online", tokens=1, hidden_size=8, spool_gb=0)
     with pytest.raises(DraftportError, match="features.dtype: 'int3'"):
-        E.storage_need("disk", tokens=1, hidden_size=8, dtype="int3")
+        estimate.storage_need("disk", tokens=1, hidden_size=8, dtype="int3")
 
 
 def test_check_storage_refuses_in_every_mode(tmp_path, monkeypatch):
@@ -296,28 +296,36 @@ def test_check_storage_refuses_in_every_mode(tmp_path, monkeypatch):
 
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda _: Usage)
     lines = []
-    disk = E.storage_need("disk", tokens=10**6, hidden_size=7168)  # 57.3 GB
-    assert E.check_storage(tmp_path, disk, lines.append)["free_bytes"] == 100 * 10**9
+    disk = estimate.storage_need("disk", tokens=10**6, hidden_size=7168)  # 57.3 GB
+    assert estimate.check_storage(tmp_path, disk, lines.append)["free_bytes"] == 100 * 10**9
     assert lines[-1].startswith("storage (disk): need ~57.3 GB (1,000,000 tokens x 57,349 B/token")
-    big = E.storage_need("disk", tokens=10**7, hidden_size=7168)  # 573 GB
+    big = estimate.storage_need("disk", tokens=10**7, hidden_size=7168)  # 573 GB
     with pytest.raises(DraftportError) as e:
-        E.check_storage(tmp_path, big, lines.append)
+        estimate.check_storage(tmp_path, big, lines.append)
     assert str(e.value) == (
         f"{tmp_path}: not enough disk for the features: need ~573.5 GB, 100.0 GB free (features.storage disk)"
     )
     # online: the spool bound, not the states, must fit
-    assert E.check_storage(
-        tmp_path, E.storage_need("online", tokens=10**7, hidden_size=7168, spool_gb=64), lines.append
+    assert estimate.check_storage(
+        tmp_path, estimate.storage_need("online", tokens=10**7, hidden_size=7168, spool_gb=64), lines.append
     )
     with pytest.raises(DraftportError, match="not enough disk for the online spool: need ~150.1 GB"):
-        E.check_storage(tmp_path, E.storage_need("online", tokens=10**7, hidden_size=7168, spool_gb=150), lines.append)
+        estimate.check_storage(
+            tmp_path, estimate.storage_need("online", tokens=10**7, hidden_size=7168, spool_gb=150), lines.append
+        )
     # hybrid: runs as online when the first epoch's cache does not fit
-    hy = E.check_storage(tmp_path, E.storage_need("hybrid", tokens=10**7, hidden_size=7168, spool_gb=64), lines.append)
+    hy = estimate.check_storage(
+        tmp_path, estimate.storage_need("hybrid", tokens=10**7, hidden_size=7168, spool_gb=64), lines.append
+    )
     assert hy["cache"] is False and "not cached" in lines[-1]
-    hy = E.check_storage(tmp_path, E.storage_need("hybrid", tokens=10**5, hidden_size=7168, spool_gb=1), lines.append)
+    hy = estimate.check_storage(
+        tmp_path, estimate.storage_need("hybrid", tokens=10**5, hidden_size=7168, spool_gb=1), lines.append
+    )
     assert hy["cache"] is True and lines[-1].endswith("first epoch cached")
     with pytest.raises(DraftportError, match="not enough disk for the hybrid spool"):
-        E.check_storage(tmp_path, E.storage_need("hybrid", tokens=10**7, hidden_size=7168, spool_gb=99), lines.append)
+        estimate.check_storage(
+            tmp_path, estimate.storage_need("hybrid", tokens=10**7, hidden_size=7168, spool_gb=99), lines.append
+        )
 
 
 def run_cli(*args):
@@ -351,12 +359,12 @@ def test_estimate_bills_the_learning_curves():
     (at least min_steps, at most train.steps), at the training rate of their own rows; the arms
     (2 inits on the dataset's answers + 3 recipes) x 2 n x 3 seeds beside them, and the dataset's
     answers captured once (a prefill: nothing regenerated)."""
-    cfg = P.load(KIMI)
+    cfg = params.load(KIMI)
     c = cfg["curves"]
     steps = lambda ns: sum(  # noqa: E731
         min(c["train"]["steps"], max(c["min_steps"], -(-c["epochs"] * n // c["train"]["batch_size"]))) for n in ns
     )
-    rep = E.estimate(cfg)
+    rep = estimate.estimate(cfg)
     row = next(r for r in rep["rows"] if r["rule"] == "curves")
     assert row["points"] == len(c["n_samples"]) * len(c["inits"]) * len(c["seeds"]) + 5 * 2 * 3 == 60
     assert row["steps"] == steps(c["n_samples"]) * 6 + steps(c["arms_n_samples"]) * 5 * 3
@@ -369,7 +377,7 @@ def test_estimate_bills_the_learning_curves():
     assert rep["regenerate_hours"] == pytest.approx(regen)
     assert rep["curves_hours"] == pytest.approx(row["hours"]) and rep["curves_hours"] > rep["phase2_hours"]
     cfg["curves"]["enabled"] = False
-    assert "curves" not in [r["rule"] for r in E.estimate(cfg)["rows"]]
+    assert "curves" not in [r["rule"] for r in estimate.estimate(cfg)["rows"]]
 
 
 def test_estimate_bills_the_adaptive_budget_at_the_embedded_worlds_stop():
@@ -377,11 +385,11 @@ def test_estimate_bills_the_adaptive_budget_at_the_embedded_worlds_stop():
     rounds of x2): the rounds' trainings (data.seeds x the curves' budget rule, round 0 included, one
     GPU) against Phase 2's regeneration and capture past the stop. On the kimi profile the cap comes
     first; with a larger cap the samples past the stop are saved."""
-    cfg = P.load(KIMI)
+    cfg = params.load(KIMI)
     c = cfg["curves"]
     n1 = cfg["phase1"]["n_samples"]
-    a = E.estimate(cfg)["adaptive"]
-    ns = [n1 * 2**k for k in range(E.EMBEDDED_STOP_ROUND + 1)]
+    a = estimate.estimate(cfg)["adaptive"]
+    ns = [n1 * 2**k for k in range(estimate.EMBEDDED_STOP_ROUND + 1)]
     assert a["rounds_n"] == [n for n in ns if n < cfg["phase2"]["n_samples"]] + [cfg["phase2"]["n_samples"]]
     assert a["cap_first"] and a["data_hours_saved"] == 0
     assert a["rounds_steps"] == 3 * sum(
@@ -389,15 +397,15 @@ def test_estimate_bills_the_adaptive_budget_at_the_embedded_worlds_stop():
         for n in a["rounds_n"]
     )
     assert a["net_hours_saved"] == pytest.approx(-a["rounds_train_hours"]) and a["rounds_train_hours"] > 0
-    big = P.merge(cfg, {"phase2": {"n_samples": 1_000_000}})
-    rep = E.estimate(big)
+    big = params.merge(cfg, {"phase2": {"n_samples": 1_000_000}})
+    rep = estimate.estimate(big)
     a = rep["adaptive"]
     p2 = next(r for r in rep["data"] if r["step"] == "features_phase2")
     assert a["rounds_n"] == ns and not a["cap_first"]
     assert a["data_hours_saved"] == pytest.approx(
         (1_000_000 - ns[-1]) * (p2["regenerate_hours"] + p2["capture_hours"]) / p2["samples"]
     )
-    assert "adaptive data budget" in E.render(rep)
+    assert "adaptive data budget" in estimate.render(rep)
 
 
 def test_estimate_command_json_and_bad_input():
@@ -448,16 +456,16 @@ def hub_drafter(tmp_path_factory):
 def test_a_source_drafter_in_the_hub_cache_is_found_and_its_shape_used(kimi_cfg, hub_drafter):
     cache, repo, commit = hub_drafter
     for rev in ("main", commit):  # a branch (refs/main) and the pinned commit init writes
-        cfg = P.merge(kimi_cfg, {"source": {"repo_id": repo, "revision": rev, "cache_dir": str(cache)}})
-        rep = E.estimate(cfg, capture_eff=0.42)
+        cfg = params.merge(kimi_cfg, {"source": {"repo_id": repo, "revision": rev, "cache_dir": str(cache)}})
+        rep = estimate.estimate(cfg, capture_eff=0.42)
         d = rep["bench"]["drafter"]
         assert d["shape"]["hidden_size"] == 64 and d["shape"]["draft_vocab_size"] == 200
         assert d["from"] == f"{repo}@{commit[:12]} in the hub cache {cache}: its config.json"
         assert rep["bench"]["shape_source"] == "nearest"  # below every measured hidden size
-        assert "stands in" not in E.render(rep)
+        assert "stands in" not in estimate.render(rep)
     # a revision the cache does not hold: the kimi result stands in, and the line says where it looked
-    cfg = P.merge(kimi_cfg, {"source": {"repo_id": repo, "revision": "v9", "cache_dir": str(cache)}})
-    rep = E.estimate(cfg, capture_eff=0.42)
+    cfg = params.merge(kimi_cfg, {"source": {"repo_id": repo, "revision": "v9", "cache_dir": str(cache)}})
+    rep = estimate.estimate(cfg, capture_eff=0.42)
     assert rep["bench"]["shape_source"] == "default"
     assert rep["bench"]["drafter"]["from"] == (
         f"source.repo_id {repo}: no config.json here, not in the hub cache {cache} at v9 and no built-in shape"
@@ -468,12 +476,14 @@ def test_a_relative_cache_dir_is_the_repositorys(hub_drafter):
     """source.cache_dir relative (the walkthrough's artifacts/world/hub): under the repository root,
     where the pipeline's fetch runs."""
     cache, repo, commit = hub_drafter
-    shape, where = T.drafter_shape(
+    shape, where = train_rates.drafter_shape(
         {"source": {"repo_id": repo, "revision": "main", "cache_dir": cache.name}}, root=cache.parent
     )
     assert shape["hidden_size"] == 64 and where.startswith(f"{repo}@{commit[:12]} in the hub cache cache:")
     assert (
-        T.drafter_shape({"source": {"repo_id": repo, "revision": "main", "cache_dir": "nowhere"}}, root=cache.parent)[0]
+        train_rates.drafter_shape(
+            {"source": {"repo_id": repo, "revision": "main", "cache_dir": "nowhere"}}, root=cache.parent
+        )[0]
         is None
     )
 
@@ -498,7 +508,7 @@ QWEN3_32B = {
 def test_the_rate_model_meets_the_published_figure():
     """Fitted at the published 64-concurrent point (SERVE_HBM_UTIL); the same sweep's 16 and 32 are
     a check. At 8 the fixed per-step costs the model leaves out dominate: it is above the figure."""
-    got = {c: E.reference_check(c) for c in (8, 16, 32, 64)}
+    got = {c: estimate.reference_check(c) for c in (8, 16, 32, 64)}
     assert got[64]["model"] == pytest.approx(223.6, rel=0.02)
     assert got[32]["model"] == pytest.approx(151.1, rel=0.03)
     assert got[16]["model"] == pytest.approx(111.9, rel=0.08)
@@ -520,15 +530,15 @@ def test_the_kimi_rate_is_derived_for_its_int4_moe(kimi):
     assert 1800 <= kimi["serve_tok_s"] <= 2700
     assert 250 < s["experts_read"] < 320 and s["bound"] == "memory" and s["fits"]
     # Kimi-K2-Instruct's fp8 weights: more bytes than R1 at the same concurrency, so below R1's rate
-    k2 = E.serve_rate(E.KNOWN_TARGETS["moonshotai/Kimi-K2-Instruct"], gpus=8, tp=8, context=1536)
-    assert k2["format"] == "fp8" and k2["tok_s_per_gpu"] < E.reference_check(64)["model"]
-    assert "derived for the MoE target" in E.render(kimi)
+    k2 = estimate.serve_rate(estimate.KNOWN_TARGETS["moonshotai/Kimi-K2-Instruct"], gpus=8, tp=8, context=1536)
+    assert k2["format"] == "fp8" and k2["tok_s_per_gpu"] < estimate.reference_check(64)["model"]
+    assert "derived for the MoE target" in estimate.render(kimi)
 
 
 def test_a_dense_target_on_one_gpu_gets_its_own_rate(kimi_cfg, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_32B))
-    cfg = P.merge(kimi_cfg, {"features": {"tensor_parallel_size": 1}, "resources": {"features_new": {"gpu": 1}}})
-    rep = E.estimate(cfg, capture_eff=0.42, target_config_path=tmp_path)
+    cfg = params.merge(kimi_cfg, {"features": {"tensor_parallel_size": 1}, "resources": {"features_new": {"gpu": 1}}})
+    rep = estimate.estimate(cfg, capture_eff=0.42, target_config_path=tmp_path)
     s = rep["serve"]
     assert (s["moe"], s["format"], s["gpus"], s["tp"], s["instances"]) == (False, "bf16", 1, 1, 1)
     # by hand: every bf16 weight but the input embedding, 64 requests' KV (8 heads x 128 x K and V per
@@ -536,45 +546,51 @@ def test_a_dense_target_on_one_gpu_gets_its_own_rate(kimi_cfg, tmp_path):
     h, L, v = 5120, 64, 151936
     weights = 2 * (L * (h * 64 * 128 + 2 * h * 8 * 128 + 64 * 128 * h + 3 * h * 25600) + v * h)
     kv = 64 * 1024 * L * 2 * 8 * 128 * 2
-    assert rep["serve_tok_s"] == pytest.approx(64 / ((weights + kv) / (4.8e12 * E.SERVE_HBM_UTIL)))
+    assert rep["serve_tok_s"] == pytest.approx(64 / ((weights + kv) / (4.8e12 * estimate.SERVE_HBM_UTIL)))
     assert 1000 < rep["serve_tok_s"] < 2500 and s["bound"] == "memory"
-    text = E.render(rep)
+    text = estimate.render(rep)
     assert "MoE" not in text and "derived for the dense target" in text
     assert "holds for this dense target on 1 GPU" in text
     # on 8 GPUs at TP 1: eight instances, eight times the answers
-    rep8 = E.estimate(
-        P.merge(cfg, {"resources": {"features_new": {"gpu": 8}}}), capture_eff=0.42, target_config_path=tmp_path
+    rep8 = estimate.estimate(
+        params.merge(cfg, {"resources": {"features_new": {"gpu": 8}}}), capture_eff=0.42, target_config_path=tmp_path
     )
     assert rep8["serve_tok_s"] == pytest.approx(8 * rep["serve_tok_s"]) and rep8["serve"]["instances"] == 8
     # H100: the bandwidth's ratio; its 80 GB do not hold the bf16 weights and 64 requests' KV, and it says so
-    h100 = E.serve_rate(QWEN3_32B, gpus=1, tp=1, context=1024, gpu="H100")
+    h100 = estimate.serve_rate(QWEN3_32B, gpus=1, tp=1, context=1024, gpu="H100")
     assert h100["tok_s"] == pytest.approx(rep["serve_tok_s"] * 3.35 / 4.8) and not h100["fits"]
 
 
 def test_a_wrappers_quantization_config_sets_the_weight_format(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "kimi_k25", "text_config": E.KIMI_K2_TEXT, "quantization_config": E.INT4_EXPERTS})
+        json.dumps(
+            {
+                "model_type": "kimi_k25",
+                "text_config": estimate.KIMI_K2_TEXT,
+                "quantization_config": estimate.INT4_EXPERTS,
+            }
+        )
     )
     for path in (tmp_path, tmp_path / "config.json"):
-        tc = E._read_text_config(path)
-        assert E.weight_format(tc, moe=True)[0] == "int4_experts"
-    assert E.weight_format(E.KIMI_K2_TEXT, moe=True)[0] == "bf16"
-    assert E.weight_format({"quantization_config": {"quant_method": "gptq"}}, moe=False) == (
+        tc = estimate._read_text_config(path)
+        assert estimate.weight_format(tc, moe=True)[0] == "int4_experts"
+    assert estimate.weight_format(estimate.KIMI_K2_TEXT, moe=True)[0] == "bf16"
+    assert estimate.weight_format({"quantization_config": {"quant_method": "gptq"}}, moe=False) == (
         "bf16",
         "quantization_config gptq not modelled: bf16 bytes assumed (an upper bound on the bytes)",
     )
 
 
 def test_the_measured_figure_overrides_the_derived_one(kimi_cfg):
-    cfg = P.merge(kimi_cfg, {"features": {"serve_tok_s": 3000.0}})
-    rep = E.estimate(cfg, capture_eff=0.42)
+    cfg = params.merge(kimi_cfg, {"features": {"serve_tok_s": 3000.0}})
+    rep = estimate.estimate(cfg, capture_eff=0.42)
     assert (rep["serve_tok_s"], rep["serve_source"]) == (3000.0, "features.serve_tok_s")
     assert rep["data"][0]["regenerate_hours"] == pytest.approx(37000 * 2048 / 3000 / 3600)
-    assert "(measured: features.serve_tok_s)" in E.render(rep)
+    assert "(measured: features.serve_tok_s)" in estimate.render(rep)
     # --serve-tok-s over both
-    rep = E.estimate(cfg, capture_eff=0.42, serve_tok_s=1000.0)
+    rep = estimate.estimate(cfg, capture_eff=0.42, serve_tok_s=1000.0)
     assert (rep["serve_tok_s"], rep["serve_source"]) == (1000.0, "--serve-tok-s")
     for bad in (0, -1.0, "fast"):
         with pytest.raises(DraftportError) as e:
-            E.estimate(P.merge(kimi_cfg, {"features": {"serve_tok_s": bad}}), capture_eff=0.42)
+            estimate.estimate(params.merge(kimi_cfg, {"features": {"serve_tok_s": bad}}), capture_eff=0.42)
         assert str(e.value) == f"features.serve_tok_s: must be > 0, got {bad!r}"

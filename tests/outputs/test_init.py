@@ -18,7 +18,7 @@ import yaml
 from draftport.data.fetch import publish_to_cache
 from draftport.model.fixtures import frequency_maps, kimi_k2_config, small_config, write_header_only_drafter
 from draftport.outputs.estimate import KIMI_K2_TEXT
-from draftport.plan import params as P
+from draftport.plan import params
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI_ARGS = [
@@ -90,7 +90,7 @@ def test_the_kimi_profile_is_what_init_writes(hub, tmp_path):
     assert out.read_text() == (ROOT / "configs" / "kimi-k2.5.yaml").read_text(), (
         "configs/kimi-k2.5.yaml: regenerate it with `draftport init` (this test's KIMI_ARGS)"
     )
-    cfg = P.load(out)
+    cfg = params.load(out)
     assert cfg["features"]["aux_layer_ids"] == [2, 30, 58] and cfg["features"]["aux_convention"] == "sglang"
     assert cfg["features"]["engine"] == "vllm" and cfg["features"]["tensor_parallel_size"] == 8
     assert cfg["targets"]["trust_remote_code"] == ["moonshotai/Kimi-K2.5"]
@@ -239,7 +239,7 @@ def test_prompt_files_are_checked(pair):
     )
     assert r.returncode == 0, r.stderr
     assert "note  targets.prompts_train: 1 duplicate prompts (first: line 401 repeats line 4)" in r.stdout
-    cfg = P.load(out)
+    cfg = params.load(out)
     assert (cfg["phase1"]["n_samples"], cfg["phase2"]["n_samples"]) == (64, 128)
     assert cfg["features"]["device"] == "cpu" and cfg["phase1"]["train"]["steps"] == 12  # as configs/micro.yaml
     assert cfg["features"]["eval_samples"] == 20
@@ -291,7 +291,7 @@ def test_a_local_pair_profile_plans_the_decision(pair):
     )
     assert r.returncode == 0, r.stderr
     assert "nothing missing" in r.stdout or "still missing" not in r.stdout.split("source:")[0]
-    cfg = P.load(repo / "configs" / "mine.yaml", base=repo / "params.yaml")
+    cfg = params.load(repo / "configs" / "mine.yaml", base=repo / "params.yaml")
     assert cfg["drift"]["enabled"] and cfg["costmodel"]["baseline_tok_s"] == 50.0
     r = subprocess.run(
         [Path(sys.executable).parent / "snakemake", "--configfile=configs/mine.yaml", "--cores", "2", "-n", "decision"],
@@ -339,7 +339,7 @@ def test_a_dense_target_on_one_gpu_is_estimated_as_dense(tmp_path):
     out = tmp_path / "dense.yaml"
     r = init("dense", "--source", src, "--target-new", tgt, "--out", out)
     assert r.returncode == 0, r.stderr
-    assert P.load(out)["features"]["tensor_parallel_size"] == 1
+    assert params.load(out)["features"]["tensor_parallel_size"] == 1
     est = r.stdout.split("still missing")[0]
     assert "regenerate: " in est and "MoE" not in est
     assert "derived for the dense target: 1 instance(s) of TP1 on H200" in " ".join(est.split())

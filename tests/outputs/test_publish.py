@@ -18,7 +18,7 @@ import pytest
 import yaml
 from huggingface_hub import HfApi, ModelCard
 
-from draftport.plan import params as P
+from draftport.plan import params
 from draftport.model.formats import find_target_embedding, load_drafter_state, read_header, tensor_sha256
 from draftport.model.config import read_config
 from draftport.errors import DraftportError
@@ -198,8 +198,8 @@ def test_push_refuses_a_base_model_that_is_not_on_the_hub(pipe, hub, monkeypatch
 
 
 def test_publish_params_are_checked():
-    base = P.read_yaml(ROOT / "params.yaml")
-    assert P.validate(base)["publish"]["enabled"] is False  # opt-in
+    base = params.read_yaml(ROOT / "params.yaml")
+    assert params.validate(base)["publish"]["enabled"] is False  # opt-in
     for key, value, needle in (
         ("k", [3, 1], "ascending"),
         ("folder", "a/b", "plain folder name"),
@@ -208,8 +208,8 @@ def test_publish_params_are_checked():
     ):
         bad = json.loads(json.dumps(base))
         bad["publish"][key] = value
-        with pytest.raises(P.ParamsError, match=f"publish.{key}.*{needle}"):
-            P.validate(bad)
+        with pytest.raises(params.ParamsError, match=f"publish.{key}.*{needle}"):
+            params.validate(bad)
 
 
 def test_the_cli_refuses_a_push_without_a_token_in_one_line(tmp_path):

@@ -12,20 +12,20 @@ import yaml
 import bench_train_h200 as bench
 from draftport.errors import DraftportError
 from draftport.model.config import DrafterConfig
-from draftport.outputs import estimate as E
-from draftport.outputs import train_rates as R
+from draftport.outputs import estimate
+from draftport.outputs import train_rates
 
 ROOT = Path(__file__).resolve().parents[2]
-KIMI = R.KIMI_K2_DRAFTER
-FIGS = tuple(R.FIGURES)
+KIMI = train_rates.KIMI_K2_DRAFTER
+FIGS = tuple(train_rates.FIGURES)
 
 
 def write_result(folder: Path, name: str, shape: dict, mfu: float, date="2026-12-04", lengths=(1000, 2000)) -> Path:
     """A bench_train_h200 result of this shape whose four mix figures run at `mfu`."""
     shape = {**shape, "vocab_size": shape.get("vocab_size", 100_000)}
     res = {}
-    for key, fig in R.FIGURES.items():
-        fpt = R.mix_flops_per_token(shape, list(lengths), 7, key.endswith("trainable"))
+    for key, fig in train_rates.FIGURES.items():
+        fpt = train_rates.mix_flops_per_token(shape, list(lengths), 7, key.endswith("trainable"))
         res[fig] = {"mfu": mfu, "real_tokens_per_s": mfu * 790e12 / fpt}
     d = {
         "date": date,
@@ -59,7 +59,7 @@ def test_flop_count_is_the_benchmarks():
     for name in ("kimi", "llama70b", "qwen3-30b-a3b"):
         cfg = DrafterConfig(**bench.SIZES[name], aux_layer_ids=[2, 30, 58])
         for T, tr in ((2048, False), (4096, True)):
-            assert R.flops_per_token(bench.SIZES[name], T, 7, tr) == pytest.approx(
+            assert train_rates.flops_per_token(bench.SIZES[name], T, 7, tr) == pytest.approx(
                 bench.flops_per_token(cfg, T, 7, tr)["train"]
             )
 
@@ -69,32 +69,32 @@ def test_measured_interpolated_nearest(tmp_path):
     write_result(tmp_path, "kimi", KIMI, 0.90)
     write_result(tmp_path, "kimi", KIMI, 0.80, date="2026-12-01")  # older: not read
     (tmp_path / "2026-12-05-h200-train-7.json").write_text("{}")  # not named by its shape
-    got = R.rates_for(KIMI, tmp_path)
+    got = train_rates.rates_for(KIMI, tmp_path)
     assert got["source"] == "measured" and got["from"][0]["date"] == "2026-12-04"
-    fpt = R.mix_flops_per_token(KIMI, [1000, 2000], 7, True)
+    fpt = train_rates.mix_flops_per_token(KIMI, [1000, 2000], 7, True)
     assert got["figures"]["lm_head_trainable"] == pytest.approx(0.90 * 790e12 / fpt)
     mid = {**KIMI, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8}
-    got = R.rates_for(mid, tmp_path)
+    got = train_rates.rates_for(mid, tmp_path)
     x = math.log(4096 / 2048) / math.log(7168 / 2048)
     assert got["source"] == "interpolated" and got["weights"] == pytest.approx([1 - x, x])
     for k in FIGS:
-        fpt = R.mix_flops_per_token(mid, [1000, 2000], 7, k.endswith("trainable"))
+        fpt = train_rates.mix_flops_per_token(mid, [1000, 2000], 7, k.endswith("trainable"))
         assert got["figures"][k] == pytest.approx((0.60 * (1 - x) + 0.90 * x) * 790e12 / fpt)
     big = {**KIMI, "hidden_size": 12288}
-    got = R.rates_for(big, tmp_path)
+    got = train_rates.rates_for(big, tmp_path)
     assert got["source"] == "nearest" and got["from"][0]["name"] == "kimi"
-    fpt = R.mix_flops_per_token(big, [1000, 2000], 7, False)
+    fpt = train_rates.mix_flops_per_token(big, [1000, 2000], 7, False)
     assert got["figures"]["lm_head_frozen"] == pytest.approx(0.90 * 790e12 / fpt)
     with pytest.raises(DraftportError, match="no training benchmark result"):
-        R.rates_for(KIMI, tmp_path / "none")
+        train_rates.rates_for(KIMI, tmp_path / "none")
 
 
 def test_the_profiles_drafter_shape(tmp_path):
     kimi = yaml.safe_load((ROOT / "configs/kimi-k2.5.yaml").read_text())
-    shape, where = R.drafter_shape(kimi)
+    shape, where = train_rates.drafter_shape(kimi)
     assert shape == KIMI and "AQ-MedAI/Kimi-K2-Instruct-eagle3" in where
     base = yaml.safe_load((ROOT / "params.yaml").read_text())  # the embedded world
-    shape, where = R.drafter_shape(base)
+    shape, where = train_rates.drafter_shape(base)
     w = base["world"]
     assert shape["hidden_size"] == w["model"]["hidden_size"] and "world" in where
     assert shape["draft_vocab_size"] == max(8, round(w["vocab_size"] * w["source_drafter"]["draft_vocab_ratio"]))
@@ -113,21 +113,23 @@ def test_the_profiles_drafter_shape(tmp_path):
             }
         )
     )
-    shape, where = R.drafter_shape({"world": {"build": False}, "source": {"repo_id": str(tmp_path / "d")}})
+    shape, where = train_rates.drafter_shape({"world": {"build": False}, "source": {"repo_id": str(tmp_path / "d")}})
     assert (shape["hidden_size"], shape["num_key_value_heads"]) == (4096, 8) and where.endswith("config.json")
-    assert R.drafter_shape({"world": {"build": False}, "source": {"repo_id": "org/unknown"}})[0] is None
+    assert train_rates.drafter_shape({"world": {"build": False}, "source": {"repo_id": "org/unknown"}})[0] is None
 
 
 def test_estimate_reads_the_profiles_shape_and_says_which():
     """The committed results: the kimi profile's drafter is measured (the Kimi result, the default
     file); a drafter of another shape gets its own figure; a file given stays that file."""
     kimi = yaml.safe_load((ROOT / "configs/kimi-k2.5.yaml").read_text())
-    b = E.bench_throughput(E.DEFAULT_BENCH, kimi)
+    b = estimate.bench_throughput(estimate.DEFAULT_BENCH, kimi)
     assert b["shape_source"] == "measured" and b["files"] == ["benchmarks/results/2026-12-03-h200-train-kimi.json"]
-    assert b["lm_head_trainable"] == pytest.approx(json.loads(E.DEFAULT_BENCH.read_text())["packed_real_tokens_per_s"])
+    assert b["lm_head_trainable"] == pytest.approx(
+        json.loads(estimate.DEFAULT_BENCH.read_text())["packed_real_tokens_per_s"]
+    )
     assert "measured: benchmarks/results/2026-12-03-h200-train-kimi.json" in b["rate"]
     other = {"world": {"build": False}, "source": {"repo_id": "org/unknown"}}
-    b = E.bench_throughput(E.DEFAULT_BENCH, other)
+    b = estimate.bench_throughput(estimate.DEFAULT_BENCH, other)
     assert b["shape_source"] == "default" and "not known" in b["rate"]
-    b = E.bench_throughput(Path(str(E.DEFAULT_BENCH)), kimi)  # a path given (--bench): that file
+    b = estimate.bench_throughput(Path(str(estimate.DEFAULT_BENCH)), kimi)  # a path given (--bench): that file
     assert "shape_source" not in b

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from draftport.pipeline.runner import function_of
-from draftport.plan import registry as R
+from draftport.plan import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
@@ -30,14 +30,14 @@ def test_the_docs_generated_blocks_are_the_code():
     """The step table (the registry) and the module table (each module's first paragraph)."""
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "docgen.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert R.table_markdown() in DOC.read_text()
+    assert registry.table_markdown() in DOC.read_text()
 
 
 def test_docgen_renders_a_stale_block_anew():
     docgen = _load_docgen()
     stale = "<!-- generated: steps -->\n| old |\n<!-- end: steps -->\n"
     assert docgen.render(stale) != stale
-    assert R.table_markdown() in docgen.render(stale)
+    assert registry.table_markdown() in docgen.render(stale)
 
 
 def test_every_module_has_a_first_line_and_a_row_in_the_docs():
@@ -49,7 +49,7 @@ def test_every_module_has_a_first_line_and_a_row_in_the_docs():
 
 
 def test_every_registry_row_has_its_script_and_function():
-    for s in R.STEPS:
+    for s in registry.STEPS:
         script = (ROOT / "scripts" / f"{s.name}.py").read_text()
         assert f'main("{s.name}")' in script, s.name
         assert callable(function_of(s)), s.name

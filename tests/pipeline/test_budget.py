@@ -19,7 +19,7 @@ import yaml
 
 from draftport.data.shards import FeatureChain, open_set
 from draftport.plan import cluster
-from draftport.plan import params as P
+from draftport.plan import params as schema
 from draftport.training.phases import feature_dirs
 from repo import BIN, micro_copy
 from resume_copy import Copy
@@ -81,7 +81,7 @@ def test_under_torchrun_the_rounds_train_over_two_processes_to_the_same_stop(cop
     CPU: every batch split, the gradients reduced), the step itself one process."""
     flat = budget_json(copy)
     edit(copy, lambda cfg: cfg["resources"].update(budget={"gpu": 2, "torchrun": True}))
-    cfg = P.load(base=copy.path / "params.yaml")
+    cfg = schema.load(base=copy.path / "params.yaml")
     assert cluster.launcher(cfg, "budget") == "python"  # the step itself: one process
     copy.run(BIN / "snakemake", "--cores", "2", "budget")
     b = budget_json(copy)

@@ -6,8 +6,8 @@ tests/pipeline/test_pipeline.py edits the files after a complete run."""
 from __future__ import annotations
 
 from draftport.pipeline import bridge
-from draftport.plan import params as P
-from draftport.plan import registry as R
+from draftport.plan import params
+from draftport.plan import registry
 from repo import ROOT
 
 PLUMBING_FILES = {
@@ -22,9 +22,9 @@ PLUMBING_FILES = {
 
 
 def test_no_step_depends_on_the_plumbing():
-    assert {f"src/draftport/{m.replace('.', '/')}.py" for m in R.PLUMBING_MODULES} == PLUMBING_FILES
-    for row in R.STEPS:
-        files = set(R.module_files(row))
+    assert {f"src/draftport/{m.replace('.', '/')}.py" for m in registry.PLUMBING_MODULES} == PLUMBING_FILES
+    for row in registry.STEPS:
+        files = set(registry.module_files(row))
         assert not files & PLUMBING_FILES, (row.name, sorted(files & PLUMBING_FILES))
         assert all((ROOT / f).is_file() for f in files), row.name
     dvc = (ROOT / "dvc.yaml").read_text()
@@ -32,9 +32,9 @@ def test_no_step_depends_on_the_plumbing():
 
 
 def test_a_training_loop_edit_never_reaches_fetch_or_the_capture_of_a_real_pair():
-    cfg = P.load(ROOT / "configs/kimi-k2.5.yaml")
+    cfg = params.load(ROOT / "configs/kimi-k2.5.yaml")
     loop = "src/draftport/training/loop.py"
-    reached = {r.name for r in R.active(cfg) if loop in bridge.smk_inputs(r.name, cfg)}
+    reached = {r.name for r in registry.active(cfg) if loop in bridge.smk_inputs(r.name, cfg)}
     assert reached == {"train_phase1_scratch", "train_phase1", "train_phase2", "train_curves"}, reached
     for step in ("fetch", "features_new", "features_eval", "features_phase2", "features_monitor", "vocab_new"):
         assert loop not in bridge.smk_inputs(step, cfg), step

@@ -16,8 +16,8 @@ import pytest
 from draftport.outputs.train_rates import drafter_shape
 from draftport.pipeline import bridge, local
 from draftport.plan import cluster
-from draftport.plan import params as P
-from draftport.plan import registry as R
+from draftport.plan import params
+from draftport.plan import registry
 from repo import BIN, ROOT, copy_repo, smk
 
 GPU = "configs/gpu.yaml"
@@ -25,7 +25,7 @@ TOY = "tests/helpers/gpu-toy.yaml"
 
 
 def test_the_gpu_world_has_a_real_drafters_shape_and_every_step_asks_for_the_gpu():
-    cfg = P.load(ROOT / GPU)
+    cfg = params.load(ROOT / GPU)
     shape, _ = drafter_shape(cfg)
     assert {
         k: shape[k]
@@ -52,8 +52,8 @@ def test_the_gpu_world_has_a_real_drafters_shape_and_every_step_asks_for_the_gpu
 
 def test_the_gpu_profile_plans_the_whole_plan():
     out = smk("-n", "--forceall", "--configfile", GPU, "--cores", "16", "all").stdout
-    want = {r.name for r in R.active(P.load(ROOT / GPU))} - {"online_phase0", "online_phase1", "publish"}
-    planned = {line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in R.BY_NAME}
+    want = {r.name for r in registry.active(params.load(ROOT / GPU))} - {"online_phase0", "online_phase1", "publish"}
+    planned = {line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in registry.BY_NAME}
     assert want <= planned, want - planned
 
 
@@ -150,8 +150,8 @@ def test_the_local_runner_launches_steps_with_its_own_interpreter():
     assert local.this_interpreter("torchrun --standalone --nproc_per_node 1") == (
         f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 1"
     )
-    cfg = P.load(ROOT / GPU, ROOT / TOY)
-    base = P.load()
+    cfg = params.load(ROOT / GPU, ROOT / TOY)
+    base = params.load()
     cmd = bridge.shell_command("world", cfg, base, local.this_interpreter(cluster.launcher(cfg, "world")))
     assert cmd.startswith(f"{sys.executable} scripts/world.py ")
 

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from draftport.plan import cluster
-from draftport.plan import params as P
-from draftport.plan import registry as R
+from draftport.plan import params
+from draftport.plan import registry
 from repo import ROOT, smk
 
 KIMI = "configs/kimi-k2.5.yaml"
@@ -59,7 +59,7 @@ def test_kimi_profile_plans_every_job_without_the_embedded_world(kimi):
 
 
 def test_every_kimi_job_carries_its_resources(kimi):
-    cfg = P.load(ROOT / KIMI, base=ROOT / "params.yaml")
+    cfg = params.load(ROOT / KIMI, base=ROOT / "params.yaml")
     for name, job in kimi.items():
         if name not in JOBS:
             continue  # the target rule (no command, no resources)
@@ -81,7 +81,7 @@ def test_kimi_training_rules_run_under_torchrun_one_process_per_gpu(kimi):
 
 
 def test_kimi_profile_reads_the_reference_and_the_scale_paths():
-    cfg = P.load(ROOT / KIMI, base=ROOT / "params.yaml")
+    cfg = params.load(ROOT / KIMI, base=ROOT / "params.yaml")
     assert cfg["reference"]["repo_id"] == "AQ-MedAI/Kimi-K25-eagle3"
     f = cfg["features"]
     assert (f["engine"], f["tensor_parallel_size"], f["regenerate"]) == ("vllm", 8, "openai")
@@ -93,23 +93,23 @@ def test_kimi_profile_reads_the_reference_and_the_scale_paths():
 def test_embedded_profile_plans_plain_python_on_no_gpu():
     jobs = plan("phase2")
     assert "world" in jobs
-    cfg = P.load(base=ROOT / "params.yaml")
+    cfg = params.load(base=ROOT / "params.yaml")
     for name, job in jobs.items():
         if name == "phase2":
             continue  # the target rule
-        assert job["command"] == R.command(R.BY_NAME[name], cfg), name
+        assert job["command"] == registry.command(registry.BY_NAME[name], cfg), name
         assert job["command"].startswith(f"python scripts/{name}.py "), name
         assert int(job["resources"]["gpu"]) == 0
 
 
 def test_torchrun_only_for_training_rules_with_gpus():
-    base = P.read_yaml(ROOT / "params.yaml")
-    bad = P.merge(base, {"resources": {"compare": {"torchrun": True, "gpu": 1}}})
-    with pytest.raises(P.ParamsError, match=r"resources\.compare\.torchrun: only training rules"):
-        P.validate(bad)
-    bad = P.merge(base, {"resources": {"train_phase1": {"torchrun": True}}})
-    with pytest.raises(P.ParamsError, match=r"resources\.train_phase1\.torchrun: needs gpu >= 1"):
-        P.validate(bad)
+    base = params.read_yaml(ROOT / "params.yaml")
+    bad = params.merge(base, {"resources": {"compare": {"torchrun": True, "gpu": 1}}})
+    with pytest.raises(params.ParamsError, match=r"resources\.compare\.torchrun: only training rules"):
+        params.validate(bad)
+    bad = params.merge(base, {"resources": {"train_phase1": {"torchrun": True}}})
+    with pytest.raises(params.ParamsError, match=r"resources\.train_phase1\.torchrun: needs gpu >= 1"):
+        params.validate(bad)
 
 
 def test_slurm_profile_plans_with_the_rules_resources():

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from draftport.plan import params as P
+from draftport.plan import params
 from repo import BIN, copy_repo, smk
 
 pytestmark = pytest.mark.slow
@@ -85,7 +85,7 @@ def test_a_pair_from_init_to_the_decision(tmp_path, world, arch):
     )
     assert r.returncode == 0, r.stderr
     assert "nothing missing: snakemake --configfile=configs/micro-dsk.yaml" in r.stdout, r.stdout[-3000:]
-    cfg = P.load(repo / "configs" / "micro-dsk.yaml", base=repo / "params.yaml")
+    cfg = params.load(repo / "configs" / "micro-dsk.yaml", base=repo / "params.yaml")
     assert not cfg["world"]["build"] and cfg["features"]["aux_convention"] == "vllm"  # the drafter's own marker
     assert cfg["features"]["aux_layer_ids"] == [0, 1, 2] and cfg["drift"]["enabled"]
 

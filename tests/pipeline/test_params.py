@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftport.plan import params as P
-from draftport.plan import registry as R
+from draftport.plan import params
+from draftport.plan import registry
 from draftport.errors import DraftportError
 from draftport.plan.registry import STEP_NAMES, TRAINING_STEPS
 from draftport.training.loop import TrainConfig
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def base():
-    return P.read_yaml(ROOT / "params.yaml")
+    return params.read_yaml(ROOT / "params.yaml")
 
 
 def bad(cfg, dotted, value):
@@ -33,8 +33,8 @@ def bad(cfg, dotted, value):
 
 
 def error_of(cfg) -> str:
-    with pytest.raises(P.ParamsError) as e:
-        P.validate(cfg)
+    with pytest.raises(params.ParamsError) as e:
+        params.validate(cfg)
     msg = str(e.value)
     assert "\n" not in msg
     return msg
@@ -42,12 +42,12 @@ def error_of(cfg) -> str:
 
 @pytest.mark.parametrize("profile", [[], ["configs/micro.yaml"], ["configs/kimi-k2.5.yaml"]])
 def test_shipped_profiles_validate(profile):
-    cfg = P.load(*[ROOT / p for p in profile], base=ROOT / "params.yaml")
+    cfg = params.load(*[ROOT / p for p in profile], base=ROOT / "params.yaml")
     assert cfg["profile"] in ("embedded", "micro", "kimi-k2.5")
 
 
 def test_kimi_profile_has_the_real_ids():
-    cfg = P.load(ROOT / "configs/kimi-k2.5.yaml", base=ROOT / "params.yaml")
+    cfg = params.load(ROOT / "configs/kimi-k2.5.yaml", base=ROOT / "params.yaml")
     assert cfg["source"]["repo_id"] == "AQ-MedAI/Kimi-K2-Instruct-eagle3"
     assert cfg["targets"]["new"] == "moonshotai/Kimi-K2.5"
     assert cfg["features"]["aux_layer_ids"] == [2, 30, 58]
@@ -96,7 +96,7 @@ def test_missing_key(base):
 def test_train_groups_take_defaults_for_left_out_keys(base):
     cfg = copy.deepcopy(base)
     cfg["phase1"]["train"] = {"steps": 3}
-    assert P.validate(cfg)["phase1"]["train"] == {"steps": 3}
+    assert params.validate(cfg)["phase1"]["train"] == {"steps": 3}
 
 
 @pytest.mark.parametrize(
@@ -130,34 +130,34 @@ def test_aux_id_L_is_vllm_only(base):
     """vLLM also collects the state leaving the last layer (id L); SGLang's ids stop at L-1."""
     L = base["world"]["model"]["num_hidden_layers"]
     ok = bad(base, "features.aux_layer_ids", [0, 1, L])
-    assert P.validate(ok)["features"]["aux_layer_ids"] == [0, 1, L]
+    assert params.validate(ok)["features"]["aux_layer_ids"] == [0, 1, L]
     ok["features"]["aux_convention"] = "sglang"
     assert error_of(ok).startswith(f"features.aux_layer_ids: [{L}] out of range")
 
 
 def test_merge_is_recursive_like_snakemake():
-    out = P.merge({"a": {"b": 1, "c": 2}, "d": [1]}, {"a": {"b": 5}, "d": [2, 3]})
+    out = params.merge({"a": {"b": 1, "c": 2}, "d": [1]}, {"a": {"b": 5}, "d": [2, 3]})
     assert out == {"a": {"b": 5, "c": 2}, "d": [2, 3]}
 
 
 def test_step_keys_exist_in_the_schema(base):
-    cfg = P.validate(base)
-    for step in R.STEPS:
-        sub = R.step_params(cfg, step.name)
-        assert P.flatten(sub) or sub == {"reference": None}, step.name
+    cfg = params.validate(base)
+    for step in registry.STEPS:
+        sub = registry.step_params(cfg, step.name)
+        assert params.flatten(sub) or sub == {"reference": None}, step.name
         for k in step.params:
-            P.get(cfg, k)
+            params.get(cfg, k)
         for inp in step.inputs.values():
             for k in inp.when:
-                R.holds(cfg, k)  # its key exists (a KeyError names one that does not)
-        R.enabled(step, cfg)
+                registry.holds(cfg, k)  # its key exists (a KeyError names one that does not)
+        registry.enabled(step, cfg)
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):
     f = tmp_path / "p.yaml"
     f.write_text("profile: x\nworld: [\n")
-    with pytest.raises(P.ParamsError) as e:
-        P.read_yaml(f)
+    with pytest.raises(params.ParamsError) as e:
+        params.read_yaml(f)
     assert str(e.value).startswith(f"{f}:")
 
 
@@ -175,7 +175,7 @@ def test_cli_exit_code_and_one_line(tmp_path, base):
 def model_leaves(model, prefix=""):
     """Dotted keys of every leaf field of a model tree (a field whose type is no model)."""
     for name, f in model.model_fields.items():
-        sub = P._model_of(f.annotation)
+        sub = params._model_of(f.annotation)
         if sub is None:
             yield prefix + name
         else:
@@ -200,7 +200,7 @@ OPTIONAL_LEAVES = (
     ),
     # the targets' architecture (left out: llama, the embedded world) and DeepSeek-V3's keys (left
     # out: derived by draftport.world.targets.target_config); configs/micro-deepseek.yaml sets them
-    lambda k: k == "world.model.arch" or k in {f"world.model.{n}" for n in P.WorldModel.DEEPSEEK_KEYS},
+    lambda k: k == "world.model.arch" or k in {f"world.model.{n}" for n in params.WorldModel.DEEPSEEK_KEYS},
     # `reference: null` in the embedded profile (no published drafter for the world's new target);
     # configs/kimi-k2.5.yaml writes every key of it (checked below)
     lambda k: k.startswith("reference."),
@@ -208,29 +208,31 @@ OPTIONAL_LEAVES = (
 
 
 def test_params_yaml_shows_every_value_a_step_uses(base):
-    written = set(P.flatten(base))
-    for k in model_leaves(P.Params):
+    written = set(params.flatten(base))
+    for k in model_leaves(params.Params):
         if not any(opt(k) for opt in OPTIONAL_LEAVES):
             # a mapping-valued leaf (curves.recipes) is written when keys under it are
             assert k in written or any(w.startswith(k + ".") for w in written), f"{k} is not written out in params.yaml"
-    kimi = P.read_yaml(ROOT / "configs/kimi-k2.5.yaml")
-    assert set(P.flatten({"reference": kimi["reference"]})) == {
-        f"reference.{k}" for k in P.ReferenceParams.model_fields
+    kimi = params.read_yaml(ROOT / "configs/kimi-k2.5.yaml")
+    assert set(params.flatten({"reference": kimi["reference"]})) == {
+        f"reference.{k}" for k in params.ReferenceParams.model_fields
     }
     # and nothing in params.yaml is outside the tree
-    assert {w for w in written if not w.startswith("curves.recipes.")} <= set(model_leaves(P.Params)) | {"reference"}
+    assert {w for w in written if not w.startswith("curves.recipes.")} <= set(model_leaves(params.Params)) | {
+        "reference"
+    }
 
 
 def test_every_field_has_a_description():
     def walk(model, prefix=""):
         for name, f in model.model_fields.items():
             assert f.description, f"{prefix}{name} has no description"
-            sub = P._model_of(f.annotation)
+            sub = params._model_of(f.annotation)
             if sub is not None:
                 walk(sub, f"{prefix}{name}.")
 
-    walk(P.Params)
-    P.Params.model_json_schema()  # the schema renders (docs, editors)
+    walk(params.Params)
+    params.Params.model_json_schema()  # the schema renders (docs, editors)
 
 
 # TrainConfig's defaults (those of the dataclass it replaced, plus held-out tau and the port recipes
@@ -309,38 +311,38 @@ def test_train_groups_in_params_yaml_keep_the_effective_values(base):
     assert TrainConfig().model_dump() == OLD_TRAIN_DEFAULTS
     assert list(TrainConfig.model_fields) == list(OLD_TRAIN_DEFAULTS)
     for dotted, explicit in OLD_EXPLICIT.items():
-        assert P.get(base, dotted) == {**OLD_TRAIN_DEFAULTS, **explicit}, dotted
-        assert TrainConfig(**P.get(base, dotted)) == TrainConfig(**explicit)
+        assert params.get(base, dotted) == {**OLD_TRAIN_DEFAULTS, **explicit}, dotted
+        assert TrainConfig(**params.get(base, dotted)) == TrainConfig(**explicit)
 
 
 def test_world_model_defaults_are_the_embedded_world(base):
-    w = P.WorldParams().model_dump()
-    assert w == base["world"] == P.load(base=ROOT / "params.yaml")["world"]
-    assert P.WorldParams.model_validate(w).model_dump() == w
-    micro = P.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"]
+    w = params.WorldParams().model_dump()
+    assert w == base["world"] == params.load(base=ROOT / "params.yaml")["world"]
+    assert params.WorldParams.model_validate(w).model_dump() == w
+    micro = params.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"]
     assert micro["model"]["num_hidden_layers"] == 2 and micro["source_drafter"]["arch"] == {
         "num_attention_heads": 2,
         "intermediate_size": 128,
     }
     # the world group on its own, keys named in the file's terms
-    assert P.validate(base["world"], P.WorldParams, "world.") == base["world"]
-    with pytest.raises(P.ParamsError, match=r"^world\.n_old: expected an integer"):
-        P.validate(bad(base, "world.n_old", "many")["world"], P.WorldParams, "world.")
+    assert params.validate(base["world"], params.WorldParams, "world.") == base["world"]
+    with pytest.raises(params.ParamsError, match=r"^world\.n_old: expected an integer"):
+        params.validate(bad(base, "world.n_old", "many")["world"], params.WorldParams, "world.")
 
 
 def test_resource_rules_come_from_the_step_registry():
-    assert P.RESOURCE_RULES == ("default", *STEP_NAMES) and P.TRAINING_RULES == (*TRAINING_STEPS, "budget")
-    assert list(P.ResourcesParams.model_fields) == list(P.RESOURCE_RULES)
+    assert params.RESOURCE_RULES == ("default", *STEP_NAMES) and params.TRAINING_RULES == (*TRAINING_STEPS, "budget")
+    assert list(params.ResourcesParams.model_fields) == list(params.RESOURCE_RULES)
 
 
 def test_kimi_resources_use_the_step_names(base):
-    cfg = P.load(ROOT / "configs/kimi-k2.5.yaml", base=ROOT / "params.yaml")
+    cfg = params.load(ROOT / "configs/kimi-k2.5.yaml", base=ROOT / "params.yaml")
     res = cfg["resources"]
-    for step in P.TRAINING_RULES:
+    for step in params.TRAINING_RULES:
         assert res[step]["torchrun"] is True and res[step]["gpu"] == 8, step
     for step in ("eval_phase1_scratch", "eval_phase1", "eval_phase2"):
         assert res[step] == res["eval_phase0"], step
-    assert not set(res) - set(P.RESOURCE_RULES)
+    assert not set(res) - set(params.RESOURCE_RULES)
 
 
 def test_import_is_light():
@@ -356,10 +358,11 @@ def test_import_is_light():
 
 def test_show_prints_the_merged_params(capsys):
     assert (
-        P.main(["--params", str(ROOT / "params.yaml"), "--configfile", str(ROOT / "configs/micro.yaml"), "--show"]) == 0
+        params.main(["--params", str(ROOT / "params.yaml"), "--configfile", str(ROOT / "configs/micro.yaml"), "--show"])
+        == 0
     )
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert shown == P.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
+    assert shown == params.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
     assert shown["profile"] == "micro" and shown["phase1"]["train"]["steps"] == 12
 
 
@@ -434,7 +437,7 @@ def test_reference_keys_are_required_when_it_is_set(base):
     cfg = bad(base, "reference", {"repo_id": "org/name", "revision": "main"})
     assert error_of(cfg) == "reference.note: missing"
     cfg["reference"]["note"] = None
-    assert P.validate(cfg)["reference"] == {"repo_id": "org/name", "revision": "main", "note": None}
+    assert params.validate(cfg)["reference"] == {"repo_id": "org/name", "revision": "main", "note": None}
 
 
 def test_first_problem_in_file_order(base):
@@ -460,45 +463,45 @@ def test_first_problem_in_file_order(base):
 
 def test_validated_copy_keeps_types_order_and_only_the_keys_given(base):
     cfg = bad(base, "costmodel.draft_ms", 0)
-    out = P.validate(cfg)
+    out = params.validate(cfg)
     assert type(out["costmodel"]["draft_ms"]) is float and type(out["eval"]["k"]) is int
     assert list(out) == list(base) and list(out["features"]) == list(base["features"])
-    assert P.flatten(out).keys() == P.flatten(base).keys()
+    assert params.flatten(out).keys() == params.flatten(base).keys()
     cfg["resources"] = {"default": base["resources"]["default"], "compare": {"mem_mb": 10}}
-    assert P.validate(cfg)["resources"] == cfg["resources"]
+    assert params.validate(cfg)["resources"] == cfg["resources"]
 
 
 def test_cross_false_skips_only_the_cross_checks(base):
     cfg = bad(base, "phase2.n_samples", 10)
-    assert P.validate(cfg, cross=False)["phase2"]["n_samples"] == 10
+    assert params.validate(cfg, cross=False)["phase2"]["n_samples"] == 10
     assert error_of(cfg).startswith("phase2.n_samples: must exceed")
-    with pytest.raises(P.ParamsError, match=r"^eval\.k: must be >= 1"):
-        P.validate(bad(cfg, "eval.k", 0), cross=False)
+    with pytest.raises(params.ParamsError, match=r"^eval\.k: must be >= 1"):
+        params.validate(bad(cfg, "eval.k", 0), cross=False)
     cfg = copy.deepcopy(base)
     cfg["resources"] = {"train_phase1": {"threads": 2}}
     assert error_of(cfg).startswith("resources.default: missing (every rule's")
 
 
 def test_cross_checks_name_the_training_steps(base):
-    cfg = P.merge(base, {"resources": {"compare": {"torchrun": True, "gpu": 1}}})
+    cfg = params.merge(base, {"resources": {"compare": {"torchrun": True, "gpu": 1}}})
     assert error_of(cfg) == (
         "resources.compare.torchrun: only training rules run under torchrun "
         "(train_phase1_scratch, train_phase1, train_phase2, train_curves, budget)"
     )
-    cfg = P.merge(base, {"resources": {"train_phase1": {"torchrun": True}}})
+    cfg = params.merge(base, {"resources": {"train_phase1": {"torchrun": True}}})
     assert error_of(cfg) == "resources.train_phase1.torchrun: needs gpu >= 1 (one process per GPU)"
-    ok = P.merge(base, {"resources": {"train_phase1": {"torchrun": True, "gpu": 2}}})
-    assert P.validate(ok)["resources"]["train_phase1"] == {"threads": 2, "torchrun": True, "gpu": 2}
+    ok = params.merge(base, {"resources": {"train_phase1": {"torchrun": True, "gpu": 2}}})
+    assert params.validate(ok)["resources"]["train_phase1"] == {"threads": 2, "torchrun": True, "gpu": 2}
 
 
 def test_not_a_mapping():
-    with pytest.raises(P.ParamsError) as e:
-        P.validate([1, 2])
+    with pytest.raises(params.ParamsError) as e:
+        params.validate([1, 2])
     assert str(e.value) == "params: expected a mapping, got [1, 2]"
 
 
 def test_train_config_is_the_train_group():
-    assert TrainConfig is P.TrainConfig
+    assert TrainConfig is params.TrainConfig
     cfg = TrainConfig(steps=3, lr=1)
     assert cfg.lr == 1.0 and type(cfg.lr) is float and cfg.gamma == 0.8
     assert cfg.model_dump() == {**OLD_TRAIN_DEFAULTS, "steps": 3, "lr": 1.0}
@@ -509,13 +512,13 @@ def test_train_config_is_the_train_group():
         ({"parallel": "zero3"}, 'train.parallel: must be one of ddp, fsdp; got "zero3"'),
         ({"stesp": 3}, "train.stesp: unknown key (did you mean train.steps?)"),
     ]:
-        with pytest.raises(P.ParamsError) as e:
+        with pytest.raises(params.ParamsError) as e:
             TrainConfig(**kw)
         assert str(e.value) == msg
     with pytest.raises(DraftportError) as e:
         TrainConfig.from_dict({"stesp": 3, "lrr": 1}, where="phase1.train")
     assert str(e.value) == "phase1.train: unknown training key(s): lrr, stesp"
-    with pytest.raises(P.ParamsError) as e:
+    with pytest.raises(params.ParamsError) as e:
         TrainConfig.from_dict({"steps": 0}, where="phase1.train")
     assert str(e.value) == "phase1.train.steps: must be >= 1, got 0"
     cfg.steps = 5  # mutable, and validated on assignment
@@ -542,7 +545,7 @@ def drop_key(cfg, dotted):
 @pytest.fixture(scope="module")
 def micro(base):
     """params.yaml as test_bad_inputs' repository copy has it: the micro profile merged in."""
-    return P.merge(base, P.read_yaml(ROOT / "configs/micro.yaml"))
+    return params.merge(base, params.read_yaml(ROOT / "configs/micro.yaml"))
 
 
 @pytest.mark.parametrize(
@@ -584,13 +587,13 @@ def micro(base):
         ),
         (
             "profile-typo",
-            lambda c: P.merge(c, yaml.safe_load("eval: {kk: 3}\n")),
+            lambda c: params.merge(c, yaml.safe_load("eval: {kk: 3}\n")),
             "eval.kk",
             "unknown key (did you mean eval.k?)",
         ),
         (
             "params-cli-profile-wrong-type",
-            lambda c: P.merge(c, yaml.safe_load("phase1: {n_samples: many}\n")),
+            lambda c: params.merge(c, yaml.safe_load("phase1: {n_samples: many}\n")),
             "phase1.n_samples",
             'expected an integer, got "many"',
         ),
@@ -628,7 +631,7 @@ def test_no_arms_is_an_empty_list(base):
 
     cfg = copy.deepcopy(base)
     cfg["curves"]["arms_n_samples"] = []
-    c = P.validate(cfg)["curves"]
+    c = params.validate(cfg)["curves"]
     names = [p["name"] for p in points(c)]
     assert len(names) == len(c["n_samples"]) * len(c["inits"]) * len(c["seeds"]) and names[0] == "source_n50_s0"
     assert len(points(base["curves"])) == len(names) + 5 * 2 * 3

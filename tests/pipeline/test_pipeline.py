@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import mlflow_ui as U
-from draftport.plan import registry as R
+import mlflow_ui
+from draftport.plan import registry
 from mlflow_server import MlflowServer, free_port, rest
 from decision_check import says_what_the_numbers_show
 from repo import BIN, ROOT, micro_copy
@@ -481,12 +481,12 @@ def test_registry_modules_are_the_ones_each_step_ran(repo):
         "data.features",
     }
     checked = 0
-    for row in R.STEPS:
+    for row in registry.STEPS:
         rec = repo.path / "logs" / f"{row.name}.json"
         if not rec.is_file():
             continue
         ran = set(json.loads(rec.read_text())["modules"])
-        declared = set(R.PLUMBING_MODULES) | set(row.modules)
+        declared = set(registry.PLUMBING_MODULES) | set(row.modules)
         assert declared - ran <= branch, (row.name, sorted(declared - ran - branch))
         checked += 1
     assert checked >= 15
@@ -694,7 +694,7 @@ def test_mlflow_ui_in_a_browser(repo):
     parent, its nested runs showing under it once expanded, and accept_length once added as a
     column; a new user who lands on the GenAI overview gets to the runs with "Model training".
     Expected values come from the tracking server's REST API. Nothing DVC or Snakemake track changes."""
-    U.need_browser()
+    mlflow_ui.need_browser()
     db = repo.path.parent / "mlflow-server.db"  # MlflowServer(tmp)'s store: the fixture's server writes it
     assert db.is_file()
     # the workspace's runs: `draftport ui` at the server the steps logged to picks their records
@@ -714,7 +714,7 @@ def test_mlflow_ui_in_a_browser(repo):
         return rest(repo.uri, f"metrics/get-history?run_id={rid}&metric_key=accept_length")["metrics"]
 
     env = {**repo.env, "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
-    with U.ui_session(repo.path, env, free_port()) as rep, U.browser() as b:
+    with mlflow_ui.ui_session(repo.path, env, free_port()) as rep, mlflow_ui.browser() as b:
         assert rep["serving"] and rep["ui"].startswith("http://127.0.0.1:")
         ids = {p: r["run_id"] for p, r in rep["runs"].items()}
         assert ids == {p: r["run_id"] for p, r in at_server["runs"].items()}  # the same runs, by their records
@@ -724,14 +724,14 @@ def test_mlflow_ui_in_a_browser(repo):
         }
 
         # the compare page: each phase's name over its accept_length (shown to 3 decimals)
-        shown = U.compare_metric(U.new_page(b), rep["urls"]["compare"])
+        shown = mlflow_ui.compare_metric(mlflow_ui.new_page(b), rep["urls"]["compare"])
         assert shown["ids"] == list(ids.values()) and shown["names"] == phases, shown
         assert len(shown["values"]) == len(phases), shown
         for phase, text in zip(shown["names"], shown["values"]):
             assert float(text) == pytest.approx(tau[phase], abs=5e-4 + 1e-9), (phase, text, tau[phase])
 
         # tau by step: the trained phases, one line each, a point per logged step, x = step
-        chart = U.metric_chart(U.new_page(b), rep["urls"]["tau_by_step"])
+        chart = mlflow_ui.metric_chart(mlflow_ui.new_page(b), rep["urls"]["tau_by_step"])
         trained = [p for p in phases if p != "phase0"]
         assert [e["name"] for e in chart["legend"]] == trained, chart
         assert chart["xtitle"] == ["Step"], chart
@@ -756,7 +756,9 @@ def test_mlflow_ui_in_a_browser(repo):
         from draftport.plan.curves import points
 
         assert len(kids) == len(points(c)), kids  # one per point, the arms' included
-        table = U.runs_table(U.new_page(b, 1600, 1400), rep["urls"]["runs"], "curves", expect={*phases, "curves"})
+        table = mlflow_ui.runs_table(
+            mlflow_ui.new_page(b, 1600, 1400), rep["urls"]["runs"], "curves", expect={*phases, "curves"}
+        )
         assert {*phases, "curves"} <= set(table["before"]) and not set(kids) & set(table["before"]), table
         after = table["after"]
         assert set(kids) <= set(after), table
@@ -766,6 +768,6 @@ def test_mlflow_ui_in_a_browser(repo):
             assert float(table["values"][rid]) == pytest.approx(tau[phase], rel=1e-6), (phase, table["values"])
 
         # a new user: the experiment's page, then the switch the README names
-        land = U.landing(U.new_page(b), f"{rep['ui']}#/experiments/{rep['experiment_id']}")
+        land = mlflow_ui.landing(mlflow_ui.new_page(b), f"{rep['ui']}#/experiments/{rep['experiment_id']}")
         assert "/runs" in land["then"] and {*phases, "curves"} <= set(land["runs"]), land
         print(f"\nMLflow UI: landed on {land['first'].split('#')[1].split('?')[0]}, runs after 'Model training'")

@@ -10,11 +10,11 @@ from snakemake.persistence.file import FilePersistence
 
 from draftport.errors import DraftportError
 from draftport.outputs.report import build_report
-from draftport.plan import params as P
+from draftport.plan import params
 from draftport.pipeline import bridge
 from draftport.pipeline.steps.eval_steps import cost_metrics
 from draftport.pipeline.tracking import check_reachable, retry
-from draftport.plan import registry as R
+from draftport.plan import registry
 from repo import ROOT, smk
 
 
@@ -35,24 +35,24 @@ def test_dvc_yaml_is_generated_from_the_registry(generated):
 
 def test_stages_are_the_registry_rows_with_their_commands_keys_code_and_outs(generated):
     stages = yaml.safe_load(generated)["stages"]
-    cfg = P.load(base=ROOT / "params.yaml")
-    assert list(stages) == [s.name for s in R.active(cfg) if s.dvc]  # enabled: publish is opt-in
+    cfg = params.load(base=ROOT / "params.yaml")
+    assert list(stages) == [s.name for s in registry.active(cfg) if s.dvc]  # enabled: publish is opt-in
     for name, st in stages.items():
-        row = R.BY_NAME[name]
+        row = registry.BY_NAME[name]
         assert st["cmd"].startswith(f"python scripts/{name}.py") and st["cmd"].endswith(f"--logfile logs/{name}.log")
-        assert st["cmd"] == R.command(row, cfg)
+        assert st["cmd"] == registry.command(row, cfg)
         assert st["params"] == list(row.params)
         out = st["outs"][0]
         assert (next(iter(out)) if isinstance(out, dict) else out) == f"artifacts/{name}"
         assert f"scripts/{name}.py" in st["deps"]
-        for f in R.module_files(row):  # code is a dependency, and every listed module exists
+        for f in registry.module_files(row):  # code is a dependency, and every listed module exists
             assert f in st["deps"] and (ROOT / f).is_file(), (name, f)
     # the evaluation of Phase 1 reaches its drafter's training, the control and Phase 0
     assert {"artifacts/train_phase1", "artifacts/eval_phase1_scratch", "artifacts/eval_phase0"} <= set(
         stages["eval_phase1"]["deps"]
     )
     # evaluations and trainings are apart: no evaluation key reaches a training stage
-    for name in R.TRAINING_STEPS:
+    for name in registry.TRAINING_STEPS:
         assert not [k for k in stages[name]["params"] if k.split(".")[0] in ("eval", "costmodel")], name
     assert "src/draftport/training/loop.py" not in stages["eval_phase1"]["deps"]
     # the evaluator's code does (a training measures its held-out tau with it: train.eval_every),
@@ -64,19 +64,19 @@ def test_stages_are_the_registry_rows_with_their_commands_keys_code_and_outs(gen
 def test_snakefile_rules_are_the_registry_rows():
     """The Snakefile's rules (parsed by Snakemake) run the same commands as the DVC stages and
     take the same code as inputs."""
-    cfg = P.load(base=ROOT / "params.yaml")
+    cfg = params.load(base=ROOT / "params.yaml")
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
         with bridge.snakemake_workflow() as wf:
             rules = {r.name: r for r in wf.rules if r.shellcmd}
-            assert sorted(rules) == sorted(s.name for s in R.active(cfg))
+            assert sorted(rules) == sorted(s.name for s in registry.active(cfg))
             for name, rule in rules.items():
-                row = R.BY_NAME[name]
-                assert rule.shellcmd == "{params.cmd}" and rule.params.cmd == R.command(row, cfg), name
+                row = registry.BY_NAME[name]
+                assert rule.shellcmd == "{params.cmd}" and rule.params.cmd == registry.command(row, cfg), name
                 ins = {str(f) for f in rule.input}
-                assert set(R.module_files(row)) <= ins, name
-                assert {bridge.done(u) for u in R.upstream(row, cfg)} <= ins, name
+                assert set(registry.module_files(row)) <= ins, name
+                assert {bridge.done(u) for u in registry.upstream(row, cfg)} <= ins, name
     finally:
         os.chdir(cwd)
 
@@ -113,8 +113,8 @@ def test_another_profile_passes_its_values_by_file():
     assert "python scripts/eval_phase0.py --params .snakemake/draftport/params/eval_phase0-" in out
     path = out.split("python scripts/eval_phase0.py --params ")[1].split()[0]
     vals = yaml.safe_load((ROOT / path).read_text())
-    micro = P.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
-    assert vals == R.step_params(micro, "eval_phase0")
+    micro = params.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
+    assert vals == registry.step_params(micro, "eval_phase0")
 
 
 def test_bad_parameter_stops_snakemake_before_any_job(tmp_path):
@@ -128,9 +128,9 @@ def test_bad_parameter_stops_snakemake_before_any_job(tmp_path):
 
 def test_params_arg_is_empty_for_params_yaml_and_content_named_otherwise(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    base = P.load(base=ROOT / "params.yaml")
+    base = params.load(base=ROOT / "params.yaml")
     assert bridge.params_arg(base, base, "train_phase1") == ""
-    other = P.merge(base, {"phase2": {"train": {"steps": 7}}})
+    other = params.merge(base, {"phase2": {"train": {"steps": 7}}})
     assert bridge.params_arg(other, base, "train_phase1") == ""  # phase1 does not read phase2's values
     assert bridge.params_arg(other, base, "eval_phase2") == ""  # nor does phase2's evaluation
     a = bridge.params_arg(other, base, "train_phase2")

@@ -9,7 +9,7 @@ import time
 import pytest
 from tqdm import tqdm
 
-from draftport import progress as P
+from draftport import progress
 
 
 @pytest.fixture
@@ -30,11 +30,11 @@ def tty(monkeypatch):
 
 
 def test_plain_lines_come_at_the_interval_and_once_at_the_end(no_tty, monkeypatch):
-    monkeypatch.setenv(P.ENV_SECONDS, "0.2")
+    monkeypatch.setenv(progress.ENV_SECONDS, "0.2")
     buf = io.StringIO()
     n = 10_000
     t0 = time.perf_counter()
-    with P.progress(n, "train", "step", file=buf) as bar:
+    with progress.progress(n, "train", "step", file=buf) as bar:
         for i in range(n):
             bar.update()
             if i % 1000 == 0:
@@ -55,9 +55,9 @@ def test_plain_lines_come_at_the_interval_and_once_at_the_end(no_tty, monkeypatc
 
 
 def test_interval_zero_writes_every_update(no_tty, monkeypatch):
-    monkeypatch.setenv(P.ENV_SECONDS, "0")
+    monkeypatch.setenv(progress.ENV_SECONDS, "0")
     buf = io.StringIO()
-    with P.progress(3, "capture", "sample", file=buf) as bar:
+    with progress.progress(3, "capture", "sample", file=buf) as bar:
         for _ in range(3):
             bar.update(2)
     lines = buf.getvalue().splitlines()
@@ -69,33 +69,33 @@ def test_interval_zero_writes_every_update(no_tty, monkeypatch):
 
 
 def test_unknown_total_resume_and_disabled(no_tty, monkeypatch):
-    monkeypatch.setenv(P.ENV_SECONDS, "0")
+    monkeypatch.setenv(progress.ENV_SECONDS, "0")
     buf = io.StringIO()
-    with P.progress(None, "regenerate", file=buf) as bar:
+    with progress.progress(None, "regenerate", file=buf) as bar:
         bar.update(5)
     assert buf.getvalue().splitlines()[-1].startswith("regenerate: 5 it, ")
     buf = io.StringIO()
-    with P.progress(10, "train", "step", initial=8, file=buf) as bar:
+    with progress.progress(10, "train", "step", initial=8, file=buf) as bar:
         bar.update()
     assert buf.getvalue().splitlines()[-1].startswith("train: 9/10 step (90%), ")
     buf = io.StringIO()
-    with P.progress(10, "train", enabled=False, file=buf) as bar:
+    with progress.progress(10, "train", enabled=False, file=buf) as bar:
         bar.update(3)
         bar.set_postfix(loss=1.0)
     assert buf.getvalue() == ""
 
 
 def test_interval_from_the_environment(monkeypatch):
-    monkeypatch.delenv(P.ENV_SECONDS, raising=False)
-    assert P.interval_seconds() == 5.0
+    monkeypatch.delenv(progress.ENV_SECONDS, raising=False)
+    assert progress.interval_seconds() == 5.0
     for raw, want in (("0", 0.0), ("2.5", 2.5), ("soon", 5.0), ("-1", 5.0), ("nan", 5.0)):
-        monkeypatch.setenv(P.ENV_SECONDS, raw)
-        assert P.interval_seconds() == want
+        monkeypatch.setenv(progress.ENV_SECONDS, raw)
+        assert progress.interval_seconds() == want
 
 
 def test_terminal_gets_a_tqdm_bar(tty):
     buf = io.StringIO()
-    with P.progress(5, "train", "step", file=buf) as bar:
+    with progress.progress(5, "train", "step", file=buf) as bar:
         assert isinstance(bar._bar, tqdm)
         for _ in range(5):
             bar.update()
@@ -113,7 +113,7 @@ class Clock:
 
 def test_logwriter_collapses_carriage_return_updates_and_keeps_the_last_state():
     fh, clock = io.StringIO(), Clock()
-    log = P.LogWriter(fh, 1.0, clock=clock)
+    log = progress.LogWriter(fh, 1.0, clock=clock)
     log.write("loading the target\n")
     for i in range(1, 1001):  # 10 s of updates, one per 10 ms, the way tqdm writes them
         clock.t += 0.01
@@ -133,7 +133,7 @@ def test_logwriter_collapses_carriage_return_updates_and_keeps_the_last_state():
 
 def test_logwriter_with_a_real_tqdm_stream():
     fh = io.StringIO()
-    log = P.LogWriter(fh, 3600)  # at most the first state, then the final one
+    log = progress.LogWriter(fh, 3600)  # at most the first state, then the final one
     for _ in tqdm(range(500), desc="capture", file=log, mininterval=0, miniters=1, ascii=True, ncols=80):
         pass
     print("capture: wrote 500 samples", file=log)
@@ -150,7 +150,7 @@ class KeptIO(io.StringIO):
 
 def test_logwriter_keeps_a_wiped_bar_and_pending_text_on_close():
     fh, clock = KeptIO(), Clock()
-    log = P.LogWriter(fh, 10.0, clock=clock)
+    log = progress.LogWriter(fh, 10.0, clock=clock)
     log.write("\rstep 1/3")
     clock.t += 1
     log.write("\rstep 3/3")
@@ -162,6 +162,6 @@ def test_logwriter_keeps_a_wiped_bar_and_pending_text_on_close():
     log.close()
     assert fh.closed and fh.kept.endswith("next line\nno newline yet\n")
     log2_fh = io.StringIO()
-    log2 = P.LogWriter(log2_fh, 10.0)
+    log2 = progress.LogWriter(log2_fh, 10.0)
     log2.write("a\r\nb\n\n")
     assert log2_fh.getvalue() == "a\nb\n\n"

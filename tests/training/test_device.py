@@ -10,7 +10,7 @@ import torch
 
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter
-from draftport.model import device as D
+from draftport.model import device
 from draftport.model.flops import sample_flops, shape_of
 from draftport.plan.params import TrainConfig
 from draftport.training.loop import OOM_KNOB, init_distributed, train
@@ -21,16 +21,16 @@ requires_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks t
 
 @requires_no_gpu
 def test_auto_and_cpu_pick_the_cpu_and_cuda_is_refused_by_its_key():
-    assert D.pick("auto", "train.device") == torch.device("cpu")
-    assert D.pick("cpu", "eval.device") == torch.device("cpu")
+    assert device.pick("auto", "train.device") == torch.device("cpu")
+    assert device.pick("cpu", "eval.device") == torch.device("cpu")
     with pytest.raises(
         DraftportError,
         match=r"^phase1\.train\.device: cuda asked for, but torch sees no CUDA "
         r"device on this machine .*use auto or cpu$",
     ):
-        D.pick("cuda", "phase1.train.device")
+        device.pick("cuda", "phase1.train.device")
     with pytest.raises(DraftportError, match=r"^eval\.device: 'gpu' is not one of auto, cuda, cpu$"):
-        D.pick("gpu", "eval.device")
+        device.pick("gpu", "eval.device")
 
 
 def test_params_take_the_three_choices_and_nothing_else():
@@ -41,19 +41,19 @@ def test_params_take_the_three_choices_and_nothing_else():
 
 
 def test_describe_and_the_mfu_peak():
-    assert D.describe(torch.device("cpu"), 2) == {"device": "cpu", "gpu": None, "processes": 2}
-    assert D.peak_tflops("NVIDIA H100 80GB HBM3") == D.peak_tflops("NVIDIA H200") == 790.0
-    assert D.peak_tflops("NVIDIA A10G") is None and D.peak_tflops(None) is None
+    assert device.describe(torch.device("cpu"), 2) == {"device": "cpu", "gpu": None, "processes": 2}
+    assert device.peak_tflops("NVIDIA H100 80GB HBM3") == device.peak_tflops("NVIDIA H200") == 790.0
+    assert device.peak_tflops("NVIDIA A10G") is None and device.peak_tflops(None) is None
 
 
 def test_out_of_memory_names_the_knob_and_other_errors_pass():
     with pytest.raises(DraftportError) as e:
-        with D.out_of_memory("train step 3", OOM_KNOB):
+        with device.out_of_memory("train step 3", OOM_KNOB):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
     assert str(e.value).startswith("train step 3: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB")
     assert "lower train.batch_size" in str(e.value) and "the rerun resumes" in str(e.value)
     with pytest.raises(ValueError):
-        with D.out_of_memory("evaluation", "eval.batch_size"):
+        with device.out_of_memory("evaluation", "eval.batch_size"):
             raise ValueError("not a memory error")
 
 

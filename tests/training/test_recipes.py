@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftport.errors import DraftportError
-from draftport.plan import params as P
+from draftport.plan import params as schema
 from draftport.training import loop
 from draftport.training.loop import TrainConfig, add_l2sp_grad, train
 from draftport.training.phases import train_phase
@@ -173,10 +173,10 @@ def test_refused_with_one_line_naming_the_key(tmp_path):
         ({"l2sp_lambda": -1e-4}, "phase1.train.l2sp_lambda: must be >= 0, got -0.0001"),
         ({"l2sp_lambda": float("inf")}, "phase1.train.l2sp_lambda: expected a finite number, got inf"),
     ]:
-        with pytest.raises(P.ParamsError) as e:
+        with pytest.raises(schema.ParamsError) as e:
             TrainConfig.from_dict({"steps": 3, **kw}, "phase1.train")
         assert str(e.value) == msg
     # plain fields: a recipe is a train group with keys changed
     c = TrainConfig(**{**TrainConfig(steps=3).model_dump(), "l2sp_lambda": 1e-4, "freeze": ["fc"]})
     assert (c.l2sp_lambda, c.freeze) == (1e-4, ["fc"])
-    assert loop.TrainConfig is P.TrainConfig
+    assert loop.TrainConfig is schema.TrainConfig

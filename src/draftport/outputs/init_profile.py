@@ -31,13 +31,13 @@ from draftport.model.config import DrafterConfig, parse_config
 from draftport.files import load_json
 from draftport.model.formats import read_header, weight_files
 from draftport.files import atomic_write_text
-from draftport.outputs import estimate as E
-from draftport.plan import params as P
+from draftport.outputs import estimate
+from draftport.plan import params
 
 # a flat config without draftport's marker: SpecForge / SGLang train most flat drafters (AQ-MedAI's
 # too), and SGLang numbers an aux id k as the state leaving layer k
 FLAT_DEFAULT_CONVENTION = "sglang"
-GPU_BYTES = E.GPUS["H200"]["memory_bytes"]  # one H200's memory: how many GPUs the target's weights need
+GPU_BYTES = estimate.GPUS["H200"]["memory_bytes"]  # one H200's memory: how many GPUs the target's weights need
 BATCH = 64  # global batch of the real-scale training (8 per GPU on a node)
 EPOCHS = 2  # passes over the data per phase (the curves' budget rule too)
 HEX40 = re.compile(r"[0-9a-f]{40}")
@@ -560,9 +560,9 @@ LIKE_GROUPS = (
 def like_lines(like: Path, n1: int, n2: int) -> list[Line]:
     """The training-side settings of an existing profile (e.g. configs/micro.yaml), sample counts
     excepted (they come from the prompts)."""
-    raw = P.read_yaml(like)
+    raw = params.read_yaml(like)
     out = []
-    kept = P.load(like)["curves"]["n_samples"]
+    kept = params.load(like)["curves"]["n_samples"]
     for g in LIKE_GROUPS:
         v = raw.get(g)
         if not isinstance(v, dict):
@@ -576,7 +576,7 @@ def like_lines(like: Path, n1: int, n2: int) -> list[Line]:
             if g == "curves" and k == "arms_n_samples":  # the arms' n must stay among the curves' n
                 x = [n for n in x if n in kept]
             out.append(Line(f"{g}.{k}", x, f"as {like}"))
-    f = P.load(like)["features"]  # with params.yaml's defaults under it: where the capture runs
+    f = params.load(like)["features"]  # with params.yaml's defaults under it: where the capture runs
     for k in ("max_new_tokens", "eval_samples", "batch_size", "dtype", "device", "engine", "tensor_parallel_size"):
         out.append(Line(f"features.{k}", f[k], f"as {like}"))
     return out
@@ -649,7 +649,7 @@ def _read_pair(req: InitRequest, f: Findings) -> tuple[Model, Model, Model | Non
 def _target_gpus(pair: dict, new: Model, f: Findings) -> tuple[float, int]:
     """The target's bf16 weight bytes (0: unknown) and the GPUs they are sharded over."""
     try:
-        shape = E.target_shape(pair["target_config"], f"targets.new ({new.spec})/config.json")
+        shape = estimate.target_shape(pair["target_config"], f"targets.new ({new.spec})/config.json")
     except DraftportError as e:
         shape = None
         f.note("features.engine", f"parameter count unknown ({str(e).split(': ', 1)[-1]}): transformers engine")
@@ -663,7 +663,7 @@ def _target_gpus(pair: dict, new: Model, f: Findings) -> tuple[float, int]:
 def _phase_samples(req: InitRequest, counts: dict, train_path: Path, f: Findings) -> tuple[int, int] | None:
     """Phase 1's and Phase 2's sample counts (None, a problem noted, when the prompts cannot give them)."""
     n_train = counts["train"]
-    mon = 512 if req.like is None else int((P.read_yaml(req.like).get("monitor") or {}).get("n_samples", 64))
+    mon = 512 if req.like is None else int((params.read_yaml(req.like).get("monitor") or {}).get("n_samples", 64))
     usable = max(0, n_train - mon)
     # Phase 2 takes every usable prompt (200K while the file is not there yet); Phase 1 a fifth,
     # at most the 37K of the Kimi case
@@ -936,7 +936,7 @@ def build(req: InitRequest) -> dict:
         "Each value says why it is there; edit freely, then `snakemake -n` shows what reruns.",
     ]
     text = render_yaml(header, lines)
-    profile = P.validate(P.merge(P.read_yaml(P.PARAMS_FILE), yaml.safe_load(text)))
+    profile = params.validate(params.merge(params.read_yaml(params.PARAMS_FILE), yaml.safe_load(text)))
     rep.update(profile=profile, text=text)
     return rep
 

@@ -47,10 +47,10 @@ from base64 import urlsafe_b64decode, urlsafe_b64encode
 from pathlib import Path
 import yaml
 
-from draftport.plan import params as P
+from draftport.plan import params
 from draftport.errors import DraftportError
 from draftport.files import atomic_write_text
-from draftport.plan import registry as R
+from draftport.plan import registry
 from draftport.plan.registry import art, done
 
 SMK_PARAMS_DIR = ".snakemake/draftport/params"
@@ -58,11 +58,11 @@ REPORT_PLOTS = ("tau.png", "positions.png", "loss.png")
 
 
 # ---- Snakefile side ------------------------------------------------------------------------
-def configure(config: dict, base_file: str = P.PARAMS_FILE) -> tuple[dict, dict]:
+def configure(config: dict, base_file: str = params.PARAMS_FILE) -> tuple[dict, dict]:
     """(effective params, params.yaml alone), both validated; one-line error otherwise."""
     try:
-        cfg = P.validate(config)
-        base = P.load(base=base_file)
+        cfg = params.validate(config)
+        base = params.load(base=base_file)
     except DraftportError as e:
         # One line, no traceback: Snakemake prints a WorkflowError with its stack.
         print(f"error: bad parameters: {e}", file=sys.stderr, flush=True)
@@ -76,8 +76,8 @@ def params_arg(cfg: dict, base: dict, step: str) -> str:
     The file is named by its content, so it changes (and Snakemake reruns the step) exactly
     when one of the step's values changes.
     """
-    vals = R.step_params(cfg, step)
-    if vals == R.step_params(base, step):
+    vals = registry.step_params(cfg, step)
+    if vals == registry.step_params(base, step):
         return ""
     text = yaml.safe_dump(vals, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
@@ -93,7 +93,7 @@ def params_arg(cfg: dict, base: dict, step: str) -> str:
 def shell_command(step: str, cfg: dict, base: dict, launch: str = "python") -> str:
     """The rule's shell command: the registry's, with --params under another profile and the
     launcher (torchrun) of a training rule that asks for one."""
-    cmd = R.command(R.BY_NAME[step], cfg)
+    cmd = registry.command(registry.BY_NAME[step], cfg)
     extra = params_arg(cfg, base, step)
     head = f"python scripts/{step}.py"
     return cmd.replace(head, f"{launch} scripts/{step}.py{extra}", 1)
@@ -101,8 +101,8 @@ def shell_command(step: str, cfg: dict, base: dict, launch: str = "python") -> s
 
 def smk_inputs(step: str, cfg: dict) -> list[str]:
     """A rule's inputs: its upstream steps' metrics.json and its code."""
-    row = R.BY_NAME[step]
-    return [done(u) for u in R.upstream(row, cfg)] + R.module_files(row)
+    row = registry.BY_NAME[step]
+    return [done(u) for u in registry.upstream(row, cfg)] + registry.module_files(row)
 
 
 # ---- Snakemake's lock after a kill -9 -----------------------------------------------------------
@@ -177,12 +177,12 @@ def clear_stale_locks(root: str = LOCK_OWNERS, log=None) -> int:
 
 
 def uses_params_yaml(cfg: dict, base: dict, steps) -> bool:
-    return all(R.step_params(cfg, s) == R.step_params(base, s) for s in steps)
+    return all(registry.step_params(cfg, s) == registry.step_params(base, s) for s in steps)
 
 
 def dvc_commit(stages: list[str], log=print) -> None:
     """Record finished Snakemake steps in dvc.lock (so `dvc status` agrees with Snakemake)."""
-    stages = [s for s in stages if Path(done(s)).is_file() and R.BY_NAME[s].dvc]
+    stages = [s for s in stages if Path(done(s)).is_file() and registry.BY_NAME[s].dvc]
     if not stages or not Path(".dvc").is_dir() or not Path("dvc.yaml").is_file():
         return
     if _lock_current(stages):
@@ -213,7 +213,7 @@ def _lock_current(stages: list[str]) -> bool:
     if any(s not in locked for s in stages):
         return False
     t = lock.stat().st_mtime
-    if any(Path(f).stat().st_mtime > t for f in (P.PARAMS_FILE, "dvc.yaml") if Path(f).exists()):
+    if any(Path(f).stat().st_mtime > t for f in (params.PARAMS_FILE, "dvc.yaml") if Path(f).exists()):
         return False
     for s in stages:
         for root, _, files in os.walk(art(s)):
@@ -288,11 +288,11 @@ DVC_HEADER = """\
 
 
 def stage(step: str, cfg: dict) -> dict:
-    row = R.BY_NAME[step]
-    deps = R.module_files(row) + [art(u) for u in R.upstream(row, cfg)]
+    row = registry.BY_NAME[step]
+    deps = registry.module_files(row) + [art(u) for u in registry.upstream(row, cfg)]
     out = art(step)
     return {
-        "cmd": R.command(row, cfg),
+        "cmd": registry.command(row, cfg),
         "deps": list(dict.fromkeys(deps)),
         "params": list(row.params),
         # persist: DVC's run-cache would otherwise copy an uncached out into .dvc/cache all the
@@ -303,18 +303,18 @@ def stage(step: str, cfg: dict) -> dict:
 
 def train_group(step: str) -> str:
     """The params group whose `train` a training step runs (phase1, phase2, curves)."""
-    return next(k.split(".")[0] for k in R.BY_NAME[step].params if k.endswith(".train"))
+    return next(k.split(".")[0] for k in registry.BY_NAME[step].params if k.endswith(".train"))
 
 
-def dvc_yaml_text(params_file: str = P.PARAMS_FILE) -> str:
+def dvc_yaml_text(params_file: str = params.PARAMS_FILE) -> str:
     """dvc.yaml for params.yaml's profile, from the registry."""
-    cfg = P.load(base=params_file)
-    stages = {s.name: stage(s.name, cfg) for s in R.active(cfg) if s.dvc}
+    cfg = params.load(base=params_file)
+    stages = {s.name: stage(s.name, cfg) for s in registry.active(cfg) if s.dvc}
     # an uncached step's metrics.json is in no experiment's commit (`dvc exp show` would print "!")
-    metrics = [done(s) for s in stages if R.BY_NAME[s].cache]
+    metrics = [done(s) for s in stages if registry.BY_NAME[s].cache]
     evals = [s for s in stages if s.startswith("eval_phase")]
-    phases = [s for s in R.TRAINING_STEPS if s in stages and s.startswith("train_phase")]
-    watched = [s for s in phases if R.get(cfg, f"{train_group(s)}.train.eval_every")]
+    phases = [s for s in registry.TRAINING_STEPS if s in stages and s.startswith("train_phase")]
+    watched = [s for s in phases if registry.get(cfg, f"{train_group(s)}.train.eval_every")]
     plots = (
         [art("report", p) for p in REPORT_PLOTS]
         + [

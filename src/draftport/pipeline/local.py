@@ -23,8 +23,8 @@ from pathlib import Path
 from draftport.errors import DraftportError
 from draftport.pipeline import bridge
 from draftport.plan import cluster
-from draftport.plan import params as P
-from draftport.plan import registry as R
+from draftport.plan import params
+from draftport.plan import registry
 
 TRACKING_ENV = "DRAFTPORT_TRACKING"  # "off": the runner opens no MLflow run (draftport.pipeline.runner)
 
@@ -35,26 +35,26 @@ def plan(target: str, cfg: dict) -> list[str]:
         wanted = [
             "report",
             "decision",
-            *(R.target_steps("online", cfg) if cfg["online"]["enabled"] else []),
+            *(registry.target_steps("online", cfg) if cfg["online"]["enabled"] else []),
             *(["publish"] if cfg["publish"]["enabled"] else []),
         ]
-    elif target in R.TARGETS:
-        wanted = R.target_steps(target, cfg)
-    elif target in R.BY_NAME and R.enabled(R.BY_NAME[target], cfg):
+    elif target in registry.TARGETS:
+        wanted = registry.target_steps(target, cfg)
+    elif target in registry.BY_NAME and registry.enabled(registry.BY_NAME[target], cfg):
         wanted = [target]
     else:
         raise DraftportError(
-            "target", f"{target!r}: not a target ({', '.join(R.TARGETS)}, all) nor a step of this plan"
+            "target", f"{target!r}: not a target ({', '.join(registry.TARGETS)}, all) nor a step of this plan"
         )
-    wanted = [w for w in wanted if R.enabled(R.BY_NAME[w], cfg)]
+    wanted = [w for w in wanted if registry.enabled(registry.BY_NAME[w], cfg)]
     need: set[str] = set()
     todo = list(wanted)
     while todo:
         name = todo.pop()
         if name not in need:
             need.add(name)
-            todo.extend(R.upstream(R.BY_NAME[name], cfg))
-    return [s.name for s in R.active(cfg) if s.name in need]
+            todo.extend(registry.upstream(registry.BY_NAME[name], cfg))
+    return [s.name for s in registry.active(cfg) if s.name in need]
 
 
 def this_interpreter(launcher: str) -> str:
@@ -76,12 +76,12 @@ def run(
     for f in configfiles:
         if not Path(f).is_file():
             raise DraftportError(f, "no such parameter file")
-    cfg, base = P.load(*configfiles), P.load()
+    cfg, base = params.load(*configfiles), params.load()
     env = {**os.environ, **({} if tracking else {TRACKING_ENV: "off"})}
     seconds = {}
     steps = plan(target, cfg)
     for i, name in enumerate(steps, 1):
-        if Path(R.done(name)).is_file() and name not in force:
+        if Path(registry.done(name)).is_file() and name not in force:
             log(f"[{i}/{len(steps)}] {name}: done before, kept")
             continue
         cmd = bridge.shell_command(name, cfg, base, this_interpreter(cluster.launcher(cfg, name)))

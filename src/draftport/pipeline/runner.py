@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from draftport.plan import params as P
+from draftport.plan import params as schema
 from draftport.errors import DraftportError
 from draftport.files import atomic_write_text, load_json
 from draftport.pipeline.bridge import drop_snakemake_records, record_for_snakemake
-from draftport.plan import registry as R
+from draftport.plan import registry
 from draftport.progress import LogWriter
 
 CHECKPOINTS = "checkpoints"
@@ -37,7 +37,7 @@ CHECKPOINTS = "checkpoints"
 RUNS_DIR = ".draftport/runs"
 
 
-art, done = R.art, R.done
+art, done = registry.art, registry.done
 
 
 def checkpoints(step: str) -> Path:
@@ -74,7 +74,7 @@ class StepContext:
     """What a step's function gets: its params (only its keys), its named inputs, its folder,
     its MLflow run (tracked steps)."""
 
-    def __init__(self, row: R.Step, params: dict, inputs: dict[str, Path], folder: Path):
+    def __init__(self, row: registry.Step, params: dict, inputs: dict[str, Path], folder: Path):
         self.row, self.name, self.p, self.inputs, self.dir = row, row.name, params, inputs, folder
         self.run = None  # tracking.PhaseRun for the phases
         # measured seconds the step reports (the decision's hours): logs/<step>.json, never
@@ -126,32 +126,32 @@ def load_step_params(step: str, params_file: str | None) -> dict:
     validated by the Snakefile: here only each value is checked, the profile's other values are
     not in the file). Under params.yaml alone (DVC, a step run by hand) a step that these params
     leave out of the plan is refused: dvc.yaml was made under other values."""
-    base = P.read_yaml(P.PARAMS_FILE)
+    base = schema.read_yaml(schema.PARAMS_FILE)
     if params_file:
-        base = P.merge(base, P.read_yaml(params_file))
-    cfg = P.validate(base, cross=not params_file)
-    row = R.BY_NAME[step]
-    if not params_file and not R.enabled(row, cfg):
+        base = schema.merge(base, schema.read_yaml(params_file))
+    cfg = schema.validate(base, cross=not params_file)
+    row = registry.BY_NAME[step]
+    if not params_file and not registry.enabled(row, cfg):
         conds = (row.enabled,) if isinstance(row.enabled, str) else row.enabled
-        off = next(c for c in conds if not R.holds(cfg, c))
+        off = next(c for c in conds if not registry.holds(cfg, c))
         key = off.partition("=")[0]
-        instead = [s.name for s in R.STEPS if s.replaces == step and R.enabled(s, cfg)]
-        raise P.ParamsError(
+        instead = [s.name for s in registry.STEPS if s.replaces == step and registry.enabled(s, cfg)]
+        raise schema.ParamsError(
             key,
-            f"{R.get(cfg, key)}: step {step} is not part of this plan (it needs {off}"
+            f"{registry.get(cfg, key)}: step {step} is not part of this plan (it needs {off}"
             + (f"; step {instead[0]} stands in for it" if instead else "")
             + "): regenerate dvc.yaml (python -m draftport.pipeline.bridge dvc-yaml)",
         )
-    return R.step_params(cfg, step)
+    return registry.step_params(cfg, step)
 
 
-def default_inputs(row: R.Step) -> dict[str, Path]:
+def default_inputs(row: registry.Step) -> dict[str, Path]:
     """The named inputs of the step's command under params.yaml (a step run by hand)."""
-    return {k: Path(v) for k, v in R.inputs(row, P.load()).items()}
+    return {k: Path(v) for k, v in registry.inputs(row, schema.load()).items()}
 
 
 def _parse(step: str, argv):
-    ap = argparse.ArgumentParser(prog=f"scripts/{step}.py", description=R.BY_NAME[step].doc)
+    ap = argparse.ArgumentParser(prog=f"scripts/{step}.py", description=registry.BY_NAME[step].doc)
     ap.add_argument("--params", help="the step's values (a profile's; default: params.yaml)")
     ap.add_argument(
         "--input",
@@ -172,7 +172,7 @@ def _parse(step: str, argv):
     return a, ins
 
 
-def function_of(row: R.Step) -> Callable[[StepContext], dict]:
+def function_of(row: registry.Step) -> Callable[[StepContext], dict]:
     mod, fn = row.fn.split(":")
     return getattr(importlib.import_module(f"draftport.pipeline.steps.{mod}"), fn)
 
@@ -185,7 +185,7 @@ def main(step: str, argv: list[str] | None = None) -> int:
     get their MLflow run in step.run before any compute. A DraftportError is one line on stderr,
     exit code 2; a run that fails leaves artifacts/<step>/ as it was (no partial file, the older
     run kept)."""
-    row = R.BY_NAME[step]
+    row = registry.BY_NAME[step]
     a, ins = _parse(step, argv)
     fn = function_of(row)
     if torchrun_rank() > 0:
@@ -222,7 +222,7 @@ def main(step: str, argv: list[str] | None = None) -> int:
             raise
         seconds = round(time.time() - t0, 1)
         if s.run is not None:
-            s.run.log_metrics({**P.flatten(metrics), "seconds": seconds}, step=int(metrics.get("train_steps", 0)))
+            s.run.log_metrics({**schema.flatten(metrics), "seconds": seconds}, step=int(metrics.get("train_steps", 0)))
             s.run.finish(ok=True)
         write_json(folder / "metrics.json", metrics)
         _publish(folder, final)
@@ -260,7 +260,7 @@ def torchrun_rank() -> int:
     return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
 
 
-def _run_worker(row: R.Step, fn, params_file: str | None, ins: dict) -> int:
+def _run_worker(row: registry.Step, fn, params_file: str | None, ins: dict) -> int:
     """A torchrun rank other than 0: it joins the training (fn), and leaves the step's folder,
     its log, MLflow and metrics.json to rank 0."""
     _set_threads()
@@ -306,13 +306,13 @@ def _open_run(s: StepContext):
 
         if info.get("uri") == tracking_uri():
             run = PhaseRun.attach(info["run_id"], where=rec)
-            _log_params_once(run, P.flatten(s.p))
+            _log_params_once(run, schema.flatten(s.p))
             _record_run(s.name, run)
             print(f"{s.name}: MLflow run {run.run_id} ({s.row.run}, made by {trained}) at {run.uri}")
             return run
     rev_file = Path(art("fetch", "revision.json"))
     rev = read_json(rev_file) if rev_file.is_file() else {}
-    profile = s.p.get("profile") or P.read_yaml(P.PARAMS_FILE).get("profile", "default")
+    profile = s.p.get("profile") or schema.read_yaml(schema.PARAMS_FILE).get("profile", "default")
     run = PhaseRun(
         profile,
         s.row.run,
@@ -324,7 +324,7 @@ def _open_run(s: StepContext):
             **({"draftport.dvc_exp": os.environ["DVC_EXP_NAME"]} if os.environ.get("DVC_EXP_NAME") else {}),
         },
     )
-    run.log_params(P.flatten(s.p))
+    run.log_params(schema.flatten(s.p))
     _record_run(s.name, run)
     print(f"{s.name}: MLflow run {run.run_id} in experiment draftport-{profile} at {run.uri}")
     return run
@@ -389,15 +389,15 @@ def loaded_modules() -> set[str]:
     return {m[len("draftport.") :] for m in sys.modules if m.startswith("draftport.") and sys.modules[m] is not None}
 
 
-def undeclared_modules(row: R.Step) -> list[str]:
+def undeclared_modules(row: registry.Step) -> list[str]:
     """Modules the step ran that its registry row does not list: a change there would not rerun
     it. Packages count through their modules (draftport.world for world.targets)."""
-    declared = set(R.PLUMBING_MODULES) | set(row.modules)
+    declared = set(registry.PLUMBING_MODULES) | set(row.modules)
     packages = {".".join(d.split(".")[:i]) for d in declared for i in range(1, d.count(".") + 1)}
     return sorted(m for m in loaded_modules() if m not in declared and m not in packages)
 
 
-def _check_modules(row: R.Step) -> None:
+def _check_modules(row: registry.Step) -> None:
     missing = undeclared_modules(row)
     if not missing:
         return

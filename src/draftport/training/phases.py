@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -22,6 +23,10 @@ from draftport.evaluation.accept import held_out_monitor
 from draftport.model.vocab import check_maps, compare_maps, remap_lm_head
 from draftport.training.loop import train
 
+# where a training starts: "source" (the source drafter on the new map), "scratch" (random weights),
+# or the folder of a drafter an earlier phase saved (Phase 2 continues Phase 1's), as params give it
+InitChoice = Literal["source", "scratch"] | str
+
 
 def feature_dirs(features_dir) -> list:
     """One feature folder or several that continue one another, as a list (a chain folder: its parts)."""
@@ -33,7 +38,7 @@ def inputs_fingerprint(
     *,
     features_dir,
     vocab_path,
-    init: str,
+    init: InitChoice,
     source_dir=None,
     vocab_policy: str = "remap",
     arch=None,
@@ -77,7 +82,7 @@ def train_phase(
     features_dir,
     target_dir,
     vocab_path,
-    init: str,
+    init: InitChoice,
     train_cfg,
     source_dir=None,
     vocab_policy: str = "remap",
@@ -136,7 +141,7 @@ def train_phase(
     return _save_phase(out_dir, d, cfg, init, report, res, fs)
 
 
-def _refuse_scratch_anchor(init: str, train_cfg) -> None:
+def _refuse_scratch_anchor(init: InitChoice, train_cfg) -> None:
     """The L2-SP anchor is the initial weights, which init scratch draws at random."""
     if init == "scratch" and train_cfg.l2sp_lambda:
         raise DraftportError(
@@ -180,7 +185,7 @@ def _train_to_end(d, fs, head, out_dir: Path, train_cfg, logger, progress, ckpt_
     return res
 
 
-def _save_phase(out_dir: Path, d, cfg: DrafterConfig, init: str, report: dict, res: dict, fs) -> dict:
+def _save_phase(out_dir: Path, d, cfg: DrafterConfig, init: InitChoice, report: dict, res: dict, fs) -> dict:
     """The trained drafter saved flat to out_dir/drafter and its loss history beside it; -> the report."""
     d.to("cpu")  # saved from host memory, as every caller reads it
     save_drafter(out_dir / "drafter", cfg, d.export_state(), metadata={"draftport_phase_init": init})
@@ -199,7 +204,7 @@ def _save_phase(out_dir: Path, d, cfg: DrafterConfig, init: str, report: dict, r
 
 
 def initial_drafter(
-    init: str,
+    init: InitChoice,
     fs,
     features_dir,
     *,

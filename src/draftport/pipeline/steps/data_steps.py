@@ -69,13 +69,13 @@ def fetch(s: StepContext) -> dict:
     profile) into target_new/ (target_old/ likewise); the reference drafter, when the profile
     names one, into reference/."""
     # lazy (registry): only the fetch step runs data.fetch
-    from draftport.data import fetch as F
+    from draftport.data import fetch as fetching
 
     src, t = s.p["source"], s.p["targets"]
     if src["offline"]:
         os.environ["HF_HUB_OFFLINE"] = "1"
     pickle = src["allow_pickle"]  # off by default: .bin/.pt weights are refused
-    lock = F.fetch(
+    lock = fetching.fetch(
         src["repo_id"],
         s.path("source"),
         revision=src["revision"],
@@ -87,7 +87,7 @@ def fetch(s: StepContext) -> dict:
     out = {"source": {"files": len(lock["files"])}}
     ref = s.p["reference"]
     if ref:  # the upper bound Phase 0 evaluates next to the source, fetched the same way
-        rl = F.fetch(
+        rl = fetching.fetch(
             ref["repo_id"],
             s.path("reference"),
             revision=ref["revision"],
@@ -99,11 +99,11 @@ def fetch(s: StepContext) -> dict:
         out["reference"] = {"files": len(rl["files"])}
     for which in ("new", "old"):  # a target given as a hub id (the old one: the source's own reference)
         if t[which] and is_hub_id(t[which]):
-            tl = F.fetch(
+            tl = fetching.fetch(
                 t[which],
                 s.path(f"target_{which}"),
                 revision=None,
-                patterns=F.TARGET_PATTERNS,
+                patterns=fetching.TARGET_PATTERNS,
                 offline=src["offline"],
                 allow_pickle=pickle,
                 trust_remote_code=t[which] in t["trust_remote_code"],  # its *.py only when named
