@@ -19,7 +19,7 @@ Per shape, at B x T = 16 x 2048 (no padding), then on a realistic length mix (lo
 tok/s counts the stored (real) tokens. Roofline = peak (790 TFLOP/s, the bf16 matmul rate measured
 on this workplace's H200s) / FLOPs per token, FLOPs per token = 2 x non-embedding params (the
 lm_head included) + causal attention 2 x layers x heads x (qk + v head dim) x T/2 (for a mix:
-the token-weighted mean of n/2), as draftport.outputs.estimate counts a capture.
+the token-weighted mean of n/2), as draftport.profile.estimate counts a capture.
 
 Also recorded: host ceilings (sha256, pageable vs pinned device-to-host copies, disk write +
 fsync), where capture_write's time goes (main thread: featurize / pack+copy / waiting on the

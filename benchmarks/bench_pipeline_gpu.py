@@ -141,8 +141,8 @@ def training_rates(steps: dict) -> dict:
 
 def capture_rates(cfg: dict, steps: dict, peak_tflops: float) -> dict:
     """Each capture's stored tokens per second of capture, against the prefill roofline at its
-    mean sample length (draftport.outputs.estimate's FLOP count of a capture)."""
-    from draftport.outputs import estimate
+    mean sample length (draftport.profile.estimate's FLOP count of a capture)."""
+    from draftport.profile import estimate
 
     try:
         shape = estimate.target_shape(estimate.target_config(cfg)[0])

@@ -356,7 +356,7 @@ def cli_reference() -> str:
 
 def kimi_estimate() -> str:
     """`draftport estimate --configfile configs/kimi-k2.5.yaml` as printed (the committed benchmarks)."""
-    from draftport.outputs import estimate  # torch via data.storage: only this block needs it
+    from draftport.profile import estimate  # torch via data.storage: only this block needs it
     from draftport.plan import params
 
     cwd = Path.cwd()
@@ -395,9 +395,9 @@ def render(text: str) -> str:
 
 
 def rate_table() -> str:
-    """src/draftport/outputs/rates.json: the estimate's figures from benchmarks/results, shipped
+    """src/draftport/profile/rates.json: the estimate's figures from benchmarks/results, shipped
     with the package (an installed draftport has no benchmarks/ folder)."""
-    from draftport.outputs import train_rates
+    from draftport.profile import rates as train_rates
 
     return json.dumps(train_rates.packaged_table(), indent=1, default=str) + "\n"
 
@@ -413,7 +413,7 @@ def packaged_params() -> str:
 
 # whole generated files: path -> what writes it
 WHOLE = {
-    ROOT / "src" / "draftport" / "outputs" / "rates.json": rate_table,
+    ROOT / "src" / "draftport" / "profile" / "rates.json": rate_table,
     ROOT / "src" / "draftport" / "plan" / "defaults.yaml": packaged_params,
 }
 

@@ -207,7 +207,7 @@ def _init_refuse(rep: dict) -> None:
 def _init_estimate(rep: dict) -> dict | None:
     """The written profile's estimate (None, named a gap, while it needs what is still missing)."""
     # lazy: a command imports what it runs when it runs (see the module docstring)
-    from draftport.outputs.estimate import estimate as estimate_profile
+    from draftport.profile.estimate import estimate as estimate_profile
 
     est = None
     try:
@@ -220,7 +220,7 @@ def _init_estimate(rep: dict) -> dict | None:
 def _init_print(rep: dict, path: Path, est: dict | None) -> None:
     """init's text output: the file written, its notes, the estimate and what is still missing."""
     # lazy: a command imports what it runs when it runs (see the module docstring)
-    from draftport.outputs.estimate import render as render_estimate
+    from draftport.profile.estimate import render as render_estimate
 
     sys.stdout.write(f"wrote {path}\n")
     for where, what in rep["notes"]:
@@ -266,7 +266,7 @@ def init(
     files from headers only, pins the revision, writes configs/NAME.yaml (a comment per key), prints
     the estimate and what is still missing before `snakemake --configfile=configs/NAME.yaml --cores 8 decision`."""
     # lazy: a command imports what it runs when it runs (see the module docstring)
-    from draftport.outputs import init_profile
+    from draftport.profile import init as init_profile
 
     rep = init_profile.build(
         init_profile.InitRequest(
@@ -349,7 +349,7 @@ def estimate(
     """Wall time and disk of a profile's phases: regenerating the answers, capturing the hidden
     states and training, per storage mode (disk bf16 / fp8, online), every input printed."""
     # lazy: a command imports what it runs when it runs (see the module docstring)
-    from draftport.outputs import estimate as estimating
+    from draftport.profile import estimate as estimating
     from draftport.plan.params import load
 
     if params == Path("params.yaml") and not params.is_file():  # outside a checkout: params.yaml as shipped

@@ -25,7 +25,7 @@ from bench_capture_h200 import (
     uncompile_layers,
 )
 from draftport.data.features import featurizer
-from draftport.outputs.estimate import capture_bench
+from draftport.profile.estimate import capture_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_capture_h200.py"

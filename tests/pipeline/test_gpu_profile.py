@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from draftport.outputs.train_rates import drafter_shape
+from draftport.profile.rates import drafter_shape
 from draftport.pipeline import bridge, local
 from draftport.plan import cluster
 from draftport.plan import params

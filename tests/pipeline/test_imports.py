@@ -171,7 +171,7 @@ def test_a_wheel_carries_every_module_and_the_in_venv_scripts(tmp_path):
     want = {str(p.relative_to(SRC)) for p in PKG.rglob("*.py")}
     assert want <= names, sorted(want - names)
     assert "draftport/engines/vllm/runners/online_vllm.py" in names and "draftport/plan/registry.py" in names
-    assert {"draftport/outputs/rates.json", "draftport/plan/defaults.yaml"} <= names
+    assert {"draftport/profile/rates.json", "draftport/plan/defaults.yaml"} <= names
     # installed, outside any checkout: the estimate of a profile from the packaged rates and params
     site, away = tmp_path / "site", tmp_path / "away"
     zipfile.ZipFile(wheel).extractall(site)

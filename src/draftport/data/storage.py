@@ -1,5 +1,5 @@
 """The disk a capture or an online training needs, by storage mode, and the check each runs
-before any weights load (draftport.outputs.estimate prints the same figures for a whole profile).
+before any weights load (draftport.profile.estimate prints the same figures for a whole profile).
 
 Modes (features.storage): `disk` every state on disk at features.dtype; `online` the training
 step recomputes the states into a bounded spool (features.spool_gb) deleted as read, only the

@@ -1,5 +1,5 @@
 """Model FLOPs of a drafter's training, the count MFU is measured with (the training benchmark's,
-benchmarks/bench_train_h200.py `flops_per_token`'s "train" figure; tests/outputs/test_train_rates.py
+benchmarks/bench_train_h200.py `flops_per_token`'s "train" figure; tests/profile/test_rates.py
 checks that they agree). No torch: `draftport estimate` reads it too.
 
 Per trained token at length T, one multiply-add = 2 FLOPs, per TTT step j: q/k/v over the 2H-wide

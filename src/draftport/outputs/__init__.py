@@ -1,2 +1,2 @@
-"""What the plan hands a user: the compare report, the estimate, the report's plots and tables,
-terminal renderings and the published drafter."""
+"""What the plan hands a user: the compare report, the report's plots and tables, terminal
+renderings and the published drafter."""

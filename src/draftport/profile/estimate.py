@@ -47,10 +47,10 @@ from draftport.data.storage import MODES, SPOOL_GB, _positive, bytes_per_token, 
 from draftport.data.storage import DISK_MARGIN, TOKEN_BYTES, check_storage  # noqa: F401
 from draftport.model.config import target_text_config
 from draftport.outputs.render import estimate_renderables
-from draftport.outputs.train_rates import _packaged, capture_bench, newest_capture_bench
+from draftport.profile.rates import _packaged, capture_bench, newest_capture_bench
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/estimate.py)
-# the default: the training figures of the profile's own drafter shape (draftport.outputs.train_rates:
+ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/profile/estimate.py)
+# the default: the training figures of the profile's own drafter shape (draftport.profile.rates:
 # measured, interpolated or nearest); this file (Kimi-K2's drafter) when a caller reads one file
 DEFAULT_BENCH = ROOT / "benchmarks" / "results" / "2026-12-03-h200-train-kimi.json"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -78,7 +78,7 @@ SERVE_CONCURRENCY = 64  # requests in flight per serving instance: the published
 # more (more tokens per weight read), so the rate is on the low side
 SERVE_HBM_UTIL = 0.43  # the fraction of HBM bandwidth a decode step gets end to end (prefills, TP all-reduces,
 # scheduling included): fitted to SERVE_REFERENCE's 64-concurrent point, checked on its
-# 16 and 32 (tests/outputs/test_estimate.py); dense kernels do better: low side for dense
+# 16 and 32 (tests/profile/test_estimate.py); dense kernels do better: low side for dense
 SERVE_COMPUTE_FRACTION = 0.5  # of PEAK_TFLOPS in decode's skinny matmuls (assumed): binds only when the bytes are few
 KV_CACHE_BYTES = 2  # bytes per cached element: bf16, SGLang's and vLLM's default (kv_cache_dtype auto)
 # bytes per parameter read per decode step, by the target's weight format (weight_format): decoder layers,
@@ -197,7 +197,7 @@ def bench_throughput(path=DEFAULT_BENCH, cfg: dict | None = None) -> dict:
     An older one gives its full-row rates for both
     (`tokens_per_s_lm_head_trainable`, `tokens_per_s_mask_precomputed`)."""
     if cfg is not None and path is DEFAULT_BENCH:  # not given (the CLI passes this very object)
-        from draftport.outputs.train_rates import for_profile  # lazy: estimate's other callers pass a file
+        from draftport.profile.rates import for_profile  # lazy: estimate's other callers pass a file
 
         return for_profile(cfg)
     path = Path(path)

@@ -1,7 +1,7 @@
 """The one-GPU training rate of a profile's own drafter shape, from the training benchmark's results
 (benchmarks/results/<date>-h200-train-<shape>.json of bench_train_h200.py --shape): measured when
 a result of that shape exists, else interpolated between the measured shapes around it, or the
-nearest one's outside their range; each figure says which (draftport.outputs.estimate bills the
+nearest one's outside their range; each figure says which (draftport.profile.estimate bills the
 trainings with it).
 
 The drafter's shape of a profile (`drafter_shape`): the embedded world's source drafter
@@ -35,11 +35,11 @@ from pathlib import Path
 from draftport.errors import DraftportError
 from draftport.files import load_json
 
-# the benchmark's count (tests/outputs/test_train_rates.py) and the sizes that set a training's rate (the full
+# the benchmark's count (tests/profile/test_rates.py) and the sizes that set a training's rate (the full
 # vocab only matters to a mask computed in the step; the pipeline stores it with the features)
 from draftport.model.flops import SHAPE_KEYS, flops_per_token
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/outputs/train_rates.py)
+ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/profile/rates.py)
 RESULTS = ROOT / "benchmarks" / "results"
 # estimate's figure name -> the benchmark's mix result it reads
 FIGURES = {
@@ -172,7 +172,7 @@ def read_result(path: Path) -> dict | None:
 
 # The newest result per shape and the newest capture result, shipped with the package, so that an
 # installed draftport estimates without the repository (`python tools/docgen.py` rewrites it from
-# benchmarks/results; tests/outputs/test_train_rates.py checks that they agree).
+# benchmarks/results; tests/profile/test_rates.py checks that they agree).
 PACKAGED = Path(__file__).with_name("rates.json")
 
 

@@ -31,7 +31,7 @@ from draftport.model.config import DrafterConfig, parse_config
 from draftport.files import load_json
 from draftport.model.formats import read_header, weight_files
 from draftport.files import atomic_write_text
-from draftport.outputs import estimate
+from draftport.profile import estimate
 from draftport.plan import params
 
 # a flat config without draftport's marker: SpecForge / SGLang train most flat drafters (AQ-MedAI's

@@ -1,4 +1,4 @@
-"""The README's and docs/estimate.md's wall-time and disk figures come from draftport.outputs.estimate:
+"""The README's and docs/estimate.md's wall-time and disk figures come from draftport.profile.estimate:
 arithmetic redone here from the printed inputs, and bad inputs refused in one line."""
 
 import json
@@ -11,8 +11,8 @@ import pytest
 
 from draftport.data.fetch import publish_to_cache
 from draftport.model.fixtures import frequency_maps, small_config, write_header_only_drafter
-from draftport.outputs import estimate
-from draftport.outputs import train_rates
+from draftport.profile import estimate
+from draftport.profile import rates as train_rates
 from draftport.plan import params
 from draftport.data import storage
 from draftport.errors import DraftportError

@@ -1,5 +1,5 @@
 """draftport estimate's training figure is that of the profile's own drafter shape
-(draftport.outputs.train_rates): measured when a result of that shape exists, interpolated in log H
+(draftport.profile.rates): measured when a result of that shape exists, interpolated in log H
 between the measured shapes around it, else the nearest one's, and it says which."""
 
 import json
@@ -12,8 +12,8 @@ import yaml
 import bench_train_h200 as bench
 from draftport.errors import DraftportError
 from draftport.model.config import DrafterConfig
-from draftport.outputs import estimate
-from draftport.outputs import train_rates
+from draftport.profile import estimate
+from draftport.profile import rates as train_rates
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = train_rates.KIMI_K2_DRAFTER
