@@ -1,4 +1,4 @@
-"""draftport.evaluation.decision: bootstrap CIs over prompts, the paired gains, rules R1-R6, and `draftport decide`."""
+"""draftport.evaluation.decision: bootstrap CIs over prompts, the paired gains, rules R1-R9, and `draftport decide`."""
 
 import json
 import zlib
@@ -160,7 +160,7 @@ def test_clear_gain_source():
     assert d["smallest_n_beating_break_even"] == {"source": 200, "scratch": None}
     rec = d["recommendation"]
     assert rec["init"] == "source" and rec["n_samples"] == 200 and rec["confidence"] == "high"
-    assert [r["id"] for r in rec["rules"]] == ["R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8"]
+    assert [r["id"] for r in rec["rules"]] == ["R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8", "R9"]
     assert any("n=200" in s and f"{src[1]['accept_length']:.3f}" in s for s in rec["text"])
     assert rec["phase2"] == "not measured" and rec["deploy_source_now"] is False
     assert d["phases"] == {} and d["phase2_gain"] is None and d["phase1_gain_vs_scratch"] is None and d["drift"] is None
@@ -304,6 +304,53 @@ def test_bad_inputs():
     with pytest.raises(DraftportError) as e:
         decision.decide(CURVES, {}, costmodel={"baseline_tok_s": 100.0}, k=1, n_boot=NB)
     assert e.value.where == "costmodel"
+
+
+STRONG = {"source": {100: 1.8, 200: 2.6}, "scratch": {100: 1.3, 200: 1.6}}  # R1 and R2 hold: confidence high
+
+
+def test_r9_a_degenerate_phase_lowers_the_confidence_and_is_named():
+    fine = run_decide(curves_from(STRONG), {"phase0": phase(1.5, 1), "phase1": phase(2.5, 2)})
+    assert fine["recommendation"]["confidence"] == "high" and fine["recommendation"]["evidence_problems"] == []
+    flat = {"accept_length": 1.5, "per_sample": {"accepted": [10] * 120, "cycles": [20] * 120}}  # every prompt 1.5
+    d = run_decide(curves_from(STRONG), {"phase0": flat, "phase1": phase(2.5, 2)})
+    rec = d["recommendation"]
+    assert d["phases"]["phase0"]["ci"] == [1.5, 1.5]
+    assert rec["confidence"] == "medium"
+    [problem] = rec["evidence_problems"]
+    assert problem["kind"] == "degenerate" and problem["where"] == "phase phase0" and problem["ci"] == [1.5, 1.5]
+    assert problem["text"] in rec["text"] and "1.500 (CI [1.500, 1.500])" in problem["text"]
+    assert rec["rules"][8] == {"id": "R9", "fired": "degenerate: phase phase0"}
+    assert "R9 found 1 problem(s)" in rec["rules"][4]["fired"]
+
+
+def test_r9_names_a_curve_that_contradicts_the_phase_at_the_same_n():
+    curves = curves_from(STRONG)
+    seed0 = next(p for p in curves["points"] if p["init"] == "source" and p["n_samples"] == 200 and p["seed"] == 0)
+    agrees = {"accept_length": 0.0, "per_sample": seed0["per_sample"]}  # the curve's own seed-0 drafter
+    ok = run_decide(curves, {"phase2": agrees}, phase_n={"phase2": 200})
+    assert ok["recommendation"]["evidence_problems"] == [] and ok["recommendation"]["confidence"] == "high"
+    far = {"phase2": phase(3.4, 5, p=200)}  # far above the source curve's 2.6 at the same n
+    assert run_decide(curves, far)["recommendation"]["evidence_problems"] == []  # no n given: not checked
+    d = run_decide(curves, far, phase_n={"phase2": 200, "phase1": 50})  # no curve point at n=50: not checked
+    rec = d["recommendation"]
+    [problem] = rec["evidence_problems"]
+    assert problem["kind"] == "contradicting" and problem["where"] == "phase2 vs curves.source at n=200"
+    assert problem["curve_ci"][1] < problem["phase_ci"][0]
+    assert "curves.train.steps" in problem["text"] and problem["text"] in rec["text"]
+    assert rec["confidence"] == "medium"
+
+
+def test_r6_says_why_a_gain_above_min_gain_does_not_count():
+    curves = curves_from({"source": {100: 2.4, 200: 2.43}, "scratch": {100: 1.3, 200: 1.6}})
+    d = run_decide(curves, min_gain=0.05)
+    rec = d["recommendation"]
+    row = d["plateau"][0]
+    # n=200 is above n=100 (CI above 0) but its CI's lower end is not above min_gain
+    assert 0 < row["ci"][0] <= 0.05 < row["ci"][1] and not row["significantly_below"]
+    assert rec["n_enough"] == 100
+    [sentence] = [t for t in rec["text"] if t.startswith("Enough data")]
+    assert f"lower end {row['ci'][0]:.3f} is not above 0.05, so the gain does not count" in sentence
 
 
 def test_rules_are_documented_word_for_word():

@@ -109,7 +109,7 @@ def test_a_pair_from_init_to_the_decision(tmp_path, world, arch):
     assert compare["verdict"], compare
     dec = json.loads((art / "decision" / "decision.json").read_text())
     assert dec["recommendation"]["init"] in ("source", "scratch", "either")
-    assert [x["id"] for x in dec["recommendation"]["rules"]] == ["R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8"]
+    assert [x["id"] for x in dec["recommendation"]["rules"]] == ["R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8", "R9"]
 
     r = draftport("decide", cwd=repo)
     assert r.returncode == 0 and "Recommendation: init " in r.stdout, r.stderr

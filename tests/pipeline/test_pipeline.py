@@ -283,6 +283,7 @@ def test_all_and_the_report(repo):
         "R6",
         "R7",
         "R8",
+        "R9",
     ]
     # the arms at n=32 (each init on the dataset's own answers, three recipes), each paired with plain
     assert set(dec["curves"]) == {

@@ -1,6 +1,6 @@
 """The decision: which init, which recipe, whether to regenerate the answers, how much data, whether
 Phase 2 pays, and what it costs in hours, from bootstrap CIs on accept length and the cost model's
-break-even (decision.json, rules R1-R8).
+break-even (decision.json, rules R1-R9).
 
 Accept length over a set of prompts is a ratio of sums, tau = 1 + sum(accepted) / sum(cycles),
 pooled over every seed (replicate) and prompt. Its uncertainty is the prompts': a percentile
@@ -39,7 +39,8 @@ RULES = {
     'significant -> "no significant gain"; missing -> "not measured".',
     "R4": 'deploy_source_now: phases.phase0.beats_break_even == "yes" (false when phase0 is missing).',
     "R5": 'confidence: "high" when R1\'s init comes from a significant gain at N and R2 found an n; '
-    '"medium" when exactly one of those holds; else "low".',
+    '"medium" when exactly one of those holds; else "low". One level lower (high to medium, medium to '
+    "low) when R9 finds a problem in the evidence.",
     "R6": 'enough data: for the recommended init (for "either": source), n_enough = the smallest measured n '
     "whose accept length is not below the largest n's by more than min_gain with significance (the "
     "paired difference, largest n - n, over the same prompts: its CI's lower end <= min_gain); when "
@@ -54,6 +55,11 @@ RULES = {
     "plain fine-tuning of the source. The recipe with the largest significant gain > 0 is chosen; "
     'none significant and > 0 -> "plain" (the text lists each recipe\'s gain). Only for init '
     'source (else "plain"); no recipe arm -> "plain" (not measured).',
+    "R9": "evidence: two checks of the measurements themselves. Degenerate: a phase or a curve point whose "
+    "CI has zero width (every prompt gave the same accept length: the CI says nothing). Contradicting: a "
+    "phase and the curve of its init at the phase's n whose CIs do not overlap (Phase 1 and Phase 2: "
+    "source; the control: scratch). Each problem is named in the text with its figures and the evidence "
+    "that would fix it, and lowers R5's confidence.",
 }
 
 
@@ -332,7 +338,8 @@ def rule_r6_enough(
         f"{which}: n={N} - n={enough} is {x['diff_to_largest']:+.3f} (CI {_fmt_ci(x['ci'])}), "
         f"not above min_gain {min_gain:g} with significance",
         f"Enough data: beyond n={enough} the {which} drafter gains no accept length above {min_gain:g} with "
-        f"significance (n={N} is {x['diff_to_largest']:+.3f}, CI {_fmt_ci(x['ci'])}, above it).",
+        f"significance: n={N} is {x['diff_to_largest']:+.3f} over it (CI {_fmt_ci(x['ci'])}), and that CI's lower "
+        f"end {x['ci'][0]:.3f} is not above {min_gain:g}, so the gain does not count.",
     )
 
 
@@ -445,13 +452,71 @@ def rule_r8_recipe(init: str, groups: dict, opts: dict) -> tuple[str, dict, str,
     )
 
 
-def rule_r5_confidence(init_from_sig_at_n: bool, n_found: bool) -> tuple[str, str]:
-    held = int(init_from_sig_at_n) + int(n_found)
-    conf = {2: "high", 1: "medium", 0: "low"}[held]
+def rule_r5_confidence(init_from_sig_at_n: bool, n_found: bool, evidence_problems: int = 0) -> tuple[str, str]:
+    held = int(init_from_sig_at_n) + int(n_found) - int(evidence_problems > 0)
+    conf = {2: "high", 1: "medium", 0: "low", -1: "low"}[held]
+    lowered = f"; R9 found {evidence_problems} problem(s) in the evidence: one level lower" if evidence_problems else ""
     return conf, (
         f"init from a significant gain at N: {'yes' if init_from_sig_at_n else 'no'}; "
-        f"R2 found an n: {'yes' if n_found else 'no'} -> {conf}"
+        f"R2 found an n: {'yes' if n_found else 'no'}{lowered} -> {conf}"
     )
+
+
+# which curve a phase is checked against (R9): the phase's init
+PHASE_INIT = {"phase1_scratch": "scratch", "phase1": "source", "phase2": "source"}
+
+
+def _degenerate(where: str, row: dict) -> dict | None:
+    lo, hi = row["ci"]
+    if lo != hi:
+        return None
+    return {
+        "kind": "degenerate",
+        "where": where,
+        "accept_length": row["accept_length"],
+        "ci": row["ci"],
+        "text": (
+            f"The evaluation of {where} is degenerate: every prompt gave accept length {row['accept_length']:.3f} "
+            f"(CI {_fmt_ci(row['ci'])}), so its CI says nothing about the traffic. Evaluate on more prompts or "
+            "more varied ones (the held-out set), or train it further if it accepts nothing yet."
+        ),
+    }
+
+
+def _contradiction(phase: str, n: int, prow: dict, crow: dict, init: str) -> dict | None:
+    (plo, phi), (clo, chi) = prow["ci"], crow["ci"]
+    if plo <= chi and clo <= phi:
+        return None
+    return {
+        "kind": "contradicting",
+        "where": f"{phase} vs curves.{init} at n={n}",
+        "phase_accept_length": prow["accept_length"],
+        "phase_ci": prow["ci"],
+        "curve_accept_length": crow["accept_length"],
+        "curve_ci": crow["ci"],
+        "text": (
+            f"The learning curve contradicts {phase} at the same n={n}: {init}'s curve gives "
+            f"{crow['accept_length']:.3f} (CI {_fmt_ci(crow['ci'])}) where {phase} gives "
+            f"{prow['accept_length']:.3f} (CI {_fmt_ci(prow['ci'])}), and the CIs do not overlap. The rules on "
+            "data (R2, R6) read the curves: give the curve points the phase's training budget (curves.train.steps, "
+            "curves.epochs, curves.min_steps) before trusting them."
+        ),
+    }
+
+
+def rule_r9_evidence(phases_out: dict, curves_out: dict, phase_n: dict | None) -> tuple[list[dict], str, list[str]]:
+    """(the problems found, fired, their sentences)."""
+    problems = [_degenerate(f"phase {name}", row) for name, row in phases_out.items()]
+    for arm, rows in curves_out.items():
+        problems += [_degenerate(f"curve point {arm} n={r['n_samples']}", r) for r in rows]
+    for phase, n in (phase_n or {}).items():
+        init = PHASE_INIT.get(phase)
+        crow = next((r for r in curves_out.get(init, []) if r["n_samples"] == n), None)
+        if phase in phases_out and crow is not None:
+            problems.append(_contradiction(phase, n, phases_out[phase], crow, init))
+    problems = [p for p in problems if p is not None]
+    fired = "; ".join(f"{p['kind']}: {p['where']}" for p in problems) or "no degenerate or contradicting evidence"
+    return problems, fired, [p["text"] for p in problems]
 
 
 # ---------------------------------------------------------------- the decision
@@ -497,11 +562,13 @@ def decide(
     min_gain: float = 0.0,
     hours: dict | None = None,
     serving_tokens_per_day: float | None = None,
+    phase_n: dict | None = None,
 ) -> dict:
     """decision.json: CIs per (arm, n) and per phase, the paired gains, and the recommendation of
-    rules R1-R8 (RULES; docs/decision.md). hours: {"rates": draftport.evaluation.hours.rates,
+    rules R1-R9 (RULES; docs/decision.md). hours: {"rates": draftport.evaluation.hours.rates,
     "phases": {phase: device-hours split}, "plan": the whole plan's split} (measured; None: the
-    decision states no hours); serving_tokens_per_day: the payback of the chosen drafter's hours."""
+    decision states no hours); serving_tokens_per_day: the payback of the chosen drafter's hours;
+    phase_n: {phase: the n it trained on}, for R9's check of the curves against the phases."""
     check_boot(n_boot, level)
     cm = _cost(costmodel, k)
     be = float(cm.break_even_accept_length)
@@ -520,14 +587,15 @@ def decide(
     n_rec, f2, s2 = rule_r2_data(init, smallest, curves_out, be)
     ph2, f3, s3 = rule_r3_phase2(p2)
     deploy, f4, s4 = rule_r4_deploy(phases_out, be)
-    conf, f5 = rule_r5_confidence(init_sig, n_rec is not None)
+    evidence, f9, s9 = rule_r9_evidence(phases_out, curves_out, phase_n)
+    conf, f5 = rule_r5_confidence(init_sig, n_rec is not None, len(evidence))
     n_enough, plateau, f6, s6 = rule_r6_enough(init, groups, opts, min_gain)
     recipe, recipe_gain, f8, s8 = rule_r8_recipe(init, groups, opts)
     regen_h = None if rates is None or n_rec is None else n_rec * rates["regenerate_s_per_sample"] / 3600
     regenerate, answers_gain, f7, s7 = rule_r7_regenerate(init, groups, opts, regen_h)
     chosen = _chosen(init, recipe, regenerate, n_rec, curves_out, secs, rates)
     pay = _payback(chosen, cm, hours, serving_tokens_per_day)
-    text = [s1, s8, s7, s2, s6, s3, s4, *_evidence_text(chosen, pay, hours, p1, drift), f"Confidence: {conf}."]
+    text = [s1, s8, s7, s2, s6, s3, s4, *_evidence_text(chosen, pay, hours, p1, drift), *s9, f"Confidence: {conf}."]
     return {
         **_settings(level, n_boot, k, min_gain, cm, be),
         "curves": curves_out,
@@ -552,7 +620,8 @@ def decide(
             "confidence": conf,
             "chosen": chosen,
             "payback": pay,
-            "rules": [{"id": f"R{i}", "fired": f} for i, f in enumerate((f1, f2, f3, f4, f5, f6, f7, f8), 1)],
+            "evidence_problems": evidence,
+            "rules": [{"id": f"R{i}", "fired": f} for i, f in enumerate((f1, f2, f3, f4, f5, f6, f7, f8, f9), 1)],
             "text": text,
         },
     }

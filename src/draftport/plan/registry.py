@@ -503,9 +503,9 @@ STEPS: tuple[Step, ...] = (
     ),
     Step(
         "decision",
-        "the recommendation with evidence: init, recipe, answers, data, Phase 2, hours; bootstrap CIs, rules R1-R8",
+        "the recommendation with evidence: init, recipe, answers, data, Phase 2, hours; bootstrap CIs, rules R1-R9",
         "decision_step:decision",
-        ("costmodel", "eval.k", "decision", "resources"),
+        ("costmodel", "eval.k", "decision", "resources", "phase1.n_samples", "phase2.n_samples"),
         (
             "evaluation.decision",
             "evaluation.bootstrap",

@@ -1,5 +1,5 @@
 """The decision step: which init, recipe and answers, how much data, whether Phase 2 pays, and
-the hours, with bootstrap CIs (draftport.evaluation.decision: its rules R1-R8, docs/decision.md;
+the hours, with bootstrap CIs (draftport.evaluation.decision: its rules R1-R9, docs/decision.md;
 the hours: draftport.evaluation.hours, measured by the steps) -> decision.json, decision.txt."""
 
 from __future__ import annotations
@@ -64,6 +64,15 @@ def _hours(s: StepContext, curves: dict | None) -> dict | None:
     return {"rates": r, "phases": phases, "plan": plan}
 
 
+def _phase_n(s: StepContext) -> dict:
+    """{phase: the n it trained on}, for the phases this plan trains (R9 checks them against the curves)."""
+    n1, n2 = s.p["phase1"]["n_samples"], s.p["phase2"]["n_samples"]
+    if "budget" in s.inputs:  # data.budget adaptive: Phase 2 trained on the n where the rounds stopped
+        n2 = read_json(s.input("budget"))["n_samples"]
+    out = {"phase1_scratch": n1, "phase1": n1, "phase2": n2}
+    return {ph: n for ph, n in out.items() if ph in s.inputs}
+
+
 def decision(s: StepContext) -> dict:
     d = s.p["decision"]
     curves = read_json(s.input("curves")) if "curves" in s.inputs else None
@@ -81,6 +90,7 @@ def decision(s: StepContext) -> dict:
         min_gain=d["min_gain"],
         hours=_hours(s, curves),
         serving_tokens_per_day=d["serving_tokens_per_day"],
+        phase_n=_phase_n(s),
     )
     if "budget" in s.inputs:  # data.budget adaptive: where the rounds stopped, and why
         b = read_json(s.input("budget"))
