@@ -64,11 +64,11 @@ def _hours(s: StepContext, curves: dict | None) -> dict | None:
     return {"rates": r, "phases": phases, "plan": plan}
 
 
-def _phase_n(s: StepContext) -> dict:
+def _phase_n(s: StepContext, budget: dict | None) -> dict:
     """{phase: the n it trained on}, for the phases this plan trains (R9 checks them against the curves)."""
     n1, n2 = s.p["phase1"]["n_samples"], s.p["phase2"]["n_samples"]
-    if "budget" in s.inputs:  # data.budget adaptive: Phase 2 trained on the n where the rounds stopped
-        n2 = read_json(s.input("budget"))["n_samples"]
+    if budget is not None:  # data.budget adaptive: Phase 2 trained on the n where the rounds stopped
+        n2 = budget["n_samples"]
     out = {"phase1_scratch": n1, "phase1": n1, "phase2": n2}
     return {ph: n for ph, n in out.items() if ph in s.inputs}
 
@@ -78,6 +78,7 @@ def decision(s: StepContext) -> dict:
     curves = read_json(s.input("curves")) if "curves" in s.inputs else None
     phases = {ph: read_json(s.input(ph)) for ph in PHASES if ph in s.inputs}
     drift = read_json(s.input("drift")) if "drift" in s.inputs else None
+    budget = read_json(s.input("budget")) if "budget" in s.inputs else None
     out = decide(
         curves,
         phases,
@@ -90,13 +91,12 @@ def decision(s: StepContext) -> dict:
         min_gain=d["min_gain"],
         hours=_hours(s, curves),
         serving_tokens_per_day=d["serving_tokens_per_day"],
-        phase_n=_phase_n(s),
+        phase_n=_phase_n(s, budget),
     )
-    if "budget" in s.inputs:  # data.budget adaptive: where the rounds stopped, and why
-        b = read_json(s.input("budget"))
+    if budget is not None:  # data.budget adaptive: where the rounds stopped, and why
         out["data_budget"] = {
-            **{key: b[key] for key in ("stop", "why", "n_samples", "factor", "min_gain", "cap")},
-            "rounds": [{key: v for key, v in row.items() if key != "per_sample"} for row in b["rounds"]],
+            **{key: budget[key] for key in ("stop", "why", "n_samples", "factor", "min_gain", "cap")},
+            "rounds": [{key: v for key, v in row.items() if key != "per_sample"} for row in budget["rounds"]],
         }
     write_json(s.path("decision.json"), out)
     text = render_text(out)
