@@ -61,8 +61,8 @@ def base_params(world: dict | None = None) -> dict:
 
 
 def _write_corpora(out: Path, p: dict) -> tuple[list, list, dict, dict]:
-    """The old and new corpora and their held-out continuations, written under out/corpus:
-    (old, new, {"old", "new"} held-out samples, the four files by name)."""
+    """The old and new corpora, their held-out continuations and the long-prompt held-out set,
+    written under out/corpus: (old, new, {"old", "new"} held-out samples, the five files by name)."""
     seed, lseed = int(p["seed"]), int(p["language_seed"])
     old = generate_corpus("old", p["n_old"], seed, language_seed=lseed)
     new = generate_corpus("new", p["n_new"], seed, language_seed=lseed)
@@ -75,11 +75,16 @@ def _write_corpora(out: Path, p: dict) -> tuple[list, list, dict, dict]:
         "new": out / "corpus/new.jsonl",
         "heldout_old": out / "corpus/heldout_old.jsonl",
         "heldout_new": out / "corpus/heldout_new.jsonl",
+        "heldout_long": out / "corpus/heldout_long.jsonl",
     }
     write_jsonl(corpus["old"], old)
     write_jsonl(corpus["new"], new)
     write_jsonl(corpus["heldout_old"], heldout["old"])
     write_jsonl(corpus["heldout_new"], heldout["new"])
+    # new-distribution long prompts, a stream of their own (start = n_new: a later training set of
+    # long prompts would take 0..n_new); not measured on the targets, whose metrics stay as they were
+    long = generate_corpus("new", p["n_heldout"], seed, start=p["n_new"], language_seed=lseed, prompts="long")
+    write_jsonl(corpus["heldout_long"], long)
     return old, new, heldout, corpus
 
 
@@ -143,9 +148,10 @@ def build_world_base(out_dir: str | Path, params: dict | None = None, progress: 
 
     params: a params `world` group (its `build` and `source_drafter` are not the base's and are
     left out); None: the embedded world. Layout: tokenizer/, corpus/{old,new,heldout_old,
-    heldout_new}.jsonl, target_old/, target_new/, world_base.json (the manifest returned).
-    Held-out samples continue the training streams (start = n_train), so they are never in the
-    training set by construction.
+    heldout_new,heldout_long}.jsonl, target_old/, target_new/, world_base.json (the manifest
+    returned). Held-out samples continue the training streams (start = n_train), so they are never
+    in the training set by construction; heldout_long (long prompts, the new distribution) is a
+    stream of its own.
     """
     out = Path(out_dir)
     p = base_params(params)
@@ -183,6 +189,7 @@ def build_world_base(out_dir: str | Path, params: dict | None = None, progress: 
             "new": len(new),
             "heldout_old": len(heldout["old"]),
             "heldout_new": len(heldout["new"]),
+            "heldout_long": p["n_heldout"],
         },
         "topics": {"old": topic_distribution(old), "new": topic_distribution(new)},
         "vocab_size": load_world_tokenizer(tok_dir).get_vocab_size(),

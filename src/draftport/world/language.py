@@ -7,6 +7,11 @@ largely predictable from the user turn, but not entirely. The "new" distribution
 language and shifts what K2.5's data shifts: topic weights, two new topics, a new polite word,
 other connectives, numbered lists and longer answers. Per-sample RNGs are seeded by strings
 (`random.Random(str)` hashes with sha512, not with the salted `hash()`).
+
+Two kinds of prompts: "chat" (a one- or two-sentence question: the training corpora) and "long"
+(a passage of several paragraphs, then a question; its answer quotes the passage, so it copies
+more from the context, as summarisation or code editing do): an eval set with other statistics
+and other context lengths.
 """
 
 from __future__ import annotations
@@ -100,6 +105,18 @@ STYLE = {
         "summary_prob": 0.7,
     },
 }
+
+
+# Long prompts (a passage, then a question): sentences in the passage and per paragraph, the
+# weights of a later paragraph's focus (keyword, second noun, another noun), the share of answer
+# sentences quoted from the passage, and a cap on the passage's words. Sized by token counts: the
+# embedded world's (vocab 2048) long prompts take ~105-230 tokens, the micro profile's (vocab 512,
+# ~2.2x the tokens) ~150-475, so prompt + answer stays inside the targets' 512 positions.
+LONG_SENTENCES = (12, 22)
+LONG_PARAGRAPH = (3, 6)
+LONG_FOCUS = [0.4, 0.3, 0.3]
+LONG_QUOTE_PROB = 0.6
+LONG_MAX_WORDS = 140  # rare nouns split into many tokens: the sentence count alone does not bound them
 
 
 def _zipf(n: int, s: float = 1.0) -> list[float]:
@@ -324,21 +341,24 @@ def _detok(words: list[str]) -> str:
     return text
 
 
-def _sample(kind: str, lang: Language, rng: random.Random) -> dict:
+def _setup(kind: str, lang: Language, rng: random.Random) -> tuple[Topic, dict]:
+    """The sample's topic and its context: keyword K, second noun M, the user's number and unit."""
     weights = topic_weights(kind)
     ti = rng.choices(range(len(weights)), weights=weights)[0]
     topic = lang.topics[ti]
     k = rng.choices(topic.nouns, cum_weights=_CUM20)[0]
     m = rng.choice([n for n in topic.nouns if n != k])
-    ctx = {"K": k, "M": m, "#": _number(rng), "U": rng.choice(topic.units)}
+    return topic, {"K": k, "M": m, "#": _number(rng), "U": rng.choice(topic.units)}
 
-    style = STYLE[kind]
-    user_tpl = rng.choices(USER_TEMPLATES, weights=style["user_weights"])[0]
-    user = _detok(_render(user_tpl, lang, topic, ctx, rng))
 
-    def sentence() -> list[str]:
-        tpl = SENTENCES[rng.choices(range(len(SENTENCES)), cum_weights=topic.template_cum)[0]]
-        return _render(tpl, lang, topic, ctx, rng)
+def _sentence(lang: Language, topic: Topic, ctx: dict, rng: random.Random) -> list[str]:
+    tpl = SENTENCES[rng.choices(range(len(SENTENCES)), cum_weights=topic.template_cum)[0]]
+    return _render(tpl, lang, topic, ctx, rng)
+
+
+def _answer(kind: str, lang: Language, topic: Topic, ctx: dict, rng: random.Random, sentence) -> str:
+    """An assistant turn in the style of `kind`; sentence() gives each body sentence's words."""
+    style, k = STYLE[kind], ctx["K"]
 
     def pick(old_words: list[str], new_words: list[str], new_share: float) -> str:
         return rng.choices(
@@ -362,20 +382,88 @@ def _sample(kind: str, lang: Language, rng: random.Random) -> dict:
     words += topic.closing + [k, "."]
     if rng.random() < style["summary_prob"]:
         words += ["\n", lang.summary, ":", k, ",", ctx["#"], ctx["U"], "."]
-    return {"user": user, "assistant": _detok(words), "topic": topic.name}
+    return _detok(words)
 
 
-def generate_corpus(kind: str, n: int, seed: int, *, start: int = 0, language_seed: int | None = None) -> list[dict]:
-    """`n` chat samples {"user", "assistant", "topic"} of the "old" or "new" distribution.
+def _sample(kind: str, lang: Language, rng: random.Random) -> dict:
+    """A chat sample: a one- or two-sentence question and its answer."""
+    topic, ctx = _setup(kind, lang, rng)
+    user_tpl = rng.choices(USER_TEMPLATES, weights=STYLE[kind]["user_weights"])[0]
+    user = _detok(_render(user_tpl, lang, topic, ctx, rng))
+    answer = _answer(kind, lang, topic, ctx, rng, lambda: _sentence(lang, topic, ctx, rng))
+    return {"user": user, "assistant": answer, "topic": topic.name}
 
-    Sample i depends only on (kind, seed, i): the stream is prefix-stable, so a held-out split is
-    just `start=n_train` of the same stream. "topic" is bookkeeping (for tests and reports).
-    language_seed: default the embedded world's (draftport.plan.params.WorldParams).
+
+def _passage(lang: Language, topic: Topic, ctx: dict, rng: random.Random) -> tuple[list[str], list[list[str]]]:
+    """A long passage (paragraphs about the keyword, the second noun and other topic nouns) and
+    its sentences about the keyword, the facts an answer quotes."""
+    k, m = ctx["K"], ctx["M"]
+    words: list[str] = []
+    facts: list[list[str]] = []
+    left = rng.randint(*LONG_SENTENCES)
+    while left > 0 and len(words) < LONG_MAX_WORDS:
+        # the first paragraph is about the keyword; later ones about it, the second noun or another noun
+        focus = k if not words else rng.choices([k, m, None], weights=LONG_FOCUS)[0]
+        if focus is None:
+            focus = rng.choices(topic.nouns, cum_weights=_CUM20)[0]
+        if focus == k:
+            pctx = dict(ctx)
+        else:
+            # the keyword as the second noun: facts about the keyword are spread over the passage
+            pctx = {"K": focus, "M": k, "#": _number(rng), "U": rng.choice(topic.units)}
+        if words:
+            words.append("\n")
+        for _ in range(min(left, rng.randint(*LONG_PARAGRAPH))):
+            if len(words) >= LONG_MAX_WORDS:
+                break
+            sent = _sentence(lang, topic, pctx, rng)
+            if k in sent:
+                facts.append(sent)
+            words += sent
+            left -= 1
+    return words, facts
+
+
+def _long_sample(kind: str, lang: Language, rng: random.Random) -> dict:
+    """A long-prompt sample: a passage and a question; the answer quotes the passage's sentences."""
+    topic, ctx = _setup(kind, lang, rng)
+    passage, facts = _passage(lang, topic, ctx, rng)
+    user_tpl = rng.choices(USER_TEMPLATES, weights=STYLE[kind]["user_weights"])[0]
+    user = _detok(passage + ["\n"] + _render(user_tpl, lang, topic, ctx, rng))
+
+    rng.shuffle(facts)  # quoted in a random order, each at most once
+
+    def sentence() -> list[str]:
+        if facts and rng.random() < LONG_QUOTE_PROB:
+            return facts.pop()
+        return _sentence(lang, topic, ctx, rng)
+
+    answer = _answer(kind, lang, topic, ctx, rng, sentence)
+    return {"user": user, "assistant": answer, "topic": topic.name, "prompt_kind": "long"}
+
+
+PROMPT_KINDS = ("chat", "long")
+
+
+def generate_corpus(
+    kind: str, n: int, seed: int, *, start: int = 0, language_seed: int | None = None, prompts: str = "chat"
+) -> list[dict]:
+    """`n` samples {"user", "assistant", "topic"} of the "old" or "new" distribution.
+
+    Sample i depends only on (kind, prompts, seed, i): the stream is prefix-stable, so a held-out
+    split is just `start=n_train` of the same stream. "topic" is bookkeeping (for tests and reports).
+    prompts: "chat" (short questions) or "long" (a passage, then a question; those samples also
+    carry "prompt_kind": "long"). language_seed: default the embedded world's (WorldParams).
     """
     topic_weights(kind)  # validates kind
+    if prompts not in PROMPT_KINDS:
+        raise ValueError(f"prompts must be one of {PROMPT_KINDS}, not {prompts!r}")
     if language_seed is None:
         language_seed = WorldParams().language_seed
     lang = make_language(language_seed)
+    if prompts == "long":
+        # a seed string of its own: the chat streams (every existing corpus) stay byte-identical
+        return [_long_sample(kind, lang, random.Random(f"{kind}:long:{seed}:{i}")) for i in range(start, start + n)]
     return [_sample(kind, lang, random.Random(f"{kind}:{seed}:{i}")) for i in range(start, start + n)]
 
 
