@@ -202,7 +202,23 @@ def _rows(model, prefix: str, cfg) -> list[str]:
             f"| `{key}` | {_type(field)} | {_cell(_range(field))} | {_default(field, key, cfg)} | "
             f"{_cell(field.description)} |"
         )
+        rows += _entry_rows(field, key)
     return rows
+
+
+def _entry_rows(field, key: str) -> list[str]:
+    """A list of groups (targets.eval_sets): one row per key of an entry, as `key[].name`."""
+    ann, _ = _split(field.annotation)
+    args = [a for a in typing.get_args(ann) if a is not type(None)] if typing.get_origin(ann) else [ann]
+    lists = [a for a in args if typing.get_origin(a) is list]
+    item = typing.get_args(lists[0])[0] if lists else None
+    if not (isinstance(item, type) and issubclass(item, BaseModel)):
+        return []
+    return [
+        f"| `{key}[].{k}` | {_type(f)} | {_cell(_range(f))} | "
+        f"{'-' if f.is_required() else _code(f.get_default(call_default_factory=True))} | {_cell(f.description)} |"
+        for k, f in item.model_fields.items()
+    ]
 
 
 HEAD = ["| key | type | range | default | description |", "|---|---|---|---|---|"]

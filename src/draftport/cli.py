@@ -186,6 +186,15 @@ InitReference = Annotated[
     str | None,
     typer.Option(help="A drafter already trained for the new target (hub id[@revision]): Phase 0's upper bound."),
 ]
+InitEvalSet = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--eval-set",
+        help="A named held-out set NAME=PATH:SHARE, e.g. code=data/code.jsonl:0.3: its prompts, "
+        "disjoint from --prompts, and its share of the served traffic; the shares add up to 1 "
+        "(targets.eval_sets; without it: one set, --prompts-eval).",
+    ),
+]
 InitPin = Annotated[
     bool,
     typer.Option(
@@ -257,6 +266,7 @@ def init(
     verify_ms: InitVerifyMs = None,
     draft_ms: Annotated[float | None, typer.Option(help="One draft step, ms (0: inside verify_ms).")] = None,
     reference: InitReference = None,
+    eval_set: InitEvalSet = None,
     pin: InitPin = True,
     out: Annotated[Path | None, typer.Option(help="Where to write the profile (default configs/NAME.yaml).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing profile.")] = False,
@@ -291,6 +301,7 @@ def init(
             verify_ms=verify_ms,
             draft_ms=draft_ms,
             reference=reference,
+            eval_sets=tuple(eval_set or ()),
             pin=pin,
             out=out,
             force=force,

@@ -635,3 +635,98 @@ def test_no_arms_is_an_empty_list(base):
     names = [p["name"] for p in points(c)]
     assert len(names) == len(c["n_samples"]) * len(c["inits"]) * len(c["seeds"]) and names[0] == "source_n50_s0"
     assert len(points(base["curves"])) == len(names) + 5 * 2 * 3
+
+
+# ---- the named held-out sets, the context buckets and min_share (#51) --------------------------
+SETS = [
+    {"name": "chat", "prompts": "prompts/chat.jsonl", "share": 0.7},
+    {"name": "code", "prompts": "prompts/code.jsonl", "share": 0.3, "n": 50},
+]
+
+
+@pytest.mark.parametrize(
+    "dotted,value,expect",
+    [
+        (
+            "targets.eval_sets",
+            [SETS[0], {**SETS[1], "name": "chat"}],
+            "targets.eval_sets[1] (chat): the name is also targets.eval_sets[0]'s",
+        ),
+        (
+            "targets.eval_sets",
+            [{**SETS[0], "share": 0.6}, SETS[1]],
+            "targets.eval_sets: the shares add up to 0.9 (chat 0.6 + code 0.3), not 1",
+        ),
+        ("targets.eval_sets", [{**SETS[0], "name": "Chat"}, SETS[1]], "targets.eval_sets[0] (Chat): name: lowercase"),
+        ("targets.eval_sets", [SETS[0], {**SETS[1], "name": "c" * 41}], f"targets.eval_sets[1] ({'c' * 41}): name: "),
+        (
+            "targets.eval_sets",
+            [SETS[0], {**SETS[1], "share": 0}],
+            "targets.eval_sets[1] (code): share: expected a number",
+        ),
+        (
+            "targets.eval_sets",
+            [SETS[0], {**SETS[1], "n": 0}],
+            "targets.eval_sets[1] (code): n: expected an integer >= 1",
+        ),
+        ("targets.eval_sets", [{"name": "chat", "share": 1.0}], "targets.eval_sets[0] (chat): prompts: missing"),
+        ("targets.eval_sets", [{**SETS[0], "weight": 1}], 'targets.eval_sets[0] (chat): unknown key "weight"'),
+        ("targets.eval_sets", [], "targets.eval_sets: expected null or a non-empty list"),
+        ("eval.context_buckets", [64, 128], "eval.context_buckets: expected lower edges starting at 0, strictly"),
+        ("eval.context_buckets", [0, 64, 64], "eval.context_buckets: expected lower edges starting at 0, strictly"),
+        ("eval.context_buckets", list(range(0, 900, 100)), "eval.context_buckets: expected at most 8 entries, got 9"),
+        ("eval.context_buckets", [], "eval.context_buckets: expected a non-empty list of integers"),
+        ("decision.min_share", 1.5, "decision.min_share: must be <= 1, got 1.5"),
+    ],
+)
+def test_eval_sets_buckets_and_min_share_problems_name_the_key(base, dotted, value, expect):
+    assert error_of(bad(base, dotted, value)).startswith(expect)
+
+
+def test_eval_set_shares_add_up_within_rounding(base):
+    # thirds written to 7 places add up to 0.9999999: within the tolerance (1e-6); 0.999 is not
+    sets = [{"name": n, "prompts": f"prompts/{n}.jsonl", "share": 0.3333333} for n in ("a", "b", "c")]
+    assert params.validate(bad(base, "targets.eval_sets", sets))["targets"]["eval_sets"] == sets
+    assert params.check_eval_sets(sets) == sets
+    with pytest.raises(params.ParamsError, match=r"^targets\.eval_sets: the shares add up to 0\.999 "):
+        params.check_eval_sets([*sets[:2], {**sets[2], "share": 0.3323334}])
+    with pytest.raises(params.ParamsError, match=r"^targets\.eval_sets\[1\] \(b\): share: "):
+        params.check_eval_sets([sets[0], {**sets[1], "share": "0.2"}, sets[2]])
+
+
+def test_resolved_eval_sets_default_is_todays_held_out_set(base):
+    cfg = params.validate(bad(base, "targets.eval_sets", None))  # the embedded profile names two sets
+    t, n = cfg["targets"], cfg["features"]["eval_samples"]
+    assert cfg["eval"]["context_buckets"] == [0, 64, 128, 256] and cfg["decision"]["min_share"] == 0.05
+    assert params.resolved_eval_sets(cfg) == [
+        {"name": "heldout", "prompts": t["prompts_eval_new"], "share": 1.0, "n": n}
+    ]
+    assert params.resolved_eval_sets(cfg, "old") == [
+        {"name": "heldout", "prompts": t["prompts_eval_old"], "share": 1.0, "n": n}
+    ]
+    assert params.resolved_eval_sets(bad(cfg, "targets.prompts_eval_old", None), "old")[0]["prompts"] is None
+    # the features_eval step's own keys are enough
+    assert params.resolved_eval_sets(registry.step_params(cfg, "features_eval")) == params.resolved_eval_sets(cfg)
+
+
+def test_resolved_eval_sets_fill_n_and_serve_both_targets(base):
+    cfg = params.validate(bad(base, "targets.eval_sets", SETS))
+    n = cfg["features"]["eval_samples"]
+    want = [{**SETS[0], "n": n}, SETS[1]]
+    assert params.resolved_eval_sets(cfg) == want and params.resolved_eval_sets(cfg, "old") == want
+    with pytest.raises(ValueError):
+        params.resolved_eval_sets(cfg, "older")
+
+
+def test_the_steps_read_the_new_keys():
+    for step in ("features_eval", "online_phase0", "online_phase1"):
+        assert "targets.eval_sets" in registry.BY_NAME[step].params, step
+        assert "targets.prompts_train" in registry.BY_NAME[step].params, step  # the sets are checked disjoint
+    # the decision reads the sets from Phase 0's eval.json (what was measured), not from params
+    assert "targets.eval_sets" not in registry.BY_NAME["decision"].params
+    assert "data.evalsets" in registry.BY_NAME["features_eval"].modules
+    for step in ("eval_phase0", "eval_phase1_scratch", "eval_phase1", "eval_phase2", "eval_curves", "budget"):
+        assert "eval" in registry.BY_NAME[step].params, step  # the whole group: eval.context_buckets with it
+    assert "decision" in registry.BY_NAME["decision"].params
+    cfg = params.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
+    assert cfg["eval"]["context_buckets"] == [0, 32, 64]

@@ -594,3 +594,15 @@ def test_the_measured_figure_overrides_the_derived_one(kimi_cfg):
         with pytest.raises(DraftportError) as e:
             estimate.estimate(params.merge(kimi_cfg, {"features": {"serve_tok_s": bad}}), capture_eff=0.42)
         assert str(e.value) == f"features.serve_tok_s: must be > 0, got {bad!r}"
+
+
+def test_the_held_out_prompts_are_every_eval_sets_n(kimi_cfg):
+    """targets.eval_sets: the new target answers each set's n prompts (n null: features.eval_samples)."""
+    sets = [
+        {"name": "chat", "prompts": "data/chat.jsonl", "share": 0.6, "n": 300},
+        {"name": "code", "prompts": "data/code.jsonl", "share": 0.4},
+    ]
+    cfg = {**kimi_cfg, "targets": {**kimi_cfg["targets"], "eval_sets": sets}}
+    n = kimi_cfg["features"]["eval_samples"]
+    assert estimate.estimate(cfg, capture_eff=0.42)["held_out"]["eval"] == 300 + n
+    assert estimate.estimate(kimi_cfg, capture_eff=0.42)["held_out"]["eval"] == n

@@ -343,3 +343,49 @@ def test_a_dense_target_on_one_gpu_is_estimated_as_dense(tmp_path):
     est = r.stdout.split("still missing")[0]
     assert "regenerate: " in est and "MoE" not in est
     assert "derived for the dense target: 1 instance(s) of TP1 on H200" in " ".join(est.split())
+
+
+def test_eval_sets_are_checked_and_written(pair):
+    """--eval-set NAME=PATH:SHARE, repeated: targets.eval_sets in the profile; a bad set is one line
+    naming it, exit 2, nothing written."""
+    from draftport.profile.init import Findings, check_eval_sets, parse_eval_set
+
+    tmp, src = pair
+    tgt = small_target(tmp / "target")
+    train = write_jsonl(tmp / "train.jsonl", [{"user": f"q{i}"} for i in range(300)])
+    chat = write_jsonl(tmp / "chat.jsonl", [{"user": f"c{i}"} for i in range(30)])
+    code = write_jsonl(tmp / "code.jsonl", [{"user": f"k{i}"} for i in range(12)] + [{"user": "q5"}])
+    out = tmp / "s.yaml"
+    args = ["s", "--source", src, "--target-new", tgt, "--prompts", train, "--out", out, "--like", "configs/micro.yaml"]
+    r = init(*args, "--eval-set", f"chat={chat}:0.7", "--eval-set", f"code={code}:0.3")
+    assert r.returncode == 2 and not out.exists()
+    assert r.stderr.splitlines()[0] == (
+        f"draftport: error: {code}:13: targets.eval_sets[1] (code): 1 of its 13 prompts are also training "
+        f"prompts ({train}): a held-out set must be disjoint from training"
+    )
+    write_jsonl(code, [{"user": f"k{i}"} for i in range(12)])
+    r = init(*args, "--eval-set", f"chat={chat}:0.7", "--eval-set", f"code={code}:0.3")
+    assert r.returncode == 0, r.stderr
+    cfg = params.load(out)
+    assert cfg["targets"]["eval_sets"] == [
+        {"name": "chat", "prompts": str(chat), "share": 0.7, "n": None},
+        {"name": "code", "prompts": str(code), "share": 0.3, "n": None},
+    ]
+    assert cfg["targets"]["prompts_eval_new"] == str(chat) and cfg["features"]["eval_samples"] == 30
+    # the other problems, in process: each one line naming the set or the option
+    for specs, where in (
+        ((f"chat={chat}:0.7", f"code={code}:0.2"), "targets.eval_sets: the shares add up to 0.9"),
+        ((f"chat={chat}:0.5", f"chat={code}:0.5"), "targets.eval_sets[1] (chat): the name is also"),
+        ((f"Chat={chat}:1",), "targets.eval_sets[0] (Chat): name: "),
+        ((f"chat={tmp / 'none.jsonl'}:1",), "targets.eval_sets[0] (chat): "),
+        ((f"chat={chat}",), "--eval-set: "),
+    ):
+        f = Findings()
+        assert check_eval_sets(specs, train, f) == [] and len(f.problems) == 1
+        assert ": ".join(f.problems[0]).startswith(where), (specs, f.problems)
+    assert parse_eval_set("c=C:/data/x.jsonl:0.25") == {
+        "name": "c",
+        "prompts": "C:/data/x.jsonl",
+        "share": 0.25,
+        "n": None,
+    }

@@ -68,8 +68,9 @@ def _num(x: float) -> str:
 # Plain int / float / bool / Literal fields are strict (the models' config): an int refuses "32"
 # and 1.5, a float refuses true (an int is taken, as a float), a bool refuses 1. The kinds below
 # add what pydantic has no word for; their problems are already params.yaml's one-line wording.
-def _problem(text: str) -> PydanticCustomError:
-    return PydanticCustomError("draftport", "{problem}", {"problem": text})
+def _problem(text: str, at: str = "") -> PydanticCustomError:
+    """at: appended to the field's dotted key (an entry of a list: `[1] (code)`)."""
+    return PydanticCustomError("draftport", "{problem}", {"problem": text, "at": at})
 
 
 def _non_empty(v: str) -> str:
@@ -514,6 +515,123 @@ class SourceParams(Group):
     )
 
 
+# ---- the named held-out sets (targets.eval_sets) -------------------------------------------------
+EVAL_SET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")  # it names MLflow metrics (accept_length/<name>) and files
+SHARE_TOLERANCE = 1e-6  # how far from 1 the shares may add up (decimal shares in YAML)
+
+
+class EvalSet(Group):
+    """One entry of targets.eval_sets: a kind of the served traffic, its held-out prompts and its share."""
+
+    keys_optional: ClassVar[bool] = True  # n may be left out
+
+    name: str = F(
+        ...,
+        "the set's name: lowercase letters, digits, _ and -, a letter or digit first, at most 40 characters "
+        "(it names the MLflow metric accept_length/<name> and files)",
+    )
+    prompts: PathStr = F(..., 'its held-out prompts, JSONL ({"user": ...} per line), disjoint from prompts_train')
+    share: float = F(..., "its share of the served traffic (output tokens); the shares add up to 1", gt=0, le=1)
+    n: Optional[int] = F(None, "prompts taken from the file's start; null: features.eval_samples", ge=1)
+
+
+def eval_set_label(i: int, s: Any) -> str:
+    """How a problem names entry i of targets.eval_sets: its index and, when it has one, its name."""
+    name = s.get("name") if isinstance(s, dict) else None
+    return f"targets.eval_sets[{i}]" + (f" ({name})" if isinstance(name, str) and name.strip() else "")
+
+
+def _eval_set_problem(s: Any) -> str | None:
+    """What is wrong with one entry of targets.eval_sets on its own (None: nothing)."""
+    if not isinstance(s, dict):
+        return f"expected a mapping of name, prompts, share (and n), got {_show(s)}"
+    unknown = [k for k in s if k not in EvalSet.model_fields]
+    if unknown:
+        return f"unknown key {_show(unknown[0])} (an eval set's keys: {', '.join(EvalSet.model_fields)})"
+    missing = [k for k, f in EvalSet.model_fields.items() if f.is_required() and k not in s]
+    if missing:
+        return f"{missing[0]}: missing"
+    name, prompts, share, n = s["name"], s["prompts"], s["share"], s.get("n")
+    if not isinstance(name, str) or not EVAL_SET_NAME.fullmatch(name):
+        return (
+            "name: lowercase letters, digits, _ and -, a letter or digit first, at most 40 characters "
+            f"(it names metrics and files), got {_show(name)}"
+        )
+    if not isinstance(prompts, str) or not prompts.strip():
+        return f"prompts: expected a non-empty string (a JSONL file), got {_show(prompts)}"
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        return f"share: expected a number > 0 and <= 1, got {_show(share)}"
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        return f"n: expected an integer >= 1 or null, got {_show(n)}"
+    return None
+
+
+def _eval_sets(v: Any) -> Any:
+    """targets.eval_sets: null, or a non-empty list of good entries (the names and shares together:
+    the cross checks, check_eval_set_totals)."""
+    if v is None:
+        return v
+    if not isinstance(v, list) or not v:
+        raise _problem(f"expected null or a non-empty list of sets (name, prompts, share, n), got {_show(v)}")
+    for i, s in enumerate(v):
+        problem = _eval_set_problem(s)
+        if problem:
+            raise _problem(problem, at=eval_set_label(i, s).removeprefix("targets.eval_sets"))
+    return v
+
+
+def check_eval_set_totals(sets: list[dict]) -> None:
+    """Names unique, shares adding up to 1: ParamsError naming the entry (or the list, for the sum)."""
+    first: dict[str, int] = {}
+    for i, s in enumerate(sets):
+        if s["name"] in first:
+            raise ParamsError(
+                eval_set_label(i, s),
+                f"the name is also targets.eval_sets[{first[s['name']]}]'s: each set's name is its own "
+                "(it names metrics and files)",
+            )
+        first[s["name"]] = i
+    total = math.fsum(s["share"] for s in sets)
+    if abs(total - 1.0) > SHARE_TOLERANCE:
+        terms = " + ".join(f"{s['name']} {s['share']:g}" for s in sets)
+        raise ParamsError("targets.eval_sets", f"the shares add up to {total:.6g} ({terms}), not 1")
+
+
+def check_eval_sets(sets: Any) -> list[dict]:
+    """targets.eval_sets checked on its own (`draftport init --eval-set`): each entry, then the
+    names and shares together. -> the sets; ParamsError naming the entry."""
+    try:
+        _eval_sets(sets)
+    except PydanticCustomError as e:
+        ctx = e.context or {}
+        raise ParamsError("targets.eval_sets" + ctx.get("at", ""), ctx["problem"]) from None
+    if sets:
+        check_eval_set_totals(sets)
+    return sets
+
+
+def resolved_eval_sets(p: dict, target: str = "new") -> list[dict]:
+    """The held-out sets a target answers, as [{name, prompts, share, n}] with n filled in. No
+    targets.eval_sets: one set, heldout (targets.prompts_eval_new, share 1, features.eval_samples);
+    the old target answers the named sets as they are, the default set from targets.prompts_eval_old
+    (prompts None when that is null). p: the params, or a step's subset of them."""
+    if target not in ("new", "old"):
+        raise ValueError(f"target must be new or old, got {target!r}")
+    t, n = p.get("targets") or {}, (p.get("features") or {}).get("eval_samples")
+    if t.get("eval_sets"):
+        return [
+            {
+                "name": s["name"],
+                "prompts": s["prompts"],
+                "share": float(s["share"]),
+                "n": s["n"] if s.get("n") is not None else n,
+            }
+            for s in t["eval_sets"]
+        ]
+    prompts = t.get("prompts_eval_new") if target == "new" else t.get("prompts_eval_old")
+    return [{"name": "heldout", "prompts": prompts, "share": 1.0, "n": n}]
+
+
 class TargetsParams(Group):
     """The targets and prompt sets (an existing folder, a pipeline output, or a hub id)."""
 
@@ -522,6 +640,12 @@ class TargetsParams(Group):
     prompts_train: PathStr = F(..., 'training prompts, JSONL ({"user": ...} per line)')
     prompts_eval_new: PathStr = F(..., "held-out prompts for the new target (the eval set)")
     prompts_eval_old: Optional[PathStr] = F(..., "held-out prompts for the old target; null: none")
+    eval_sets: Annotated[Optional[list[EvalSet]], BeforeValidator(_eval_sets)] = F(
+        None,
+        "named held-out sets, one per kind of served traffic, each {name, prompts, share, n}: accept length "
+        "per set, and the decision on their share-weighted figure; the old target answers the same prompts. "
+        "null: one set, heldout (prompts_eval_new, share 1)",
+    )
     trust_remote_code: HubIdList = F(
         ..., "hub repos whose own code (config.json auto_map: model, tokenizer) may run; [] = none"
     )
@@ -591,6 +715,12 @@ class VocabNewParams(Group):
     draft_vocab_size: int = F(..., "ids in the draft vocabulary", ge=8)
 
 
+def _bucket_edges(v: list[int]) -> list[int]:
+    if v[0] != 0 or any(b <= a for a, b in zip(v, v[1:])):
+        raise _problem(f"expected lower edges starting at 0, strictly increasing, got {v}")
+    return v
+
+
 class EvalParams(Group):
     """Every phase: the offline accept length, drafted as an engine drafts."""
 
@@ -601,6 +731,12 @@ class EvalParams(Group):
         ...,
         "where the evaluation drafts (also the drift probe's): auto is the GPU when torch sees one, "
         "else the CPU; cuda without a GPU is refused",
+    )
+    context_buckets: Annotated[list[int], _int_list(0, 8), AfterValidator(_bucket_edges)] = F(
+        [0, 512, 2048, 8192],
+        "lower edges of the context-length buckets of the verify position (the token the engine drafts "
+        "from), the first 0, strictly increasing; the last bucket is open-ended: accept length per bucket "
+        "(real serving contexts: [0, 512, 2048, 8192], the schema's default)",
     )
 
 
@@ -851,6 +987,13 @@ class DecisionParams(Group):
         "rule R6: a tau gain from more data smaller than this is not worth collecting (0: any significant gain is)",
         ge=0,
     )
+    min_share: float = F(
+        0.05,
+        "rule R10: a held-out set with at least this share of the traffic on which the recommended drafter "
+        "is significantly worse is named in the recommendation (a context bucket is named whatever its share)",
+        ge=0,
+        le=1,
+    )
     serving_tokens_per_day: Optional[float] = F(
         None,
         "tokens the deployment generates a day: with it the recommendation states the payback (days "
@@ -943,6 +1086,8 @@ def _located(err: dict, data: Any, model: type[BaseModel], prefix: str) -> tuple
         cur = cur.get(part) if isinstance(cur, dict) else None
         owner = _model_of(field.annotation)
     dotted = prefix + ".".join(map(str, keys)) if keys else prefix.rstrip(".") or "params"
+    if err["type"] == "draftport":  # a problem of a list's entry names it: targets.eval_sets[1] (code)
+        dotted += (err.get("ctx") or {}).get("at", "")
     return tuple(order), dotted, _leaf_problem(err, field, cur)
 
 
@@ -1206,6 +1351,8 @@ def _cross_checks(cfg: dict) -> None:
         raise ParamsError("publish.k", f"{pk}: must be ascending, without repeats")
     if cfg["eval"]["k"] > 16:
         raise ParamsError("eval.k", "at most 16 draft tokens")
+    if cfg["targets"].get("eval_sets"):
+        check_eval_set_totals(cfg["targets"]["eval_sets"])
 
 
 def subset(cfg: dict, keys: list[str]) -> dict:

@@ -40,6 +40,7 @@ from rich.console import Console, Group
 from draftport.errors import DraftportError
 from draftport.evaluation.budget import schedule
 from draftport.plan.cluster import rule_resources
+from draftport.plan.params import resolved_eval_sets
 from draftport.plan.curves import budget_steps, points
 from draftport.data.storage import MODES, SPOOL_GB, _positive, bytes_per_token, storage_need
 
@@ -694,8 +695,10 @@ def _data_rows(
 ) -> tuple[list[dict], int, int]:
     """The feature steps (Phase 1's training data, the held-out sets, Phase 2's new samples, the
     dataset's answers): their regeneration and capture hours. -> (rows, eval samples, monitor samples)."""
-    f, c, t = cfg["features"], cfg.get("curves") or {}, cfg["targets"]
-    n_eval = int(f["eval_samples"]) * (2 if t.get("old") and t.get("prompts_eval_old") else 1)
+    c, t = cfg.get("curves") or {}, cfg["targets"]
+    # the held-out prompts each target answers: every set's n (one set of features.eval_samples by default)
+    per_target = sum(int(s["n"]) for s in resolved_eval_sets(cfg))
+    n_eval = per_target * (2 if t.get("old") and t.get("prompts_eval_old") else 1)
     n_mon = (
         int(cfg["monitor"]["n_samples"])
         if any(cfg[g]["train"].get("eval_every", 0) > 0 for g in ("phase1", "phase2"))

@@ -336,6 +336,33 @@ def check_prompts(train: Path | None, heldout: Path | None, f: Findings) -> dict
     return out
 
 
+def parse_eval_set(spec: str) -> dict:
+    """`--eval-set NAME=PATH:SHARE` -> {name, prompts, share, n: None} (the share follows the last ':')."""
+    name, eq, rest = spec.partition("=")
+    path, colon, share = rest.rpartition(":")
+    try:
+        value = float(share)
+    except ValueError:
+        value = None
+    if not (eq and colon and name and path) or value is None:
+        raise DraftportError("--eval-set", f"{spec!r}: expected NAME=PATH:SHARE (e.g. code=data/code.jsonl:0.3)")
+    return {"name": name, "prompts": path, "share": value, "n": None}
+
+
+def check_eval_sets(specs: tuple[str, ...], train: Path | None, f: Findings) -> list[tuple[dict, list[dict]]]:
+    """The --eval-set options: parsed, checked as targets.eval_sets (names, shares adding up to 1)
+    and read (format, disjoint from the training prompts). -> [(set, its rows)]; [] on a problem (noted)."""
+    # lazy: the sets' reader runs only when sets are given
+    from draftport.data.evalsets import read_eval_sets
+
+    try:
+        sets = params.check_eval_sets([parse_eval_set(x) for x in specs])
+        return read_eval_sets(sets, train)
+    except DraftportError as e:
+        f.problem(e.where, e.problem)
+        return []
+
+
 # ---- the profile --------------------------------------------------------------------------------
 @dataclass
 class Line:
@@ -430,6 +457,7 @@ def real_scale(n1: int, n2: int, gpus: int, tp: int, counts: dict | None = None)
     return [
         Line("features.batch_size", 8, "prompts per capture batch (sequences up to 2048 tokens)"),
         Line("eval.batch_size", 8, "samples per evaluation batch"),
+        Line("eval.context_buckets", REAL_BUCKETS, "lower edges of the verify position's buckets (tokens)"),
         Line(
             "phase1.train",
             train(s1, 0.0001, 100, 200),
@@ -608,6 +636,7 @@ class InitRequest:
     verify_ms: float | None = None
     draft_ms: float | None = None
     reference: str | None = None
+    eval_sets: tuple[str, ...] = ()  # --eval-set NAME=PATH:SHARE, each
     pin: bool = True
     read_offline: bool | None = None
     out: Path | None = None
@@ -758,7 +787,18 @@ def _target_lines(
             else "not given: no source-on-old reference, no drift probe",
         ),
         Line("targets.prompts_train", str(train_path), f"{n_train:,} prompts" if n_train else "not there yet"),
-        Line("targets.prompts_eval_new", str(eval_path), f"{n_eval:,} held-out prompts" if n_eval else "not there yet"),
+        Line(
+            "targets.prompts_eval_new",
+            str(eval_path),
+            f"{n_eval:,} held-out prompts"
+            + (
+                ": the first eval set's (targets.eval_sets holds them all)"
+                if req.eval_sets and not req.prompts_eval
+                else ""
+            )
+            if n_eval
+            else "not there yet",
+        ),
         Line("targets.prompts_eval_old", None, "the old target's held-out set: optional"),
         Line(
             "targets.trust_remote_code",
@@ -770,6 +810,19 @@ def _target_lines(
             else "transformers' own classes: no repo code runs",
         ),
     ]
+
+
+REAL_BUCKETS = [0, 512, 2048, 8192]  # verify positions at serving scale: short chat, documents, long context
+
+
+def _eval_set_lines(sets: list[tuple[dict, list[dict]]]) -> list[Line]:
+    """targets.eval_sets from --eval-set, written null without it (one held-out set: the embedded
+    profile's sets are its world's files)."""
+    if not sets:
+        why = "one held-out set, targets.prompts_eval_new (--eval-set NAME=PATH:SHARE: sets by kind of traffic)"
+        return [Line("targets.eval_sets", None, why)]
+    why = ", ".join(f"{s['name']} {s['share']:g} of the traffic ({len(rows):,} prompts)" for s, rows in sets)
+    return [Line("targets.eval_sets", [s for s, _ in sets], f"the held-out sets by kind: {why}")]
 
 
 def _feature_lines(req: InitRequest, new: Model, pair: dict, weight_bytes: float, tp: int, n_eval: int) -> list[Line]:
@@ -901,7 +954,9 @@ def build(req: InitRequest) -> dict:
     src, new, old, pair = _read_pair(req, f)
     data_dir = Path("data") / req.name
     train_path = req.prompts or data_dir / "train.jsonl"
-    eval_path = req.prompts_eval or data_dir / "heldout.jsonl"
+    sets = check_eval_sets(req.eval_sets, train_path, f) if req.eval_sets else []
+    # named sets and no --prompts-eval: prompts_eval_new is the first set's file (not a file still missing)
+    eval_path = req.prompts_eval or (Path(sets[0][0]["prompts"]) if sets else data_dir / "heldout.jsonl")
     counts = check_prompts(train_path, eval_path, f)
     rep = {
         "path": str(path),
@@ -921,13 +976,16 @@ def build(req: InitRequest) -> dict:
     n1, n2 = samples
 
     remote = needs_remote_code(new) or needs_remote_code(src)
+    # features.eval_samples: prompts per set, so the largest named set bounds it
+    n_eval = max(len(rows) for _, rows in sets) if sets else counts["heldout"]
     lines = [
         *_source_lines(req, src),
         *_target_lines(req, new, old, pair, (train_path, eval_path), counts, remote),
-        *_feature_lines(req, new, pair, weight_bytes, tp, counts["heldout"]),
+        *_eval_set_lines(sets),
+        *_feature_lines(req, new, pair, weight_bytes, tp, n_eval),
         *_plan_lines(req, pair["cfg"], old, n1, n2),
     ]
-    lines = _training_setup(lines, req, n1, n2, tp, counts)
+    lines = _training_setup(lines, req, n1, n2, tp, {**counts, "heldout": n_eval})
     _closing_gaps(req, src, new, remote, f)
 
     header = [
