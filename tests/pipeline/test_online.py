@@ -222,6 +222,12 @@ def test_vllm_accept_length_agrees_with_offline(micro):
     mism = serve.cycle_mismatches(raw, off)
     assert mism["requests_differing"] <= 1, mism
     assert off["num_cycles"] == pytest.approx(on["online_num_drafts"], abs=3)
+    # per named eval set (ranges of the requests): the same agreement, set by set
+    by_set = serve.per_set(raw, off, [{"name": "a", "start": 0, "count": 6}, {"name": "b", "start": 6, "count": 10}])
+    assert [row["requests"] for row in by_set.values()] == [6, 10]
+    for row in by_set.values():
+        assert abs(row["difference"]) <= 0.05, by_set
+    serve.set_agreement_check(by_set, tol=0.05)
 
 
 @pytest.mark.slow

@@ -109,7 +109,11 @@ def test_a_pair_from_init_to_the_decision(tmp_path, world, arch):
     assert compare["verdict"], compare
     dec = json.loads((art / "decision" / "decision.json").read_text())
     assert dec["recommendation"]["init"] in ("source", "scratch", "either")
-    assert [x["id"] for x in dec["recommendation"]["rules"]] == ["R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8", "R9"]
+    assert [x["id"] for x in dec["recommendation"]["rules"]] == [f"R{i}" for i in range(1, 11)]
+    assert [(x["name"], x["share"]) for x in dec["traffic"]["sets"]] == [("heldout", 1.0)]  # init's profile: one set
+    # --like micro: its buckets (0, 32, 64); the first holds cycles of every drafter
+    assert not dec["traffic"]["weighted"] and dec["traffic"]["context_buckets"]["names"] == ["0-32", "32-64", "64+"]
+    assert all(rows[0]["num_cycles"] > 0 for rows in dec["traffic"]["buckets"].values())
 
     r = draftport("decide", cwd=repo)
     assert r.returncode == 0 and "Recommendation: init " in r.stdout, r.stderr

@@ -71,6 +71,11 @@ def _online_and_reference(micro: dict) -> None:
     micro["curves"]["arms_n_samples"] = [32]  # the arms (params.yaml's answers and 3 recipes): rules R7, R8
     # a reference row (the upper bound Phase 0 reports): here the source itself, fetched again
     micro["reference"] = {"repo_id": micro["source"]["repo_id"], "revision": "main", "note": "the source (test)"}
+    # two held-out sets, the second a few long prompts: per-set and per-bucket figures end to end (vLLM's too)
+    micro["targets"]["eval_sets"] = [
+        {"name": "chat", "prompts": "artifacts/world/corpus/heldout_new.jsonl", "share": 0.75, "n": None},
+        {"name": "long", "prompts": "artifacts/world/corpus/heldout_long.jsonl", "share": 0.25, "n": 8},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +210,7 @@ def test_online_step_agrees_with_offline(repo):
     for phase in ("phase0", "phase1"):
         m = repo.metrics(f"online_{phase}")
         assert m["accept_length"] == repo.metrics(f"eval_{phase}")["accept_length"]
-        assert m["online_num_drafts"] > 0 and m["online_num_prompts"] == 24
+        assert m["online_num_drafts"] > 0 and m["online_num_prompts"] == 24 + 8  # chat's 24, long's 8
         assert abs(m["online_accept_length"] - m["offline_same_prompts_accept_length"]) <= tol, m
         assert 1.0 <= m["online_accept_length"] <= 4.0
         assert m["online_time_ratio"] > 0
@@ -257,7 +262,8 @@ def test_all_and_the_report(repo):
     ):
         assert key in d, key
     assert 0 < d["cos_final"] <= 1 and 0 <= d["greedy_agreement"] <= 1
-    assert d["tau_source_new_features"] == pytest.approx(repo.metrics("eval_phase0")["accept_length"])
+    p0 = repo.metrics("eval_phase0")  # named eval sets: the probe pools every prompt alike
+    assert d["tau_source_new_features"] == pytest.approx(p0.get("accept_length_pooled", p0["accept_length"]))
     assert "drift probe" in summary
     phase0 = runs_by_name(repo.uri)["phase0"][-1]
     assert "cos_final" in {m["key"] for m in phase0["data"]["metrics"]}
@@ -284,7 +290,23 @@ def test_all_and_the_report(repo):
         "R7",
         "R8",
         "R9",
+        "R10",
     ]
+    # the traffic (R10): Phase 1 trained on chat prompts only, measured on chat and on long prompts
+    t = dec["traffic"]
+    assert [(x["name"], x["share"]) for x in t["sets"]] == [("chat", 0.75), ("long", 0.25)] and t["weighted"]
+    for ph, row in t["phases"].items():
+        assert set(row["sets"]) == {"chat", "long"}, ph
+        assert all(v["ci"][0] <= v["accept_length"] <= v["ci"][1] for v in [row["weighted"], *row["sets"].values()])
+    assert t["context_buckets"]["names"] == ["0-32", "32-64", "64+"]
+    long_only = [r for r in t["buckets"]["phase0"] if r["bucket"] == "64+"][0]
+    assert long_only["num_cycles"] > 0  # long prompts reach past 64 tokens: measured there
+    assert dec["phases"]["phase1"]["accept_length"] == pytest.approx(t["phases"]["phase1"]["weighted"]["accept_length"])
+    assert "traffic-weighted" in " ".join(rec["text"])
+    assert (repo.path / "artifacts/report/sets.png").stat().st_size > 0
+    assert "Accept length by kind of traffic and context length" in summary
+    p1_run = runs_by_name(repo.uri)["phase1"][-1]
+    assert {"accept_length/chat", "accept_length/long"} <= {m["key"] for m in p1_run["data"]["metrics"]}
     # the arms at n=32 (each init on the dataset's own answers, three recipes), each paired with plain
     assert set(dec["curves"]) == {
         "source",

@@ -47,6 +47,7 @@ from draftport.errors import DraftportError
 FP8 = "fp8_e4m3"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, FP8: torch.float8_e4m3fn}
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+SETS_FILE = "sets.json"  # a held-out folder's named eval sets: {sets: [{name, share, start, count}]}
 SCALE_BYTES = 4  # fp8: one float32 scale per token per state (each aux layer, the final state)
 
 

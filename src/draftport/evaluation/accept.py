@@ -22,13 +22,18 @@ Three definitions of "how much is accepted", all from the same counts (`summariz
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import json
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
 from draftport.model.drafter import Eagle3Drafter
-from draftport.data.shards import Batch, FeatureSet, iter_batches
+from draftport.errors import DraftportError
+from draftport.data.shards import SETS_FILE, Batch, FeatureSet, iter_batches
 from draftport.model.bind import check_features_fit, drafter_for_target, target_head
 from draftport.model.device import describe as describe_device, out_of_memory
 from draftport.model.device import pick as pick_device
@@ -62,14 +67,35 @@ def accepted_counts(drafter: Eagle3Drafter, batch: Batch, target_head: torch.Ten
     return accepted, checkable
 
 
-def walk(accepted: list[int], checkable: list[int], start: int, end: int) -> list[int]:
-    """Rows an engine visits from `start` to `end` (exclusive): each cycle jumps a+1 tokens."""
+def cycle_rows(accepted: list[int], checkable: list[int], start: int, end: int) -> list[tuple[int, int]]:
+    """(row, accepted) of each cycle an engine runs from `start` to `end` (exclusive): each cycle
+    jumps a+1 tokens; the row is the verify position the cycle drafts from."""
     p, seen = start, []
     while p < end and checkable[p] > 0:
         a = accepted[p]
-        seen.append(a)
+        seen.append((p, a))
         p += a + 1
     return seen
+
+
+def walk(accepted: list[int], checkable: list[int], start: int, end: int) -> list[int]:
+    """The accepted count of each cycle an engine runs from `start` to `end` (exclusive)."""
+    return [a for _, a in cycle_rows(accepted, checkable, start, end)]
+
+
+def bucket_of(row: int, edges: list[int]) -> int:
+    """The context bucket of a verify position: the last lower edge at or below it."""
+    return bisect.bisect_right(edges, row) - 1
+
+
+def bucket_counts(rows: list[tuple[int, int]], edges: list[int]) -> tuple[list[int], list[int]]:
+    """Accepted drafts and cycles per context bucket of one sequence's cycles."""
+    acc, cyc = [0] * len(edges), [0] * len(edges)
+    for row, a in rows:
+        b = bucket_of(row, edges)
+        acc[b] += a
+        cyc[b] += 1
+    return acc, cyc
 
 
 def simulated_acc_len(cond_rates: Iterable[float]) -> float:
@@ -119,17 +145,24 @@ def summarize(cycles: list[int], all_rows: list[int], k: int) -> dict:
 
 
 def offline_accept_length(
-    drafter: Eagle3Drafter, batches: Iterable[tuple[Batch, list[int]]], target_head: torch.Tensor, k: int, progress=None
+    drafter: Eagle3Drafter,
+    batches: Iterable[tuple[Batch, list[int]]],
+    target_head: torch.Tensor,
+    k: int,
+    progress=None,
+    buckets: list[int] | None = None,
 ) -> dict:
     """batches yields (Batch, response_start per sequence). Returns the summary dict, with
     `per_sample`: each sequence's accepted drafts and cycles (in order), what bootstrap CIs over
-    prompts resample (draftport.evaluation.decision)."""
+    prompts resample (draftport.evaluation.decision); with `buckets` (lower edges of the context
+    buckets, first 0) also per bucket of the verify position (`bucket_accepted`, `bucket_cycles`)."""
     was_training = drafter.training
     drafter.eval()
     cycles: list[int] = []
     all_rows: list[int] = []
-    per_acc: list[int] = []
-    per_cyc: list[int] = []
+    per: dict[str, list] = {"accepted": [], "cycles": []}
+    if buckets is not None:
+        per |= {"bucket_accepted": [], "bucket_cycles": []}
     dev = target_head.device
     for batch, starts in batches:
         acc, chk = accepted_counts(drafter, batch.to(dev), target_head, k)
@@ -137,15 +170,20 @@ def offline_accept_length(
         for b, r in enumerate(starts):
             a, c = acc[b].tolist(), chk[b].tolist()
             end = lengths[b] - 1
-            seen = walk(a, c, max(r - 1, 0), end)
+            rows = cycle_rows(a, c, max(r - 1, 0), end)
+            seen = [n for _, n in rows]
             cycles.extend(seen)
-            per_acc.append(sum(seen))
-            per_cyc.append(len(seen))
+            per["accepted"].append(sum(seen))
+            per["cycles"].append(len(seen))
+            if buckets is not None:
+                b_acc, b_cyc = bucket_counts(rows, buckets)
+                per["bucket_accepted"].append(b_acc)
+                per["bucket_cycles"].append(b_cyc)
             all_rows.extend(a[p] for p in range(max(r - 1, 0), end) if c[p] > 0)
         if progress is not None:
             progress(len(starts))
     drafter.train(was_training)
-    return {**summarize(cycles, all_rows, k), "per_sample": {"accepted": per_acc, "cycles": per_cyc}}
+    return {**summarize(cycles, all_rows, k), "per_sample": per}
 
 
 def held_out_monitor(fs, target_head: torch.Tensor, *, k: int, batch_size: int = 32):
@@ -160,6 +198,73 @@ def held_out_monitor(fs, target_head: torch.Tensor, *, k: int, batch_size: int =
     return tau
 
 
+DEFAULT_SET = "heldout"  # the one set of a plan without targets.eval_sets
+
+
+def read_sets(features_dir, n: int) -> list[dict]:
+    """The named eval sets of a feature folder ({name, share, start, count}: contiguous ranges of its
+    n samples, in order), or one set of them all."""
+    path = Path(features_dir) / SETS_FILE
+    if not path.is_file():
+        return [{"name": DEFAULT_SET, "share": 1.0, "start": 0, "count": n}]
+    try:
+        sets = json.loads(path.read_text())["sets"]
+        spans = [(int(x["start"]), int(x["count"])) for x in sets]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DraftportError(path, f"not a sets file ({{sets: [{{name, share, start, count}}]}}): {e}") from None
+    if [a for a, _ in spans] != list(itertools.accumulate([0] + [c for _, c in spans[:-1]])) or sum(
+        c for _, c in spans
+    ) != n:
+        raise DraftportError(path, f"its sets {spans} do not tile the folder's {n} samples in order")
+    return sets
+
+
+def evaluated_sets(sets: list[dict], max_samples: int | None) -> tuple[list[int], list[dict]]:
+    """The samples evaluated (eval.max_samples: the first of each set) and the sets over them."""
+    ids, out = [], []
+    for x in sets:
+        take = x["count"] if max_samples is None else min(x["count"], max_samples)
+        out.append({"name": x["name"], "share": float(x["share"]), "start": len(ids), "count": take})
+        ids.extend(range(x["start"], x["start"] + take))
+    return ids, out
+
+
+def set_figures(res: dict, sets: list[dict]) -> dict:
+    """Per set its accept length (pooled over its prompts); more than one set: the headline
+    accept_length is the traffic-weighted one (shares), the pooled one kept beside it."""
+    per = res["per_sample"]
+    by_set = {}
+    for x in sets:
+        span = slice(x["start"], x["start"] + x["count"])
+        acc, cyc = sum(per["accepted"][span]), sum(per["cycles"][span])
+        by_set[x["name"]] = {
+            "accept_length": 1.0 + acc / cyc if cyc else None,
+            "num_cycles": cyc,
+            "n_prompts": x["count"],
+            "share": x["share"],
+        }
+    out = {"sets": sets, "by_set": by_set}
+    if len(sets) > 1:
+        measured = [v for v in by_set.values() if v["accept_length"] is not None]
+        out["accept_length_pooled"] = res["accept_length"]
+        out["accept_length"] = sum(v["share"] * v["accept_length"] for v in measured) / sum(
+            v["share"] for v in measured
+        )
+    return out
+
+
+def bucket_figures(res: dict, edges: list[int]) -> list[dict]:
+    """Per context bucket of the verify position: its accept length (None: no cycle reached it)."""
+    per = res["per_sample"]
+    out = []
+    for b, lo in enumerate(edges):
+        acc = sum(row[b] for row in per["bucket_accepted"])
+        cyc = sum(row[b] for row in per["bucket_cycles"])
+        hi = edges[b + 1] if b + 1 < len(edges) else None
+        out.append({"lo": lo, "hi": hi, "accept_length": 1.0 + acc / cyc if cyc else None, "num_cycles": cyc})
+    return out
+
+
 def evaluate_drafter(
     drafter_dir,
     target_dir,
@@ -169,17 +274,23 @@ def evaluate_drafter(
     batch_size: int = 16,
     max_samples: int | None = None,
     device: str = "auto",
+    buckets: list[int] | None = None,
+    by_set: bool = True,
 ) -> dict:
     """Offline accept length of a saved drafter on held-out features of a target, drafted on
-    `device` (eval.device: draftport.model.device's rule). `run` in the result says where it ran
-    and at what rate (tokens evaluated per second); the caller keeps it out of artifacts."""
+    `device` (eval.device: draftport.model.device's rule), per named eval set (sets.json beside the
+    features; eval.max_samples: the first of each set) and, with `buckets`, per context bucket.
+    `run` in the result says where it ran and at what rate (tokens evaluated per second); the
+    caller keeps it out of artifacts. by_set false: the folder as one set, its first max_samples
+    (what a probe pairing it sample by sample with another folder needs)."""
     dev = pick_device(device, "eval.device")
     cfg, state = load_drafter_state(drafter_dir)
     fs = FeatureSet(features_dir)
     check_features_fit(cfg, fs, drafter_dir)
     d = drafter_for_target(cfg, target_dir, state).to(dev)
     head = target_head(target_dir).to(dev)
-    ids = list(range(len(fs) if max_samples is None else min(len(fs), max_samples)))
+    whole = [{"name": DEFAULT_SET, "share": 1.0, "start": 0, "count": len(fs)}]
+    ids, sets = evaluated_sets(read_sets(features_dir, len(fs)) if by_set else whole, max_samples)
     tokens = 0
 
     def batches():
@@ -190,11 +301,15 @@ def evaluate_drafter(
 
     t0 = time.time()
     with progress(len(ids), "evaluate", "sample") as bar, out_of_memory("evaluation", "eval.batch_size"):
-        res = offline_accept_length(d, batches(), head, k, progress=bar.update)
+        res = offline_accept_length(d, batches(), head, k, progress=bar.update, buckets=buckets)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     res["eval_seconds"] = time.time() - t0
     res["eval_samples"] = len(ids)
+    res |= set_figures(res, sets)
+    if buckets is not None:
+        res["context_buckets"] = list(buckets)
+        res["by_bucket"] = bucket_figures(res, buckets)
     res["run"] = {
         **describe_device(dev),
         "tokens": tokens,

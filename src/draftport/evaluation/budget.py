@@ -21,7 +21,14 @@ import math
 import numpy as np
 
 from draftport.errors import DraftportError
-from draftport.evaluation.bootstrap import boot_taus, check_boot, percentile_ci, prompt_counts
+from draftport.evaluation.bootstrap import (
+    boot_taus,
+    check_boot,
+    check_strata,
+    percentile_ci,
+    prompt_counts,
+    weighted_tau,
+)
 
 FLATTENED, CAP_SAMPLES, CAP_HOURS = "flattened", "cap: samples", "cap: hours"
 
@@ -57,11 +64,11 @@ def _projection(taus: list, ns: list[int], n_next: int):
 
 
 def project_next_gain(
-    rounds: list[dict], n_next: int, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+    rounds: list[dict], n_next: int, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0, strata=None
 ) -> dict:
     """rounds: [{"n_samples", "accepted": [S][P], "cycles": [S][P]}, ...] in order (at least two,
     every one on the same P prompts). Returns {"taus", "gains" (round over round), "projected_gain",
-    "ci": [lo, hi]} for the round at n_next."""
+    "ci": [lo, hi]} for the round at n_next. strata (bootstrap's): the traffic-weighted tau of the eval sets."""
     check_boot(n_boot, level)
     if len(rounds) < 2:
         raise DraftportError("budget", "a projection needs at least two rounds (Phase 1's n and one more)")
@@ -71,9 +78,14 @@ def project_next_gain(
     counts = [prompt_counts(r["accepted"], r["cycles"], f"budget round n={r['n_samples']}") for r in rounds]
     if len({a.shape[1] for a, _ in counts}) != 1:
         raise DraftportError("budget", "every round must be scored on the same prompts")
-    taus = [float(1.0 + a.sum() / c.sum()) for a, c in counts]
+    P = counts[0][0].shape[1]
+    if strata is None:
+        taus = [float(1.0 + a.sum() / c.sum()) for a, c in counts]
+    else:
+        strata = check_strata(strata, P, "budget")
+        taus = [float(weighted_tau(a, c, strata, "budget")) for a, c in counts]
     boots = boot_taus(
-        np.random.default_rng(seed), [(a.sum(axis=0), c.sum(axis=0)) for a, c in counts], counts[0][0].shape[1], n_boot
+        np.random.default_rng(seed), [(a.sum(axis=0), c.sum(axis=0)) for a, c in counts], P, n_boot, strata=strata
     )
     proj = np.asarray(_projection(boots, ns, n_next)) + 0.0  # + 0.0: no -0.0 (a clipped rho) in the text
     return {

@@ -520,7 +520,9 @@ def drift_probe(
                               reading the old target's states, checked against the old target's
                               greedy choices: the source at home, but on the new target's text.
     tau_source_new_features   bound to the new target, its states, its choices: Phase 0's number
-                              (eval_phase0's accept_length on the same set, max_samples equal).
+                              (eval_phase0's accept_length on the same set, max_samples equal;
+                              with named eval sets its pooled one, accept_length_pooled: the
+                              probe's three tau pool every held-out prompt alike).
     tau_gap                   old_features - new_features. The tokens are the same, so this gap is
                               the target's own change on a fixed text: its states at the aux layers
                               drifted (what the source's fc reads), its embedding and head moved,
@@ -573,8 +575,9 @@ def _source_evals(
 ):
     """The source drafter on the old features, on the new ones, and on the new ones checked against
     the old choices, each written to out_dir/eval_<name>.json; -> the three results."""
-    ev_old = evaluate_drafter(source_drafter, target_old, old_dir, **ev)
-    ev_new = evaluate_drafter(source_drafter, target_new, features_new, **ev)
+    # sample by sample on the same tokens: the first n of each folder, pooled (not by eval set)
+    ev_old = evaluate_drafter(source_drafter, target_old, old_dir, **ev, by_set=False)
+    ev_new = evaluate_drafter(source_drafter, target_new, features_new, **ev, by_set=False)
     ev_cross = tau_with_choices(source_drafter, target_new, fs_new, fs_old, **ev)
     for name, res in (("old_features", ev_old), ("new_features", ev_new), ("new_features_old_choices", ev_cross)):
         _eval_json(out_dir / f"eval_{name}.json", res)

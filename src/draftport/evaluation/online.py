@@ -452,6 +452,26 @@ def cycle_mismatches(online_raw: dict, offline: dict, limit: int = 5) -> dict:
     return {"requests_differing": len(bad), "requests": len(reqs), "examples": bad[:limit]}
 
 
+def per_set(online_raw: dict, offline: dict, sets: list[dict]) -> dict:
+    """Each named eval set's accept length, vLLM's (its requests' per-step accepted counts) next to
+    the offline replay's on the same requests; sets: {name, start, count} ranges of the requests."""
+    reqs, off = online_raw.get("requests", []), offline.get("per_request_cycles", [])
+    out = {}
+    for x in sets:
+        span = slice(x["start"], x["start"] + x["count"])
+        on_steps = [r.get("per_step_accepted") for r in reqs[span]]
+        off_steps = off[span]
+        on = None
+        if on_steps and all(c is not None for c in on_steps):
+            n_on = sum(len(c) for c in on_steps)
+            on = 1.0 + sum(sum(c) for c in on_steps) / n_on if n_on else None
+        n_off = sum(len(c) for c in off_steps)
+        offv = 1.0 + sum(sum(c) for c in off_steps) / n_off if n_off else None
+        diff = on - offv if on is not None and offv is not None else None
+        out[x["name"]] = {"vllm": on, "offline": offv, "difference": diff, "requests": x["count"]}
+    return out
+
+
 def side_by_side(online: dict, offline: dict) -> list[dict]:
     """Rows for a report: tau and each position's acceptance rate, vLLM next to offline."""
     k = int(online.get("online_k", offline.get("k", 0)))
@@ -626,6 +646,7 @@ def run_step(
     check: bool = True,
     log_path=None,
     embed_tokens: str | None = None,
+    sets: list[dict] | None = None,
 ) -> dict:
     """The pipeline's online step: validate the export, serve it through vLLM, replay the same
     sequences offline, compare. Writes under out_dir: vllm.log, online_raw.json (vLLM's tokens
@@ -635,7 +656,8 @@ def run_step(
     online_offline_difference, online_seconds, offline_same_prompts_seconds, online_time_ratio.
     Raises DraftportError (after writing the files) when the two tau differ by more than tol.
     embed_tokens: what for_vllm made the export carry (online.embed_tokens: "drop" / "target"),
-    checked by validate_export; None accepts either.
+    checked by validate_export; None accepts either. sets: named eval sets ({name, start, count}
+    ranges of the prompts): each one's vLLM and offline figure too, checked against tol alike.
     """
     out_dir = Path(out_dir)
     # out_dir is created by the first file written into it (vLLM's log): bad input leaves nothing
@@ -660,8 +682,11 @@ def run_step(
     off = offline_same_prompts(drafter_dir, target_dir, k=k, online_raw=raw)
     mism = cycle_mismatches(raw, off)
     metrics = _online_metrics(on, off, mism, k, tol)
+    by_set = per_set(raw, off, sets) if sets else None
+    metrics |= set_metrics(by_set or {})
     report = {
         "metrics": metrics,
+        **({"sets": by_set} if by_set else {}),
         "export": export,
         "rows": side_by_side(on, off),
         "cycle_mismatches": mism,
@@ -679,7 +704,29 @@ def run_step(
     atomic_write_text(out_dir / "online.json", json.dumps(report, indent=2) + "\n")
     if check:
         agreement_check(on, off, tol)
+        set_agreement_check(by_set or {}, tol)
     return metrics
+
+
+def set_metrics(by_set: dict) -> dict:
+    """Each eval set's vLLM and offline figures as flat metrics (<metric>/<set>)."""
+    out = {}
+    for name, row in by_set.items():
+        for side, key in (("vllm", "online_accept_length"), ("offline", "offline_same_prompts_accept_length")):
+            if row[side] is not None:
+                out[f"{key}/{name}"] = row[side]
+    return out
+
+
+def set_agreement_check(by_set: dict, tol: float) -> None:
+    """Raise DraftportError naming the first eval set whose vLLM and offline figures differ by more than tol."""
+    for name, row in by_set.items():
+        if row["difference"] is not None and abs(row["difference"]) > tol:
+            raise DraftportError(
+                "online",
+                f"eval set {name}: vLLM accept length {row['vllm']:.4f} and offline {row['offline']:.4f} differ "
+                f"by {row['difference']:+.4f} (> {tol}) on its {row['requests']} requests",
+            )
 
 
 def _online_metrics(on: dict, off: dict, mism: dict, k: int, tol: float) -> dict:

@@ -256,3 +256,34 @@ def target_text_config(path) -> dict:
     if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
         return cfg["text_config"]
     return cfg
+
+
+def served_positions(max_position_embeddings, rope_scaling) -> int | None:
+    """The longest context an engine serves a config at, as vLLM derives max_model_len: the
+    max_position_embeddings, times the RoPE scaling factor (yarn: of its original length) except
+    for the types whose max_position_embeddings already holds the scaled length."""
+    if not isinstance(max_position_embeddings, int):
+        return None
+    scaling = rope_scaling if isinstance(rope_scaling, dict) else {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor")
+    if kind in (None, "default", "su", "longrope", "llama3") or not isinstance(factor, (int, float)):
+        return max_position_embeddings
+    base = scaling.get("original_max_position_embeddings", max_position_embeddings) if kind == "yarn" else None
+    return int((base if isinstance(base, int) else max_position_embeddings) * factor)
+
+
+def context_limit(drafter_dir, target_dir) -> dict:
+    """How far the source drafter's positions reach against the new target's serving length."""
+    cfg, _ = read_config(drafter_dir)
+    tcfg = target_text_config(target_dir)
+    rope = tcfg.get("rope_scaling") or _scaling_of(tcfg.get("rope_parameters") or {})
+    source = served_positions(cfg.max_position_embeddings, cfg.rope_scaling)
+    serving = served_positions(tcfg.get("max_position_embeddings"), rope)
+    return {
+        "source_max_position_embeddings": cfg.max_position_embeddings,
+        "source_rope_scaling": cfg.rope_scaling,
+        "source_limit": source,
+        "serving_length": serving,
+        "limited": source is not None and serving is not None and source < serving,
+    }

@@ -21,6 +21,7 @@ from draftport.data.fetch import place
 from draftport.data.shards import write_chain
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.budget import explain, next_n, project_next_gain, stop_reason
+from draftport.evaluation.traffic import strata_of
 from draftport.evaluation.hours import devices
 from draftport.pipeline.runner import StepContext, checkpoints, read_json, write_json
 from draftport.plan.cluster import rule_resources
@@ -60,7 +61,7 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
     jobs = _jobs(s, k, n, parts, rdir, spec)
     launch = rule_resources(s.p, s.name)
     trained = train_jobs_torchrun(jobs, launch["gpu"]) if launch["torchrun"] else train_jobs(jobs, world)[0]
-    acc, cyc, taus = _scores(s, jobs)
+    acc, cyc, taus, sets = _scores(s, jobs)
     rec = {
         "spec": fp,
         "round": k,
@@ -72,6 +73,7 @@ def _round(s: StepContext, k: int, n_prev: int, n: int, parts: list[Path], root:
         "train_processes": [t.get("processes", 1) for t in trained],
         "accepted": acc,
         "cycles": cyc,
+        "sets": sets,
         "seconds": {**timing, "train": sum(t["train_seconds"] for t in trained)},
     }
     shutil.rmtree(rdir / "drafters", ignore_errors=True)  # the round's figures are what it keeps
@@ -166,10 +168,10 @@ def _jobs(s: StepContext, k: int, n: int, parts: list[Path], rdir: Path, spec: d
     return jobs
 
 
-def _scores(s: StepContext, jobs: list[dict]) -> tuple[list, list, list]:
-    """Each seed's drafter on the new target's held-out set: (accepted, cycles per prompt, tau)."""
+def _scores(s: StepContext, jobs: list[dict]) -> tuple[list, list, list, list]:
+    """Each seed's drafter on the new target's held-out set: (accepted, cycles per prompt, tau, the eval sets)."""
     e = s.p["eval"]
-    acc, cyc, taus = [], [], []
+    acc, cyc, taus, sets = [], [], [], []
     for j in jobs:
         res = evaluate_drafter(
             Path(j["out"]) / "drafter",
@@ -179,11 +181,13 @@ def _scores(s: StepContext, jobs: list[dict]) -> tuple[list, list, list]:
             batch_size=e["batch_size"],
             max_samples=e["max_samples"],
             device=e["device"],
+            buckets=e.get("context_buckets"),
         )
         acc.append(res["per_sample"]["accepted"])
         cyc.append(res["per_sample"]["cycles"])
         taus.append(res["accept_length"])
-    return acc, cyc, taus
+        sets = res["sets"]
+    return acc, cyc, taus, sets
 
 
 def budget(s: StepContext) -> dict:
@@ -237,7 +241,8 @@ def _next(s: StepContext, rounds: list[dict], n: int, cap: int, hours: float, de
     else:
         # at the cap, what one more round would still have bought (the text: "still rising")
         nn = next_n(n, d["factor"], cap) if n < cap else next_n(n, d["factor"], 2 * n + 1)
-        proj = project_next_gain(rounds, nn, n_boot=dec["n_boot"], level=dec["level"], seed=dec["seed"])
+        strata = strata_of(rec.get("sets") or [])  # eval sets: the traffic-weighted gain
+        proj = project_next_gain(rounds, nn, n_boot=dec["n_boot"], level=dec["level"], seed=dec["seed"], strata=strata)
         per_sample = (sec["regenerate"] + sec["capture"]) * dev / max(1, sec["samples"])
         steps = train_config(s.p["curves"], {"n_samples": nn, "seed": 0, "recipe": "plain"})["steps"]
         next_h = ((nn - n) * per_sample + sec["train"] * dev * steps / max(1, rec["train_steps"][0])) / 3600

@@ -328,11 +328,46 @@ def _point_run(s: StepContext, pt: dict, recorded: dict):
     return _child_run(s.p["profile"], s.run.run_id, s.name, pt)
 
 
+POINT_KEYS = ("arm", "init", "answers", "recipe", "n_samples", "seed", "train_steps", "stopped_early", "curve")
+
+
+def _log_point(s: StepContext, pt: dict, recorded: dict, res: dict, ci: list) -> None:
+    """A point's figures (and each eval set's accept length) in its MLflow child run."""
+    run = _point_run(s, pt, recorded)
+    run.log_metrics(
+        {
+            "accept_length": res["accept_length"],
+            "accept_length_ci_low": ci[0],
+            "accept_length_ci_high": ci[1],
+            "simulated_acc_len": res["simulated_acc_len"],
+            "acceptance_rate": res["acceptance_rate"],
+            **{
+                f"accept_length/{name}": v["accept_length"]
+                for name, v in res["by_set"].items()
+                if v["accept_length"] is not None
+            },
+        },
+        step=pt["train_steps"],
+    )
+    run.finish(ok=True)
+
+
+def _point_record(pt: dict, res: dict, ci: list) -> dict:
+    """A point's row of curves.json: what it is, its tau and CI, its per-prompt counts and eval sets."""
+    return {key: pt[key] for key in POINT_KEYS if key in pt} | {
+        "accept_length": res["accept_length"],
+        "ci": ci,
+        "per_sample": res["per_sample"],
+        "sets": res["sets"],
+    }
+
+
 def eval_curves(s: StepContext) -> dict:
     """Every point's drafter on the new target's held-out set, drafted as an engine drafts;
     curves.json holds each point's tau and its per-prompt counts (the decision's bootstrap)."""
     # lazy (registry): train_curves runs this module without evaluation.decision
     from draftport.evaluation.decision import tau_ci
+    from draftport.evaluation.traffic import strata_of
 
     e = s.p["eval"]
     trained = read_json(s.input("points"))
@@ -348,45 +383,23 @@ def eval_curves(s: StepContext) -> dict:
             batch_size=e["batch_size"],
             max_samples=e["max_samples"],
             device=e["device"],
+            buckets=e.get("context_buckets"),
         )
         s.timing.setdefault("points_run", {})[pt["name"]] = res.pop("run")
-        ci = tau_ci([res["per_sample"]["accepted"]], [res["per_sample"]["cycles"]], n_boot=1000)["ci"]
+        ci = tau_ci(
+            [res["per_sample"]["accepted"]],
+            [res["per_sample"]["cycles"]],
+            n_boot=1000,
+            strata=strata_of(res["sets"]),  # more than one eval set: the traffic-weighted figure's CI
+        )["ci"]
         print(
             f"curves: {i}/{len(trained['points'])} {pt.get('arm', pt['init'])} n={pt['n_samples']} seed={pt['seed']}: "
             f"tau {res['accept_length']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]",
             flush=True,
         )
         if s.run is not None:
-            run = _point_run(s, pt, recorded)
-            run.log_metrics(
-                {
-                    "accept_length": res["accept_length"],
-                    "accept_length_ci_low": ci[0],
-                    "accept_length_ci_high": ci[1],
-                    "simulated_acc_len": res["simulated_acc_len"],
-                    "acceptance_rate": res["acceptance_rate"],
-                },
-                step=pt["train_steps"],
-            )
-            run.finish(ok=True)
-        res_points.append(
-            {
-                k: pt[k]
-                for k in (
-                    "arm",
-                    "init",
-                    "answers",
-                    "recipe",
-                    "n_samples",
-                    "seed",
-                    "train_steps",
-                    "stopped_early",
-                    "curve",
-                )
-                if k in pt
-            }
-            | {"accept_length": res["accept_length"], "ci": ci, "per_sample": res["per_sample"]}
-        )
+            _log_point(s, pt, recorded, res, ci)
+        res_points.append(_point_record(pt, res, ci))
     c = s.p["curves"]
     write_json(
         s.path("curves.json"),

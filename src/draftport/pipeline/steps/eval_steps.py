@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from draftport.data.capture import trusted
 from draftport.evaluation.accept import evaluate_drafter
+from draftport.model.config import context_limit
 from draftport.model.device import describe as describe_device
 from draftport.model.device import pick as pick_device
 from draftport.pipeline.runner import StepContext, read_json, write_json
@@ -43,11 +44,17 @@ def phase_metrics(res: dict, p: dict) -> dict:
         out[f"accept_rate_pos_{i}"] = res[f"accept_rate_pos_{i}"]
         out[f"cond_acc_{i}"] = res[f"cond_acc_{i}"]
     out.update(cost_metrics(res["accept_length"], p["costmodel"], k))
+    # MLflow and DVC: each eval set's accept length (the headline: their traffic-weighted figure)
+    for name, fig in (res.get("by_set") or {}).items():
+        if fig["accept_length"] is not None:
+            out[f"accept_length/{name}"] = fig["accept_length"]
+    if "accept_length_pooled" in res:
+        out["accept_length_pooled"] = res["accept_length_pooled"]
     return out
 
 
-def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.json") -> dict:
-    """Offline accept length of a drafter on a feature set; the full result in <name>."""
+def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.json", extra: dict | None = None) -> dict:
+    """Offline accept length of a drafter on a feature set; the full result (and `extra`) in <name>."""
     e = s.p["eval"]
     pick_device(e["device"], "eval.device")  # cuda without a GPU: refused before any work, by its key
     res = evaluate_drafter(
@@ -58,10 +65,11 @@ def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.jso
         batch_size=e["batch_size"],
         max_samples=e["max_samples"],
         device=e["device"],
+        buckets=e.get("context_buckets"),
     )
     res.pop("eval_seconds", None)  # outputs stay byte-identical between identical runs
     s.record_run("eval" if name == "eval.json" else name.removesuffix(".json"), res.pop("run", None))
-    write_json(s.path(name), res)
+    write_json(s.path(name), {**res, **(extra or {})})
     return res
 
 
@@ -84,11 +92,23 @@ def eval_phase0(s: StepContext) -> dict:
     """Phase 0 (probe): the source drafter as fetched, its own map, on the new target's held-out
     set; and on the old target's, the number it was built for; and the profile's reference
     drafter (one trained for the new target itself), the upper bound, on the same set."""
-    res = evaluate_on(s, s.input("drafter"), s.input("target"), s.input("features"))
+    limit = context_limit(s.input("drafter"), s.input("target"))  # what the decision's R10 reads
+    res = evaluate_on(s, s.input("drafter"), s.input("target"), s.input("features"), extra={"context_limit": limit})
     out = phase_metrics(res, s.p)
+    if limit["limited"]:
+        print(
+            f"eval_phase0: the source drafter serves {limit['source_limit']} positions, the new target "
+            f"{limit['serving_length']}: past {limit['source_limit']} it cannot be served as-is (RoPE clamped)"
+        )
     if "target_old" in s.inputs:
         old = evaluate_on(s, s.input("drafter"), s.input("target_old"), s.input("features_old"), "eval_old.json")
         out["source_on_old_accept_length"] = old["accept_length"]
+        if len(old["sets"]) > 1:  # per eval set too: the same prompts answered by the old target
+            out |= {
+                f"source_on_old_accept_length/{n}": v["accept_length"]
+                for n, v in old["by_set"].items()
+                if v["accept_length"] is not None
+            }
     if "reference" in s.inputs:  # the upper bound: a drafter trained for the new target itself
         ref = evaluate_on(s, s.input("reference"), s.input("target"), s.input("features"), "eval_reference.json")
         out["reference_accept_length"] = ref["accept_length"]

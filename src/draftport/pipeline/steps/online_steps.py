@@ -33,12 +33,14 @@ def _online(s: StepContext, phase: str) -> dict:
         target_dir=s.input("target"),
     )
     print(f"{s.name}: {drafter}: {how}")
+    prompts, n_prompts, sets = _prompts(s)
     m = online_check.run_step(
         s.input("target"),
         drafter,
-        s.p["targets"]["prompts_eval_new"],
+        prompts,
         s.dir,
-        n_prompts=o["n_prompts"],
+        n_prompts=n_prompts,
+        sets=sets,
         k=k,
         max_new_tokens=o["max_new_tokens"],
         tol=o["tolerance"],
@@ -52,7 +54,10 @@ def _online(s: StepContext, phase: str) -> dict:
         log_path=Path("logs", f"{s.name}.vllm.log"),
     )
     out = {"accept_length": ran["accept_length"], **{key: v for key, v in m.items() if not isinstance(v, str)}}
-    agree = abs(m["online_offline_difference"]) <= o["tolerance"]
+    set_rows = _set_rows(m, sets)
+    agree = abs(m["online_offline_difference"]) <= o["tolerance"] and all(
+        abs(row["difference"]) <= o["tolerance"] for row in set_rows.values()
+    )
     run.log_metrics({key: v for key, v in out.items() if key != "accept_length"}, step=int(ran.get("train_steps", 0)))
     run.set_tags({"draftport.online": "agrees" if agree else "DISAGREES", "draftport.vllm": m.get("vllm_version")})
     print(
@@ -61,7 +66,10 @@ def _online(s: StepContext, phase: str) -> dict:
         f"({m['offline_same_prompts_seconds']:.0f} s); the phase's offline tau {ran['accept_length']:.4f}; "
         f"logged to MLflow run {run.run_id}"
     )
+    for name, row in set_rows.items():
+        print(f"{s.name}: eval set {name}: vLLM - offline {row['difference']:+.4f}")
     if not agree:
+        online_check.set_agreement_check(set_rows, o["tolerance"])
         online_check.agreement_check(
             m,
             {
@@ -72,6 +80,37 @@ def _online(s: StepContext, phase: str) -> dict:
             o["tolerance"],
         )
     return out
+
+
+def _set_rows(m: dict, sets: list[dict] | None) -> dict:
+    """Each eval set's vLLM and offline figures (run_step's <metric>/<set> metrics) and their difference."""
+    out = {}
+    for x in sets or []:
+        on, off = m.get(f"online_accept_length/{x['name']}"), m.get(f"offline_same_prompts_accept_length/{x['name']}")
+        if on is not None and off is not None:
+            out[x["name"]] = {"vllm": on, "offline": off, "difference": on - off, "requests": x["count"]}
+    return out
+
+
+def _prompts(s: StepContext) -> tuple:
+    """(prompts file, how many, sets): today's held-out file, or with named eval sets the first
+    online.n_prompts of each set (at most its n) written to one file, with each set's range of the requests."""
+    n = s.p["online"]["n_prompts"]
+    if not s.p["targets"].get("eval_sets"):
+        return s.p["targets"]["prompts_eval_new"], n, None
+    # lazy (registry): only the online steps with eval sets read them here
+    from draftport.data.evalsets import read_eval_sets
+    from draftport.files import atomic_write_text
+    from draftport.plan.params import resolved_eval_sets
+
+    chosen = [{**x, "n": min(n, x["n"]) if x["n"] else n} for x in resolved_eval_sets(s.p, "new")]
+    lines, sets = [], []
+    for x, rows in read_eval_sets(chosen, s.p["targets"]["prompts_train"]):
+        sets.append({"name": x["name"], "start": len(lines), "count": len(rows)})
+        lines.extend(json.dumps({"user": r["user"]}, ensure_ascii=False) for r in rows)
+    path = s.path("prompts_online.jsonl")
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path, len(lines), sets
 
 
 def online_phase0(s: StepContext) -> dict:
