@@ -54,6 +54,9 @@ def says_what_the_numbers_show(dec: dict) -> list[str]:
         if rec["phase2"] != v:
             bad.append(f"phase2 {rec['phase2']} but phase2 - phase1 is {p2}")
 
+    if dec.get("traffic") is not None:
+        bad += _traffic_disagreements(dec["traffic"], text)
+
     ch = rec.get("chosen")
     if (
         ch is not None
@@ -61,4 +64,25 @@ def says_what_the_numbers_show(dec: dict) -> list[str]:
         and (ch["hours"]["regenerate"] == 0) != (rec["regenerate"] is False)
     ):
         bad.append(f"the chosen drafter's hours {ch['hours']} disagree with regenerate {rec['regenerate']}")
+    return bad
+
+
+def _traffic_disagreements(t: dict, text: str) -> list[str]:
+    """R10: the weighted figure is the shares' sum; named are exactly the sets (share >= min_share)
+    and the context buckets where the recommended drafter's paired difference to a rival lies below 0."""
+    bad = []
+    if t["weighted"]:
+        for ph, row in t["phases"].items():
+            w = sum(s["share"] * row["sets"][s["name"]]["accept_length"] for s in t["sets"])
+            if abs(w - row["weighted"]["accept_length"]) > 1e-9:
+                bad.append(f"{ph}: weighted {row['weighted']['accept_length']} but the shares' sum is {w}")
+    for s in t["sets"]:
+        worse = any(v["sets"][s["name"]]["ci"][1] < 0 for v in t["vs"].values())
+        if (f"On the set {s['name']} (" in text) != (worse and s["share"] >= t["min_share"]):
+            bad.append(f"set {s['name']} (share {s['share']}): significantly worse {worse}, named or not disagrees")
+    for j, name in enumerate((t.get("context_buckets") or {}).get("names") or []):
+        rows = (t.get("buckets_vs") or {}).values()
+        worse = any(r[j]["ci"] is not None and r[j]["ci"][1] < 0 for r in rows)
+        if (f"At verify positions {name} (" in text) != worse:
+            bad.append(f"bucket {name}: significantly worse {worse}, named or not disagrees")
     return bad

@@ -1,11 +1,13 @@
 """The decision: which init, which recipe, whether to regenerate the answers, how much data, whether
 Phase 2 pays, and what it costs in hours, from bootstrap CIs on accept length and the cost model's
-break-even (decision.json, rules R1-R9).
+break-even (decision.json, rules R1-R10).
 
 Accept length over a set of prompts is a ratio of sums, tau = 1 + sum(accepted) / sum(cycles),
 pooled over every seed (replicate) and prompt. Its uncertainty is the prompts': a percentile
 bootstrap draws P prompt indices with replacement and keeps each drawn prompt's counts from every
 seed together. A paired difference (two drafters on the same prompts) uses one draw for both.
+With traffic shares per held-out set (R10) the figure is the share-weighted sum of the sets' accept
+lengths and the bootstrap draws within each set (draftport.evaluation.traffic).
 
 No torch here (numpy, imported inside the functions). docs/decision.md documents decision.json
 and states the rules word for word; RULES below is that text.
@@ -19,6 +21,20 @@ from pathlib import Path
 
 from draftport.errors import DraftportError
 from draftport.evaluation.bootstrap import check_boot, paired_diff_ci, tau_ci
+from draftport.evaluation.traffic import (
+    DEFAULT_SET,
+    bucket_counts,
+    bucket_diffs,
+    bucket_names,
+    bucket_taus,
+    check_context_limit,
+    check_edges,
+    fit_sets,
+    named_diff,
+    set_diffs,
+    set_taus,
+    strata_of,
+)
 
 SCHEMA = "draftport.decision/1"  # the file format's name, not a module path: it stays when code moves
 INITS = ("source", "scratch")
@@ -60,6 +76,18 @@ RULES = {
     "phase and the curve of its init at the phase's n whose CIs do not overlap (Phase 1 and Phase 2: "
     "source; the control: scratch). Each problem is named in the text with its figures and the evidence "
     "that would fix it, and lowers R5's confidence.",
+    "R10": "traffic: with held-out sets (targets.eval_sets), every accept length of R1-R9 is the "
+    "traffic-weighted one (the sum over the sets of share x the set's own accept length; the bootstrap "
+    "resamples prompts within each set) and the text says so. The recommended drafter is the control "
+    "(phase1_scratch) for init scratch, else Phase 2 when R3 says it helps, else Phase 1. Each set with "
+    "share >= min_share on which it is significantly worse (the paired difference's CI below 0) than Phase 0 "
+    "(the source as-is) or than the control (for the control itself: Phase 1) is named with its figures and "
+    "the fix (add that set's kind of prompts to targets.prompts_train); so is each context bucket (add prompts "
+    "that reach that context length). When the source's positions stop below the new target's serving length "
+    "(context_limit.limited), the text says so and gives the source's accept length past its limit, or that "
+    "no held-out prompt reaches it. With more than one set, it states per set what the recommended init's curve "
+    "gains from its smallest to its largest n, and on which set more data pays most. The problems are listed in "
+    "traffic_problems; R5's confidence does not change.",
 }
 
 
@@ -563,16 +591,50 @@ def decide(
     hours: dict | None = None,
     serving_tokens_per_day: float | None = None,
     phase_n: dict | None = None,
+    sets: list[dict] | None = None,
+    bucket_edges: list[int] | None = None,
+    context_limit: dict | None = None,
+    min_share: float = 0.05,
 ) -> dict:
     """decision.json: CIs per (arm, n) and per phase, the paired gains, and the recommendation of
-    rules R1-R9 (RULES; docs/decision.md). hours: {"rates": draftport.evaluation.hours.rates,
+    rules R1-R10 (RULES; docs/decision.md). hours: {"rates": draftport.evaluation.hours.rates,
     "phases": {phase: device-hours split}, "plan": the whole plan's split} (measured; None: the
     decision states no hours); serving_tokens_per_day: the payback of the chosen drafter's hours;
-    phase_n: {phase: the n it trained on}, for R9's check of the curves against the phases."""
+    phase_n: {phase: the n it trained on}, for R9's check of the curves against the phases.
+
+    The traffic (R10; Phase 0's eval.json): sets [{name, share, start, count}] -> every figure is
+    the traffic-weighted accept length, bootstrapped within each set; bucket_edges (its
+    context_buckets) -> per-bucket figures; context_limit -> the source's positions past its limit.
+    With none of the three there is no "traffic" block and no R10 (the file as before them)."""
     check_boot(n_boot, level)
+    args = (curves, phases, costmodel, k, drift, n_boot, level, seed, min_gain, hours, serving_tokens_per_day, phase_n)
+    if sets is None and bucket_edges is None and context_limit is None:
+        return _decide(*args)
+    tr = _traffic_inputs(curves, phases, sets, bucket_edges, context_limit, min_share)
+    out = _decide(*args, strata=(strata_of(tr["curve_sets"]), strata_of(tr["sets"])))
+    return _add_traffic(out, curves, phases, tr, {"n_boot": n_boot, "level": level, "seed": seed})
+
+
+def _decide(
+    curves,
+    phases,
+    costmodel,
+    k: int,
+    drift,
+    n_boot: int,
+    level: float,
+    seed: int,
+    min_gain: float,
+    hours: dict | None,
+    serving_tokens_per_day: float | None,
+    phase_n: dict | None,
+    strata: tuple = (None, None),
+) -> dict:
+    """decide's rules R1-R9; strata: (the curves', the phases') for the traffic-weighted figures."""
     cm = _cost(costmodel, k)
     be = float(cm.break_even_accept_length)
-    opts = {"n_boot": n_boot, "level": level, "seed": seed}
+    opts = {"n_boot": n_boot, "level": level, "seed": seed, "strata": strata[0]}  # the curves'
+    popts = {**opts, "strata": strata[1]}  # the phases'
     rates = hours["rates"] if hours else None
     groups = _curve_groups(curves)
     secs, answers_of = _arm_facts(curves)
@@ -580,8 +642,8 @@ def decide(
     gain = _source_gains(groups, opts)
     smallest = {i: next((r["n_samples"] for r in curves_out[i] if r["beats_break_even"] == "yes"), None) for i in INITS}
     counts = _phase_counts(phases)
-    phases_out = _phases_table(counts, cm, be, opts, hours)
-    p1, p2 = _phase_gains(counts, opts)
+    phases_out = _phases_table(counts, cm, be, popts, hours)
+    p1, p2 = _phase_gains(counts, popts)
 
     init, init_sig, f1, s1 = rule_r1_init(gain)
     n_rec, f2, s2 = rule_r2_data(init, smallest, curves_out, be)
@@ -870,6 +932,308 @@ def _payback_text(pay: dict) -> str:
     )
 
 
+# ---------------------------------------------------------------- the traffic (R10)
+
+# how the text names a phase the recommended drafter is compared with
+PHASE_LABEL = {
+    "phase0": "the source as-is (phase0)",
+    "phase1_scratch": "the control (phase1_scratch)",
+    "phase1": "Phase 1 (phase1)",
+    "phase2": "Phase 2 (phase2)",
+}
+
+
+def recommended_phase(init: str, phase2: str, measured) -> str | None:
+    """The phase that stands for the recommended drafter in the traffic block (R10): for init
+    scratch the control, phase1_scratch (scratch on Phase 1's data); else (source, either) Phase 2
+    when R3 says it helps, else Phase 1 (Phase 2 hurts, brings no significant gain or is not
+    measured), as publish.choose_phase picks. A source phase not measured falls back to the other; None
+    when none is measured."""
+    order = (
+        ["phase1_scratch"] if init == "scratch" else ["phase2", "phase1"] if phase2 == "helps" else ["phase1", "phase2"]
+    )
+    return next((ph for ph in order if ph in measured), None)
+
+
+def _rivals(ph: str) -> tuple[str, str]:
+    """What the recommended drafter is compared with: the source as-is and the control (the control: Phase 1)."""
+    return ("phase0", "phase1") if ph == "phase1_scratch" else ("phase0", "phase1_scratch")
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.3g}%"
+
+
+def _traffic_inputs(curves, phases, sets, bucket_edges, context_limit, min_share) -> dict:
+    """The traffic's inputs, checked: the sets on the phases' prompts and on the curves', the
+    bucket edges, the context limit, min_share."""
+    if isinstance(min_share, bool) or not isinstance(min_share, (int, float)) or not 0.0 <= min_share <= 1.0:
+        raise DraftportError("min_share", f"must be a number in [0, 1], got {min_share!r}")
+    counts, groups = _phase_counts(phases), _curve_groups(curves)
+    P = len(next(iter(counts.values()))[0]) if counts else None
+    Pc = len(next(iter(groups.values()))[0][1]) if groups else None
+    if sets is None:
+        sets = [{"name": DEFAULT_SET, "share": 1.0, "start": 0, "count": P or Pc or 1}]
+    psets = fit_sets(sets, P, "phases' evaluations")
+    csets = psets
+    if groups:
+        own = next((pt.get("sets") for pt in curves["points"] if isinstance(pt, dict)), None)
+        csets = fit_sets(sets, Pc, "curves' points", own)
+    return {
+        "sets": psets,
+        "curve_sets": csets,
+        "edges": None if bucket_edges is None else check_edges(bucket_edges, "bucket_edges"),
+        "limit": check_context_limit(context_limit),
+        "min_share": float(min_share),
+    }
+
+
+def _traffic_vs(counts: dict, ph: str | None, sets: list[dict], popts: dict) -> dict:
+    """rival phase -> the recommended phase minus it: traffic-weighted and per set."""
+    out = {}
+    for other in _rivals(ph) if ph else ():
+        if other in counts:
+            where, names = f"phases: {ph} - {other}", (ph, other)
+            w = paired_diff_ci(*counts[ph], *counts[other], where=where, **popts)
+            out[other] = {
+                "weighted": named_diff(w, names),
+                "sets": set_diffs(counts[ph], counts[other], sets, popts, where, names),
+            }
+    return out
+
+
+def _traffic_curves(groups: dict, sets: list[dict], copts: dict, init: str) -> dict:
+    """Per set: every arm's curve on the set's prompts, and the recommended init's paired gain from
+    its smallest to its largest n (where more data pays)."""
+    per: dict = {s["name"]: {} for s in sets}
+    for arm, n in sorted(groups, key=lambda key: (_arm_order(key[0]), key[1])):
+        rows = groups[(arm, n)]
+        taus = set_taus([r[1] for r in rows], [r[2] for r in rows], sets, copts, f"curves: arm={arm}, n={n}")
+        for name, t in taus.items():
+            per[name].setdefault(arm, []).append({"n_samples": n, "accept_length": t["accept_length"], "ci": t["ci"]})
+    which = "source" if init == "either" else init
+    ns = sorted(n for (a, n) in groups if a == which)
+    gain: dict = {s["name"]: None for s in sets}
+    if len(ns) >= 2:
+        top, low = groups[(which, ns[-1])], groups[(which, ns[0])]
+        d = set_diffs(
+            ([r[1] for r in top], [r[2] for r in top]),
+            ([r[1] for r in low], [r[2] for r in low]),
+            sets,
+            copts,
+            f"curves: {which} n={ns[-1]} - n={ns[0]}",
+        )
+        keep = ("diff", "ci", "significant")
+        gain = {
+            name: {"arm": which, "from_n": ns[0], "to_n": ns[-1], **{k: x[k] for k in keep}} for name, x in d.items()
+        }
+    return {"curves": per, "curve_gain": gain}
+
+
+def _traffic_buckets(phases: dict, counts: dict, ph: str | None, tr: dict, opts: dict) -> dict:
+    """Per phase its figures per context bucket; the recommended phase minus each rival per bucket."""
+    edges = tr["edges"]
+    if edges is None:
+        return {"context_buckets": None, "buckets": None, "buckets_vs": None}
+    got = {name: bucket_counts(phases[name], len(edges), f"phases: {name}") for name in counts}
+    table = {name: bucket_taus(got[name], edges, tr["limit"], opts, f"phases: {name}") for name in counts}
+    vs = {
+        other: bucket_diffs(got[ph], got[other], edges, opts, f"phases: {ph} - {other}", (ph, other))
+        for other in (_rivals(ph) if ph else ())
+        if other in counts
+    }
+    return {"context_buckets": {"edges": edges, "names": bucket_names(edges)}, "buckets": table, "buckets_vs": vs}
+
+
+def _add_traffic(out: dict, curves, phases, tr: dict, opts: dict) -> dict:
+    """decision.json's "traffic" block and R10: its problems, its line in rules, its sentences (before the
+    confidence's)."""
+    groups, counts = _curve_groups(curves), _phase_counts(phases)
+    popts = {**opts, "strata": strata_of(tr["sets"])}
+    rec = out["recommendation"]
+    ph = recommended_phase(rec["init"], rec["phase2"], counts)
+    block = {
+        "sets": [{"name": s["name"], "share": s["share"], "n_prompts": s["count"]} for s in tr["sets"]],
+        "weighted": len(tr["sets"]) > 1,
+        "min_share": tr["min_share"],
+        "recommended_phase": ph,
+        "phases": {
+            name: {
+                "weighted": {key: out["phases"][name][key] for key in ("accept_length", "ci")},
+                "sets": set_taus(*counts[name], tr["sets"], popts, f"phases: {name}"),
+            }
+            for name in counts
+        },
+        "vs": _traffic_vs(counts, ph, tr["sets"], popts),
+        **_traffic_curves(groups, tr["curve_sets"], {**opts, "strata": strata_of(tr["curve_sets"])}, rec["init"]),
+        **_traffic_buckets(phases, counts, ph, tr, opts),
+        "context_limit": tr["limit"],
+    }
+    problems, fired, sentences = rule_r10_traffic(block)
+    rec["traffic_problems"] = problems
+    rec["rules"].append({"id": "R10", "fired": fired})
+    rec["text"][-1:-1] = sentences  # before "Confidence: ..."
+    out["traffic"] = block
+    return out
+
+
+def _against(ph: str, mine: float, worse: list[dict]) -> str:
+    """ "than A and B: accept length x against a (ph - A d, CI) and b (...)"."""
+    rivals = " and ".join(PHASE_LABEL.get(w["phase"], w["phase"]) for w in worse)
+    figs = " and ".join(
+        f"{w['accept_length']:.3f} ({ph} - {w['phase']} {w['diff']:+.3f}, CI {_fmt_ci(w['ci'])})" for w in worse
+    )
+    return f"than {rivals}: accept length {mine:.3f} against {figs}"
+
+
+def _set_problems(t: dict) -> list[dict]:
+    """R10 (a): each set with share >= min_share where the recommended drafter is significantly worse than a rival."""
+    ph, out = t["recommended_phase"], []
+    for s in t["sets"]:
+        name = s["name"]
+        worse = [
+            {"phase": o, "accept_length": t["phases"][o]["sets"][name]["accept_length"], **v["sets"][name]}
+            for o, v in t["vs"].items()
+            if v["sets"][name]["ci"][1] < 0
+        ]
+        if s["share"] < t["min_share"] or not worse:
+            continue
+        mine = t["phases"][ph]["sets"][name]["accept_length"]
+        out.append(
+            {
+                "kind": "set",
+                "where": name,
+                "share": s["share"],
+                "phase": ph,
+                "accept_length": mine,
+                "against": [{k: w[k] for k in ("phase", "accept_length", "diff", "ci")} for w in worse],
+                "text": (
+                    f"On the set {name} ({_pct(s['share'])} of the traffic) the recommended drafter (measured as "
+                    f"{ph}) is significantly worse {_against(ph, mine, worse)}. Add {name}'s kind of prompts to the "
+                    "training data (targets.prompts_train)."
+                ),
+            }
+        )
+    return out
+
+
+def _bucket_problems(t: dict) -> list[dict]:
+    """R10 (b): each context bucket where the recommended drafter is significantly worse than a rival."""
+    ph, out = t["recommended_phase"], []
+    for j, row in enumerate((t["buckets"] or {}).get(ph) or []):
+        worse = [
+            {"phase": o, "accept_length": t["buckets"][o][j]["accept_length"], **rows[j]}
+            for o, rows in (t["buckets_vs"] or {}).items()
+            if rows[j]["ci"] is not None and rows[j]["ci"][1] < 0
+        ]
+        if not worse:
+            continue
+        out.append(
+            {
+                "kind": "bucket",
+                "where": row["bucket"],
+                "num_cycles": row["num_cycles"],
+                "phase": ph,
+                "accept_length": row["accept_length"],
+                "against": [{k: w[k] for k in ("phase", "accept_length", "diff", "ci")} for w in worse],
+                "text": (
+                    f"At verify positions {row['bucket']} ({row['num_cycles']} cycles) the recommended drafter "
+                    f"(measured as {ph}) is significantly worse {_against(ph, row['accept_length'], worse)}. Add "
+                    "prompts that reach that context length to the training data (targets.prompts_train)."
+                ),
+            }
+        )
+    return out
+
+
+def _past_limit(t: dict, limit: int) -> str:
+    """The source's (Phase 0's) accept length past its limit, bucket by bucket, or why it is not measured."""
+    rows = (t["buckets"] or {}).get("phase0")
+    if t["buckets"] is None:
+        return "its accept length there is not measured (no context buckets: eval.context_buckets)"
+    if not rows or not rows[0]["measured"]:
+        return "its accept length there is not measured (Phase 0 has no per-bucket counts)"
+    past = [r for r in rows if r["beyond_source_limit"]]
+    if not past:
+        return (
+            f"its accept length there is not measured (no context bucket starts at or past {limit}: add that "
+            "edge to eval.context_buckets)"
+        )
+    parts = [
+        f"{r['bucket']}: not measured (no held-out prompt reaches it)"
+        if r["accept_length"] is None
+        else f"{r['bucket']}: {r['accept_length']:.3f} (CI {_fmt_ci(r['ci'])}, {r['num_cycles']} cycles, part of "
+        "Phase 0's pooled figure)"
+        for r in past
+    ]
+    return "its accept length there, reported apart: " + "; ".join(parts)
+
+
+def _limit_text(t: dict) -> str | None:
+    """R10 (c): the source cannot be served as-is past its positions' limit."""
+    lim = t["context_limit"]
+    if not lim or not lim["limited"]:
+        return None
+    x, rope = lim["source_limit"], lim["source_rope_scaling"]
+    how = (
+        f"max_position_embeddings {lim['source_max_position_embeddings']}, "
+        f"rope_scaling {json.dumps(rope, sort_keys=True) if rope else 'none'}"
+    )
+    return (
+        f"The source config allows positions up to {x} ({how}) while the new target serves "
+        f"{lim['serving_length']}, so the source drafter cannot be served as-is past {x} (vLLM clamps its RoPE "
+        f"there); {_past_limit(t, x)}."
+    )
+
+
+def _more_data_text(t: dict) -> str | None:
+    """R10 (d): per set, what the recommended init gains from its smallest to its largest n there
+    (with more than one set): where more data of which kind pays."""
+    gains = [(s["name"], g) for s in t["sets"] if (g := (t.get("curve_gain") or {}).get(s["name"]))]
+    if len(t["sets"]) < 2 or not gains:
+        return None
+    g0 = gains[0][1]
+    parts = ", ".join(f"{g['diff']:+.3f} (CI {_fmt_ci(g['ci'])}) on {name}" for name, g in gains)
+    paying = [(g["diff"], name) for name, g in gains if g["significant"] and g["diff"] > 0]
+    tail = (
+        f"more data of {max(paying)[1]}'s kind pays most"
+        if paying
+        else "more data brings no significant gain on any set"
+    )
+    return f"From n={g0['from_n']} to n={g0['to_n']} the {g0['arm']} curve gains {parts}: {tail}."
+
+
+def rule_r10_traffic(t: dict) -> tuple[list[dict], str, list[str]]:
+    """(the set and bucket problems, fired, sentences: the weighting, the context limit, each problem)."""
+    problems = _set_problems(t) + _bucket_problems(t)
+    shares = ", ".join(f"{s['name']} {_pct(s['share'])}" for s in t["sets"])
+    weighting = (
+        f"Every accept length in this decision is traffic-weighted: the sum over the held-out sets of share x "
+        f"the set's own accept length ({shares}; targets.eval_sets), its CI from a bootstrap that resamples "
+        "prompts within each set."
+        if t["weighted"]
+        else None
+    )
+    text = [s for s in (weighting, _limit_text(t), _more_data_text(t)) if s] + [p["text"] for p in problems]
+    lim = t["context_limit"]
+    fired = "; ".join(
+        [
+            f"recommended drafter {t['recommended_phase'] or 'not measured'}",
+            f"sets {shares or 'none'}" + (" (traffic-weighted)" if t["weighted"] else ""),
+            ", ".join(
+                f"{p['kind']} {p['where']} worse than {'/'.join(a['phase'] for a in p['against'])}" for p in problems
+            )
+            or "no set (share >= min_share) or bucket significantly worse",
+            *(
+                [f"source limit {lim['source_limit']} < serving {lim['serving_length']}"]
+                if lim and lim["limited"]
+                else []
+            ),
+        ]
+    )
+    return problems, fired, text
+
+
 # ---------------------------------------------------------------- reading and rendering
 
 
@@ -951,6 +1315,7 @@ def render_text(decision: dict) -> str:
                 f"{label}: {g['diff']:+.3f} {_fmt_ci(g['ci'])}  "
                 f"{'significant' if g['significant'] else 'not significant'}"
             )
+    out += _render_traffic(decision.get("traffic"))
     b = decision.get("data_budget")
     if b:
         out.append(
@@ -965,3 +1330,55 @@ def render_text(decision: dict) -> str:
             )
             out.append(f"  round {row['round']}: n={row['n_samples']:<8} tau {row['accept_length']:.3f}{proj}")
     return "\n".join(out) + "\n"
+
+
+def _fig(row: dict | None) -> str:
+    if row is None or row.get("accept_length") is None:
+        return "not measured"
+    return f"{row['accept_length']:.3f} {_fmt_ci(row['ci'])}"
+
+
+def _render_traffic(t: dict | None) -> list[str]:
+    """render_text's lines on the traffic: per set and per bucket, the recommended drafter against its rivals."""
+    if not t:
+        return []
+    ph = t["recommended_phase"]
+    out = [
+        "Traffic: "
+        + ", ".join(f"{s['name']} {_pct(s['share'])} ({s['n_prompts']} prompts)" for s in t["sets"])
+        + ("; accept lengths traffic-weighted" if t["weighted"] else "")
+        + f"; recommended drafter {ph or 'not measured'}"
+    ]
+    for name, row in t["phases"].items():
+        sets = "  ".join(f"{s}: {_fig(x)}" for s, x in row["sets"].items())
+        out.append(f"  {name:<15} weighted {_fig(row['weighted'])}  {sets}")
+    for other, v in t["vs"].items():
+        sets = "  ".join(f"{s}: {d['diff']:+.3f} {_fmt_ci(d['ci'])}" for s, d in v["sets"].items())
+        out.append(f"  {ph} - {other}: weighted {v['weighted']['diff']:+.3f} {_fmt_ci(v['weighted']['ci'])}  {sets}")
+    gains = [(s, g) for s, g in t["curve_gain"].items() if g]
+    if gains:
+        g0 = gains[0][1]
+        out.append(
+            f"  More data, {g0['arm']} n={g0['from_n']} -> n={g0['to_n']}: "
+            + "  ".join(f"{s}: {g['diff']:+.3f} {_fmt_ci(g['ci'])}" for s, g in gains)
+        )
+    for name, rows in (t["buckets"] or {}).items():
+        cells = "  ".join(
+            f"{r['bucket']}: {_fig(r)} ({r['num_cycles']} cycles"
+            + (", past the source's limit)" if r["beyond_source_limit"] and name == "phase0" else ")")
+            for r in rows
+        )
+        out.append(f"  buckets {name:<15} {cells}")
+    for other, rows in (t["buckets_vs"] or {}).items():
+        cells = "  ".join(
+            f"{r['bucket']}: " + ("not measured" if r["diff"] is None else f"{r['diff']:+.3f} {_fmt_ci(r['ci'])}")
+            for r in rows
+        )
+        out.append(f"  buckets {ph} - {other}: {cells}")
+    lim = t.get("context_limit")
+    if lim and lim["limited"]:
+        out.append(
+            f"  Context limit: the source serves positions up to {lim['source_limit']}, the new target "
+            f"{lim['serving_length']}"
+        )
+    return out

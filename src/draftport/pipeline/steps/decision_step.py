@@ -1,5 +1,5 @@
 """The decision step: which init, recipe and answers, how much data, whether Phase 2 pays, and
-the hours, with bootstrap CIs (draftport.evaluation.decision: its rules R1-R9, docs/decision.md;
+the hours, with bootstrap CIs (draftport.evaluation.decision: its rules R1-R10, docs/decision.md;
 the hours: draftport.evaluation.hours, measured by the steps) -> decision.json, decision.txt."""
 
 from __future__ import annotations
@@ -73,6 +73,17 @@ def _phase_n(s: StepContext, budget: dict | None) -> dict:
     return {ph: n for ph, n in out.items() if ph in s.inputs}
 
 
+def _traffic(phase0: dict, d: dict) -> dict:
+    """decide's traffic inputs: Phase 0's eval sets, context buckets and the source's context limit
+    (every phase and curve point is evaluated on the same sets and buckets)."""
+    return {
+        "sets": phase0.get("sets"),
+        "bucket_edges": phase0.get("context_buckets"),
+        "context_limit": phase0.get("context_limit"),
+        "min_share": d.get("min_share", 0.05),
+    }
+
+
 def decision(s: StepContext) -> dict:
     d = s.p["decision"]
     curves = read_json(s.input("curves")) if "curves" in s.inputs else None
@@ -92,6 +103,7 @@ def decision(s: StepContext) -> dict:
         hours=_hours(s, curves),
         serving_tokens_per_day=d["serving_tokens_per_day"],
         phase_n=_phase_n(s, budget),
+        **_traffic(phases.get("phase0") or {}, d),
     )
     if budget is not None:  # data.budget adaptive: where the rounds stopped, and why
         out["data_budget"] = {
