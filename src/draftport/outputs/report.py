@@ -23,16 +23,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftport.outputs.style import COLORS, LABELS, PHASES, pyplot
+from draftport.outputs.traffic_report import traffic_section
 from draftport.outputs.tables import _page, compare_html, html_table, write_csv
-
-PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
-LABELS = {
-    "phase0": "Phase 0\nsource as-is",
-    "phase1_scratch": "Phase 1 control\nfrom scratch",
-    "phase1": "Phase 1\nfine-tuned",
-    "phase2": "Phase 2\nscaled data",
-}
-COLORS = {"phase0": "#9e9e9e", "phase1_scratch": "#f2a541", "phase1": "#3d7dca", "phase2": "#2a9d5c", "old": "#d0d0d0"}
 
 
 def _read(path) -> Any:
@@ -49,14 +42,7 @@ def _history(path) -> list[dict]:
 
 
 def _plt():
-    # lazy: matplotlib is optional (the pipeline extra); the Agg backend before pyplot
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"font.size": 11, "axes.spines.top": False, "axes.spines.right": False, "figure.dpi": 110})
-    return plt
+    return pyplot()
 
 
 # ---- plots -----------------------------------------------------------------------------------
@@ -1013,8 +999,9 @@ def build_report(out_dir, p: dict, inputs: dict) -> dict:
     body = _phases_body(out_dir, p, k, cost, rows, _phase_kpis(phases, source_on_old, be, cost))
     body += _tau_by_step_part(out_dir, tau_steps)
     # the first section: after the lead paragraph and the phases' KPI strip (body[0], body[1])
+    traffic = [_img(x) if isinstance(x, Path) else x for x in traffic_section(decision, out_dir)]
     if decision is not None:
-        body[2:2] = decision_section(decision, curves_png)
+        body[2:2] = decision_section(decision, curves_png) + traffic
     elif curves_png is not None:
         body[2:2] = ["<h2>Accept length by training samples</h2>", _img(curves_png)]
     body += _online_part(out_dir, inputs, p, k)
