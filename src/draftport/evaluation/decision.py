@@ -1099,22 +1099,26 @@ def _set_problems(t: dict) -> list[dict]:
         if s["share"] < t["min_share"] or not worse:
             continue
         mine = t["phases"][ph]["sets"][name]["accept_length"]
-        out.append(
-            {
-                "kind": "set",
-                "where": name,
-                "share": s["share"],
-                "phase": ph,
-                "accept_length": mine,
-                "against": [{k: w[k] for k in ("phase", "accept_length", "diff", "ci")} for w in worse],
-                "text": (
-                    f"On the set {name} ({_pct(s['share'])} of the traffic) the recommended drafter (measured as "
-                    f"{ph}) is significantly worse {_against(ph, mine, worse)}. Add {name}'s kind of prompts to the "
-                    "training data (targets.prompts_train)."
-                ),
-            }
+        text = (
+            f"On the set {name} ({_pct(s['share'])} of the traffic) the recommended drafter (measured as "
+            f"{ph}) is significantly worse {_against(ph, mine, worse)}. Add {name}'s kind of prompts to the "
+            "training data (targets.prompts_train)."
         )
+        out.append(_problem("set", name, ph, mine, worse, text, share=s["share"]))
     return out
+
+
+def _problem(kind: str, where, ph: str, mine: float, worse: list[dict], text: str, **extra) -> dict:
+    """One R10 finding: where (a set or a bucket), the recommended phase's figure, its rivals' and the text."""
+    return {
+        "kind": kind,
+        "where": where,
+        **extra,
+        "phase": ph,
+        "accept_length": mine,
+        "against": [{k: w[k] for k in ("phase", "accept_length", "diff", "ci")} for w in worse],
+        "text": text,
+    }
 
 
 def _bucket_problems(t: dict) -> list[dict]:
@@ -1128,20 +1132,13 @@ def _bucket_problems(t: dict) -> list[dict]:
         ]
         if not worse:
             continue
+        text = (
+            f"At verify positions {row['bucket']} ({row['num_cycles']} cycles) the recommended drafter "
+            f"(measured as {ph}) is significantly worse {_against(ph, row['accept_length'], worse)}. Add "
+            "prompts that reach that context length to the training data (targets.prompts_train)."
+        )
         out.append(
-            {
-                "kind": "bucket",
-                "where": row["bucket"],
-                "num_cycles": row["num_cycles"],
-                "phase": ph,
-                "accept_length": row["accept_length"],
-                "against": [{k: w[k] for k in ("phase", "accept_length", "diff", "ci")} for w in worse],
-                "text": (
-                    f"At verify positions {row['bucket']} ({row['num_cycles']} cycles) the recommended drafter "
-                    f"(measured as {ph}) is significantly worse {_against(ph, row['accept_length'], worse)}. Add "
-                    "prompts that reach that context length to the training data (targets.prompts_train)."
-                ),
-            }
+            _problem("bucket", row["bucket"], ph, row["accept_length"], worse, text, num_cycles=row["num_cycles"])
         )
     return out
 
