@@ -8,6 +8,7 @@ seed)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -142,6 +143,14 @@ def train_jobs(jobs: list[dict], world: int) -> tuple[list[dict], int]:
     where = f"one per GPU ({', '.join(gpus[:n_workers])})" if gpus else "one thread each"
     print(f"{what}: {len(jobs)} points, {n_workers} at a time ({where})", flush=True)
     by_cost = sorted(jobs, key=lambda j: -j["train"]["steps"])  # the longest first: the workers finish together
+    with _pool(n_workers, gpus) as pool:
+        done = dict(zip((j["point"]["name"] for j in by_cost), pool.map(_train_point, by_cost, chunksize=1)))
+    return [done[j["point"]["name"]] for j in jobs], n_workers
+
+
+@contextlib.contextmanager
+def _pool(n_workers: int, gpus: list[str]):
+    """Worker processes of one thread each (_worker_init), or one per GPU, dying with the step."""
     log_fh = getattr(getattr(sys.stdout, "log", None), "fh", None)  # the runner's Tee to logs/<step>.log
     ctx = mp.get_context("spawn")
     queue = None
@@ -150,8 +159,26 @@ def train_jobs(jobs: list[dict], world: int) -> tuple[list[dict], int]:
         for g in gpus[:n_workers]:
             queue.put(g)
     with ctx.Pool(n_workers, initializer=_worker_init, initargs=(getattr(log_fh, "name", None), queue)) as pool:
-        done = dict(zip((j["point"]["name"] for j in by_cost), pool.map(_train_point, by_cost, chunksize=1)))
-    return [done[j["point"]["name"]] for j in jobs], n_workers
+        yield pool
+
+
+def _eval_point(job: dict) -> dict:
+    """One point's drafter on the held-out features (in the step's process or a worker's)."""
+    return evaluate_drafter(job["drafter"], job["target"], job["features"], **job["kw"])
+
+
+def eval_jobs(jobs: list[dict], device: str):
+    """Each job's evaluation, yielded in the jobs' order as they finish: on the CPU as many at once
+    as the step has threads (one thread each: the same floats as one process), on GPUs one per GPU."""
+    gpus = visible_gpus(device)
+    n_workers = _workers(len(jobs), 1, gpus)
+    if n_workers == 1:
+        yield from map(_eval_point, jobs)
+        return
+    where = f"one per GPU ({', '.join(gpus[:n_workers])})" if gpus else "one thread each"
+    print(f"curves: {len(jobs)} points evaluated, {n_workers} at a time ({where})", flush=True)
+    with _pool(n_workers, gpus) as pool:
+        yield from pool.imap(_eval_point, jobs, chunksize=1)
 
 
 JOB_PATHS = ("target_dir", "vocab_path", "source_dir", "ckpt_dir")  # a job's kw entries that are paths
@@ -374,17 +401,23 @@ def eval_curves(s: StepContext) -> dict:
     root = Path(s.input("points")).parent
     recorded = json.loads(POINT_RUNS.read_text()) if POINT_RUNS.is_file() else {}
     res_points = []
-    for i, pt in enumerate(trained["points"], 1):
-        res = evaluate_drafter(
-            root / pt["dir"] / "drafter",
-            s.input("target"),
-            s.input("features"),
-            k=e["k"],
-            batch_size=e["batch_size"],
-            max_samples=e["max_samples"],
-            device=e["device"],
-            buckets=e.get("context_buckets"),
-        )
+    kw = dict(
+        k=e["k"],
+        batch_size=e["batch_size"],
+        max_samples=e["max_samples"],
+        device=e["device"],
+        buckets=e.get("context_buckets"),
+    )
+    jobs = [
+        {
+            "drafter": root / pt["dir"] / "drafter",
+            "target": s.input("target"),
+            "features": s.input("features"),
+            "kw": kw,
+        }
+        for pt in trained["points"]
+    ]
+    for i, (pt, res) in enumerate(zip(trained["points"], eval_jobs(jobs, e["device"])), 1):
         s.timing.setdefault("points_run", {})[pt["name"]] = res.pop("run")
         ci = tau_ci(
             [res["per_sample"]["accepted"]],
