@@ -6,7 +6,7 @@ import json
 import torch
 
 from draftport.model.formats import save_drafter, save_safetensors
-from draftport.pipeline.steps.curve_steps import eval_jobs
+from draftport.pipeline.steps.curve_eval_steps import eval_jobs
 from toys import make_features, toy_drafter
 
 RUN_KEYS = ("run", "eval_seconds")  # where and how fast it ran: not figures

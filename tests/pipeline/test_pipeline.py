@@ -442,7 +442,10 @@ ALL = (
             EVALS | {"decision"},
         ),
         ("src/draftport/evaluation/drift.py", None, {"drift", "decision", "report"}, {"drift"}),
-        ("src/draftport/evaluation/decision.py", None, CURVE_EVAL | {"report"}, CURVE_EVAL),
+        # the rules read the curves: they rerun the decision, never the curves' evaluation
+        ("src/draftport/evaluation/decision.py", None, {"decision", "report"}, {"decision"}),
+        # the curves' evaluation code reruns their evaluation, never their 60 trainings
+        ("src/draftport/pipeline/steps/curve_eval_steps.py", None, CURVE_EVAL | {"report"}, {"eval_curves"}),
         # the plumbing is no step's code: a help text of the params' schema, the runner, the step table
         ("src/draftport/plan/params.py", None, set(), set()),
         ("src/draftport/pipeline/runner.py", None, set(), set()),

@@ -384,9 +384,19 @@ def _publish(tmp: Path, folder: Path) -> None:
 
 
 # ---- code dependencies ------------------------------------------------------------------------
+_FROM_WORKERS: set[str] = set()  # modules the step's worker processes ran (pipeline.steps.points)
+
+
 def loaded_modules() -> set[str]:
-    """draftport's modules this process has imported, as registry names ("train", "steps.data")."""
-    return {m[len("draftport.") :] for m in sys.modules if m.startswith("draftport.") and sys.modules[m] is not None}
+    """draftport's modules this process has imported, and those its step's workers reported, as
+    registry names ("train", "steps.data")."""
+    here = {m[len("draftport.") :] for m in sys.modules if m.startswith("draftport.") and sys.modules[m] is not None}
+    return here | _FROM_WORKERS
+
+
+def note_worker_modules(names) -> None:
+    """Modules a worker process of this step ran: its record and the strict check count them."""
+    _FROM_WORKERS.update(names)
 
 
 def undeclared_modules(row: registry.Step) -> list[str]:

@@ -1,48 +1,22 @@
-"""The learning curves: every arm (plain fine-tuning and scratch at several new-target sample
-counts; the dataset-answers and recipe arms at curves.arms_n_samples) with several seeds each,
-under one budget rule; trained in `train_curves`, measured in `eval_curves` (so evaluation settings
-retrain nothing). A regenerated point reads a prefix of one capture: Phase 1's samples, then Phase
-2's (data.shards.FeatureChain); a dataset point a prefix of features_dataset's. MLflow: the step's
-run `curves` is the parent of one nested run per point (tags arm, init, answers, recipe, n_samples,
-seed)."""
+"""The learning curves' trainings: every arm (plain fine-tuning and scratch at several new-target
+sample counts; the dataset-answers and recipe arms at curves.arms_n_samples) with several seeds
+each, under one budget rule (step `train_curves`; `eval_curves`, in curve_eval_steps, measures
+them, so evaluation settings and code retrain nothing). A regenerated point reads a prefix of one
+capture: Phase 1's samples, then Phase 2's (data.shards.FeatureChain); a dataset point a prefix of
+features_dataset's. MLflow: the step's run `curves` is the parent of one nested run per point (tags
+arm, init, answers, recipe, n_samples, seed)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import multiprocessing as mp
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from draftport.evaluation.accept import evaluate_drafter
-from draftport.pipeline.runner import RUNS_DIR, StepContext, checkpoints, read_json, write_json
-from draftport.pipeline.tracking import PhaseRun, tracking_uri
+from draftport.pipeline.runner import StepContext, checkpoints, read_json, write_json
+from draftport.pipeline.steps.points import POINT_RUNS, child_run, die_with_parent, map_points, visible_gpus, workers
 from draftport.plan.curves import DATASET, points, train_config
 from draftport.plan.params import TrainConfig
-
-POINT_RUNS = Path(RUNS_DIR, "train_curves.points.json")  # nested runs' ids (outside artifacts/)
-
-
-def _child_run(profile: str, parent_id: str, step: str, pt: dict):
-    """A nested MLflow run of the step's run for one point."""
-    arm = pt.get("arm", pt["init"])
-    return PhaseRun(
-        profile,
-        f"curves {arm} n={pt['n_samples']} seed={pt['seed']}",
-        tags={
-            "mlflow.parentRunId": parent_id,
-            "init": pt["init"],
-            "arm": arm,
-            "answers": pt.get("answers", "regenerated"),
-            "recipe": pt.get("recipe", "plain"),
-            "n_samples": pt["n_samples"],
-            "seed": pt["seed"],
-            "draftport.step": step,
-        },
-    )
 
 
 def _train_point(job: dict) -> dict:
@@ -58,7 +32,7 @@ def _train_point(job: dict) -> dict:
         f"{what}: point {job['i']}/{job['of']}: {pt['arm']} n={pt['n_samples']} seed={pt['seed']}, {cfg.steps} steps",
         flush=True,
     )
-    child = _child_run(job["profile"], job["parent"], job["step"], pt) if job["parent"] else None
+    child = child_run(job["profile"], job["parent"], job["step"], pt) if job["parent"] else None
     if child is not None:
         child.log_params(
             {
@@ -91,94 +65,19 @@ def _train_point(job: dict) -> dict:
     }
 
 
-def _worker_init(log_path: str | None, gpus=None) -> None:
-    """A worker trains on one thread (a point's floats as in one process), writes its lines to the
-    step's log too, and dies with the step (kill -9 of the step leaves no orphan writing
-    checkpoints that a resumed step reads). gpus: a queue of GPU ids, one taken per worker before
-    CUDA starts, so each worker trains its points on a GPU of its own."""
-    if gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpus.get())
-    import torch
-
-    from draftport.pipeline.runner import Tee
-    from draftport.progress import LogWriter
-
-    torch.set_num_threads(1)
-    if log_path:  # appended line by line beside the step's own (the runner opened it)
-        log = LogWriter(open(log_path, "a", buffering=1))
-        sys.stdout, sys.stderr = Tee(sys.__stdout__, log), Tee(sys.__stderr__, log)
-    _die_with_parent()
-
-
-def visible_gpus(device: str) -> list[str]:
-    """The GPU ids a step's points spread over under train.device `device` (none: the CPU)."""
-    import torch
-
-    if device == "cpu" or not torch.cuda.is_available():
-        return []
-    ids = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-    return ids[: torch.cuda.device_count()] or [str(i) for i in range(torch.cuda.device_count())]
-
-
-def _workers(n_points: int, world: int, gpus: list[str]) -> int:
-    """Points trained at once: under torchrun one (each point over every rank); on GPUs one per
-    GPU; on the CPU the step's threads (one thread each)."""
-    import torch
-
-    if world > 1:
-        return 1
-    if gpus:
-        return max(1, min(len(gpus), n_points))
-    return max(1, min(torch.get_num_threads(), n_points))
-
-
 def train_jobs(jobs: list[dict], world: int) -> tuple[list[dict], int]:
     """Train every job (_train_point's): on GPUs one at a time per GPU, on the CPU as many at once
     as the step has threads; the results in the jobs' order, and how many trained at once."""
     gpus = visible_gpus(jobs[0]["train"].get("device", "auto")) if jobs else []
-    n_workers = _workers(len(jobs), world, gpus)
+    n_workers = workers(len(jobs), world, gpus)
     if n_workers == 1:
         return [_train_point(j) for j in jobs], 1
     what = jobs[0].get("label", "curves")
     where = f"one per GPU ({', '.join(gpus[:n_workers])})" if gpus else "one thread each"
     print(f"{what}: {len(jobs)} points, {n_workers} at a time ({where})", flush=True)
     by_cost = sorted(jobs, key=lambda j: -j["train"]["steps"])  # the longest first: the workers finish together
-    with _pool(n_workers, gpus) as pool:
-        done = dict(zip((j["point"]["name"] for j in by_cost), pool.map(_train_point, by_cost, chunksize=1)))
+    done = dict(zip((j["point"]["name"] for j in by_cost), map_points(_train_point, by_cost, n_workers, gpus)))
     return [done[j["point"]["name"]] for j in jobs], n_workers
-
-
-@contextlib.contextmanager
-def _pool(n_workers: int, gpus: list[str]):
-    """Worker processes of one thread each (_worker_init), or one per GPU, dying with the step."""
-    log_fh = getattr(getattr(sys.stdout, "log", None), "fh", None)  # the runner's Tee to logs/<step>.log
-    ctx = mp.get_context("spawn")
-    queue = None
-    if gpus:
-        queue = ctx.Queue()
-        for g in gpus[:n_workers]:
-            queue.put(g)
-    with ctx.Pool(n_workers, initializer=_worker_init, initargs=(getattr(log_fh, "name", None), queue)) as pool:
-        yield pool
-
-
-def _eval_point(job: dict) -> dict:
-    """One point's drafter on the held-out features (in the step's process or a worker's)."""
-    return evaluate_drafter(job["drafter"], job["target"], job["features"], **job["kw"])
-
-
-def eval_jobs(jobs: list[dict], device: str):
-    """Each job's evaluation, yielded in the jobs' order as they finish: on the CPU as many at once
-    as the step has threads (one thread each: the same floats as one process), on GPUs one per GPU."""
-    gpus = visible_gpus(device)
-    n_workers = _workers(len(jobs), 1, gpus)
-    if n_workers == 1:
-        yield from map(_eval_point, jobs)
-        return
-    where = f"one per GPU ({', '.join(gpus[:n_workers])})" if gpus else "one thread each"
-    print(f"curves: {len(jobs)} points evaluated, {n_workers} at a time ({where})", flush=True)
-    with _pool(n_workers, gpus) as pool:
-        yield from pool.imap(_eval_point, jobs, chunksize=1)
 
 
 JOB_PATHS = ("target_dir", "vocab_path", "source_dir", "ckpt_dir")  # a job's kw entries that are paths
@@ -209,7 +108,7 @@ def train_jobs_torchrun(jobs: list[dict], nproc: int) -> list[dict]:
         ]
         # the agent dies with the step (kill -9 of the step leaves no training writing checkpoints)
         p = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent
         )
         for line in p.stdout:  # through the step's own stdout: its log gets them
             print(line, end="", flush=True)
@@ -220,17 +119,6 @@ def train_jobs_torchrun(jobs: list[dict], nproc: int) -> list[dict]:
             )
         out.append(read_json(f"{j['out']}.result.json"))
     return out
-
-
-def _die_with_parent() -> None:
-    """This process gets SIGKILL when its parent dies (Linux; elsewhere nothing)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _run_job_file(path: str) -> int:
@@ -344,114 +232,6 @@ def _curve_job(s: StepContext, i: int, of: int, pt: dict, regenerated: list) -> 
         "parent": s.run.run_id if s.run is not None else None,
         "step": s.name,
     }
-
-
-def _point_run(s: StepContext, pt: dict, recorded: dict):
-    if recorded.get("uri") == tracking_uri() and pt["name"] in recorded.get("runs", {}):
-        try:
-            return PhaseRun.attach(recorded["runs"][pt["name"]], where=POINT_RUNS)
-        except Exception:  # the run is gone (another store, a deleted experiment): a new child
-            pass
-    return _child_run(s.p["profile"], s.run.run_id, s.name, pt)
-
-
-POINT_KEYS = ("arm", "init", "answers", "recipe", "n_samples", "seed", "train_steps", "stopped_early", "curve")
-
-
-def _log_point(s: StepContext, pt: dict, recorded: dict, res: dict, ci: list) -> None:
-    """A point's figures (and each eval set's accept length) in its MLflow child run."""
-    run = _point_run(s, pt, recorded)
-    run.log_metrics(
-        {
-            "accept_length": res["accept_length"],
-            "accept_length_ci_low": ci[0],
-            "accept_length_ci_high": ci[1],
-            "simulated_acc_len": res["simulated_acc_len"],
-            "acceptance_rate": res["acceptance_rate"],
-            **{
-                f"accept_length/{name}": v["accept_length"]
-                for name, v in res["by_set"].items()
-                if v["accept_length"] is not None
-            },
-        },
-        step=pt["train_steps"],
-    )
-    run.finish(ok=True)
-
-
-def _point_record(pt: dict, res: dict, ci: list) -> dict:
-    """A point's row of curves.json: what it is, its tau and CI, its per-prompt counts and eval sets."""
-    return {key: pt[key] for key in POINT_KEYS if key in pt} | {
-        "accept_length": res["accept_length"],
-        "ci": ci,
-        "per_sample": res["per_sample"],
-        "sets": res["sets"],
-    }
-
-
-def eval_curves(s: StepContext) -> dict:
-    """Every point's drafter on the new target's held-out set, drafted as an engine drafts;
-    curves.json holds each point's tau and its per-prompt counts (the decision's bootstrap)."""
-    # lazy (registry): train_curves runs this module without evaluation.decision
-    from draftport.evaluation.decision import tau_ci
-    from draftport.evaluation.traffic import strata_of
-
-    e = s.p["eval"]
-    trained = read_json(s.input("points"))
-    root = Path(s.input("points")).parent
-    recorded = json.loads(POINT_RUNS.read_text()) if POINT_RUNS.is_file() else {}
-    res_points = []
-    kw = dict(
-        k=e["k"],
-        batch_size=e["batch_size"],
-        max_samples=e["max_samples"],
-        device=e["device"],
-        buckets=e.get("context_buckets"),
-    )
-    jobs = [
-        {
-            "drafter": root / pt["dir"] / "drafter",
-            "target": s.input("target"),
-            "features": s.input("features"),
-            "kw": kw,
-        }
-        for pt in trained["points"]
-    ]
-    for i, (pt, res) in enumerate(zip(trained["points"], eval_jobs(jobs, e["device"])), 1):
-        s.timing.setdefault("points_run", {})[pt["name"]] = res.pop("run")
-        ci = tau_ci(
-            [res["per_sample"]["accepted"]],
-            [res["per_sample"]["cycles"]],
-            n_boot=1000,
-            strata=strata_of(res["sets"]),  # more than one eval set: the traffic-weighted figure's CI
-        )["ci"]
-        print(
-            f"curves: {i}/{len(trained['points'])} {pt.get('arm', pt['init'])} n={pt['n_samples']} seed={pt['seed']}: "
-            f"tau {res['accept_length']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]",
-            flush=True,
-        )
-        if s.run is not None:
-            _log_point(s, pt, recorded, res, ci)
-        res_points.append(_point_record(pt, res, ci))
-    c = s.p["curves"]
-    write_json(
-        s.path("curves.json"),
-        {
-            "n_samples": c["n_samples"],
-            "seeds": c["seeds"],
-            "inits": c["inits"],
-            "arms_n_samples": c["arms_n_samples"],
-            "recipes": c["recipes"],
-            "budget": trained["budget"],
-            "eval_samples": res["eval_samples"],
-            "k": e["k"],
-            "points": res_points,
-        },
-    )
-    out: dict = {}
-    for pt in res_points:  # the seeds' mean per (init, n): MLflow's compare view and DVC metrics
-        out.setdefault(pt.get("arm", pt["init"]), {}).setdefault(f"n{pt['n_samples']}", []).append(pt["accept_length"])
-    return {init: {n: sum(v) / len(v) for n, v in d.items()} for init, d in out.items()}
 
 
 if __name__ == "__main__":
