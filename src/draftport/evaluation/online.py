@@ -460,16 +460,17 @@ def per_set(online_raw: dict, offline: dict, sets: list[dict]) -> dict:
     for x in sets:
         span = slice(x["start"], x["start"] + x["count"])
         on_steps = [r.get("per_step_accepted") for r in reqs[span]]
-        off_steps = off[span]
-        on = None
-        if on_steps and all(c is not None for c in on_steps):
-            n_on = sum(len(c) for c in on_steps)
-            on = 1.0 + sum(sum(c) for c in on_steps) / n_on if n_on else None
-        n_off = sum(len(c) for c in off_steps)
-        offv = 1.0 + sum(sum(c) for c in off_steps) / n_off if n_off else None
+        on = _steps_tau(on_steps) if on_steps and all(c is not None for c in on_steps) else None
+        offv = _steps_tau(off[span])
         diff = on - offv if on is not None and offv is not None else None
         out[x["name"]] = {"vllm": on, "offline": offv, "difference": diff, "requests": x["count"]}
     return out
+
+
+def _steps_tau(per_request: list) -> float | None:
+    """1 + accepted / cycles over requests' per-cycle accepted counts (None: not one cycle)."""
+    n = sum(len(c) for c in per_request)
+    return 1.0 + sum(sum(c) for c in per_request) / n if n else None
 
 
 def side_by_side(online: dict, offline: dict) -> list[dict]:
