@@ -250,18 +250,19 @@ def features_eval(s: StepContext) -> dict:
     which = {"new": "target", **({"old": "target_old"} if "target_old" in s.inputs else {})}
     sets = {side: resolved_eval_sets(s.p, side) for side in which}
     sets = {side: v for side, v in sets.items() if all(x["prompts"] for x in v)}
-    # every set's file checked before any compute: a bad one leaves nothing behind
-    rows = {side: read_eval_sets(v, t["prompts_train"]) if t.get("eval_sets") else None for side, v in sets.items()}
+    # named sets are the same for both targets: every file checked (and read) once, before any
+    # compute, so a bad one leaves nothing behind
+    named = read_eval_sets(sets["new"], t["prompts_train"]) if t.get("eval_sets") else None
     out = {}
     for side, key in which.items():
         if side not in sets:
             continue
-        if rows[side] is None:  # one set, today's: the prompts file itself
+        if named is None:  # one set, today's: the prompts file itself
             out[f"eval_{side}"] = _features(
                 s, s.path(f"eval_{side}"), s.input(key), sets[side][0]["prompts"], n=f["eval_samples"]
             )
         else:
-            out[f"eval_{side}"] = _set_features(s, side, s.input(key), rows[side])
+            out[f"eval_{side}"] = _set_features(s, side, s.input(key), named)
     return out
 
 
