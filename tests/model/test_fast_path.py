@@ -570,3 +570,17 @@ def test_compiled_softce_at_gathered_targets_equals_eager():
         assert torch.allclose(got[0], ref[0], rtol=1e-5, atol=1e-6)
         assert torch.allclose(got[1].float(), ref[1].float(), rtol=1e-2 if dt == torch.bfloat16 else 1e-5, atol=1e-6)
         assert torch.equal(got[2], ref[2])
+
+
+def test_cudnn_stats_and_a_segment_s_lse_get_standard_strides_even_for_one_token():
+    """cuDNN's backward reads its Stats strides literally (the last must be 1): a one-token segment's
+    log-sum-exp, a transposed view, keeps odd strides through reshape and contiguous(), which the
+    GPU profile's first backward refused. _cudnn_stats spells the strides out."""
+    h = 4
+    lse_tok = torch.randn(7, h)  # token-major [N, h]
+    odd = lse_tok[3:4].t()[None]  # [1, h, 1]: the view _seg_bwd took of a one-token segment
+    assert odd.is_contiguous() and odd.contiguous().reshape(1, h, 1, 1).stride()[-1] != 1
+    stats = fast_attention._cudnn_stats(odd, (1, h, 1, 1))
+    assert stats.stride() == (h, 1, 1, 1) and torch.equal(stats.flatten(), lse_tok[3])
+    wide = fast_attention._cudnn_stats(lse_tok.t()[None].contiguous(), (1, h, 7, 1))
+    assert wide.stride() == (h * 7, 7, 1, 1) and torch.equal(wide[0, :, :, 0], lse_tok.t())

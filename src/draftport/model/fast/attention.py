@@ -66,6 +66,16 @@ def _flash_fwd(q, k, v, scale, attention: str):
     return o, lse, ()
 
 
+def _cudnn_stats(lse, shape):
+    """The log-sum-exp as cuDNN's backward takes its Stats: [B, h, T, 1] with every stride spelled
+    out (h*T, T, 1, 1). A reshape of a row with T = 1 (a one-token segment of packed rows) keeps
+    whatever strides its size-1 dims had, and cuDNN's frontend refuses a last stride other than 1."""
+    B, h, T = shape[0], shape[1], shape[2]
+    out = torch.empty_strided((B, h, T, 1), (h * T, T, 1, 1), dtype=lse.dtype, device=lse.device)
+    out.copy_(lse.reshape(B, h, T, 1))
+    return out if len(shape) == 4 else out.view(shape)
+
+
 def _flash_bwd(do, q, k, v, o, lse, scale, extras):
     if q.is_cuda:
         if extras[0] == "fa4":
@@ -74,7 +84,7 @@ def _flash_bwd(do, q, k, v, o, lse, scale, extras):
         if extras[0] == "cudnn":
             _, shape, seed, off, cq, ck, mq, mk = extras
             return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                do, q, k, v, o, lse.reshape(shape).contiguous(), seed, off, None, cq, ck, mq, mk, 0.0, True, scale=scale
+                do, q, k, v, o, _cudnn_stats(lse, shape), seed, off, None, cq, ck, mq, mk, 0.0, True, scale=scale
             )
         cq, ck, mq, mk, seed, off = extras[1:]
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -230,7 +240,10 @@ def _seg_bwd(do, q, k, v, o, lse, seg: Segments, scale, extras):
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     for (s, e), ex in zip(zip(seg.cu[:-1], seg.cu[1:]), extras[1]):
         ts = [_seg_view(t, s, e) for t in (do, q, k, v, o)]
-        ls = lse[s:e].t()[None].contiguous().to(lse_dtype)
+        # a fresh [1, h, L] with standard strides: a contiguous() of a one-token segment's
+        # transposed view keeps its odd strides, which the CUDA kernels read literally
+        ls = torch.empty((1, lse.shape[1], e - s), dtype=lse_dtype, device=lse.device)
+        ls[0].copy_(lse[s:e].t())
         g = _flash_bwd(*ts, ls, scale, ex)
         for out, gi in zip((dq, dk, dv), g):
             out[s:e] = gi[0].transpose(0, 1)
