@@ -38,8 +38,8 @@ class PackedBatch(Batch):
     n_samples: int = 0
     cu_seqlens_t: torch.Tensor | None = None  # the same as int32, on the batch's device
 
-    def to(self, device, dtype=None):
-        b = Batch.to(self, device, dtype)
+    def to(self, device, dtype=None, non_blocking: bool = False):
+        b = Batch.to(self, device, dtype, non_blocking)
         cu = torch.tensor(self.cu_seqlens, dtype=torch.int32) if self.cu_seqlens_t is None else self.cu_seqlens_t
         return PackedBatch(
             b.aux,
@@ -49,12 +49,12 @@ class PackedBatch(Batch):
             b.valid,
             b.target_arg,
             b.loss_share,
-            doc=self.doc.to(device),
-            positions=self.positions.to(device),
+            doc=self.doc.to(device, non_blocking=non_blocking),
+            positions=self.positions.to(device, non_blocking=non_blocking),
             cu_seqlens=list(self.cu_seqlens),
             max_seqlen=self.max_seqlen,
             n_samples=self.n_samples,
-            cu_seqlens_t=cu.to(device),
+            cu_seqlens_t=cu.to(device, non_blocking=non_blocking),
         )
 
     @property

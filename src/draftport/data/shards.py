@@ -26,10 +26,12 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 # the layout of save_safetensors' files, used to write a shard in place (see _ShardFile)
@@ -97,17 +99,33 @@ class Batch:
             return self.loss_share
         return float((self.loss_mask.bool() & self.valid.bool()).sum()) / max(1, self.loss_mask.numel())
 
-    def to(self, device, dtype=None):
-        f = (lambda t: t.to(device=device, dtype=dtype)) if dtype else (lambda t: t.to(device))
+    def to(self, device, dtype=None, non_blocking: bool = False):
+        """On `device` (non_blocking: the copies queued behind the device's work, from pinned
+        host memory: pin() first)."""
+        nb = non_blocking
+
+        def f(t):
+            return t.to(device=device, dtype=dtype, non_blocking=nb) if dtype else t.to(device, non_blocking=nb)
+
         return Batch(
             f(self.aux),
             f(self.final),
-            self.tokens.to(device),
-            self.loss_mask.to(device),
-            self.valid.to(device),
-            None if self.target_arg is None else self.target_arg.to(device),
+            self.tokens.to(device, non_blocking=nb),
+            self.loss_mask.to(device, non_blocking=nb),
+            self.valid.to(device, non_blocking=nb),
+            None if self.target_arg is None else self.target_arg.to(device, non_blocking=nb),
             loss_share=self.host_loss_share(),
         )
+
+    def pin(self):
+        """This batch with its host tensors in page-locked memory (a copy to the GPU then runs
+        behind the GPU's work instead of holding the host until it is done)."""
+        changes = {
+            f.name: getattr(self, f.name).pin_memory()
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor) and getattr(self, f.name).device.type == "cpu"
+        }
+        return dataclasses.replace(self, loss_share=self.host_loss_share(), **changes)
 
 
 def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", n_aux: int = 3) -> int:
@@ -616,6 +634,25 @@ class FeatureSet:
             bad = int((~torch.isfinite(s) | (s <= 0)).sum())
             if bad:
                 raise DraftportError(path, f"{k} holds {bad} non-finite or non-positive scales (corrupt shard)")
+
+    def length(self, i: int) -> int:
+        """Sample i's tokens, read from its shard's offsets alone (no states loaded)."""
+        si, li = self.where[i]
+        offsets = self._offsets(si)
+        return int(offsets[li + 1] - offsets[li])
+
+    def _offsets(self, si: int) -> torch.Tensor:
+        if self.shards[si] is not None:
+            return self.shards[si]["offsets"]
+        cache = self.__dict__.setdefault("_offsets_cache", {})
+        if si not in cache:
+            path = self.folder / self.index["shards"][si]["file"]
+            try:
+                with safe_open(str(path), "pt") as f:
+                    cache[si] = f.get_tensor("offsets")
+            except Exception as e:  # safetensors raises its own error types
+                raise DraftportError(path, f"cannot read feature shard ({e})") from None
+        return cache[si]
 
     def sample(self, i: int) -> dict:
         si, li = self.where[i]

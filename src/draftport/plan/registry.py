@@ -115,6 +115,7 @@ LOSS_MODULES = (*FAST_MODULES, "training.ttt")
 TRAIN_MODULES = (
     "training.phases",
     "training.loop",
+    "training.batches",
     "training.optim",
     *LOSS_MODULES,
     "data.capture",
@@ -190,6 +191,8 @@ STEPS: tuple[Step, ...] = (
             "data.draftmap",
             "training.phases",
             "training.loop",
+            "training.batches",
+            "training.batches",
             "training.optim",
             "model.flops",
             *LOSS_MODULES,
