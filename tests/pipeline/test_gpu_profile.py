@@ -118,6 +118,9 @@ def test_the_gpu_profile_at_toy_size_runs_end_to_end_on_the_cpu(tmp_path):
     for name, rate in res["training"].items():
         assert rate["device"] == "cpu" and rate["processes"] == 1 and rate["tokens_per_s"] > 0, name
         assert rate["mfu"] is None  # no GPU peak on the CPU
+        # the warm-up apart: the process's start before the first step, and the compiles (the
+        # reference impl the CPU runs compiles none)
+        assert rate["start_s"] > 0 and rate["compiles"] == 0 and rate["last_compile_step"] == 0, name
     cap = res["capture"]["features_new/train"]
     assert cap["tokens"] > 0 and cap["tok_s"] > 0 and 0 < cap["of_roofline"]
     assert res["decision"]["init"] in ("source", "scratch")
@@ -171,3 +174,22 @@ def test_the_local_runner_refuses_an_unknown_target_in_one_line():
         text=True,
     )
     assert r.returncode == 2 and r.stderr.strip() == "error: configs/nope.yaml: no such parameter file"
+
+
+def test_every_step_process_compiles_into_the_run_s_one_cache(tmp_path, monkeypatch):
+    """torch.compile's caches go to one folder of the run (DRAFTPORT_COMPILE_CACHE, else
+    .draftport/compile-cache), set before the step computes; a cache the user set is kept."""
+    from draftport.pipeline import runner
+
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "DRAFTPORT_COMPILE_CACHE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(tmp_path)
+    runner._compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".draftport/compile-cache/inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / ".draftport/compile-cache/triton")
+    monkeypatch.setenv("DRAFTPORT_COMPILE_CACHE", str(tmp_path / "shared"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    runner._compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "shared/triton")

@@ -145,7 +145,9 @@ def test_fast_params_describe_each_step_and_a_change_of_them_still_resumes(tmp_p
         progress=False,
         stop_after=2,
     )
-    assert seen[-1] == FastPath(attention="cudnn", accumulate_wgrad=True) and seen[-1].packed == "segments"
+    # 4 steps: under fast.tune_min_steps, so compiled without the tuning search
+    assert seen[-1] == FastPath(attention="cudnn", compile_tuning=False, accumulate_wgrad=True)
+    assert seen[-1].packed == "segments"
     other = {"attention": "fa4", "packed_attention": "segments", "compile_tuning": False}
     res = train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, fast=other), progress=False)
     assert res["resumed_from"] == 2 and res["steps"] == 4
@@ -159,7 +161,11 @@ def test_fast_params_describe_each_step_and_a_change_of_them_still_resumes(tmp_p
         progress=False,
     )
     assert seen[-1] is None
-    assert loop.fast_path(TrainConfig(), "compiled", False) == FastPath(compile=True)
+    # the tuning search only for a training long enough to earn it back
+    assert loop.fast_path(TrainConfig(steps=1000), "compiled", False) == FastPath(compile=True)
+    assert loop.fast_path(TrainConfig(steps=999), "compiled", False) == FastPath(compile=True, compile_tuning=False)
+    short = TrainConfig(steps=50, fast={"tune_min_steps": 50})
+    assert loop.fast_path(short, "compiled", False).compile_tuning
     with pytest.raises(DraftportError, match=r"train\.fast\.attention: must be one of flash, cudnn, fa4"):
         TrainConfig(**base, fast={"attention": "math"})
     with pytest.raises(DraftportError, match=r"train\.attention: unknown key"):

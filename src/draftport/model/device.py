@@ -77,3 +77,16 @@ def out_of_memory(where: str, knob: str):
             f"out of GPU memory ({first[:160]}); lower {knob} and run again: "
             "the last checkpoint is kept and the rerun resumes from it",
         ) from None
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere): a training's start-up
+    (interpreter, imports, loading) before its first step."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

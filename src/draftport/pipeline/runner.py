@@ -86,17 +86,17 @@ class StepContext:
 
     def record_run(self, what: str, run: dict | None, step: int = 0) -> None:
         """Where a computation ran and at what rate (draftport.model.device: device, gpu,
-        processes, tokens_per_s, mfu): logs/<step>.json under `what` (a rate differs between
-        identical runs, so never artifacts/) and, tracked, the run's tags `what.device`,
-        `what.gpu`, `what.processes` and metrics `what_tokens_per_s`, `what_mfu`."""
+        processes, tokens_per_s, mfu; a training's steady rate, warm-up seconds, start seconds and
+        compiles): logs/<step>.json under `what` (a rate differs between identical runs, so never
+        artifacts/) and, tracked, the run's tags `what.device`, `what.gpu`, `what.processes` and
+        metrics `what_tokens_per_s`, `what_mfu`, `what_steady_tokens_per_s`, `what_warmup_s`, ..."""
         if not run:
             return
         self.timing[what] = run
         if self.run is not None:
             self.run.set_tags({f"{what}.{k}": run.get(k) or "none" for k in ("device", "gpu", "processes")})
-            self.run.log_metrics(
-                {f"{what}_{k}": run[k] for k in ("tokens_per_s", "mfu") if run.get(k) is not None}, step=step
-            )
+            keys = ("tokens_per_s", "mfu", "steady_tokens_per_s", "steady_mfu", "warmup_s", "start_s", "compiles")
+            self.run.log_metrics({f"{what}_{k}": run[k] for k in keys if run.get(k) is not None}, step=step)
 
     def input(self, name: str) -> Path:
         """A named input (the rule passes it). Whoever reads it checks it and names the file."""
@@ -199,6 +199,7 @@ def main(step: str, argv: list[str] | None = None) -> int:
         sys.stdout, sys.stderr = Tee(sys.__stdout__, log), Tee(sys.__stderr__, log)
     t0 = time.time()
     _set_threads()
+    _compile_cache()
     building = None
     try:
         p = load_step_params(step, a.params)
@@ -264,12 +265,23 @@ def _run_worker(row: registry.Step, fn, params_file: str | None, ins: dict) -> i
     """A torchrun rank other than 0: it joins the training (fn), and leaves the step's folder,
     its log, MLflow and metrics.json to rank 0."""
     _set_threads()
+    _compile_cache()
     try:
         fn(StepContext(row, load_step_params(row.name, params_file), ins or default_inputs(row), Path(art(row.name))))
         return 0
     except DraftportError as e:
         print(f"error: [rank {torchrun_rank()}] {e}", file=sys.stderr)
         return 2
+
+
+def _compile_cache() -> None:
+    """torch.compile's caches (inductor's graphs and tuned kernels, Triton's binaries) in one
+    folder of the run, .draftport/compile-cache (or DRAFTPORT_COMPILE_CACHE), shared by every step
+    process of the plan and kept for a rerun on the same machine: a training after the first
+    loads its kernels instead of compiling them. Set before torch compiles anything."""
+    root = Path(os.environ.get("DRAFTPORT_COMPILE_CACHE") or Path(".draftport", "compile-cache")).resolve()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
 
 
 def _set_threads() -> None:

@@ -166,6 +166,13 @@ class FastParams(Group):
         "impl compiled: inductor's coordinate-descent tuning (each kernel's block "
         "sizes searched as it compiles; the first steps of each shape compile longer)",
     )
+    tune_min_steps: int = F(
+        1000,
+        "compile_tuning only for a training of at least this many steps: the search costs its "
+        "first process tens of seconds, which a short training (a curve point, the GPU profile's "
+        "phases) never earns back",
+        ge=0,
+    )
 
 
 class TrainConfig(Group):
@@ -224,6 +231,14 @@ class TrainConfig(Group):
         "lay a step's samples end to end in one row (draftport.data.packing: attention, RoPE "
         "positions and the loss stay per sample, the same loss as padding them) instead of "
         "right-padding each to the longest; no compute is spent on padding",
+    )
+    tokens_per_step: int = F(
+        0,
+        "with packing: each step (each process under torchrun) packs the next samples of the seeded "
+        "data order into one row of exactly this many tokens, padding the rest, instead of batch_size "
+        "samples: every step has one shape (no recompiles) and a real pair's steps hold tens of "
+        "thousands of tokens; a sample longer than it is refused; 0: batch_size samples a step",
+        ge=0,
     )
     l2sp_lambda: float = F(
         0.0,

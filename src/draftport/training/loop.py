@@ -41,14 +41,15 @@ import torch
 import torch.distributed as dist
 
 from draftport.files import atomic_dir
-from draftport.data.shards import FeatureSet, collate
-from draftport.model.device import describe as describe_device, out_of_memory, peak_tflops
+from draftport.data.shards import FeatureSet
+from draftport.model.device import describe as describe_device, out_of_memory, peak_tflops, process_age_s
 from draftport.model.device import pick as pick_device
 from draftport.model.drafter import Eagle3Drafter
-from draftport.model.fast.path import FastPath
+from draftport.model.fast.path import FastPath, compile_count
 from draftport.model.flops import sample_flops, shape_of as flops_shape
 from draftport.errors import DraftportError
 from draftport.progress import Logger
+from draftport.training.batches import StepBatches, batch_ids  # noqa: F401 (batch_ids: the loop's public name)
 from draftport.training.optim import AdamW
 from draftport.plan.params import TrainConfig  # the train groups of params.yaml: a pydantic model
 from draftport.training.ttt import combine, stats_to_float, ttt_terms
@@ -61,20 +62,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     t = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * t))
-
-
-def batch_ids(step: int, n: int, batch: int, seed: int) -> list[int]:
-    """Sample ids of global batch `step`: epochs of seeded permutations, concatenated."""
-    out = []
-    pos = step * batch
-    while len(out) < batch:
-        epoch, off = divmod(pos, n)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        perm = torch.randperm(n, generator=g).tolist()
-        take = perm[off : off + batch - len(out)]
-        out.extend(take)
-        pos += len(take)
-    return out
 
 
 class PrintLogger(Logger):
@@ -428,8 +415,7 @@ def train(
     stopped = bool(history and history[-1].get("early_stop"))  # a stopped run stays stopped
     scores = [r["accept_length"] for r in history if "accept_length" in r]
     bar = _bar(cfg, step) if progress and run.rank == 0 else None
-    make_batch = _batcher(cfg)
-    n = len(features)
+    batches = StepBatches(features, cfg, run.rank, run.world, run.device)
     t0 = time.time()
     rate = _Rate(drafter, cfg, run.device, run.world)
     # The host reads the device only at log / checkpoint steps, so the CPU can queue the next
@@ -437,9 +423,10 @@ def train(
     # before any checkpoint could save it.
     bad = torch.zeros((), dtype=torch.bool, device=run.device)
     while step < cfg.steps and not stopped:
-        out = _draw_and_step(run, features, make_batch, rate, step, n, cfg)
+        out = _draw_and_step(run, batches, rate, step, cfg)
         bad |= ~torch.isfinite(out[0].detach())
         step += 1
+        rate.stepped(step)
         last = stop_after is not None and step - resumed_from >= stop_after  # steps of this call
         eval_now, log_now, ckpt_now = _due(step, cfg)
         if log_now or ckpt_now or last:
@@ -455,11 +442,14 @@ def train(
         if bar is not None:
             bar.update(1)
         if ckpt_now:
-            run.checkpoint(step, drafter, history, cfg, inputs, getattr(features, "position", None), rate)
+            position = getattr(features, "position", None)  # online features count their own
+            position = batches.position(step) if position is None else position
+            run.checkpoint(step, drafter, history, cfg, inputs, position, rate)
         if run.world > 1:
             dist.barrier()
         if last:
             break
+    batches.close()
     if bar is not None:
         bar.close()
     if run.fsdp:
@@ -467,23 +457,12 @@ def train(
     return _result(history, step, t0, resumed_from, stopped, rate)
 
 
-def _batcher(cfg: TrainConfig) -> Callable[[list], object]:
-    """samples -> the step's batch. Packing: the same samples end to end in one row (rounded up to
-    ROW_MULTIPLE tokens: fewer shapes for the compiled regions), the same loss as the padded batch."""
-    if not cfg.packing:
-        return lambda samples: collate(samples)[0]
-    from draftport.data.packing import ROW_MULTIPLE, pack  # only then: a step that never packs does not run the module
-
-    return lambda samples: pack(samples, multiple=ROW_MULTIPLE)[0]
-
-
-def _draw_and_step(run: "_Run", features, make_batch, rate: "_Rate", step: int, n: int, cfg: TrainConfig):
-    """This rank's slice of global batch `step`, counted in the rate, and one optimizer step on it
+def _draw_and_step(run: "_Run", batches: StepBatches, rate: "_Rate", step: int, cfg: TrainConfig):
+    """This rank's part of global batch `step`, counted in the rate, and one optimizer step on it
     (train_step's outputs)."""
-    samples = [features.sample(i) for i in batch_ids(step, n, cfg.batch_size, cfg.seed)[run.rank :: run.world]]
-    batch = make_batch(samples)
-    rate.count(samples)
-    return run.step(batch.to(run.device), step, cfg)
+    lengths, batch = batches.get(step)
+    rate.count(lengths)
+    return run.step(batch, step, cfg)
 
 
 def _due(step: int, cfg: TrainConfig) -> tuple[bool, bool, bool]:
@@ -772,6 +751,9 @@ class _Rate:
         self.t = None
         # the steady rate: from the first sync point past the warm-up (compiles, allocator growth)
         self.warm, self.mark = min(10, cfg.steps // 5), None
+        self.start_s = process_age_s()  # the process's start to the training's first step (imports, loading)
+        self.compiles0 = self.compiles = compile_count()
+        self.last_compile_step = 0
 
     def _active(self) -> float:
         return self.seconds + (time.perf_counter() - self.t if self.t is not None else 0.0)
@@ -781,12 +763,20 @@ class _Rate:
         if self.mark is None and step >= self.warm and self.steps:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.mark = (self._active(), self.tokens, self.flops)
+            self.mark = (self._active(), self.tokens, self.flops, self.steps)
 
-    def count(self, samples) -> None:
+    def stepped(self, step: int) -> None:
+        """After `step` steps: a step that made new compiled graphs is remembered (a read of a
+        host counter; the device is not waited on)."""
+        n = compile_count()
+        if n != self.compiles:
+            self.compiles, self.last_compile_step = n, step
+            self.mark = None  # a compile past the mark: the steady clock starts again at the next sync point
+
+    def count(self, lengths: list[int]) -> None:
+        """A step of samples of these real (unpadded) lengths."""
         if self.t is None:
             self.resume()
-        lengths = [int(s["tokens"].shape[0]) for s in samples]  # a sample is its real tokens (unpadded)
         self.tokens += sum(lengths) * self.world  # every rank takes an equal share of the global batch
         self.flops += sample_flops(self.shape, lengths, self.cfg.ttt_steps, self.cfg.train_lm_head) * self.world
         self.steps += 1
@@ -815,10 +805,19 @@ class _Rate:
             "tokens_per_s": tok_s,
             "mfu": mfu,
         }
+        out.update(
+            start_s=round(self.start_s, 1) if self.start_s is not None else None,
+            compiles=self.compiles - self.compiles0,  # graphs this training compiled (dynamo's count)
+            last_compile_step=self.last_compile_step,
+        )
         if self.mark is not None and self.seconds > self.mark[0]:  # past the warm-up: what the bench compares with
             dt = self.seconds - self.mark[0]
             out["steady_tokens_per_s"] = (self.tokens - self.mark[1]) / dt
             out["steady_mfu"] = (self.flops - self.mark[2]) / dt / (peak * 1e12 * self.world) if peak else None
+            # the first steps' seconds beyond what they cost at the steady rate: compiles, the
+            # allocator's growth, cuDNN's plans
+            per_step = dt / max(1, self.steps - self.mark[3])
+            out["warmup_s"] = round(max(0.0, self.mark[0] - self.mark[3] * per_step), 2)
         return out
 
 
@@ -833,7 +832,8 @@ def fast_path(cfg: TrainConfig, impl: str, accumulate_wgrad: bool) -> FastPath |
         attention=cfg.fast.attention,
         packed_attention=cfg.fast.packed_attention,
         compile=impl == "compiled",
-        compile_tuning=cfg.fast.compile_tuning,
+        # tuning pays back over many steps only: a short training compiles with inductor's defaults
+        compile_tuning=cfg.fast.compile_tuning and cfg.steps >= cfg.fast.tune_min_steps,
         accumulate_wgrad=accumulate_wgrad,
     )
 

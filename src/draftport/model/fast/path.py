@@ -41,6 +41,9 @@ class FastPath:
     compile: bool = False
     # compiled with COMPILE_TUNING (False: inductor's defaults)
     compile_tuning: bool = True
+    # compiled with every dim symbolic from the first call: one graph per region, where automatic
+    # dynamic compiles each region static first and again symbolic at the second length
+    compile_dynamic: bool = True
     # the rope's cos/sin [B, T, hd] once per step in a region of their own (off: inside the q/k
     # rope region, per element of every head)
     rope_apart: bool = True
@@ -79,18 +82,19 @@ class FastPath:
 
     def kernel(self, fn):
         """fn, or its compiled version when this path compiles."""
-        return compiled(fn, self.compile_tuning) if self.compile else fn
+        return compiled(fn, self.compile_tuning, self.compile_dynamic) if self.compile else fn
 
     def replace(self, **changes) -> "FastPath":
         return dataclasses.replace(self, **changes)
 
 
 @functools.cache
-def compiled(fn, tuning: bool = True):
-    """torch.compile(fn), made once per (fn, tuning). The first shape compiles static; a second
-    length makes T symbolic (one more compile), so batches of varying length do not recompile."""
+def compiled(fn, tuning: bool = True, dynamic: bool = True):
+    """torch.compile(fn), made once per (fn, tuning, dynamic). dynamic: symbolic sizes from the
+    first call (the rows a step counts change every step); False: the first shape compiles
+    static and a second length makes it symbolic (one more compile per region)."""
     allow_recompiles()
-    return torch.compile(fn, options=dict(COMPILE_TUNING) if tuning else None)
+    return torch.compile(fn, dynamic=True if dynamic else None, options=dict(COMPILE_TUNING) if tuning else None)
 
 
 def allow_recompiles(n: int = 64) -> None:
@@ -102,3 +106,15 @@ def allow_recompiles(n: int = 64) -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), n))
+
+
+def compile_count() -> int:
+    """Graphs torch.compile has made in this process so far (dynamo's own counter; 0 before any
+    compile, and when dynamo was never imported: importing it costs ~1 s)."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
