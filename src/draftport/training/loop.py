@@ -224,6 +224,7 @@ def resumable(path: Path, cfg: TrainConfig, inputs: dict | None = None, anchor: 
         "eval_every": 0,
         "patience": 0,
         "packing": False,
+        "tokens_per_step": 0,
         "l2sp_lambda": 0.0,
         "freeze": [],
         **state.get("config", {}),
