@@ -259,9 +259,10 @@ OLD_TRAIN_DEFAULTS = {
     "eval_every": 0,
     "patience": 0,
     "packing": False,
+    "tokens_per_step": 0,
     "l2sp_lambda": 0.0,
     "freeze": [],
-    "fast": {"attention": "flash", "packed_attention": "auto", "compile_tuning": True},
+    "fast": {"attention": "flash", "packed_attention": "auto", "compile_tuning": True, "tune_min_steps": 1000},
 }
 OLD_EXPLICIT = {  # the keys each train group sets apart from the defaults
     "world.source_drafter.train": {
