@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "configs/kimi-k2.5.yaml"
 # the kimi profile's Phase 1 / Phase 2 steps (draftport init wrote them: 2 epochs at batch 64)
 P1_STEPS, P2_STEPS = (params.load(KIMI)[g]["train"]["steps"] for g in ("phase1", "phase2"))
+# and their tokens a step: a packed row of train.tokens_per_step (16,384) on each of the 8 GPUs, of
+# which a greedy cut leaves half a 2048-token sample unused on average
+STEP_TOKENS = 8 * (16384 - 2048 // 2)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +51,13 @@ def test_kimi_profile_estimate_uses_the_measured_h200_figures(kimi_cfg, kimi):
     bench = json.loads(estimate.DEFAULT_BENCH.read_text())
     rate = bench["packed_real_tokens_per_s"]  # draftport's default: lm_head trained, packed rows
     rows = {r["rule"]: r for r in rep["rows"]}
-    assert rows["phase1"]["gpus"] == 8 and rows["phase1"]["tokens"] == P1_STEPS * 64 * 2048
-    assert rows["phase1"]["seconds"] == pytest.approx(P1_STEPS * 64 * 2048 / (rate * 8 * 0.9))
-    assert rows["phase2"]["seconds"] == pytest.approx(P2_STEPS * 64 * 2048 / (rate * 8 * 0.9))
+    assert rows["phase1"]["gpus"] == 8 and rows["phase1"]["tokens"] == P1_STEPS * STEP_TOKENS
+    assert rows["phase1"]["seconds"] == pytest.approx(P1_STEPS * STEP_TOKENS / (rate * 8 * 0.9))
+    assert rows["phase2"]["seconds"] == pytest.approx(P2_STEPS * STEP_TOKENS / (rate * 8 * 0.9))
+    # a training sized in samples is billed by batch_size
+    by_samples = params.merge(kimi_cfg, {"phase1": {"train": {"tokens_per_step": 0}}})
+    row = {r["rule"]: r for r in estimate.estimate(by_samples, capture_eff=0.42)["rows"]}["phase1"]
+    assert row["tokens"] == P1_STEPS * 64 * 2048
     assert rep["phase1_hours"] == pytest.approx(2 * rows["phase1"]["hours"])  # control + fine-tune
     # 57 KB/token at H 7168, as DESIGN.md states
     assert rep["bytes_per_token"] == 4 * 7168 * 2 + 5
@@ -158,7 +165,7 @@ def test_data_and_mode_rows_recomputed_from_the_printed_inputs(kimi):
     )
     # online: every training token recomputed (both Phase 1 trainings; Phase 2 over all 200K samples)
     on1, on2 = modes["phase1", "online", "bfloat16"], modes["phase2", "online", "bfloat16"]
-    assert on1["recompute_tokens"] == 2 * P1_STEPS * 64 * 2048 and on2["recompute_tokens"] == P2_STEPS * 64 * 2048
+    assert on1["recompute_tokens"] == 2 * P1_STEPS * STEP_TOKENS and on2["recompute_tokens"] == P2_STEPS * STEP_TOKENS
     assert on1["capture_hours"] == pytest.approx((held * tps + on1["recompute_tokens"]) / rate / 3600)
     assert on2["capture_hours"] == pytest.approx(on2["recompute_tokens"] / rate / 3600)
     assert on1["disk_bytes"] == 64 * 10**9 + 37000 * tps * 5 + held * tps * (4 * 7168 * 2 + 5)
@@ -195,7 +202,7 @@ def test_capture_benchmark_file_is_read_and_labelled_measured(kimi_cfg, tmp_path
     rep = estimate.estimate(kimi_cfg, capture_bench_path=f)
     flops = rep["flops_per_token"]["total"]
     on = {(r["phase"], r["mode"]): r for r in rep["phases"]}["phase2", "online"]
-    assert on["capture_hours"] == pytest.approx(P2_STEPS * 64 * 2048 * flops / (790e12 * 8 * 7140 / 11900) / 3600)
+    assert on["capture_hours"] == pytest.approx(P2_STEPS * STEP_TOKENS * flops / (790e12 * 8 * 7140 / 11900) / 3600)
     assert f"measured {f}" in estimate.render(rep)
     # a stated fraction overrides any file, and says so
     rep = estimate.estimate(kimi_cfg, capture_bench_path=f, capture_eff=0.3)

@@ -177,6 +177,17 @@ def train_seconds(
     return steps * batch_size * tokens_per_sample / (tok_s_per_gpu * gpus * efficiency)
 
 
+def step_samples(tr: dict, tokens_per_sample: int, gpus: int) -> float:
+    """A training's samples a step: batch_size, or with train.tokens_per_step (a packed row of that
+    many tokens a process, one process a GPU) what a greedy cut fits on average: the budget less
+    half a sample, the tail the next sample does not fit."""
+    budget = int(tr.get("tokens_per_step") or 0)
+    if not budget:
+        return int(tr["batch_size"])
+    fill = max(tokens_per_sample, budget - tokens_per_sample / 2)
+    return gpus * fill / tokens_per_sample
+
+
 def _read_json(path: Path, missing: str):
     """A JSON file's content; one-line errors for a missing file or invalid JSON."""
     if not path.is_file():
@@ -606,7 +617,7 @@ def _training_rows(cfg: dict, b: dict, tps: int, gpus: int | None, efficiency: f
         tr = cfg[group]["train"]
         n_gpu = _gpus(cfg, f"train_{rule}", gpus)  # the training step's resources (draftport.plan.registry)
         trainable, packed, rate = _train_rate(b, tr)
-        steps, batch = int(tr["steps"]), int(tr["batch_size"])
+        steps, batch = int(tr["steps"]), step_samples(tr, tps, n_gpu)
         sec = train_seconds(
             steps=steps, batch_size=batch, tokens_per_sample=tps, tok_s_per_gpu=rate, gpus=n_gpu, efficiency=efficiency
         )
@@ -616,10 +627,10 @@ def _training_rows(cfg: dict, b: dict, tps: int, gpus: int | None, efficiency: f
                 "rule": rule,
                 "phase": group,
                 "steps": steps,
-                "batch_size": batch,
+                "batch_size": batch if isinstance(batch, int) else round(batch, 1),
                 "samples": n,
                 "epochs": round(steps * batch / n, 2),
-                "tokens": steps * batch * tps,
+                "tokens": int(steps * batch * tps),
                 "lm_head": "trainable" if trainable else "frozen",
                 "rows": "packed" if packed else "padded",
                 "tok_s_per_gpu": round(rate),

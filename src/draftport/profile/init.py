@@ -39,6 +39,7 @@ from draftport.plan import params
 FLAT_DEFAULT_CONVENTION = "sglang"
 GPU_BYTES = estimate.GPUS["H200"]["memory_bytes"]  # one H200's memory: how many GPUs the target's weights need
 BATCH = 64  # global batch of the real-scale training (8 per GPU on a node)
+TOKENS_PER_STEP = 16384  # the phases' packed row a GPU a step: 8 samples of 2048
 EPOCHS = 2  # passes over the data per phase (the curves' budget rule too)
 HEX40 = re.compile(r"[0-9a-f]{40}")
 
@@ -438,9 +439,11 @@ def real_scale(n1: int, n2: int, gpus: int, tp: int, counts: dict | None = None)
     """Batch sizes, training, monitor, curves, the online check and publish for a GPU node (what
     the Kimi profile runs). counts: check_prompts' (whether the prompts carry their own answers)."""
     per = "one process per GPU under torchrun; 8 samples per GPU at seq 2048"
-    train = lambda steps, lr, every, ck: {  # noqa: E731  (one place the three groups share)
+    train = lambda steps, lr, every, ck, budget=True: {  # noqa: E731  (one place the three groups share)
         "steps": steps,
         "batch_size": BATCH,
+        # the phases' steps in tokens: one shape a step, 8 samples of 2048 a GPU (more when shorter)
+        **({"tokens_per_step": TOKENS_PER_STEP} if budget else {}),
         "lr": lr,
         "warmup_steps": 60,
         "ttt_steps": 7,
@@ -461,7 +464,8 @@ def real_scale(n1: int, n2: int, gpus: int, tp: int, counts: dict | None = None)
         Line(
             "phase1.train",
             train(s1, 0.0001, 100, 200),
-            f"{EPOCHS} epochs of {n1:,} at batch {BATCH} ({per}); packed rows; cuDNN attention",
+            f"{EPOCHS} epochs of {n1:,} at batch {BATCH} ({per}); packed rows of {TOKENS_PER_STEP:,} tokens a GPU; "
+            "cuDNN attention",
         ),
         Line(
             "phase2.train",
@@ -490,7 +494,8 @@ def real_scale(n1: int, n2: int, gpus: int, tp: int, counts: dict | None = None)
         ),
         Line(
             "curves.train",
-            train(math.ceil(EPOCHS * n2 / BATCH), 0.0001, 250, 200),
+            # in samples: a point's steps follow from its n and the epochs (the budget rule)
+            train(math.ceil(EPOCHS * n2 / BATCH), 0.0001, 250, 200, budget=False),
             "as phase1.train; steps: the budget rule's at the largest n",
         ),
         Line(
