@@ -291,7 +291,7 @@ def main(argv=None) -> dict:
         "capture": capture_rates(cfg, steps, a.peak_tflops),
         "decision": (read_json(ROOT / "artifacts" / "decision" / "decision.json") or {}).get("recommendation"),
     }
-    if not a.no_bench and plan["rc"] == 0:
+    if not a.no_bench and steps.get("train_phase2", {}).get("ran"):  # also when the plan stopped after Phase 2
         res["bench"] = run_bench(a, cfg, work, log)
         p2 = res["training"].get("train_phase2") or {}
         ours = p2.get("steady_tokens_per_s") or p2.get("tokens_per_s")  # past the warm-up, as the bench times
@@ -305,7 +305,8 @@ def main(argv=None) -> dict:
     for s, r in res["training"].items():
         log(
             f"  {s:<22} {r.get('tokens_per_s') or 0:10.0f} real tok/s ({r.get('steady_tokens_per_s') or 0:.0f} past "
-            f"the warm-up)  MFU {r.get('mfu')}"
+            f"the warm-up of {r.get('warmup_s')} s; start {r.get('start_s')} s; {r.get('compiles')} compiles, the "
+            f"last at step {r.get('last_compile_step')})  MFU {r.get('mfu')}"
         )
     if "product_vs_bench" in res:
         log(f"  product / bench (Phase 2's step at {res['bench']['seq']} tokens): {res['product_vs_bench']:.3f}")
