@@ -47,6 +47,9 @@ from draftport.plan.params import FastParams, TrainConfig  # noqa: E402
 from draftport.training.batches import StepBatches  # noqa: E402
 from draftport.training.loop import _optimizer, fast_path, train, train_step, trainable  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_train_h200 import SIZES  # noqa: E402
+
 SHAPES = {
     # configs/gpu.yaml's drafter: hidden 4096, 32/8 heads of 128, MLP 14336, draft vocab 32,000 of 40,960
     "gpu": dict(
@@ -58,25 +61,8 @@ SHAPES = {
         draft_vocab_size=32000,
         vocab_size=40960,
     ),
-    # Kimi-K2's drafter (bench_train_h200.py's SIZES["kimi"])
-    "kimi": dict(
-        hidden_size=7168,
-        intermediate_size=18432,
-        num_attention_heads=64,
-        num_key_value_heads=64,
-        head_dim=128,
-        draft_vocab_size=32000,
-        vocab_size=163840,
-    ),
-    "toy": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        draft_vocab_size=200,
-        vocab_size=256,
-    ),
+    # Kimi-K2's drafter and the CPU's toy: the training benchmark's own shapes
+    **{name: SIZES[name] for name in ("kimi", "toy")},
 }
 
 
