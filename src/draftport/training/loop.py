@@ -461,7 +461,7 @@ def train(
 def _draw_and_step(run: "_Run", batches: StepBatches, rate: "_Rate", step: int, cfg: TrainConfig):
     """This rank's part of global batch `step`, counted in the rate, and one optimizer step on it
     (train_step's outputs)."""
-    with out_of_memory(f"train step {step + 1}: its batch", OOM_KNOB_TOKENS if cfg.tokens_per_step else OOM_KNOB):
+    with out_of_memory(f"train step {step + 1}: its batch", oom_knob(cfg)):
         lengths, batch = batches.get(step)
     rate.count(lengths)
     return run.step(batch, step, cfg)
@@ -557,7 +557,7 @@ class _Run:
         """One optimizer step at its scheduled learning rate (train_step's outputs)."""
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        with out_of_memory(f"train step {step + 1}", OOM_KNOB_TOKENS if cfg.tokens_per_step else OOM_KNOB):
+        with out_of_memory(f"train step {step + 1}", oom_knob(cfg)):
             return train_step(
                 self.net,
                 batch,
@@ -739,6 +739,10 @@ def _resume(run: _Run, drafter, features, cfg: TrainConfig, logger: Logger) -> t
 # what lowers a training step's memory, named when the GPU runs out of it
 OOM_KNOB = "train.batch_size (with train.packing: the samples, hence the tokens, a row packs)"
 OOM_KNOB_TOKENS = "train.tokens_per_step (the tokens a step's row packs)"
+
+
+def oom_knob(cfg: TrainConfig) -> str:
+    return OOM_KNOB_TOKENS if cfg.tokens_per_step else OOM_KNOB
 
 
 class _Rate:
