@@ -25,12 +25,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -101,25 +103,14 @@ def _cfg(steps: int, tokens: int, fast: dict, **kw) -> TrainConfig:
 
 
 # ---- product against bench ---------------------------------------------------------------------
-def product_vs_bench(name: str, a, device, tmp: Path, log) -> dict:
-    shape = SHAPES[name]
-    n = max(8, 3 * a.tokens // a.sample_len)
-    t0 = time.perf_counter()
-    fs, head = synthetic_features(tmp / f"feats-{name}", shape, [a.sample_len] * n, device)
-    mon_fs, _ = synthetic_features(tmp / f"monitor-{name}", shape, [256] * 8, device, seed=1)
-    log(f"[{name}] {n} samples of {a.sample_len} tokens written in {time.perf_counter() - t0:.1f} s")
-    fast = {"attention": a.attention, "tune_min_steps": 0 if a.tuning else 10**9}
-    cfg = _cfg(a.steps, a.tokens, fast, eval_every=a.steps // 2, ttt_steps=a.ttt)
-    d = drafter_at(shape, device)
-    t0 = time.perf_counter()
-    res = train(d, fs, head, tmp / f"out-{name}", cfg, progress=False, monitor=held_out_monitor(mon_fs, head, k=3))
-    run = res["run"]
-    log(f"[{name}] product: {run.get('steady_tokens_per_s') or 0:,.0f} tok/s steady, warm-up {run.get('warmup_s')} s")
-    product = {k: run.get(k) for k in ("steady_tokens_per_s", "steady_mfu", "tokens_per_s", "warmup_s", "compiles")}
-    product.update(last_compile_step=run.get("last_compile_step"), wall_s=round(time.perf_counter() - t0, 1))
-    del d
-    bench = bench_step(shape, fs, head, cfg, device, a)
-    ratio = product["steady_tokens_per_s"] / bench["tokens_per_s"] if product["steady_tokens_per_s"] else None
+def product_vs_bench(name: str, a, tmp: Path, log) -> dict:
+    """The two halves in two processes, one after the other: the product's drafter, optimizer and
+    compiled graphs are gone before the bench allocates (at Kimi's shape, in one process, the
+    bench ran out of an H100's memory after the product)."""
+    product = _half("product", name, a, tmp, log)
+    log(f"[{name}] product: {product.get('steady_tokens_per_s') or 0:,.0f} tok/s steady, warm-up {product.get('warmup_s')} s")
+    bench = _half("bench", name, a, tmp, log)
+    ratio = product["steady_tokens_per_s"] / bench["tokens_per_s"] if product.get("steady_tokens_per_s") else None
     log(f"[{name}] bench: {bench['tokens_per_s']:,.0f} tok/s; product / bench = {ratio}")
     return {
         "shape": name,
@@ -129,6 +120,56 @@ def product_vs_bench(name: str, a, device, tmp: Path, log) -> dict:
         "bench": bench,
         "product_over_bench": ratio,
     }
+
+
+FORWARDED = ("tokens", "sample_len", "steps", "warmup", "iters", "ttt", "attention")
+
+
+def _half(which: str, name: str, a, tmp: Path, log) -> dict:
+    """Run one half in a child process (this script, mode `half`) -> its result."""
+    argv = [sys.executable, __file__, "half", "--which", which, "--shapes", name, "--folder", str(tmp)]
+    for key in FORWARDED:
+        argv += [f"--{key.replace('_', '-')}", str(getattr(a, key))]
+    argv += ["--tuning"] if a.tuning else []
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    results = [x[len(RESULT) :] for x in lines if x.startswith(RESULT)]
+    if proc.returncode or not results:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{which} half exited {proc.returncode}: {tail}")
+    for x in lines:
+        if not x.startswith(RESULT):
+            log(x)
+    return json.loads(results[-1])
+
+
+RESULT = "RESULT "
+
+
+def half(a, device, tmp: Path, log) -> dict:
+    """One half, in this process: `product` writes the features (and the head) and runs train();
+    `bench` reads them and times train_step."""
+    name = a.shapes
+    shape = SHAPES[name]
+    fast = {"attention": a.attention, "tune_min_steps": 0 if a.tuning else 10**9}
+    cfg = _cfg(a.steps, a.tokens, fast, eval_every=a.steps // 2, ttt_steps=a.ttt)
+    head_file = tmp / f"head-{name}.safetensors"
+    if a.which == "bench":
+        head = load_file(str(head_file))["head"].to(device)
+        return bench_step(shape, FeatureSet(tmp / f"feats-{name}"), head, cfg, device, a)
+    n = max(8, 3 * a.tokens // a.sample_len)
+    t0 = time.perf_counter()
+    fs, head = synthetic_features(tmp / f"feats-{name}", shape, [a.sample_len] * n, device)
+    mon_fs, _ = synthetic_features(tmp / f"monitor-{name}", shape, [256] * 8, device, seed=1)
+    save_file({"head": head.cpu()}, str(head_file))
+    log(f"[{name}] {n} samples of {a.sample_len} tokens written in {time.perf_counter() - t0:.1f} s")
+    d = drafter_at(shape, device)
+    t0 = time.perf_counter()
+    res = train(d, fs, head, tmp / f"out-{name}", cfg, progress=False, monitor=held_out_monitor(mon_fs, head, k=3))
+    run = res["run"]
+    product = {k: run.get(k) for k in ("steady_tokens_per_s", "steady_mfu", "tokens_per_s", "warmup_s", "compiles")}
+    product.update(last_compile_step=run.get("last_compile_step"), wall_s=round(time.perf_counter() - t0, 1))
+    return product
 
 
 def bench_step(shape: dict, fs, head, cfg: TrainConfig, device, a) -> dict:
@@ -241,7 +282,7 @@ def smoke(a, device, tmp: Path, log) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=("product", "smoke"))
+    p.add_argument("mode", choices=("product", "smoke", "half"))  # half: one of product's two processes
     p.add_argument("--shapes", default=None, help="product: comma-separated shapes (gpu, kimi; toy on the CPU)")
     p.add_argument("--shape", default=None, help="smoke: the shape (default gpu on CUDA, toy on the CPU)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step (train.tokens_per_step)")
@@ -254,6 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--tuning", action="store_true", help="compile_tuning on (off: inductor's defaults)")
     p.add_argument("--smoke-steps", type=int, default=4)
     p.add_argument("--out", default=None)
+    p.add_argument("--which", choices=("product", "bench"), help=argparse.SUPPRESS)
+    p.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -263,6 +306,9 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, flush=True)
 
+    if a.mode == "half":
+        print(RESULT + json.dumps(half(a, device, Path(a.folder), log)), flush=True)
+        return 0
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "mode": a.mode}
     with tempfile.TemporaryDirectory() as tmp:
         if a.mode == "product":
@@ -270,7 +316,7 @@ def main(argv=None) -> int:
             out["runs"] = []
             for name in names:
                 try:
-                    out["runs"].append(product_vs_bench(name, a, device, Path(tmp), log))
+                    out["runs"].append(product_vs_bench(name, a, Path(tmp), log))
                 except Exception as e:
                     out["runs"].append({"shape": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
                     log(f"[{name}] error: {out['runs'][-1]['error']}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU node, the plan's GPU checks in stages (each fits one 10-minute call; a stage after the
 # first reuses what the machine kept: artifacts/, the compile cache):
-#   bash benchmarks/gpu_session.sh kernels   # every attention x packing choice, then product vs bench at two shapes
+#   bash benchmarks/gpu_session.sh kernels   # every attention x packing choice (6 took ~50 s each on an H100)
+#   bash benchmarks/gpu_session.sh product   # product vs bench at two shapes, each half in its own process
 #   bash benchmarks/gpu_session.sh plan      # configs/gpu.yaml's `all` (continues a stopped plan), its record
 #   bash benchmarks/gpu_session.sh faults    # kill -9 and resume, one-process torchrun, a real CUDA OOM
 # Dependencies the node lacks come as wheels in .whl/ (pip install --no-index --no-deps --target);
@@ -15,17 +16,19 @@ if [ -d .whl ] && ! python3 -c "import pydantic, tenacity" 2>/dev/null; then
 fi
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export DRAFTPORT_COMPILE_CACHE=$PWD/.draftport/compile-cache
+# why a graph recompiles goes to each step's log (an H100 run recompiled at steps 19 and 26)
+export TORCH_LOGS=${TORCH_LOGS:-recompiles}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/gpu.txt"
 case "${1:-kernels}" in
 kernels)
-    timeout "${SMOKE_S:-200}" python3 benchmarks/bench_train_product.py smoke --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
+    timeout "${SMOKE_S:-560}" python3 benchmarks/bench_train_product.py smoke --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
     grep -E "^(flash|cudnn|fa4) " "$OUT/smoke.log"
-    if [ "${PRODUCT_S:-330}" -gt 0 ]; then  # PRODUCT_S=0: the smoke alone
-        timeout "${PRODUCT_S:-330}" python3 benchmarks/bench_train_product.py product --shapes "${SHAPES:-gpu,kimi}" \
-            --steps "${STEPS:-30}" --out "$OUT/product.json" > "$OUT/product.log" 2>&1
-        grep -E "^\[" "$OUT/product.log"
-    fi
+    ;;
+product)
+    timeout "${PRODUCT_S:-560}" python3 benchmarks/bench_train_product.py product --shapes "${SHAPES:-gpu,kimi}" \
+        --steps "${STEPS:-30}" --out "$OUT/product.json" > "$OUT/product.log" 2>&1
+    grep -E "^\[" "$OUT/product.log"
     ;;
 plan)
     timeout "${PLAN_S:-560}" python3 benchmarks/bench_pipeline_gpu.py --runner local --no-tracking \
