@@ -108,7 +108,8 @@ def product_vs_bench(name: str, a, tmp: Path, log) -> dict:
     compiled graphs are gone before the bench allocates (at Kimi's shape, in one process, the
     bench ran out of an H100's memory after the product)."""
     product = _half("product", name, a, tmp, log)
-    log(f"[{name}] product: {product.get('steady_tokens_per_s') or 0:,.0f} tok/s steady, warm-up {product.get('warmup_s')} s")
+    steady = product.get("steady_tokens_per_s") or 0
+    log(f"[{name}] product: {steady:,.0f} tok/s steady, warm-up {product.get('warmup_s')} s")
     bench = _half("bench", name, a, tmp, log)
     ratio = product["steady_tokens_per_s"] / bench["tokens_per_s"] if product.get("steady_tokens_per_s") else None
     log(f"[{name}] bench: {bench['tokens_per_s']:,.0f} tok/s; product / bench = {ratio}")
