@@ -63,8 +63,10 @@ def test_regenerate_when_the_targets_answers_train_better():
     # R2's n for source is 100: its regeneration is 100 x 36 s = 1 device-hour
     assert rec["n_samples"] == 100
     assert any(t.startswith("Regenerate the answers") and "costs 1 device-hours" in t for t in rec["text"])
+    # the headline's n: the source curve still rises at n=400 (R6), so the drafter trains there
+    assert rec["n_train"] == 400 and rec["chosen"]["n_samples"] == 400
     assert rec["chosen"]["arm"] == "source" and rec["chosen"]["measured"]
-    assert rec["chosen"]["hours"] == pytest.approx({"regenerate": 1.0, "capture": 0.1, "train": 0.01, "total": 1.11})
+    assert rec["chosen"]["hours"] == pytest.approx({"regenerate": 4.0, "capture": 0.4, "train": 0.01, "total": 4.41})
 
 
 def test_no_regeneration_when_it_brings_nothing():
@@ -77,10 +79,10 @@ def test_no_regeneration_when_it_brings_nothing():
         and "saves 1 device-hours" in t
         for t in rec["text"]
     )
-    # the chosen arm (source on the dataset's answers at n=100) was not trained there: plain source's figures
+    # the chosen arm: source on the dataset's answers at the headline's n=400, where it was trained
     ch = rec["chosen"]
-    assert ch["arm"] == "source-dataset" and not ch["measured"] and ch["figures_from"] == "source"
-    assert ch["hours"]["regenerate"] == 0.0 and ch["hours"]["capture"] == pytest.approx(100 * 1.8 / 3600)
+    assert ch["arm"] == "source-dataset" and ch["measured"] and ch["figures_from"] == "source-dataset"
+    assert ch["hours"]["regenerate"] == 0.0 and ch["hours"]["capture"] == pytest.approx(400 * 1.8 / 3600)
 
 
 def test_dataset_answers_better_and_not_measured():
@@ -92,10 +94,14 @@ def test_dataset_answers_better_and_not_measured():
 
 
 def test_recipe_chosen_only_when_significant():
-    good = run(BASE + pts("source-l2sp", {400: 3.2}) + pts("source-lr_low", {400: 2.9}, like="source"))
+    more = pts("source", {800: 3.4}) + pts("scratch", {800: 2.2})  # still rising: the headline's n is 800
+    good = run(BASE + more + pts("source-l2sp", {400: 3.2}) + pts("source-lr_low", {400: 2.9}, like="source"))
     rec = good["recommendation"]
     assert rec["recipe"] == "l2sp" and good["recipe_gain"]["l2sp"][-1]["significant"]
-    assert rec["chosen"]["arm"] == "source-l2sp" and not rec["chosen"]["measured"]  # arms at n=400, R2's n is 100
+    assert rec["n_train"] == 800
+    # arms at n=400 only: the plain source's figures at 800
+    ch = rec["chosen"]
+    assert ch["arm"] == "source-l2sp" and not ch["measured"] and ch["figures_from"] == "source"
     flat = run(BASE + pts("source-l2sp", {400: 2.9}, like="source") + pts("source-frozen", {400: 2.5}))
     rec = flat["recommendation"]
     assert rec["recipe"] == "plain"

@@ -595,6 +595,7 @@ def decide(
     bucket_edges: list[int] | None = None,
     context_limit: dict | None = None,
     min_share: float = 0.05,
+    serving: dict | None = None,
 ) -> dict:
     """decision.json: CIs per (arm, n) and per phase, the paired gains, and the recommendation of
     rules R1-R10 (RULES; docs/decision.md). hours: {"rates": draftport.evaluation.hours.rates,
@@ -605,13 +606,17 @@ def decide(
     The traffic (R10; Phase 0's eval.json): sets [{name, share, start, count}] -> every figure is
     the traffic-weighted accept length, bootstrapped within each set; bucket_edges (its
     context_buckets) -> per-bucket figures; context_limit -> the source's positions past its limit.
-    With none of the three there is no "traffic" block and no R10 (the file as before them)."""
+    With none of the three there is no "traffic" block and no R10 (the file as before them).
+
+    serving: {"table": a serving.StepTable, "batch_sizes", "k": eval.k, "ttt_steps": {role: n},
+    "models": {role: path}} -> R11, the best configuration per batch size (draftport.evaluation.serving),
+    R4 at the source's best one, and the headline; None: neither (the file as before them)."""
     check_boot(n_boot, level)
     args = (curves, phases, costmodel, k, drift, n_boot, level, seed, min_gain, hours, serving_tokens_per_day, phase_n)
     if sets is None and bucket_edges is None and context_limit is None:
-        return _decide(*args)
+        return _decide(*args, serving=serving)
     tr = _traffic_inputs(curves, phases, sets, bucket_edges, context_limit, min_share)
-    out = _decide(*args, strata=(strata_of(tr["curve_sets"]), strata_of(tr["sets"])))
+    out = _decide(*args, strata=(strata_of(tr["curve_sets"]), strata_of(tr["sets"])), serving=serving)
     return _add_traffic(out, curves, phases, tr, {"n_boot": n_boot, "level": level, "seed": seed})
 
 
@@ -629,8 +634,10 @@ def _decide(
     serving_tokens_per_day: float | None,
     phase_n: dict | None,
     strata: tuple = (None, None),
+    serving: dict | None = None,
 ) -> dict:
-    """decide's rules R1-R9; strata: (the curves', the phases') for the traffic-weighted figures."""
+    """decide's rules R1-R9 (and R11 with serving); strata: (the curves', the phases') for the
+    traffic-weighted figures."""
     cm = _cost(costmodel, k)
     be = float(cm.break_even_accept_length)
     opts = {"n_boot": n_boot, "level": level, "seed": seed, "strata": strata[0]}  # the curves'
@@ -655,9 +662,34 @@ def _decide(
     recipe, recipe_gain, f8, s8 = rule_r8_recipe(init, groups, opts)
     regen_h = None if rates is None or n_rec is None else n_rec * rates["regenerate_s_per_sample"] / 3600
     regenerate, answers_gain, f7, s7 = rule_r7_regenerate(init, groups, opts, regen_h)
-    chosen = _chosen(init, recipe, regenerate, n_rec, curves_out, secs, rates)
+    arm = (init, recipe, regenerate)
+    n_train, n_why = _n_train(arm, n_rec, n_enough, curves_out, secs, rates, (cm, hours, serving_tokens_per_day))
+    chosen = _chosen(init, recipe, regenerate, n_train, curves_out, secs, rates)
     pay = _payback(chosen, cm, hours, serving_tokens_per_day)
-    text = [s1, s8, s7, s2, s6, s3, s4, *_evidence_text(chosen, pay, hours, p1, drift), *s9, f"Confidence: {conf}."]
+    serve, f11, s11 = None, None, []
+    if serving is not None:
+        from draftport.evaluation.serving import deploy_source, serving_rule
+
+        serve, f11, s11 = serving_rule(phases or {}, counts, popts, serving, recommended_phase(init, ph2, counts))
+        deploy, f4, s4 = deploy_source(serve) or (deploy, f4, s4)
+    head = _headline(init, recipe, regenerate, n_train, ph2, deploy, serve, conf)
+    text = [
+        s1,
+        s8,
+        s7,
+        s2,
+        n_why,
+        s6,
+        s3,
+        s4,
+        *s11,
+        *_evidence_text(chosen, pay, hours, p1, drift),
+        *s9,
+        f"Confidence: {conf}.",
+    ]
+    rules = [{"id": f"R{i}", "fired": f} for i, f in enumerate((f1, f2, f3, f4, f5, f6, f7, f8, f9), 1)]
+    if f11 is not None:
+        rules.append({"id": "R11", "fired": f11})
     return {
         **_settings(level, n_boot, k, min_gain, cm, be),
         "curves": curves_out,
@@ -677,15 +709,18 @@ def _decide(
             "regenerate": regenerate,
             "n_samples": n_rec,
             "n_enough": n_enough,
+            "n_train": n_train,
+            "headline": head,
             "phase2": ph2,
             "deploy_source_now": deploy,
             "confidence": conf,
             "chosen": chosen,
             "payback": pay,
             "evidence_problems": evidence,
-            "rules": [{"id": f"R{i}", "fired": f} for i, f in enumerate((f1, f2, f3, f4, f5, f6, f7, f8, f9), 1)],
-            "text": text,
+            "rules": rules,
+            "text": [t for t in text if t],
         },
+        **({"serving": serve} if serve is not None else {}),
     }
 
 
@@ -910,6 +945,66 @@ def _chosen(init, recipe, regenerate, n, curves_out, secs, rates) -> dict | None
     if rates is not None and train_s is not None:
         out["hours"] = split(n, train_s, rates, answers)
     return out
+
+
+def _n_train(arm: tuple, n_rec, n_enough, curves_out, secs, rates, money: tuple) -> tuple[int | None, str | None]:
+    """The headline's n: the measured n of the recommended arm whose hours pay back soonest at the
+    stated serving volume; without one, where its curve flattens (R6), never below R2's cheapest n
+    above break-even; None when no n beats break-even. -> (n, sentence)."""
+    cm, hours, per_day = money
+    if n_rec is None:
+        return None, None
+    if per_day is not None and rates is not None:
+        paid = []
+        for row in curves_out.get("source" if arm[0] == "either" else arm[0], []):
+            chosen = _chosen(*arm, row["n_samples"], curves_out, secs, rates)
+            pay = _payback(chosen, cm, hours, per_day)
+            if pay is not None and pay["days"] is not None:
+                paid.append((pay["days"], row["n_samples"]))
+        if paid:
+            days, n = min(paid)
+            return n, (
+                f"Train on n={n}: of the measured n its device-hours pay back soonest at {per_day:.3g} tokens a "
+                f"day ({days:.3g} days); n={n_rec} is the cheapest n above break-even (R2)."
+            )
+    if n_enough is None or n_enough <= n_rec:
+        return (
+            n_rec,
+            f"Train on n={n_rec}: the cheapest n above break-even (R2), where more data also stops paying (R6).",
+        )
+    return n_enough, (
+        f"Train on n={n_enough}: where the curve flattens (R6); n={n_rec} is the cheapest n above break-even (R2). "
+        "State decision.serving_tokens_per_day to choose n by payback."
+    )
+
+
+def _headline(init, recipe, regenerate, n, ph2, deploy, serve, conf) -> str:
+    """The recommendation in one line: what to train, how to serve it, whether to deploy the source meanwhile."""
+    if n is None:
+        what = (
+            "no measured n beats break-even: collect more new-target data than the largest n (or cut the verify cost)"
+        )
+    else:
+        how = "fine-tune the source drafter" if init != "scratch" else "train a new drafter from scratch"
+        answers = "the dataset's answers" if regenerate is False else "answers regenerated by the new target"
+        what = (
+            f"{how} on n={n} new-target samples ({answers}" + (f", recipe {recipe}" if recipe != "plain" else "") + ")"
+        )
+        if ph2 == "helps":
+            what += ", then continue it on Phase 2's scaled data"
+    line = f"Do: {what}"
+    rec = ((serve or {}).get("drafters") or {}).get("recommended")
+    if rec is not None:
+        from draftport.evaluation.serving import describe
+
+        ways = [
+            f"{describe(r)} at batch {r['batch_size']}" if r["speculate"] else f"off at batch {r['batch_size']}"
+            for r in rec["per_batch"]
+        ]
+        line += "; serve it as " + ", ".join(ways)
+    if deploy:
+        line += "; meanwhile deploy the source drafter as-is"
+    return f"{line} (confidence {conf})."
 
 
 def _payback_text(pay: dict) -> str:

@@ -1,0 +1,134 @@
+"""Rule R11 (draftport.evaluation.serving): the step table, the best configuration per batch size,
+the engine settings, and the decision's serving block, on counts whose accept lengths are known."""
+
+import json
+import zlib
+
+import pytest
+
+from draftport.errors import DraftportError
+from draftport.evaluation import serving
+from tests.evaluation.test_decision import counts, curves_from, run_decide
+
+SEEDS_CM = {"baseline_tok_s": 82.0, "verify_ms": 30.0, "draft_ms": 0.0}
+
+
+def table(rows: str, tmp_path, name="steps.csv"):
+    path = tmp_path / name
+    path.write_text(rows)
+    return serving.read_step_table(path)
+
+
+def test_read_step_table_and_its_two_forms(tmp_path):
+    t = table("batch_size,k,step_ms\n1,0,10\n1,2,14\n1,4,18\n8,0,12\n8,4,30\n", tmp_path)
+    assert t.ms == {1: {0: 10.0, 2: 14.0, 4: 18.0}, 8: {0: 12.0, 4: 30.0}}
+    assert t.step_ms(1, 3) == (16.0, False)  # between k 2 and 4
+    assert t.step_ms(8, 6) == (pytest.approx(39.0), True)  # past the table: the last slope, flagged
+    itl = table("batch_size,k,itl_ms,accept_length\n1,0,10,1\n1,3,6,2.5\n", tmp_path, "itl.csv")
+    assert itl.ms[1] == {0: 10.0, 3: 15.0}  # a step = ITL x tokens a step
+    with pytest.raises(DraftportError, match="batch size 4 is served"):
+        t.check([1, 4], "serving.batch_sizes")
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("batch_size,k\n1,0\n", "need batch_size, k and step_ms"),
+        ("batch_size,k,step_ms\n1,0,10\n1,0,11\n", "line 3: batch size 1 at k 0 given twice"),
+        ("batch_size,k,step_ms\n1,x,10\n", "line 2: batch_size and k must be integers"),
+        ("batch_size,k,step_ms\n0,1,10\n", "need batch_size >= 1"),
+        ("", "no rows"),
+    ],
+)
+def test_bad_step_tables_are_refused_in_one_line(tmp_path, text, problem):
+    with pytest.raises(DraftportError, match=problem) as e:
+        table(text, tmp_path)
+    assert "steps.csv" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(DraftportError, match="no such file"):
+        serving.read_step_table(tmp_path / "absent.csv")
+
+
+def test_seeds_table_keeps_the_cost_models_break_even_at_its_own_k():
+    t = serving.seeds_table(SEEDS_CM, k0=3, k_max=8, ms_per_draft_token=1.0)
+    alone, at3 = t.step_ms(1, 0)[0], t.step_ms(1, 3)[0]
+    assert at3 == 30.0 and at3 / alone == pytest.approx(30 * 82 / 1000)  # break-even tau 2.46, the seeds'
+    assert t.step_ms(1, 8)[0] == 35.0 and t.step_ms(1, 1)[0] == 28.0
+
+
+def tau(x, lo=None, hi=None):
+    return {"accept_length": x, "ci": [lo if lo is not None else x - 0.05, hi if hi is not None else x + 0.05]}
+
+
+def test_best_configuration_per_batch_size_by_hand(tmp_path):
+    # batch 1: 10 ms alone, +2 ms a draft token; batch 32: 20 ms alone, +12 ms a draft token
+    t = table("batch_size,k,step_ms\n1,0,10\n1,1,12\n32,0,20\n32,1,32\n", tmp_path)
+    taus = {1: tau(1.7), 2: tau(2.2), 3: tau(2.5), 4: tau(2.6)}
+    trees = [{"steps": 3, "topk": 2, "num_draft_tokens": 4, **tau(2.7)}]  # 3 draft tokens, charged as k=3
+    per = serving.best_per_batch(taus, trees, t, [1, 32], ttt_steps=3)
+    b1, b32 = per
+    # batch 1: tok/s = 1000 tau / (10 + 2k): k=1 121.4, k=2 157.1, k=3 156.3, k=4 144.4; the tree 168.8
+    assert b1["best"]["kind"] == "tree" and b1["best"]["tok_s"] == pytest.approx(1000 * 2.7 / 16)
+    assert b1["best_chain_k"] == 2 and b1["tree_beats_chain"] is True and b1["speculate"]
+    assert b1["target_alone_tok_s"] == pytest.approx(100.0) and b1["significant"]
+    # batch 32: 1000 tau / (20 + 12k): k=1 53.1 (CI [51.6, 54.7]) beats the target alone's 50; deeper loses
+    assert b32["best"]["k"] == 1 and b32["best"]["tok_s"] == pytest.approx(1000 * 1.7 / 32)
+    assert b32["speculate"] and b32["significant"] and b32["tree_beats_chain"] is False
+    deep = serving.best_per_batch({4: tau(3.9)}, [], t, [1], ttt_steps=3)[0]
+    assert deep["past_ttt"] and deep["best"]["step_extrapolated"]
+
+
+def test_speculation_off_where_the_target_alone_is_faster(tmp_path):
+    t = table("batch_size,k,step_ms\n1,0,10\n1,2,14\n64,0,20\n64,2,60\n", tmp_path)
+    per = serving.best_per_batch({2: tau(2.4)}, [], t, [1, 64], ttt_steps=None)
+    assert per[0]["speculate"] and not per[1]["speculate"]  # 2.4 / 60 ms = 40 tok/s < 50 alone
+    cfg = serving.vllm_config("org/drafter", per)
+    assert cfg == {
+        "method": "eagle3",
+        "model": "org/drafter",
+        "num_speculative_tokens": 2,
+        "num_speculative_tokens_per_batch_size": {"1-63": 2, "64-64": 0},
+    }
+    assert serving.sglang_flags("org/drafter", per[1]) is None
+    flags = serving.sglang_flags("org/drafter", per[0])
+    assert "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3" in flags
+    # one K everywhere: no table (it would cost vLLM CUDA graphs); off everywhere: no config
+    same = serving.best_per_batch({2: tau(2.4)}, [], t, [1], ttt_steps=None)
+    assert "num_speculative_tokens_per_batch_size" not in serving.vllm_config("m", same)
+    off = serving.best_per_batch({2: tau(1.1, 1.05, 1.15)}, [], t, [64], ttt_steps=None)
+    assert serving.vllm_config("m", off) is None
+
+
+def phase_at_depth(taus: dict, seed: int, p=120):
+    """A phase evaluation with per-depth counts: at each k its own counts near tau(k)."""
+    by_k = {}
+    for k, x in taus.items():
+        acc, cyc = counts(x, seed=zlib.crc32(f"{seed}/{k}".encode()), p=p)
+        by_k[str(k)] = {"accepted": acc, "cycles": cyc}
+    top = by_k[str(max(taus))]
+    return {"per_sample": {"accepted": top["accepted"], "cycles": top["cycles"], "by_k": by_k}}
+
+
+def test_the_decision_serves_the_recommended_drafter_and_the_source():
+    phases = {
+        "phase0": phase_at_depth({1: 1.5, 2: 1.8, 3: 1.9}, 0),
+        "phase1_scratch": phase_at_depth({1: 1.3, 2: 1.4, 3: 1.5}, 1),
+        "phase1": phase_at_depth({1: 1.8, 2: 2.4, 3: 2.8}, 2),
+    }
+    t = serving.seeds_table(SEEDS_CM, k0=3, k_max=3, ms_per_draft_token=1.0)
+    srv = {"table": t, "batch_sizes": [1], "k": 3, "ttt_steps": {"recommended": 3}, "models": {"source": "org/src"}}
+    curves = curves_from({"source": {100: 2.6, 400: 2.9}, "scratch": {100: 1.5, 400: 2.0}})
+    d = run_decide(curves, phases, serving=srv)
+    block = d["serving"]
+    rec, src = block["drafters"]["recommended"], block["drafters"]["source"]
+    assert rec["phase"] == "phase1" and src["phase"] == "phase0" and rec["depths"] == [1, 2, 3]
+    # phase1 at batch 1: tok/s = 1000 tau / (27 + k) -> k=3 (2.8 / 30 ms) beats k=2 (2.4 / 29 ms)
+    assert rec["per_batch"][0]["best"]["k"] == 3
+    assert rec["vllm_speculative_config"]["num_speculative_tokens"] == 3
+    # the source's best (1.9 at k=3 = 63 tok/s; 1.8 at k=2 = 62) is below the target alone's 82: do not deploy
+    r = d["recommendation"]
+    assert r["deploy_source_now"] is False
+    assert any(x.startswith("Do not deploy the source drafter as fetched: at its best configuration") for x in r["text"])
+    assert any(x.startswith("Serving the recommended drafter (phase1): batch 1: chain k=3") for x in r["text"])
+    assert r["headline"].startswith("Do: fine-tune the source drafter on n=400") and "serve it as chain k=3" in r["headline"]
+    assert {"id": "R11", "fired": r["rules"][-1]["fired"]} == r["rules"][-1] and "b1 chain k=3" in r["rules"][-1]["fired"]
+    json.dumps(d)  # the block is JSON as decision.json stores it
