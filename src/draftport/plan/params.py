@@ -991,6 +991,33 @@ class DataParams(Group):
     )
 
 
+def _batch_sizes(v: list[int]) -> list[int]:
+    if not v or any(b < 1 for b in v) or sorted(set(v)) != v:
+        raise ValueError(f"{v}: batch sizes >= 1, strictly increasing, at least one")
+    return v
+
+
+class ServingParams(Group):
+    """Step decision, rule R11: how to serve the recommended drafter and the source as-is."""
+
+    batch_sizes: Annotated[list[int], AfterValidator(_batch_sizes)] = F(
+        [1],
+        "the batch sizes (requests decoding together) you serve at: the best draft configuration at each, "
+        "speculation off where the target alone is faster",
+    )
+    step_table: Optional[str] = F(
+        None,
+        "a CSV of measured engine steps, batch_size,k,step_ms (k 0: the target alone), or batch_size,k,itl_ms,"
+        "accept_length as `vllm bench` reports them; null: the cost model's figures at eval.k, batch 1 only",
+    )
+    ms_per_draft_token: float = F(
+        1.0,
+        "without a table: what one more draft token adds to a step, ms (about 1 ms for Llama-3.1-8B on an H100, "
+        "vLLM issue #20780)",
+        ge=0,
+    )
+
+
 class DecisionParams(Group):
     """Step decision: bootstrap CIs over prompts and the rules of draftport.evaluation.decision."""
 
@@ -1035,6 +1062,7 @@ class Params(Group):
     curves: CurvesParams = F(..., "the learning curves: fine-tune and scratch by sample count and seed")
     data: DataParams = F(..., "Phase 2's data: all at once, or an adaptive budget in rounds")
     decision: DecisionParams = F(..., "step decision: the recommendation and its confidence")
+    serving: ServingParams = F(..., "step decision: how to serve the drafters (rule R11)")
     reference: Optional[ReferenceParams] = F(..., "a published drafter for the new target (an upper bound); null: none")
     resources: ResourcesParams = F(..., "Snakemake resources per step")
     online: OnlineParams = F(..., "the online steps (vLLM)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from draftport.evaluation.decision import decide, render_text
 from draftport.evaluation.hours import devices, rates, split
+from draftport.evaluation.serving import read_step_table, seeds_table
 from draftport.pipeline.runner import StepContext, read_json, timing_of, write_json
 from draftport.plan.curves import point_name
 
@@ -84,6 +85,30 @@ def _traffic(phase0: dict, d: dict) -> dict:
     }
 
 
+def _serving(s: StepContext, phases: dict) -> dict:
+    """decide's serving inputs (rule R11): the step table (serving.step_table, else the cost model's
+    figures at eval.k), the batch sizes, each drafter's trained depth and the names to serve it by."""
+    srv, k = s.p["serving"], s.p["eval"]["k"]
+    depth = max([k] + [int(kk) for ev in phases.values() for kk in ((ev.get("per_sample") or {}).get("by_k") or {})])
+    table = (
+        read_step_table(srv["step_table"])
+        if srv["step_table"]
+        else seeds_table(s.p["costmodel"], k, depth, srv["ms_per_draft_token"])
+    )
+    pub = s.p["publish"]
+    return {
+        "table": table,
+        "batch_sizes": srv["batch_sizes"],
+        "k": k,
+        # the recommended drafter's unroll depth in training (Phase 2 continues Phase 1's settings)
+        "ttt_steps": {"recommended": s.p["phase1"]["train"]["ttt_steps"]},
+        "models": {
+            "recommended": pub["repo_id"] or f"artifacts/publish/{pub['folder']}",
+            "source": s.p["source"]["repo_id"],
+        },
+    }
+
+
 def decision(s: StepContext) -> dict:
     d = s.p["decision"]
     curves = read_json(s.input("curves")) if "curves" in s.inputs else None
@@ -104,6 +129,7 @@ def decision(s: StepContext) -> dict:
         serving_tokens_per_day=d["serving_tokens_per_day"],
         phase_n=_phase_n(s, budget),
         **_traffic(phases.get("phase0") or {}, d),
+        serving=_serving(s, phases),
     )
     if budget is not None:  # data.budget adaptive: where the rounds stopped, and why
         out["data_budget"] = {
