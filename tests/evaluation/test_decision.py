@@ -364,7 +364,8 @@ def test_render_text():
     d = run_decide(curves_from({"source": {100: 1.8, 200: 2.3}, "scratch": {100: 1.3, 200: 1.6}}), ph)
     out = decision.render_text(d)
     lines = out.splitlines()
-    assert lines[0].startswith(
+    assert lines[0].startswith("Do: fine-tune the source drafter on n=200 new-target samples")  # the headline
+    assert lines[1].startswith(
         "Recommendation: init source, recipe plain, regenerate not measured, n_samples 200 (enough: 200), phase2 helps"
     )
     assert f"{d['curves']['scratch'][1]['accept_length']:.3f}" in out
@@ -389,7 +390,9 @@ def test_cli_decide(tmp_path, capsys):
     path.write_text(json.dumps(d))
     rc, out, err = cli(["decide", str(path)], capsys)
     assert rc == 0 and err == ""
-    assert out.startswith("Recommendation: init source, recipe plain, regenerate not measured, n_samples 200")
+    assert out.splitlines()[1].startswith(
+        "Recommendation: init source, recipe plain, regenerate not measured, n_samples 200"
+    )
     rc, out, _ = cli(["decide", str(path), "--json"], capsys)
     assert rc == 0 and json.loads(out) == d
 

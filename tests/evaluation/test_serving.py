@@ -7,7 +7,7 @@ import zlib
 import pytest
 
 from draftport.errors import DraftportError
-from draftport.evaluation import serving
+from draftport.evaluation import decision, serving
 from tests.evaluation.test_decision import counts, curves_from, run_decide
 
 SEEDS_CM = {"baseline_tok_s": 82.0, "verify_ms": 30.0, "draft_ms": 0.0}
@@ -134,3 +134,17 @@ def test_the_decision_serves_the_recommended_drafter_and_the_source():
     assert head.startswith("Do: fine-tune the source drafter on n=400") and "serve it as chain k=3" in head
     assert r["rules"][-1]["id"] == "R11" and "b1 chain k=3" in r["rules"][-1]["fired"]
     json.dumps(d)  # the block is JSON as decision.json stores it
+
+
+def test_render_shows_the_headline_the_depths_and_the_settings():
+    phases = {"phase0": phase_at_depth({1: 1.5, 2: 1.8}, 0), "phase1": phase_at_depth({1: 1.9, 2: 2.8}, 2)}
+    t = serving.seeds_table(SEEDS_CM, k0=2, k_max=2, ms_per_draft_token=1.0)
+    srv = {"table": t, "batch_sizes": [1], "k": 2, "models": {"recommended": "org/new"}}
+    curves = curves_from({"source": {100: 2.6, 400: 2.9}, "scratch": {100: 1.5, 400: 2.0}})
+    lines = decision.render_text(run_decide(curves, phases, serving=srv)).splitlines()
+    assert lines[0].startswith("Do: fine-tune the source drafter on n=400")
+    # phase1: 2.8 / 30 ms = 93 tok/s at k=2 against 82 alone; the source's best (1.8 / 30 ms) is not
+    assert any(x.startswith("  recommended (phase1) batch 1") and "best: chain k=2" in x for x in lines)
+    assert any(x.startswith("  source      (phase0) batch 1") and "best: off" in x for x in lines)
+    vllm = next(x for x in lines if x.startswith("  vLLM: --speculative-config"))
+    assert json.loads(vllm.split("'")[1]) == {"method": "eagle3", "model": "org/new", "num_speculative_tokens": 2}

@@ -1357,7 +1357,8 @@ def render_text(decision: dict) -> str:
     n = "none" if r["n_samples"] is None else str(r["n_samples"])
     ne = r.get("n_enough")
     regen = {True: "yes", False: "no", None: "not measured"}[r.get("regenerate")]
-    out = [
+    out = [r["headline"]] if r.get("headline") else []
+    out += [
         f"Recommendation: init {r['init']}, recipe {r.get('recipe', 'plain')}, regenerate {regen}, "
         f"n_samples {n}{'' if ne is None else f' (enough: {ne})'}, phase2 {r['phase2']}, deploy source now "
         f"{'yes' if r['deploy_source_now'] else 'no'} (confidence {r['confidence']})"
@@ -1408,6 +1409,10 @@ def render_text(decision: dict) -> str:
                 f"{'significant' if g['significant'] else 'not significant'}"
             )
     out += _render_traffic(decision.get("traffic"))
+    if decision.get("serving"):
+        from draftport.evaluation.serving import render
+
+        out += render(decision["serving"])
     b = decision.get("data_budget")
     if b:
         out.append(

@@ -340,3 +340,29 @@ def deploy_source(block: dict) -> tuple[bool, str, str] | None:
         fired,
         f"Do not deploy the source drafter as fetched: at its best configuration ({fig}) it is {where} {alone}.",
     )
+
+
+def render(block: dict | None) -> list[str]:
+    """The terminal's lines of the serving block: tau and tok/s against depth per drafter, then the
+    engine settings of the recommended one."""
+    if not block:
+        return []
+    out = [f"Serving (step times: {block['step_table']['source']}; {'; '.join(block['notes']) or 'measured'}):"]
+    for role, dr in block["drafters"].items():
+        for r in dr["per_batch"]:
+            cells = "  ".join(
+                f"{'k=' + str(c['k']) if c['kind'] == 'chain' else 'tree ' + str(c['steps']) + '/' + str(c['topk'])}"
+                f" {c['accept_length']:.2f}/{c['tok_s']:.0f}"
+                for c in r["configs"]
+            )
+            best = describe(r) if r["speculate"] else "off"
+            out.append(
+                f"  {role:<11} ({dr['phase']}) batch {r['batch_size']:<4} alone {r['target_alone_tok_s']:.0f} tok/s | "
+                f"tau/tok-s {cells} | best: {best}"
+            )
+    rec = block["drafters"].get("recommended")
+    if rec is not None:
+        out.append(f"  vLLM: --speculative-config '{settings_json(rec['vllm_speculative_config'])}'")
+        for b, flags in rec["sglang_flags"].items():
+            out.append(f"  SGLang at batch {b}: {flags or 'no speculative flags (the target alone is faster)'}")
+    return out
