@@ -53,7 +53,9 @@ RULES = {
     "cheaper verify).",
     "R3": 'phase2: phase2_gain significant and > 0 -> "helps"; significant and < 0 -> "hurts"; not '
     'significant -> "no significant gain"; missing -> "not measured".',
-    "R4": 'deploy_source_now: phases.phase0.beats_break_even == "yes" (false when phase0 is missing).',
+    "R4": 'deploy_source_now: phases.phase0.beats_break_even == "yes" (false when phase0 is missing). With '
+    "the serving inputs (R11): the source's best configuration at the smallest served batch size, its "
+    "projected tok/s CI wholly above the target alone's; the text names that configuration.",
     "R5": 'confidence: "high" when R1\'s init comes from a significant gain at N and R2 found an n; '
     '"medium" when exactly one of those holds; else "low". One level lower (high to medium, medium to '
     "low) when R9 finds a problem in the evidence.",
@@ -88,8 +90,17 @@ RULES = {
     "no held-out prompt reaches it. With more than one set, it states per set what the recommended init's curve "
     "gains from its smallest to its largest n, and on which set more data pays most. The problems are listed in "
     "traffic_problems; R5's confidence does not change.",
+    "R11": "serving: for the recommended drafter (R10's rule) and the source as-is (phase0), at every batch size "
+    "of serving.batch_sizes, every chain k the evaluation measured (1..eval.k_max; eval.k alone for an "
+    "evaluation without depths) and every offline tree is projected at tau / step_ms(batch, draft tokens) "
+    "(serving.step_table, else the cost model at batch 1); the highest is the best configuration, "
+    "speculation is off where the target alone (1 / step_ms(batch, 0)) is faster, and the text says "
+    "whether a tree beats the chain and whether the best k is past the trained depth (train.ttt_steps). "
+    "vLLM's speculative_config (a num_speculative_tokens_per_batch_size table when the best chain k "
+    "differs between sizes, 0 where speculation is off) and SGLang's flags are emitted. The headline "
+    "trains on n_train: the measured n whose hours pay back soonest at decision.serving_tokens_per_day, "
+    "else R6's n_enough, never below R2's n.",
 }
-
 
 # ---------------------------------------------------------------- statistics
 
