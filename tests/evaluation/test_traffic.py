@@ -353,6 +353,14 @@ def test_the_text_says_on_which_set_more_data_pays_most():
         assert (
             f"{gain[name]['diff']:+.3f} (CI [{gain[name]['ci'][0]:.3f}, {gain[name]['ci'][1]:.3f}]) on {name}" in line
         )
-    best = max((g["diff"], name) for name, g in gain.items() if g["significant"] and g["diff"] > 0)[1]
-    assert line.endswith(f"more data of {best}'s kind pays most.")
+    shares = {x["name"]: x["share"] for x in d["traffic"]["sets"]}
+    # weighed by the shares (chat 0.8, code 0.2), not by the raw gains
+    best = max((shares[n] * g["diff"], n) for n, g in gain.items() if g["significant"] and g["diff"] > 0)[1]
+    assert f"weighed by the shares, {best} gains most." in line
+    assert line.endswith(
+        "The curve's points share one training set: what more data of another set's kind would bring was not measured."
+    )
+    named = run(sets=sets_of(0.2), train_prompts="corpus/new.jsonl")["recommendation"]["text"]
+    unmeasured = "what more data of another set's kind would bring was not measured."
+    assert any(s.endswith(f"Every point of that curve trained on corpus/new.jsonl: {unmeasured}") for s in named)
     assert not any(s.startswith("From n=") for s in run()["recommendation"]["text"])  # one set: no such line

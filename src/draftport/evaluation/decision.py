@@ -88,8 +88,9 @@ RULES = {
     "that reach that context length). When the source's positions stop below the new target's serving length "
     "(context_limit.limited), the text says so and gives the source's accept length past its limit, or that "
     "no held-out prompt reaches it. With more than one set, it states per set what the recommended init's curve "
-    "gains from its smallest to its largest n, and on which set more data pays most. The problems are listed in "
-    "traffic_problems; R5's confidence does not change.",
+    "gains from its smallest to its largest n, weighed by the set's share, names the prompts the curve trained on "
+    "(targets.prompts_train) and says that more data of another set's kind was not measured. The problems are "
+    "listed in traffic_problems; R5's confidence does not change.",
     "R11": "serving: for the recommended drafter (R10's rule) and the source as-is (phase0), at every batch size "
     "of serving.batch_sizes, every chain k the evaluation measured (1..eval.k_max; eval.k alone for an "
     "evaluation without depths) and every offline tree is projected at tau / step_ms(batch, draft tokens) "
@@ -607,6 +608,7 @@ def decide(
     context_limit: dict | None = None,
     min_share: float = 0.05,
     serving: dict | None = None,
+    train_prompts: str | None = None,
 ) -> dict:
     """decision.json: CIs per (arm, n) and per phase, the paired gains, and the recommendation of
     rules R1-R10 (RULES; docs/decision.md). hours: {"rates": draftport.evaluation.hours.rates,
@@ -627,6 +629,7 @@ def decide(
     if sets is None and bucket_edges is None and context_limit is None:
         return _decide(*args, serving=serving)
     tr = _traffic_inputs(curves, phases, sets, bucket_edges, context_limit, min_share)
+    tr["train_prompts"] = train_prompts  # what the curves trained on: R10 names it beside their gains
     out = _decide(*args, strata=(strata_of(tr["curve_sets"]), strata_of(tr["sets"])), serving=serving)
     return _add_traffic(out, curves, phases, tr, {"n_boot": n_boot, "level": level, "seed": seed})
 
@@ -1174,6 +1177,7 @@ def _add_traffic(out: dict, curves, phases, tr: dict, opts: dict) -> dict:
         **_traffic_curves(groups, tr["curve_sets"], {**opts, "strata": strata_of(tr["curve_sets"])}, rec["init"]),
         **_traffic_buckets(phases, counts, ph, tr, opts),
         "context_limit": tr["limit"],
+        "train_prompts": tr.get("train_prompts"),
     }
     problems, fired, sentences = rule_r10_traffic(block)
     rec["traffic_problems"] = problems
@@ -1290,20 +1294,32 @@ def _limit_text(t: dict) -> str | None:
 
 
 def _more_data_text(t: dict) -> str | None:
-    """R10 (d): per set, what the recommended init gains from its smallest to its largest n there
-    (with more than one set): where more data of which kind pays."""
+    """R10 (d): per set, what the recommended init gains from its smallest to its largest n there,
+    weighed by the set's share (with more than one set), and what the curves trained on."""
+    shares = {s["name"]: s["share"] for s in t["sets"]}
     gains = [(s["name"], g) for s in t["sets"] if (g := (t.get("curve_gain") or {}).get(s["name"]))]
     if len(t["sets"]) < 2 or not gains:
         return None
     g0 = gains[0][1]
-    parts = ", ".join(f"{g['diff']:+.3f} (CI {_fmt_ci(g['ci'])}) on {name}" for name, g in gains)
-    paying = [(g["diff"], name) for name, g in gains if g["significant"] and g["diff"] > 0]
+    parts = ", ".join(
+        f"{g['diff']:+.3f} (CI {_fmt_ci(g['ci'])}) on {name}, "
+        f"{shares[name]:g} x that = {shares[name] * g['diff']:+.3f} of the traffic-weighted gain"
+        for name, g in gains
+    )
+    paying = [(shares[name] * g["diff"], name) for name, g in gains if g["significant"] and g["diff"] > 0]
     tail = (
-        f"more data of {max(paying)[1]}'s kind pays most"
+        f"weighed by the shares, {max(paying)[1]} gains most"
         if paying
         else "more data brings no significant gain on any set"
     )
-    return f"From n={g0['from_n']} to n={g0['to_n']} the {g0['arm']} curve gains {parts}: {tail}."
+    trained = t.get("train_prompts")
+    unmeasured = "what more data of another set's kind would bring was not measured"
+    what = (
+        f" Every point of that curve trained on {trained}: {unmeasured}."
+        if trained
+        else f" The curve's points share one training set: {unmeasured}."
+    )
+    return f"From n={g0['from_n']} to n={g0['to_n']} the {g0['arm']} curve gains {parts}: {tail}.{what}"
 
 
 def rule_r10_traffic(t: dict) -> tuple[list[dict], str, list[str]]:

@@ -530,6 +530,7 @@ STEPS: tuple[Step, ...] = (
             "publish.repo_id",
             "publish.folder",
             "source.repo_id",
+            "targets.prompts_train",
         ),
         (
             "evaluation.decision",

@@ -130,6 +130,7 @@ def decision(s: StepContext) -> dict:
         phase_n=_phase_n(s, budget),
         **_traffic(phases.get("phase0") or {}, d),
         serving=_serving(s, phases),
+        train_prompts=s.p["targets"]["prompts_train"],
     )
     if budget is not None:  # data.budget adaptive: where the rounds stopped, and why
         out["data_budget"] = {
