@@ -148,3 +148,22 @@ def test_render_shows_the_headline_the_depths_and_the_settings():
     assert any(x.startswith("  source      (phase0) batch 1") and "best: off" in x for x in lines)
     vllm = next(x for x in lines if x.startswith("  vLLM: --speculative-config"))
     assert json.loads(vllm.split("'")[1]) == {"method": "eagle3", "model": "org/new", "num_speculative_tokens": 2}
+
+
+def test_the_report_and_the_model_card_carry_the_serving_rule():
+    from draftport.outputs.publish import serve_lines
+    from draftport.outputs.report import decision_section
+
+    phases = {"phase0": phase_at_depth({1: 1.5, 2: 1.8}, 0), "phase1": phase_at_depth({1: 1.9, 2: 2.8}, 2)}
+    t = serving.seeds_table(SEEDS_CM, k0=2, k_max=2, ms_per_draft_token=1.0)
+    srv = {"table": t, "batch_sizes": [1], "k": 2, "models": {"recommended": "artifacts/publish/drafter"}}
+    curves = curves_from({"source": {100: 2.6, 400: 2.9}, "scratch": {100: 1.5, 400: 2.0}})
+    d = run_decide(curves, phases, serving=srv)
+    html = "\n".join(decision_section(d, None))
+    assert "<h3>Serving (R11)</h3>" in html and "recommended (phase1)" in html and "source (phase0)" in html
+    assert "off (the target alone is faster)" in html  # the source: 1.8 / 30 ms = 60 tok/s < 82
+    rec = d["serving"]["drafters"]["recommended"]
+    card = "\n".join(serve_lines({"serving": rec}, "org/base", "org/k25", 2))
+    assert '"model": "org/k25"' in card and '"num_speculative_tokens": 2' in card  # the hub id, not the folder
+    assert "--speculative-draft-model-path org/k25 --speculative-num-steps 2" in card
+    assert "| 1 | 82.0 | chain k=2 |" in card

@@ -44,6 +44,7 @@ from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.costmodel import CostModel
 from draftport.evaluation.decision import load_decision, render_text, tau_ci
+from draftport.evaluation.serving import describe
 from draftport.model.config import read_config
 from draftport.files import load_json
 from draftport.model.formats import find_target_embedding, load_drafter_state, read_header, tensor_sha256
@@ -243,28 +244,73 @@ def _card_lineage(f: dict, base: str, src: dict, ids: list[int]) -> list[str]:
     ]
 
 
+def serving_flags(repo: str, k: int) -> str:
+    """SGLang's flags for a chain of k draft tokens."""
+    return (
+        f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {repo} --speculative-num-steps {k} "
+        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+    )
+
+
+def srv_model(flags: str) -> str:
+    """The draft model path in SGLang's flags."""
+    parts = flags.split()
+    return parts[parts.index("--speculative-draft-model-path") + 1]
+
+
 def _card_serving(f: dict, base: str, repo: str, k: int) -> list[str]:
-    """## Serving (vLLM, SGLang) and the speculators convert command."""
+    """## Serving and the speculators convert command."""
+    return serve_lines(f, base, repo, k) + speculators_lines(f, base, repo)
+
+
+def serve_lines(f: dict, base: str, repo: str, k: int) -> list[str]:
+    """## Serving: vLLM's and SGLang's commands at the decision's best configuration per batch size
+    (R11) when it served this drafter, else at eval.k."""
+    srv = f.get("serving")
+    spec = {"method": "eagle3", "model": repo, "num_speculative_tokens": k}
+    sglang = {"": serving_flags(repo, k)}
+    lines = ["## Serving", ""]
+    if srv is not None:
+        spec = srv["vllm_speculative_config"] and {**srv["vllm_speculative_config"], "model": repo}
+        sglang = {
+            f" at batch {b}": flags and flags.replace(srv_model(flags), repo)
+            for b, flags in srv["sglang_flags"].items()
+        }
+        lines += [
+            "The decision's best configuration at each batch size served (rule R11; tau, projected tok/s a request):",
+            "",
+            "| batch | target alone tok/s | best | tau | tok/s | every k: tau / tok/s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in srv["per_batch"]:
+            b = r["best"]
+            cells = ", ".join(
+                f"{c['k']}: {c['accept_length']:.2f} / {c['tok_s']:.0f}" for c in r["configs"] if c["kind"] == "chain"
+            )
+            best = describe(r) if r["speculate"] else "off"
+            head = f"| {r['batch_size']} | {r['target_alone_tok_s']:.1f} | {best} "
+            lines.append(head + f"| {b['accept_length']:.3f} | {b['tok_s']:.1f} | {cells} |")
+        lines.append("")
+    lines += ["vLLM:", "", "```bash"]
+    lines.append(
+        f"vllm serve {base} --speculative-config '{json.dumps(spec)}'"
+        if spec
+        else f"vllm serve {base}  # the target alone is faster"
+    )
+    lines += ["```", ""]
+    for where, flags in sglang.items():
+        lines += [f"SGLang{where} (see Aux layers):", "", "```bash"]
+        lines.append(
+            f"python -m sglang.launch_server --model-path {base} {flags}"
+            if flags
+            else f"python -m sglang.launch_server --model-path {base}"
+        )
+        lines += ["```", ""]
+    return lines
+
+
+def speculators_lines(f: dict, base: str, repo: str) -> list[str]:
     return [
-        "## Serving",
-        "",
-        "vLLM:",
-        "",
-        "```bash",
-        f"vllm serve {base} --speculative-config "
-        + "'"
-        + json.dumps({"method": "eagle3", "model": repo, "num_speculative_tokens": k})
-        + "'",
-        "```",
-        "",
-        "SGLang (see Aux layers):",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
-        f"--speculative-draft-model-path {repo} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-        f"--speculative-num-draft-tokens {k + 1}",
-        "```",
-        "",
         "## Taking it further with speculators",
         "",
         "speculators 0.9.0 converts this folder without loss (every tensor renamed, bit for bit). Its "
@@ -575,6 +621,12 @@ def _evaluation_facts(ev: dict, base: str, d: dict, cm: dict, k: int) -> dict:
     }
 
 
+def _serving_facts(decision: dict | None, ph: str) -> dict | None:
+    """The decision's serving rule (R11) for the drafter published, when it is the one R11 served."""
+    rec = ((decision or {}).get("serving") or {}).get("drafters", {}).get("recommended")
+    return rec if rec is not None and rec["phase"] == ph else None
+
+
 def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, repo_id: str | None = None) -> dict:
     """The publish step (and `draftport publish`): p = its params (publish, targets.new, eval,
     costmodel, decision), inputs = its named inputs (registry row `publish`)."""
@@ -615,6 +667,7 @@ def from_pipeline(p: dict, inputs: dict, out_dir, *, phase: str | None = None, r
         "online": online,
         "evaluation": _evaluation_facts(ev, base, d, cm, k),
         "decision": render_text(decision).rstrip("\n").splitlines() if decision is not None else None,
+        "serving": _serving_facts(decision, ph),
     }
     ks = sorted(set(pp["k"]) | {k})
     eval_opts = {

@@ -772,7 +772,51 @@ def decision_section(d: dict, curves_png: Path | None) -> list[str]:
     parts += _init_curve_tables(d, lvl)
     parts += _arm_tables(d, lvl)
     parts += _gain_and_phase_tables(d, lvl)
+    parts += _serving_tables(d.get("serving"))
     return [x for x in parts if x]
+
+
+def _serving_tables(block: dict | None) -> list[str]:
+    """R11: per drafter and batch size, tau and projected tok/s at every depth (one line a drafter),
+    its best configuration, and the engine settings of the recommended one."""
+    if not block:
+        return []
+    from draftport.evaluation.serving import describe, settings_json
+
+    rows = []
+    for role, dr in block["drafters"].items():
+        for r in dr["per_batch"]:
+            cells = ", ".join(
+                f"{c['k'] if c['kind'] == 'chain' else 'tree ' + str(c['steps']) + '/' + str(c['topk'])}: "
+                f"{c['accept_length']:.2f} / {c['tok_s']:.0f}"
+                for c in r["configs"]
+            )
+            rows.append(
+                {
+                    "drafter": f"{role} ({dr['phase']})",
+                    "batch": r["batch_size"],
+                    "alone": f"{r['target_alone_tok_s']:.1f}",
+                    "by_k": cells,
+                    "best": describe(r) if r["speculate"] else "off (the target alone is faster)",
+                }
+            )
+    cols = ["drafter", "batch", "alone", "by_k", "best"]
+    heads = ["drafter", "batch size", "target alone tok/s", "k: tau / tok/s a request", "best"]
+    parts = [
+        "<h3>Serving (R11)</h3>",
+        f"<p>Step times: {html.escape(block['step_table']['source'])}"
+        + (f" ({html.escape('; '.join(block['notes']))})" if block["notes"] else "")
+        + ". Trees, where listed, are measured offline.</p>",
+        html_table(rows, cols, heads),
+    ]
+    rec = block["drafters"].get("recommended")
+    if rec is not None:
+        parts.append(
+            "<p>vLLM <code>--speculative-config</code>: <code>"
+            + html.escape(settings_json(rec["vllm_speculative_config"]))
+            + "</code></p>"
+        )
+    return parts
 
 
 def _read_input(inputs: dict, name: str) -> Any:

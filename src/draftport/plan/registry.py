@@ -565,6 +565,7 @@ STEPS: tuple[Step, ...] = (
             "outputs.tables",
             "outputs.style",
             "outputs.traffic_report",
+            "evaluation.serving",
             "pipeline.steps.report_step",
         ),
         {
@@ -634,6 +635,7 @@ STEPS: tuple[Step, ...] = (
             "evaluation.roundtrip",
             "engines.speculators",
             "evaluation.decision",
+            "evaluation.serving",
             "evaluation.traffic",
             "evaluation.bootstrap",
             *DRAFTING_MODULES,
