@@ -613,3 +613,20 @@ def test_the_held_out_prompts_are_every_eval_sets_n(kimi_cfg):
     n = kimi_cfg["features"]["eval_samples"]
     assert estimate.estimate(cfg, capture_eff=0.42)["held_out"]["eval"] == 300 + n
     assert estimate.estimate(kimi_cfg, capture_eff=0.42)["held_out"]["eval"] == n
+
+
+def test_serving_steps_agree_with_the_decode_rate_and_grow_with_k():
+    """R11's derived step times: at k 0 the target alone as serve_rate derives it (one instance,
+    concurrency = the batch); each draft token adds its verify token and a read of the drafter."""
+    tc = dict(estimate.DEEPSEEK_R1_TEXT, quantization_config=estimate.FP8_BLOCKS)
+    ms = estimate.serving_steps(tc, tp=8, batch_sizes=[1, 32], k_max=4, context=2048, draft_bytes=3e9)
+    for b in (1, 32):
+        alone = estimate.serve_rate(tc, gpus=8, tp=8, context=2048, concurrency=b)
+        assert ms[b][0] == pytest.approx(1000 * b / alone["tok_s"])
+        assert all(ms[b][k + 1] > ms[b][k] for k in range(4))
+    # a draft step reads 3 GB over 8 GPUs; a MoE's extra verify token also reaches experts the first
+    # one did not (at batch 1 about 8 more of 256 a layer), so a draft token costs more than that read
+    per_draft = 1000 * 3e9 / (8 * estimate.GPUS["H200"]["hbm_bytes_s"] * estimate.SERVE_HBM_UTIL)
+    assert ms[1][1] - ms[1][0] > 2 * per_draft
+    # at batch 32 the step is several times batch 1's
+    assert ms[32][0] > 5 * ms[1][0]

@@ -1008,7 +1008,8 @@ class ServingParams(Group):
     step_table: Optional[str] = F(
         None,
         "a CSV of measured engine steps, batch_size,k,step_ms (k 0: the target alone), or batch_size,k,itl_ms,"
-        "accept_length as `vllm bench` reports them; null: the cost model's figures at eval.k, batch 1 only",
+        "accept_length as `vllm bench` reports them; null: derived from a real target's config and serving.gpu, "
+        "tensor_parallel and context; the embedded world: the cost model's figures at eval.k, batch 1 only",
     )
     ms_per_draft_token: float = F(
         1.0,
@@ -1016,6 +1017,11 @@ class ServingParams(Group):
         "vLLM issue #20780)",
         ge=0,
     )
+    gpu: Literal["H100", "H200"] = F(
+        "H200", "a real target without a table: the GPU the step times are derived for (draftport.profile.estimate)"
+    )
+    tensor_parallel: int = F(8, "a real target without a table: the GPUs one serving instance spans", ge=1)
+    context: int = F(2048, "a real target without a table: the mean context of a decoding request, tokens", ge=1)
 
 
 class DecisionParams(Group):

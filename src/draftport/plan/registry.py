@@ -531,10 +531,21 @@ STEPS: tuple[Step, ...] = (
             "publish.folder",
             "source.repo_id",
             "targets.prompts_train",
+            "targets.new",
+            "world.build",
         ),
         (
             "evaluation.decision",
             "evaluation.serving",
+            # a real target's step times, derived (serving.step_table null)
+            "profile.estimate",
+            "profile.rates",
+            "evaluation.budget",
+            "data.storage",
+            "model.config",
+            "model.flops",
+            "outputs.render",
+            "plan.cluster",
             "evaluation.traffic",
             "evaluation.bootstrap",
             "evaluation.hours",
@@ -553,6 +564,7 @@ STEPS: tuple[Step, ...] = (
             **{f"train_{ph}": Input(f"train_{ph}/metrics.json") for ph in ("phase1_scratch", "phase1", "phase2")},
             "drift": Input("drift/metrics.json", ("drift.enabled",)),
             "budget": Input("budget/budget.json", ("data.budget=adaptive",)),
+            "source": Input("fetch/source/fetch.lock.json"),  # the drafter's bytes (derived step times)
         },
     ),
     Step(

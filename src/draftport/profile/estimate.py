@@ -396,6 +396,90 @@ def weight_format(tc: dict, moe: bool) -> tuple[str, str]:
     return "bf16", f"quantization_config {method} not modelled: bf16 bytes assumed (an upper bound on the bytes)"
 
 
+def decode_step(
+    tc: dict, *, tp: int, requests: int, tokens: int, context: float, gpu: str, util: float, where: str
+) -> dict:
+    """One decode step of a `tp`-GPU instance: `requests` in flight, `tokens` each (1 plain; k + 1
+    when a verify checks k draft tokens) at a mean context of `context`. It reads the weights its
+    tokens touch (a MoE: the distinct routed experts of tokens x top-k uniform draws) and every
+    request's KV cache once, at `util` of the HBM bandwidth; its matmuls at SERVE_COMPUTE_FRACTION
+    of PEAK_TFLOPS bound it from below. -> {seconds, the bytes, ...}."""
+    shape = target_shape(tc, where)
+    moe = shape["moe"]
+    fmt, fmt_why = weight_format(tc, moe is not None)
+    wb = WEIGHT_BYTES[fmt]
+    L = shape["layers"]
+    layers = L * shape["attention_per_layer"]
+    n_tok = requests * tokens
+    if moe:
+        n_moe, E, k = L - moe["dense_layers"], moe["experts"], moe["top_k"]
+        touched = E * (1 - (1 - k / E) ** n_tok)  # expected distinct experts of n_tok x top-k uniform draws
+        experts_read, experts_all = n_moe * touched * moe["expert_params"], n_moe * E * moe["expert_params"]
+        layers += moe["dense_layers"] * shape["dense_mlp_params"] + n_moe * (
+            moe["shared"] * moe["expert_params"] + moe["router_params"]
+        )
+    else:
+        touched, experts_read, experts_all = None, 0, 0
+        layers += L * shape["dense_mlp_params"]
+    rest = layers * wb["layers"] + shape["lm_head_params"] * wb["lm_head"]
+    weight_bytes = rest + experts_read * wb["experts"]
+    # all of them, the input embedding (bf16) too: whether an instance's GPUs hold them and the KV caches
+    total_bytes = rest + experts_all * wb["experts"] + shape["vocab_size"] * shape["hidden_size"] * 2
+    kv_bytes = requests * context * shape["kv_cache_per_token"] * KV_CACHE_BYTES
+    hbm = GPUS[gpu]["hbm_bytes_s"]
+    memory_s = (weight_bytes + kv_bytes) / (tp * hbm * util)
+    flops = n_tok * (
+        2 * shape["active_params_no_embed"]
+        + 2 * L * shape["heads"] * (shape["qk_head_dim"] + shape["v_head_dim"]) * context
+    )
+    compute_s = flops / (tp * PEAK_TFLOPS * 1e12 * SERVE_COMPUTE_FRACTION)
+    return {
+        "seconds": max(memory_s, compute_s),
+        "bound": "memory" if memory_s >= compute_s else "compute",
+        "moe": moe,  # its shape, None for a dense target
+        "touched": touched,
+        "format": fmt,
+        "format_why": fmt_why,
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes,
+        "total_bytes": total_bytes,
+        "hbm": hbm,
+    }
+
+
+def serving_steps(
+    tc: dict,
+    *,
+    tp: int,
+    batch_sizes: list[int],
+    k_max: int,
+    context: float,
+    draft_bytes: float,
+    gpu: str = SERVE_GPU,
+    util: float = SERVE_HBM_UTIL,
+    where: str = "target config",
+) -> dict[int, dict[int, float]]:
+    """The engine's step in ms by batch size and draft tokens k (k 0: the target alone), derived as
+    serve_rate derives decode: a verify of k + 1 tokens a request, plus k draft steps that each read
+    the drafter's `draft_bytes` over the instance's GPUs (their own compute is small)."""
+    if gpu not in GPUS:
+        raise DraftportError("gpu", f"{gpu!r}: expected one of {', '.join(GPUS)}")
+    draft_s = draft_bytes / (tp * GPUS[gpu]["hbm_bytes_s"] * util)
+    out = {}
+    for b in batch_sizes:
+        out[b] = {
+            k: 1000.0
+            * (
+                decode_step(tc, tp=tp, requests=b, tokens=k + 1, context=context, gpu=gpu, util=util, where=where)[
+                    "seconds"
+                ]
+                + k * draft_s
+            )
+            for k in range(k_max + 1)
+        }
+    return out
+
+
 def serve_rate(
     tc: dict,
     *,
@@ -418,37 +502,11 @@ def serve_rate(
     for name, v in (("gpus", gpus), ("tp", tp), ("concurrency", concurrency), ("context", context)):
         _positive(name, v)
     _positive("util", util, at_most=1)
-    shape = target_shape(tc, where)
     tp = min(int(tp), int(gpus))  # fewer GPUs than the TP size: one instance over all of them
     instances = int(gpus) // tp
-    moe = shape["moe"]
-    fmt, fmt_why = weight_format(tc, moe is not None)
-    wb = WEIGHT_BYTES[fmt]
-    L = shape["layers"]
-    layers = L * shape["attention_per_layer"]
-    if moe:
-        n_moe, E, k = L - moe["dense_layers"], moe["experts"], moe["top_k"]
-        touched = E * (1 - (1 - k / E) ** concurrency)  # expected distinct experts of C x k uniform draws
-        experts_read, experts_all = n_moe * touched * moe["expert_params"], n_moe * E * moe["expert_params"]
-        layers += moe["dense_layers"] * shape["dense_mlp_params"] + n_moe * (
-            moe["shared"] * moe["expert_params"] + moe["router_params"]
-        )
-    else:
-        touched, experts_read, experts_all = None, 0, 0
-        layers += L * shape["dense_mlp_params"]
-    rest = layers * wb["layers"] + shape["lm_head_params"] * wb["lm_head"]
-    weight_bytes = rest + experts_read * wb["experts"]
-    # all of them, the input embedding (bf16) too: whether an instance's GPUs hold them and the KV caches
-    total_bytes = rest + experts_all * wb["experts"] + shape["vocab_size"] * shape["hidden_size"] * 2
-    kv_bytes = concurrency * context * shape["kv_cache_per_token"] * KV_CACHE_BYTES
-    hbm = GPUS[gpu]["hbm_bytes_s"]
-    memory_s = (weight_bytes + kv_bytes) / (tp * hbm * util)
-    flops = concurrency * (
-        2 * shape["active_params_no_embed"]
-        + 2 * L * shape["heads"] * (shape["qk_head_dim"] + shape["v_head_dim"]) * context
-    )
-    compute_s = flops / (tp * PEAK_TFLOPS * 1e12 * SERVE_COMPUTE_FRACTION)
-    step = max(memory_s, compute_s)
+    st = decode_step(tc, tp=tp, requests=concurrency, tokens=1, context=context, gpu=gpu, util=util, where=where)
+    step, moe, touched, fmt, fmt_why = st["seconds"], st["moe"], st["touched"], st["format"], st["format_why"]
+    weight_bytes, kv_bytes, total_bytes, hbm = st["weight_bytes"], st["kv_bytes"], st["total_bytes"], st["hbm"]
     per_instance = concurrency / step
     return {
         "tok_s": per_instance * instances,
@@ -469,7 +527,7 @@ def serve_rate(
         "weight_bytes": weight_bytes,
         "kv_bytes": kv_bytes,
         "step_s": step,
-        "bound": "memory" if memory_s >= compute_s else "compute",
+        "bound": st["bound"],
         "weights_total_bytes": total_bytes,
         "memory_bytes": GPUS[gpu]["memory_bytes"],
         "fits": total_bytes + kv_bytes <= tp * GPUS[gpu]["memory_bytes"],

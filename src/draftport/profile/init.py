@@ -910,6 +910,20 @@ def _plan_lines(req: InitRequest, cfg: DrafterConfig, old: Model | None, n1: int
     ]
 
 
+def serving_lines(tp: int) -> list[Line]:
+    """Rule R11's serving: the batch sizes served and, without a measured step table, what the step
+    times are derived for."""
+    return [
+        Line("serving.batch_sizes", [1, 8, 32, 64], "PLACEHOLDER: the batch sizes you serve at (R11: best k at each)"),
+        Line(
+            "serving.step_table",
+            None,
+            "null: derived from the target's config; a CSV measured on your engine is better",
+        ),
+        Line("serving.tensor_parallel", tp, "the GPUs one serving instance spans (the capture's)"),
+    ]
+
+
 def _training_setup(lines: list[Line], req: InitRequest, n1: int, n2: int, tp: int, counts: dict) -> list[Line]:
     """The training side: --like's profile (its held-out samples capped by the file), else a GPU node's."""
     n_eval = counts["heldout"]
@@ -989,6 +1003,7 @@ def build(req: InitRequest) -> dict:
         *_eval_set_lines(sets),
         *_feature_lines(req, new, pair, weight_bytes, tp, n_eval),
         *_plan_lines(req, pair["cfg"], old, n1, n2),
+        *serving_lines(tp),
     ]
     lines = _training_setup(lines, req, n1, n2, tp, {**counts, "heldout": n_eval})
     _closing_gaps(req, src, new, remote, f)

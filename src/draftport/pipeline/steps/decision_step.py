@@ -4,9 +4,11 @@ the hours: draftport.evaluation.hours, measured by the steps) -> decision.json, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from draftport.evaluation.decision import decide, render_text
 from draftport.evaluation.hours import devices, rates, split
-from draftport.evaluation.serving import read_step_table, seeds_table
+from draftport.evaluation.serving import StepTable, read_step_table, seeds_table
 from draftport.pipeline.runner import StepContext, read_json, timing_of, write_json
 from draftport.plan.curves import point_name
 
@@ -85,16 +87,42 @@ def _traffic(phase0: dict, d: dict) -> dict:
     }
 
 
+def _derived(s: StepContext, depth: int) -> StepTable:
+    """Step times derived from the real target's config, the serving GPUs and the drafter's bytes."""
+    from draftport.profile.estimate import serving_steps, target_config
+
+    srv = s.p["serving"]
+    tc, where = target_config(s.p)
+    source = Path(s.input("source")).parent  # fetch's lock file sits in the drafter's folder
+    draft_bytes = sum(f.stat().st_size for f in source.glob("*.safetensors"))
+    ms = serving_steps(
+        tc,
+        tp=srv["tensor_parallel"],
+        batch_sizes=srv["batch_sizes"],
+        k_max=depth,
+        context=srv["context"],
+        draft_bytes=draft_bytes,
+        gpu=srv["gpu"],
+        where=where,
+    )
+    note = (
+        f"derived for {srv['tensor_parallel']} x {srv['gpu']} a serving instance at a {srv['context']}-token context "
+        f"from {where} and the drafter's {draft_bytes / 1e9:.2g} GB (draftport.profile.estimate)"
+    )
+    return StepTable(ms, "derived", [note])
+
+
 def _serving(s: StepContext, phases: dict) -> dict:
     """decide's serving inputs (rule R11): the step table (serving.step_table, else the cost model's
     figures at eval.k), the batch sizes, each drafter's trained depth and the names to serve it by."""
     srv, k = s.p["serving"], s.p["eval"]["k"]
     depth = max([k] + [int(kk) for ev in phases.values() for kk in ((ev.get("per_sample") or {}).get("by_k") or {})])
-    table = (
-        read_step_table(srv["step_table"])
-        if srv["step_table"]
-        else seeds_table(s.p["costmodel"], k, depth, srv["ms_per_draft_token"])
-    )
+    if srv["step_table"]:
+        table = read_step_table(srv["step_table"])
+    elif s.p["world"]["build"]:  # the embedded world: the seeds' figures
+        table = seeds_table(s.p["costmodel"], k, depth, srv["ms_per_draft_token"])
+    else:
+        table = _derived(s, depth)
     pub = s.p["publish"]
     return {
         "table": table,
