@@ -1011,11 +1011,12 @@ def _headline(init, recipe, regenerate, n, ph2, deploy, serve, conf) -> str:
     if rec is not None:
         from draftport.evaluation.serving import describe
 
-        ways = [
-            f"{describe(r)} at batch {r['batch_size']}" if r["speculate"] else f"off at batch {r['batch_size']}"
-            for r in rec["per_batch"]
-        ]
-        line += "; serve it as " + ", ".join(ways)
+        on = [f"{describe(r)} at batch {r['batch_size']}" for r in rec["per_batch"] if r["speculate"]]
+        off = [str(r["batch_size"]) for r in rec["per_batch"] if not r["speculate"]]
+        if on:
+            line += "; serve it as " + ", ".join(on)
+        if off:
+            line += f"; {'and ' if on else ''}serve the target alone at batch {', '.join(off)} (no draft pays there)"
     if deploy:
         line += "; meanwhile deploy the source drafter as-is"
     return f"{line} (confidence {conf})."
