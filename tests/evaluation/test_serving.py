@@ -167,3 +167,29 @@ def test_the_report_and_the_model_card_carry_the_serving_rule():
     assert '"model": "org/k25"' in card and '"num_speculative_tokens": 2' in card  # the hub id, not the folder
     assert "--speculative-draft-model-path org/k25 --speculative-num-steps 2" in card
     assert "| 1 | 82.0 | chain k=2 |" in card
+
+
+def test_the_decision_step_derives_a_real_targets_step_times(tmp_path):
+    """serving.step_table null on a real target: the decision step derives its table from the
+    target's config (here the built-in Kimi-K2.5 shape) and the drafter folder's bytes."""
+    from draftport.pipeline.runner import StepContext
+    from draftport.pipeline.steps.decision_step import _serving
+    from draftport.plan import params, registry
+
+    p = params.load()
+    p["world"]["build"] = False
+    p["targets"]["new"] = "moonshotai/Kimi-K2.5"
+    p["serving"].update(batch_sizes=[1, 32], tensor_parallel=8)
+    src = tmp_path / "source"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"\0" * 3_000_000)  # only its size is read
+    (src / "fetch.lock.json").write_text("{}")
+    row = next(r for r in registry.STEPS if r.name == "decision")
+    s = StepContext(row, p, {"source": src / "fetch.lock.json"}, tmp_path)
+    ev = {"per_sample": {"by_k": {str(k): {} for k in (1, 2, 5)}}}
+    srv = _serving(s, {"phase1": ev})
+    t = srv["table"]
+    assert t.source == "derived" and sorted(t.ms) == [1, 32] and sorted(t.ms[1]) == list(range(6))
+    assert "8 x H200" in t.notes[0] and "built in" in t.notes[0]
+    assert t.ms[32][0] > t.ms[1][0] and t.ms[1][5] > t.ms[1][0]
+    assert srv["models"]["recommended"] == "artifacts/publish/drafter"
