@@ -100,11 +100,11 @@ def test_speculation_off_where_the_target_alone_is_faster(tmp_path):
 
 def phase_at_depth(taus: dict, seed: int, p=120):
     """A phase evaluation with per-depth counts: at each k its own counts near tau(k)."""
-    by_k = {}
+    by_k = []
     for k, x in taus.items():
         acc, cyc = counts(x, seed=zlib.crc32(f"{seed}/{k}".encode()), p=p)
-        by_k[str(k)] = {"accepted": acc, "cycles": cyc}
-    top = by_k[str(max(taus))]
+        by_k.append({"k": k, "accepted": acc, "cycles": cyc})
+    top = by_k[-1]
     return {"per_sample": {"accepted": top["accepted"], "cycles": top["cycles"], "by_k": by_k}}
 
 
@@ -186,7 +186,7 @@ def test_the_decision_step_derives_a_real_targets_step_times(tmp_path):
     (src / "fetch.lock.json").write_text("{}")
     row = next(r for r in registry.STEPS if r.name == "decision")
     s = StepContext(row, p, {"source": src / "fetch.lock.json"}, tmp_path)
-    ev = {"per_sample": {"by_k": {str(k): {} for k in (1, 2, 5)}}}
+    ev = {"per_sample": {"by_k": [{"k": k} for k in (1, 2, 5)]}}
     srv = _serving(s, {"phase1": ev})
     t = srv["table"]
     assert t.source == "derived" and sorted(t.ms) == [1, 32] and sorted(t.ms[1]) == list(range(6))

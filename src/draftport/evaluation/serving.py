@@ -239,8 +239,8 @@ def depth_taus(ev: dict, counts, opts: dict, k: int, where: str) -> tuple[dict, 
     for an evaluation without per-depth counts), and its offline trees'."""
     from draftport.evaluation.bootstrap import tau_ci
 
-    by_k = (ev.get("per_sample") or {}).get("by_k") or {}
-    taus = {int(kk): tau_ci(c["accepted"], c["cycles"], where=f"{where} k={kk}", **opts) for kk, c in by_k.items()}
+    by_k = (ev.get("per_sample") or {}).get("by_k") or []  # [{k, accepted, cycles}]: each k's per-prompt counts
+    taus = {int(c["k"]): tau_ci(c["accepted"], c["cycles"], where=f"{where} k={c['k']}", **opts) for c in by_k}
     taus = taus or {k: tau_ci(*counts, where=where, **opts)}
     trees = []
     for t in ev.get("trees") or []:

@@ -116,7 +116,7 @@ def _serving(s: StepContext, phases: dict) -> dict:
     """decide's serving inputs (rule R11): the step table (serving.step_table, else the cost model's
     figures at eval.k), the batch sizes, each drafter's trained depth and the names to serve it by."""
     srv, k = s.p["serving"], s.p["eval"]["k"]
-    depth = max([k] + [int(kk) for ev in phases.values() for kk in ((ev.get("per_sample") or {}).get("by_k") or {})])
+    depth = max([k] + [int(c["k"]) for ev in phases.values() for c in ((ev.get("per_sample") or {}).get("by_k") or [])])
     if srv["step_table"]:
         table = read_step_table(srv["step_table"])
     elif s.p["world"]["build"]:  # the embedded world: the seeds' figures
