@@ -93,6 +93,7 @@ FAST_MODULES = ("model.fast.path", "model.fast.attention", "model.fast.linear", 
 # what drafting with a drafter bound to a target runs (the offline evaluator and everything below it)
 DRAFTING_MODULES = (
     "evaluation.accept",
+    "evaluation.trees",
     "model.bind",
     "data.shards",
     "model.drafter",
