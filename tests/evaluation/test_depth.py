@@ -164,3 +164,39 @@ def test_branches_draft_as_the_chain_would_along_their_own_tokens():
             tokens[bi, p + 2 : p + 4] = torch.tensor(path)
             ref = d.unroll(b.aux, tokens, 3, teacher_tokens=True, valid=b.valid)[2][bi, p]
             torch.testing.assert_close(logits[n, bi, p], ref)
+
+
+def test_one_online_replay_to_depth_gives_each_k_of_a_replay_at_that_k(tmp_path):
+    """The vLLM check's offline side (online._replay on a real tiny Llama target): one replay
+    drafting 5 deep gives the engine-exact cycles of a replay at every k <= 5, so vLLM served at
+    two k is compared with one replay."""
+    from draftport.data.shards import Sequence
+    from draftport.evaluation import online
+    from tiny_targets import LLAMA_AUX, LLAMA_VOCAB, tiny_llama
+
+    model = tiny_llama(tmp_path / "target")
+    with torch.no_grad():  # the target's greedy choice: token 0 or 1 by the sign of one direction
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[0] = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    cfg = toy_cfg(vocab_size=LLAMA_VOCAB, aux_layer_ids=LLAMA_AUX)
+    d = toy_drafter(cfg).eval()
+    d.set_embedding(model.model.embed_tokens.weight.detach())
+    d.set_vocab_maps(
+        torch.zeros(cfg.draft_vocab_size, dtype=torch.long), torch.arange(LLAMA_VOCAB) < cfg.draft_vocab_size
+    )
+    with torch.no_grad():
+        d.lm_head.weight.zero_()  # always drafts slot 0 = token 0: accepted while the target says 0
+    head = model.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(4)
+    # random answers (the target's own greedy ones fall into a loop): its choices vary along them
+    seqs = [Sequence(torch.randint(2, LLAMA_VOCAB, (n,), generator=g).tolist(), 4) for n in (20, 31, 26)]
+
+    def replay(depth, ks):
+        ext = online._past_the_ends(model, seqs, depth, 0, 8)
+        return online._replay(model, d, head, LLAMA_AUX, seqs, ext, depth, ks, 0, 8, "cpu")
+
+    deep = replay(5, [1, 2, 3, 4, 5])
+    assert {a for c in deep[5]["per_request"] for a in c} >= {0, 1, 2}  # runs of every length occur
+    for k in (1, 2, 3, 4):
+        alone = replay(k, [k])[k]
+        assert deep[k]["per_request"] == alone["per_request"] and deep[k]["plain"] == alone["plain"], k
