@@ -231,6 +231,37 @@ def test_vllm_accept_length_agrees_with_offline(micro):
 
 
 @pytest.mark.slow
+def test_vllm_agrees_at_two_k_with_one_offline_replay_to_depth(micro):
+    """vLLM served at k = 1 and k = 5 against ONE offline replay drafting 5 deep (its by_k: every
+    shallower k from the same pass, as the offline evaluator's eval.k_max): both agree."""
+    served = {}
+    for k in (1, 5):
+        served[k] = serve.measure(
+            micro["target"],
+            micro["drafter"],
+            micro["prompts"],
+            16,
+            k,
+            32,
+            log_path=micro["root"] / f"vllm_k{k}.log",
+            max_num_seqs=8,
+            return_raw=True,
+        )
+    (on1, raw1), (on5, raw5) = served[1], served[5]
+    # greedy decoding whatever k: the same sequences, so one replay serves both
+    assert [r["output_token_ids"] for r in raw1["requests"]] == [r["output_token_ids"] for r in raw5["requests"]]
+    off = serve.offline_same_prompts(micro["drafter"], micro["target"], k=5, k_max=5, online_raw=raw5)
+    for k, on, raw in ((1, on1, raw1), (5, on5, raw5)):
+        at = off["by_k"][k - 1]
+        res = serve.agreement_check(on, at, tol=0.05)
+        assert abs(res["difference"]) <= 0.05, (k, res)
+        for i in range(k):
+            assert abs(on[f"online_accept_rate_pos_{i}"] - at[f"accept_rate_pos_{i}"]) <= 0.05, (k, i)
+        mism = serve.cycle_mismatches(raw, {"per_request_cycles": at["per_request_cycles"]})
+        assert mism["requests_differing"] <= 1, (k, mism)
+
+
+@pytest.mark.slow
 def test_embed_tokens_drop_and_target_serve_the_same(micro):
     """A drafter that carries the OLD target's embedding (what vLLM would serve as is, while SGLang
     embeds with the target's) is exported both ways of online.embed_tokens: dropped (vLLM takes

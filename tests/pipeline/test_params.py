@@ -726,8 +726,11 @@ def test_the_steps_read_the_new_keys():
     # the decision reads the sets from Phase 0's eval.json (what was measured), not from params
     assert "targets.eval_sets" not in registry.BY_NAME["decision"].params
     assert "data.evalsets" in registry.BY_NAME["features_eval"].modules
-    for step in ("eval_phase0", "eval_phase1_scratch", "eval_phase1", "eval_phase2", "eval_curves", "budget"):
+    for step in ("eval_phase0", "eval_phase1_scratch", "eval_phase1", "eval_phase2"):
         assert "eval" in registry.BY_NAME[step].params, step  # the whole group: eval.context_buckets with it
+    for step in ("eval_curves", "budget", "publish"):  # chains of eval.k: k_max and trees edits retrain nothing
+        ps = registry.BY_NAME[step].params
+        assert "eval.context_buckets" in ps and "eval" not in ps and "eval.k_max" not in ps, step
     assert "decision" in registry.BY_NAME["decision"].params
     cfg = params.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
     assert cfg["eval"]["context_buckets"] == [0, 32, 64]

@@ -155,6 +155,9 @@ def test_phase1_from_scratch(repo):
     ):
         assert key in m, key
     assert m["break_even_accept_length"] == pytest.approx(82.0 * 0.030)
+    # every k up to eval.k_max from the same pass (the figure at eval.k among them) and the tree
+    assert m["accept_length_k3"] == m["accept_length"] and "accept_length_k8" in m and 1 <= m["best_k"] <= 8
+    assert "accept_length_tree_3_2_4" in m
     assert not (repo.path / "artifacts/train_phase2").exists()
     assert not (repo.path / "artifacts/eval_phase2").exists()
     # logs a person can read: no carriage-return progress updates, a line every few seconds

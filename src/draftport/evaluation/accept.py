@@ -39,6 +39,7 @@ from draftport.model.device import describe as describe_device, out_of_memory
 from draftport.model.device import pick as pick_device
 from draftport.model.formats import load_drafter_state
 from draftport.progress import progress
+from draftport.evaluation.trees import check_tree, tree_accepted
 from draftport.model.target import target_logits
 
 
@@ -151,39 +152,93 @@ def offline_accept_length(
     k: int,
     progress=None,
     buckets: list[int] | None = None,
+    k_max: int | None = None,
+    trees: list | None = None,
 ) -> dict:
     """batches yields (Batch, response_start per sequence). Returns the summary dict, with
     `per_sample`: each sequence's accepted drafts and cycles (in order), what bootstrap CIs over
     prompts resample (draftport.evaluation.decision); with `buckets` (lower edges of the context
-    buckets, first 0) also per bucket of the verify position (`bucket_accepted`, `bucket_cycles`)."""
+    buckets, first 0) also per bucket of the verify position (`bucket_accepted`, `bucket_cycles`).
+
+    With k_max, one pass drafts k_max tokens and every k <= k_max follows from it: a greedy
+    chain's draft j does not depend on how many come after it, so the chain of k accepts
+    exactly min(accepted, k) at each row, and the engine's walk is rerun on those counts.
+    `by_k` holds each k's figures, per_sample["by_k"] each k's per-prompt counts (bucket counts
+    summed over prompts under `bucket_by_k`). trees ([steps, topk, num_draft_tokens] each):
+    draftport.evaluation.trees' offline figure of each, its per-prompt counts beside it."""
     was_training = drafter.training
     drafter.eval()
-    cycles: list[int] = []
-    all_rows: list[int] = []
+    depth = max(k, k_max or k)
+    ks = list(range(1, k_max + 1)) if k_max else []
+    cycles: dict[int, list[int]] = {kk: [] for kk in {k, *ks}}
+    all_rows: dict[int, list[int]] = {kk: [] for kk in cycles}
     per: dict[str, list] = {"accepted": [], "cycles": []}
     if buckets is not None:
         per |= {"bucket_accepted": [], "bucket_cycles": []}
+    by_k_per = {kk: {"accepted": [], "cycles": []} for kk in ks}
+    bucket_by_k = {kk: ([0] * len(buckets), [0] * len(buckets)) for kk in ks} if buckets is not None else None
+    tree_per = [{"accepted": [], "cycles": []} for _ in trees or []]
+    tree_cycles: list[list[int]] = [[] for _ in trees or []]
     dev = target_head.device
     for batch, starts in batches:
-        acc, chk = accepted_counts(drafter, batch.to(dev), target_head, k)
+        batch = batch.to(dev)
+        acc, chk = accepted_counts(drafter, batch, target_head, depth)
         lengths = batch.valid.long().sum(-1).tolist()
+        tree_counts = [tree_accepted(drafter, batch, target_head, *t) for t in trees or []]
         for b, r in enumerate(starts):
-            a, c = acc[b].tolist(), chk[b].tolist()
-            end = lengths[b] - 1
-            rows = cycle_rows(a, c, max(r - 1, 0), end)
-            seen = [n for _, n in rows]
-            cycles.extend(seen)
-            per["accepted"].append(sum(seen))
-            per["cycles"].append(len(seen))
-            if buckets is not None:
-                b_acc, b_cyc = bucket_counts(rows, buckets)
-                per["bucket_accepted"].append(b_acc)
-                per["bucket_cycles"].append(b_cyc)
-            all_rows.extend(a[p] for p in range(max(r - 1, 0), end) if c[p] > 0)
+            a_max, c_max = acc[b].tolist(), chk[b].tolist()
+            start, end = max(r - 1, 0), lengths[b] - 1
+            for kk in cycles:
+                # the chain of kk drafts: draft j < kk is the same as in the deeper pass
+                a = [min(x, kk) for x in a_max] if kk < depth else a_max
+                c = [min(x, kk) for x in c_max] if kk < depth else c_max
+                rows = cycle_rows(a, c, start, end)
+                seen = [n for _, n in rows]
+                cycles[kk].extend(seen)
+                all_rows[kk].extend(a[p] for p in range(start, end) if c[p] > 0)
+                if kk == k:
+                    per["accepted"].append(sum(seen))
+                    per["cycles"].append(len(seen))
+                    if buckets is not None:
+                        b_acc, b_cyc = bucket_counts(rows, buckets)
+                        per["bucket_accepted"].append(b_acc)
+                        per["bucket_cycles"].append(b_cyc)
+                if kk in by_k_per:
+                    by_k_per[kk]["accepted"].append(sum(seen))
+                    by_k_per[kk]["cycles"].append(len(seen))
+                    if bucket_by_k is not None:
+                        for i, (x, y) in enumerate(zip(*bucket_counts(rows, buckets))):
+                            bucket_by_k[kk][0][i] += x
+                            bucket_by_k[kk][1][i] += y
+            for t, (t_acc, t_chk) in enumerate(tree_counts):
+                seen = walk(t_acc[b].tolist(), t_chk[b].tolist(), start, end)
+                tree_cycles[t].extend(seen)
+                tree_per[t]["accepted"].append(sum(seen))
+                tree_per[t]["cycles"].append(len(seen))
         if progress is not None:
             progress(len(starts))
     drafter.train(was_training)
-    return {**summarize(cycles, all_rows, k), "per_sample": per}
+    out = {**summarize(cycles[k], all_rows[k], k), "per_sample": per}
+    if ks:
+        out["by_k"] = [summarize(cycles[kk], all_rows[kk], kk) for kk in ks]
+        per["by_k"] = [{"k": kk, **by_k_per[kk]} for kk in ks]
+        if bucket_by_k is not None:
+            out["bucket_by_k"] = [{"k": kk, "accepted": bucket_by_k[kk][0], "cycles": bucket_by_k[kk][1]} for kk in ks]
+    if trees:
+        out["trees"] = [
+            {
+                "steps": s,
+                "topk": tk,
+                "num_draft_tokens": n,
+                "accept_length": 1.0 + sum(c) / max(len(c), 1),
+                "num_cycles": len(c),
+                "num_accepted_tokens": sum(c),
+                "offline": True,  # no engine serves EAGLE-3 trees on the CPU: never checked online
+                "per_sample": tp,
+            }
+            for (s, tk, n), c, tp in zip(trees, tree_cycles, tree_per)
+        ]
+    return out
 
 
 def held_out_monitor(fs, target_head: torch.Tensor, *, k: int, batch_size: int = 32):
@@ -229,32 +284,65 @@ def evaluated_sets(sets: list[dict], max_samples: int | None) -> tuple[list[int]
     return ids, out
 
 
-def set_figures(res: dict, sets: list[dict]) -> dict:
-    """Per set its accept length (pooled over its prompts); more than one set: the headline
-    accept_length is the traffic-weighted one (shares), the pooled one kept beside it."""
-    per = res["per_sample"]
-    by_set = {}
+def _set_taus(accepted: list[int], cycles: list[int], sets: list[dict]) -> dict[str, tuple]:
+    """Per set: (accept length pooled over its prompts or None, cycles) of per-prompt counts."""
+    out = {}
     for x in sets:
         span = slice(x["start"], x["start"] + x["count"])
-        acc, cyc = sum(per["accepted"][span]), sum(per["cycles"][span])
-        by_set[x["name"]] = {
-            "accept_length": 1.0 + acc / cyc if cyc else None,
-            "num_cycles": cyc,
-            "n_prompts": x["count"],
-            "share": x["share"],
-        }
-    out = {"sets": sets, "by_set": by_set}
-    if len(sets) > 1:
-        measured = [v for v in by_set.values() if v["accept_length"] is not None]
-        out["accept_length_pooled"] = res["accept_length"]
-        out["accept_length"] = sum(v["share"] * v["accept_length"] for v in measured) / sum(
-            v["share"] for v in measured
-        )
+        acc, cyc = sum(accepted[span]), sum(cycles[span])
+        out[x["name"]] = (1.0 + acc / cyc if cyc else None, cyc)
     return out
 
 
+def _weighted(taus: dict[str, tuple], sets: list[dict]) -> float:
+    """The traffic-weighted accept length of the sets measured (their shares renormalized)."""
+    share = {x["name"]: float(x["share"]) for x in sets}
+    measured = [(share[n], t) for n, (t, _) in taus.items() if t is not None]
+    return sum(w * t for w, t in measured) / sum(w for w, _ in measured)
+
+
+def set_figures(res: dict, sets: list[dict]) -> dict:
+    """Per set its accept length (pooled over its prompts); more than one set: the headline
+    accept_length is the traffic-weighted one (shares), the pooled one kept beside it. The same
+    for each k of `by_k` and each tree of `trees` (their entries and each set's `by_k`, `trees`)."""
+    per = res["per_sample"]
+    taus = _set_taus(per["accepted"], per["cycles"], sets)
+    by_set = {
+        x["name"]: {
+            "accept_length": taus[x["name"]][0],
+            "num_cycles": taus[x["name"]][1],
+            "n_prompts": x["count"],
+            "share": x["share"],
+        }
+        for x in sets
+    }
+    out = {"sets": sets, "by_set": by_set}
+    if len(sets) > 1:
+        out["accept_length_pooled"] = res["accept_length"]
+        out["accept_length"] = _weighted(taus, sets)
+    # each depth and each tree: per set, and the headline under the same definition as above
+    for key, rows, per_rows, name in (
+        ("by_k", res.get("by_k", []), per.get("by_k", []), ("k",)),
+        ("trees", res.get("trees", []), [t["per_sample"] for t in res.get("trees", [])], TREE_KEYS),
+    ):
+        for row, ps in zip(rows, per_rows):
+            t = _set_taus(ps["accepted"], ps["cycles"], sets)
+            for n, (tau, cyc) in t.items():
+                by_set[n].setdefault(key, []).append(
+                    {**{f: row[f] for f in name}, "accept_length": tau, "num_cycles": cyc}
+                )
+            if len(sets) > 1:
+                row["accept_length_pooled"] = row["accept_length"]
+                row["accept_length"] = _weighted(t, sets)
+    return out
+
+
+TREE_KEYS = ("steps", "topk", "num_draft_tokens")
+
+
 def bucket_figures(res: dict, edges: list[int]) -> list[dict]:
-    """Per context bucket of the verify position: its accept length (None: no cycle reached it)."""
+    """Per context bucket of the verify position: its accept length (None: no cycle reached it),
+    and each k's (`by_k`, from the counts summed over prompts) when the evaluation went deeper."""
     per = res["per_sample"]
     out = []
     for b, lo in enumerate(edges):
@@ -262,6 +350,15 @@ def bucket_figures(res: dict, edges: list[int]) -> list[dict]:
         cyc = sum(row[b] for row in per["bucket_cycles"])
         hi = edges[b + 1] if b + 1 < len(edges) else None
         out.append({"lo": lo, "hi": hi, "accept_length": 1.0 + acc / cyc if cyc else None, "num_cycles": cyc})
+        if "bucket_by_k" in res:
+            out[-1]["by_k"] = [
+                {
+                    "k": x["k"],
+                    "accept_length": 1.0 + x["accepted"][b] / x["cycles"][b] if x["cycles"][b] else None,
+                    "num_cycles": x["cycles"][b],
+                }
+                for x in res["bucket_by_k"]
+            ]
     return out
 
 
@@ -276,13 +373,20 @@ def evaluate_drafter(
     device: str = "auto",
     buckets: list[int] | None = None,
     by_set: bool = True,
+    k_max: int | None = None,
+    trees: list | None = None,
 ) -> dict:
     """Offline accept length of a saved drafter on held-out features of a target, drafted on
     `device` (eval.device: draftport.model.device's rule), per named eval set (sets.json beside the
     features; eval.max_samples: the first of each set) and, with `buckets`, per context bucket.
     `run` in the result says where it ran and at what rate (tokens evaluated per second); the
     caller keeps it out of artifacts. by_set false: the folder as one set, its first max_samples
-    (what a probe pairing it sample by sample with another folder needs)."""
+    (what a probe pairing it sample by sample with another folder needs). k_max (eval.k_max):
+    every k up to it from the same pass (`by_k`); trees (eval.trees): each tree's offline figure."""
+    if k_max is not None and k_max < k:
+        raise DraftportError("eval.k_max", f"{k_max} is below eval.k ({k}): the deeper pass must cover k")
+    for t in trees or []:
+        check_tree(t)
     dev = pick_device(device, "eval.device")
     cfg, state = load_drafter_state(drafter_dir)
     fs = FeatureSet(features_dir)
@@ -301,7 +405,9 @@ def evaluate_drafter(
 
     t0 = time.time()
     with progress(len(ids), "evaluate", "sample") as bar, out_of_memory("evaluation", "eval.batch_size"):
-        res = offline_accept_length(d, batches(), head, k, progress=bar.update, buckets=buckets)
+        res = offline_accept_length(
+            d, batches(), head, k, progress=bar.update, buckets=buckets, k_max=k_max, trees=trees
+        )
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     res["eval_seconds"] = time.time() - t0
@@ -310,6 +416,7 @@ def evaluate_drafter(
     if buckets is not None:
         res["context_buckets"] = list(buckets)
         res["by_bucket"] = bucket_figures(res, buckets)
+    res.pop("bucket_by_k", None)  # in by_bucket's by_k now
     res["run"] = {
         **describe_device(dev),
         "tokens": tokens,

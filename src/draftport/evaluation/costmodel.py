@@ -109,9 +109,12 @@ def best_k(accept_rate_pos: list[float], cm: CostModel) -> dict:
     bad = [r for r in accept_rate_pos if not 0.0 <= r <= 1.0]
     if bad:
         raise DraftportError(None, f"per-position acceptance rates must lie in [0, 1], got {bad[0]}")
-    rows = []
-    for k in range(1, len(accept_rate_pos) + 1):
-        tau = 1.0 + sum(accept_rate_pos[:k])
-        rows.append({"k": k, "accept_length": tau, "tok_s": cm.tok_s(tau, k)})
+    return best_k_of([(k, 1.0 + sum(accept_rate_pos[:k])) for k in range(1, len(accept_rate_pos) + 1)], cm)
+
+
+def best_k_of(taus: list[tuple[int, float]], cm: CostModel) -> dict:
+    """Best number of draft tokens from (k, tau) pairs: an evaluation's tau measured at each k
+    (draftport.evaluation.accept's by_k), or best_k's extrapolation from one k's rates."""
+    rows = [{"k": k, "accept_length": tau, "tok_s": cm.tok_s(tau, k)} for k, tau in taus]
     best = max(rows, key=lambda r: r["tok_s"])
     return {"best_k": best["k"], "best_tok_s": best["tok_s"], "by_k": rows}

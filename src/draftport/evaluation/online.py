@@ -275,6 +275,7 @@ def offline_same_prompts(
     max_new_tokens: int = 128,
     batch_size: int = 16,
     device: str = "cpu",
+    k_max: int | None = None,
 ) -> dict:
     """Offline accept length on exactly the sequences vLLM served.
 
@@ -283,7 +284,9 @@ def offline_same_prompts(
     responses greedily (the same tokens as vLLM's unless the two disagree on a near-tie).
     Returns `accept_length` (engine-exact end of each request), per-position rates, the plain
     evaluator's figure on the same sequences (`accept_length_plain`), per-request cycles and
-    the wall time.
+    the wall time. k_max: one replay drafts that deep and `by_k` holds the same figures at every
+    k up to it (min(accepted, k) per row, as draftport.evaluation.accept's by_k): what vLLM
+    served at another k is compared with it without a second replay.
     """
     # lazy (registry): the publish step runs this module without data.features
     from draftport.data.features import load_tokenizer
@@ -304,9 +307,14 @@ def offline_same_prompts(
     seqs = [Sequence(list(p) + list(r), len(p)) for p, r in zip(prompt_ids, responses)]
     t_load = time.time() - t0
     t1 = time.time()
-    extended = _past_the_ends(model, seqs, k, pad, batch_size)
+    depth = max(k, k_max or k)
+    # past the ends as far as the deepest chain's verifier scores; a shallower chain's drafts
+    # only reach its own (shorter) extension, whose greedy tokens are the same
+    extended = _past_the_ends(model, seqs, depth, pad, batch_size)
     t_ext = time.time() - t1
-    run = _replay(model, drafter, head, cfg.aux_layer_ids, seqs, extended, k, pad, batch_size, device)
+    ks = sorted({k, *range(1, (k_max or 0) + 1)})
+    runs = _replay(model, drafter, head, cfg.aux_layer_ids, seqs, extended, depth, ks, pad, batch_size, device)
+    run = runs[k]
     res = summarize(run["exact"], run["rows"], k)
     plain = summarize(run["plain"], run["rows"], k)
     res["accept_length_plain"] = plain["accept_length"]
@@ -319,6 +327,11 @@ def offline_same_prompts(
     res["offline_feature_seconds"] = run["feature_seconds"]  # the target's aux/final states
     res["offline_eval_seconds"] = run["eval_seconds"]  # the drafter: the offline evaluator proper
     res["per_request_cycles"] = run["per_request"]
+    if k_max:
+        res["by_k"] = [
+            {**summarize(runs[kk]["exact"], runs[kk]["rows"], kk), "per_request_cycles": runs[kk]["per_request"]}
+            for kk in range(1, k_max + 1)
+        ]
     return res
 
 
@@ -357,11 +370,14 @@ def _past_the_ends(model, seqs: list[Sequence], k: int, pad: int, batch_size: in
     return extended
 
 
-def _replay(model, drafter, head, aux_layer_ids, seqs, extended, k: int, pad: int, batch_size: int, device) -> dict:
-    """The drafter over the target's features of the extended sequences, batch by batch: each
-    request's engine-exact cycles, the plain evaluator's, the rows, and the time of each part."""
+def _replay(
+    model, drafter, head, aux_layer_ids, seqs, extended, k: int, ks: list[int], pad: int, batch_size: int, device
+) -> dict:
+    """The drafter over the target's features of the extended sequences, batch by batch, drafting
+    k deep: for each chain length in ks, each request's engine-exact cycles, the plain
+    evaluator's, the rows, and the time of each part."""
     t_feat = t_eval = 0.0
-    cycles_exact, cycles_plain, rows_all, per_request = [], [], [], []
+    out = {kk: {"exact": [], "plain": [], "rows": [], "per_request": []} for kk in ks}
     for b0 in range(0, len(seqs), batch_size):
         chunk, ext = seqs[b0 : b0 + batch_size], extended[b0 : b0 + batch_size]
         ids, mask = _right_padded(ext, pad)
@@ -374,19 +390,18 @@ def _replay(model, drafter, head, aux_layer_ids, seqs, extended, k: int, pad: in
         acc_e, chk_e = accepted_counts(drafter, ext_batch, head, k)
         t_eval += time.time() - t1
         for i, s in enumerate(chunk):
-            cyc, plain_cyc, rows = _request_cycles(acc_e[i].tolist(), chk_e[i].tolist(), s, k)
-            cycles_exact.extend(cyc)
-            per_request.append(cyc)
-            cycles_plain.extend(plain_cyc)
-            rows_all.extend(rows)
-    return {
-        "exact": cycles_exact,
-        "plain": cycles_plain,
-        "rows": rows_all,
-        "per_request": per_request,
-        "feature_seconds": t_feat,
-        "eval_seconds": t_eval,
-    }
+            a, c = acc_e[i].tolist(), chk_e[i].tolist()
+            for kk, o in out.items():
+                # the chain of kk drafts accepts min(accepted, kk): its drafts are the deep pass's first kk
+                ak, ck = ([min(x, kk) for x in a], [min(x, kk) for x in c]) if kk < k else (a, c)
+                cyc, plain_cyc, rows = _request_cycles(ak, ck, s, kk)
+                o["exact"].extend(cyc)
+                o["per_request"].append(cyc)
+                o["plain"].extend(plain_cyc)
+                o["rows"].extend(rows)
+    for o in out.values():
+        o |= {"feature_seconds": t_feat, "eval_seconds": t_eval}
+    return out
 
 
 def _right_padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ its sample's end, as past a padded row's.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -265,14 +266,7 @@ class Eagle3Drafter(nn.Module):
         B, T, _ = aux.shape
         dev = aux.device
         h = self.fc(aux)
-        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-        keep = causal[None] if valid is None else causal[None] & valid[:, None, :]
-        if doc is not None:  # packed rows: never across samples
-            keep = keep & (doc[:, :, None] == doc[:, None, :])
-        attn_bias = torch.zeros(B, 1, T, T, dtype=h.dtype, device=dev).masked_fill(~keep[:, None], float("-inf"))
-        # rows that see nothing (padding at the front) would NaN: let them see themselves.
-        eye = torch.eye(T, dtype=torch.bool, device=dev)[None, None]
-        attn_bias = torch.where(eye & ~keep[:, None].any(-1, keepdim=True), torch.zeros_like(attn_bias), attn_bias)
+        attn_bias = prefix_bias(B, T, valid, doc, h.dtype, dev)
         base_pos = torch.arange(T, device=dev)[None].expand(B, T) if positions is None else positions
         cache_k, cache_v, outs = [], [], []
         tok = shift(tokens, 1, doc=doc)
@@ -285,6 +279,69 @@ class Eagle3Drafter(nn.Module):
                 else:
                     tok = self.hot_ids[res.argmax(-1)]
         return outs
+
+    # ---- drafting along explicit branches (the offline tree evaluator) -----------------------
+    def draft_start(self, aux, tokens, valid=None) -> tuple[DraftState, torch.Tensor]:
+        """Step 0 of drafting from every row, as unroll's first step: (the state to branch from,
+        its draft-vocab logits [B, T, Vd]). aux, tokens, valid: as unroll's."""
+        B, T, _ = aux.shape
+        dev = aux.device
+        h = self.fc(aux)
+        attn_bias = prefix_bias(B, T, valid, None, h.dtype, dev)
+        pos = torch.arange(T, device=dev)[None].expand(B, T)
+        cache_k, cache_v = [], []
+        h, logits = self.step(shift(tokens, 1), h, pos, cache_k, cache_v, attn_bias)
+        return DraftState(h[None], cache_k, cache_v, attn_bias, pos), logits
+
+    def draft_next(self, state: DraftState, parent: torch.Tensor, fed: torch.Tensor) -> tuple[DraftState, torch.Tensor]:
+        """One more draft step for N new branches at every row: branch n at row p continues
+        state's branch parent[n, b, p] (its hidden state and its own keys) and is fed token
+        fed[n, b, p]. parent, fed: [N, B, T] long. -> (the state of the N branches, their logits
+        [N, B, T, Vd]). Fed its own argmax along one branch, this is unroll(teacher_tokens=False)."""
+        N, B, T = fed.shape
+        j = len(state.cache_k)  # the step about to run
+        h = torch.gather(state.h, 0, parent[..., None].expand(N, B, T, state.h.shape[-1]))
+
+        def pick(c):  # a branch's own keys (or values) of an earlier step: its parent's
+            c = c.view(-1, B, *c.shape[1:])
+            idx = parent[:, :, None, :, None].expand(N, B, c.shape[2], T, c.shape[-1])
+            return torch.gather(c, 0, idx).flatten(0, 1)
+
+        # step-0 keys (the verified prefix) are shared: every branch attends to the same ones
+        cache_k = [state.cache_k[0].repeat(N, 1, 1, 1), *(pick(c) for c in state.cache_k[1:])]
+        cache_v = [state.cache_v[0].repeat(N, 1, 1, 1), *(pick(c) for c in state.cache_v[1:])]
+        bias = state.attn_bias.repeat(N, 1, 1, 1)
+        pos = (state.positions + j).repeat(N, 1)
+        out, logits = self.step(fed.flatten(0, 1), h.flatten(0, 1), pos, cache_k, cache_v, bias)
+        cache_k[0], cache_v[0] = state.cache_k[0], state.cache_v[0]
+        nxt = DraftState(out.view(N, B, T, -1), cache_k, cache_v, state.attn_bias, state.positions)
+        return nxt, logits.view(N, B, T, -1)
+
+
+@dataclass
+class DraftState:
+    """Drafting from every row, several branches at once: each branch's pre-norm state h
+    [N, B, T, H], the keys and values of each step (step 0's [B, heads, T, d], shared by every
+    branch; later steps' [N*B, heads, T, d], branch-major), the step-0 mask and the positions."""
+
+    h: torch.Tensor
+    cache_k: list
+    cache_v: list
+    attn_bias: torch.Tensor
+    positions: torch.Tensor
+
+
+def prefix_bias(B: int, T: int, valid, doc, dtype, dev) -> torch.Tensor:
+    """The step-0 attention bias [B, 1, T, T]: causal, padding (valid) and, for packed rows
+    (doc), other samples masked."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    keep = causal[None] if valid is None else causal[None] & valid[:, None, :]
+    if doc is not None:  # packed rows: never across samples
+        keep = keep & (doc[:, :, None] == doc[:, None, :])
+    attn_bias = torch.zeros(B, 1, T, T, dtype=dtype, device=dev).masked_fill(~keep[:, None], float("-inf"))
+    # rows that see nothing (padding at the front) would NaN: let them see themselves.
+    eye = torch.eye(T, dtype=torch.bool, device=dev)[None, None]
+    return torch.where(eye & ~keep[:, None].any(-1, keepdim=True), torch.zeros_like(attn_bias), attn_bias)
 
 
 def _heads(qkv):

@@ -118,25 +118,29 @@ def tau_table(
     costmodel: dict | None = None,
 ) -> list[dict]:
     """draftport's offline tau of `folder` at each k (its CI over prompts with boot = {n_boot, level,
-    seed}; projected tok/s with costmodel = {baseline_tok_s, verify_ms, draft_ms})."""
+    seed}; projected tok/s with costmodel = {baseline_tok_s, verify_ms, draft_ms}). One pass drafts
+    max(ks) tokens: every shallower k follows from it exactly (evaluate_drafter's by_k)."""
     rows = []
+    res = evaluate_drafter(
+        folder, target_dir, features_dir, k=min(ks), k_max=max(ks), batch_size=batch_size, max_samples=max_samples
+    )
     for k in ks:
-        res = evaluate_drafter(folder, target_dir, features_dir, k=k, batch_size=batch_size, max_samples=max_samples)
+        at = res["by_k"][k - 1]
         row = {
             "k": k,
             "engine": ENGINE_OFFLINE,
-            "accept_length": res["accept_length"],
-            "accept_rate_pos": [res[f"accept_rate_pos_{i}"] for i in range(k)],
-            "num_cycles": res["num_cycles"],
+            "accept_length": at["accept_length"],
+            "accept_rate_pos": [at[f"accept_rate_pos_{i}"] for i in range(k)],
+            "num_cycles": at["num_cycles"],
             "prompts": res["eval_samples"],
         }
         if boot:
-            ps = res["per_sample"]
+            ps = res["per_sample"]["by_k"][k - 1]
             row["ci"] = tau_ci(ps["accepted"], ps["cycles"], where=f"tau at k={k}", **boot)["ci"]
         if costmodel:
             row["projected_tok_s"] = CostModel(
                 costmodel["baseline_tok_s"], costmodel["verify_ms"], costmodel["draft_ms"], k=k
-            ).tok_s(res["accept_length"])
+            ).tok_s(at["accept_length"])
         rows.append(row)
     return rows
 

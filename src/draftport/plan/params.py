@@ -736,10 +736,40 @@ def _bucket_edges(v: list[int]) -> list[int]:
     return v
 
 
+def _trees(v: Any) -> Any:
+    """eval.trees: [steps, topk, num_draft_tokens] each, as SGLang accepts them (the bound on draft
+    tokens is draftport.evaluation.trees.tree_candidates' count, plus the root)."""
+    if not isinstance(v, list):
+        raise _problem(f"expected a list of [steps, topk, num_draft_tokens], got {_show(v)}")
+    for t in v:
+        if not (isinstance(t, list) and len(t) == 3 and all(type(x) is int for x in t)):
+            raise _problem(f"a tree is [steps, topk, num_draft_tokens] (integers), got {_show(t)}")
+        steps, topk, n = t
+        if not (1 <= steps <= 16 and 1 <= topk <= 16):
+            raise _problem(f"{t}: steps and topk must lie in [1, 16]")
+        most = 1 + topk + (steps - 1) * topk * topk
+        if not 2 <= n <= most:
+            raise _problem(f"{t}: num_draft_tokens must lie in [2, {most}] (the root + the nodes the tree drafts)")
+    return v
+
+
 class EvalParams(Group):
     """Every phase: the offline accept length, drafted as an engine drafts."""
 
     k: int = F(..., "draft tokens per verify cycle", ge=1, le=16)
+    k_max: int = F(
+        8,
+        "the phases' evaluations draft this deep once and report every k up to it (by_k: tau, per-position "
+        "acceptance, per set and bucket); at least eval.k; the learning curves keep eval.k",
+        ge=1,
+        le=16,
+    )
+    trees: Annotated[list[list[int]], BeforeValidator(_trees)] = F(
+        [],
+        "SGLang-style draft trees measured offline in the phases' evaluations, each [steps, topk, "
+        "num_draft_tokens] (--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens); "
+        "no engine serves EAGLE-3 trees on the CPU, so the figure is never checked online",
+    )
     batch_size: int = F(..., "eval batch", ge=1)
     max_samples: Optional[int] = F(..., "held-out samples evaluated; null: all of them", ge=1)
     device: Literal["auto", "cuda", "cpu"] = F(
@@ -1400,6 +1430,10 @@ def _cross_checks(cfg: dict) -> None:
         raise ParamsError("publish.k", f"{pk}: must be ascending, without repeats")
     if cfg["eval"]["k"] > 16:
         raise ParamsError("eval.k", "at most 16 draft tokens")
+    if cfg["eval"]["k_max"] < cfg["eval"]["k"]:
+        raise ParamsError(
+            "eval.k_max", f"{cfg['eval']['k_max']} is below eval.k ({cfg['eval']['k']}): the deeper pass must cover k"
+        )
     if cfg["targets"].get("eval_sets"):
         check_eval_set_totals(cfg["targets"]["eval_sets"])
 

@@ -88,11 +88,15 @@ FEATURE_MODULES = (
     "pipeline.steps.data_steps",
 )
 EVAL_KEYS = ("eval", "costmodel")
+# what an evaluation at eval.k alone reads (learning curves, budget rounds, the card's tau table):
+# eval.k_max and eval.trees edits rerun the phases' evaluations, never a curve's training
+CHAIN_EVAL_KEYS = ("eval.k", "eval.batch_size", "eval.max_samples", "eval.device", "eval.context_buckets")
 # the drafter's fast path (training.ttt dispatches to it, so every step that imports ttt runs it)
 FAST_MODULES = ("model.fast.path", "model.fast.attention", "model.fast.linear", "model.fast.unroll", "model.fast.loss")
 # what drafting with a drafter bound to a target runs (the offline evaluator and everything below it)
 DRAFTING_MODULES = (
     "evaluation.accept",
+    "evaluation.trees",
     "model.bind",
     "data.shards",
     "model.drafter",
@@ -285,7 +289,7 @@ STEPS: tuple[Step, ...] = (
             "curves.epochs",
             "curves.min_steps",
             "curves.train",
-            "eval",
+            *CHAIN_EVAL_KEYS,
             "decision.n_boot",
             "decision.level",
             "decision.seed",
@@ -500,7 +504,7 @@ STEPS: tuple[Step, ...] = (
         "eval_curves",
         "every learning-curve point's drafter on the new target's held-out set (per-prompt counts)",
         "curve_eval_steps:eval_curves",
-        ("targets.new", "eval", *CURVE_KEYS),
+        ("targets.new", *CHAIN_EVAL_KEYS, *CURVE_KEYS),
         (
             *DRAFTING_MODULES,
             "pipeline.tracking",
@@ -638,7 +642,7 @@ STEPS: tuple[Step, ...] = (
         "publish",
         "the chosen drafter as a hub-ready folder: flat config, the new target's embed_tokens, a model card; checked",
         "publish_step:publish",
-        ("targets.new", "eval", "costmodel", "decision", "publish"),
+        ("targets.new", *CHAIN_EVAL_KEYS, "costmodel", "decision", "publish"),
         (
             "outputs.publish",
             "engines.export",

@@ -90,7 +90,8 @@ def _round_spec(s: StepContext, n_prev: int, n: int, parts: list[Path]) -> dict:
         "seeds": d["seeds"],
         "features": s.p["features"],
         "train": {seed: train_config(c, {"n_samples": n, "seed": seed, "recipe": "plain"}) for seed in d["seeds"]},
-        "eval": s.p["eval"],
+        # what a round's scoring reads (chains of eval.k): eval.k_max and eval.trees edits rerun no round
+        "eval": {key: v for key, v in s.p["eval"].items() if key not in ("k_max", "trees")},
         "inputs": [_fingerprint(read_json(Path(p) / "index.json")) for p in parts],
     }
 

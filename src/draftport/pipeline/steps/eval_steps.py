@@ -50,7 +50,24 @@ def phase_metrics(res: dict, p: dict) -> dict:
             out[f"accept_length/{name}"] = fig["accept_length"]
     if "accept_length_pooled" in res:
         out["accept_length_pooled"] = res["accept_length_pooled"]
+    # every k up to eval.k_max (one pass) and each tree (offline only), beside the figures at k
+    for row in res.get("by_k", []):
+        out[f"accept_length_k{row['k']}"] = row["accept_length"]
+    if res.get("by_k"):
+        out |= best_k_metrics(res["by_k"], p["costmodel"])
+    for t in res.get("trees", []):
+        out[f"accept_length_tree_{t['steps']}_{t['topk']}_{t['num_draft_tokens']}"] = t["accept_length"]
     return out
+
+
+def best_k_metrics(by_k: list[dict], costmodel: dict) -> dict:
+    """The cost model's best k over the measured tau of every k (not tau extrapolated from one k)."""
+    from draftport.evaluation.costmodel import CostModel, best_k_of
+
+    # k: the deepest, only so that a draft_ms > 0 is accepted (tok_s is asked at each k)
+    cm = CostModel(costmodel["baseline_tok_s"], costmodel["verify_ms"], costmodel["draft_ms"], k=by_k[-1]["k"])
+    best = best_k_of([(row["k"], row["accept_length"]) for row in by_k], cm)
+    return {"best_k": best["best_k"], "best_k_projected_tok_s": best["best_tok_s"]}
 
 
 def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.json", extra: dict | None = None) -> dict:
@@ -66,6 +83,8 @@ def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.jso
         max_samples=e["max_samples"],
         device=e["device"],
         buckets=e.get("context_buckets"),
+        k_max=e["k_max"],
+        trees=e["trees"],
     )
     res.pop("eval_seconds", None)  # outputs stay byte-identical between identical runs
     s.record_run("eval" if name == "eval.json" else name.removesuffix(".json"), res.pop("run", None))
