@@ -10,10 +10,16 @@ def says_what_the_numbers_show(dec: dict) -> list[str]:
     text = " ".join(rec["text"])
 
     p0 = dec["phases"].get("phase0")
+    src = ((dec.get("serving") or {}).get("drafters") or {}).get("source")
     if p0 is not None:
         deploy = p0["ci"][0] > be
+        why = f"phase0 CI {p0['ci']} vs break-even {be}"
+        if src is not None:  # R4 with R11: the source's best configuration at the smallest batch size served
+            row = src["per_batch"][0]
+            deploy = row["speculate"] and row["best"]["tok_s_ci"][0] > row["target_alone_tok_s"]
+            why = f"its best {row['best']['tok_s_ci']} tok/s vs the target alone's {row['target_alone_tok_s']}"
         if rec["deploy_source_now"] != deploy:
-            bad.append(f"deploy_source_now {rec['deploy_source_now']} but phase0 CI {p0['ci']} vs break-even {be}")
+            bad.append(f"deploy_source_now {rec['deploy_source_now']} but {why}")
         if not deploy and "Do not deploy the source drafter as fetched" not in text:
             bad.append("the text does not say: do not deploy the source as fetched")
 

@@ -109,7 +109,7 @@ def test_a_pair_from_init_to_the_decision(tmp_path, world, arch):
     assert compare["verdict"], compare
     dec = json.loads((art / "decision" / "decision.json").read_text())
     assert dec["recommendation"]["init"] in ("source", "scratch", "either")
-    assert [x["id"] for x in dec["recommendation"]["rules"]] == [f"R{i}" for i in range(1, 11)]
+    assert [x["id"] for x in dec["recommendation"]["rules"]] == [f"R{i}" for i in range(1, 12)]
     assert [(x["name"], x["share"]) for x in dec["traffic"]["sets"]] == [("heldout", 1.0)]  # init's profile: one set
     # --like micro: its buckets (0, 32, 64); the first holds cycles of every drafter
     assert not dec["traffic"]["weighted"] and dec["traffic"]["context_buckets"]["names"] == ["0-32", "32-64", "64+"]

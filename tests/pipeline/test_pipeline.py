@@ -294,6 +294,7 @@ def test_all_and_the_report(repo):
         "R8",
         "R9",
         "R10",
+        "R11",
     ]
     # the traffic (R10): Phase 1 trained on chat prompts only, measured on chat and on long prompts
     t = dec["traffic"]

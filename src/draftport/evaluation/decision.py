@@ -1182,7 +1182,8 @@ def _add_traffic(out: dict, curves, phases, tr: dict, opts: dict) -> dict:
     }
     problems, fired, sentences = rule_r10_traffic(block)
     rec["traffic_problems"] = problems
-    rec["rules"].append({"id": "R10", "fired": fired})
+    at = next((i for i, r in enumerate(rec["rules"]) if r["id"] == "R11"), len(rec["rules"]))
+    rec["rules"].insert(at, {"id": "R10", "fired": fired})  # in order: R11's line, when there is one, after it
     rec["text"][-1:-1] = sentences  # before "Confidence: ..."
     out["traffic"] = block
     return out
