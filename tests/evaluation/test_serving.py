@@ -193,3 +193,15 @@ def test_the_decision_step_derives_a_real_targets_step_times(tmp_path):
     assert "8 x H200" in t.notes[0] and "built in" in t.notes[0]
     assert t.ms[32][0] > t.ms[1][0] and t.ms[1][5] > t.ms[1][0]
     assert srv["models"]["recommended"] == "artifacts/publish/drafter"
+
+
+def test_the_phase_metrics_best_k_is_r11s_at_batch_1():
+    """metrics.json's best_k reads the cost model as R11 does (1 ms a draft token): on the embedded
+    world's Phase 1 depths (docs/results.md) k=6 (4.733 / 33 ms) beats k=8 (4.946 / 35 ms)."""
+    from draftport.pipeline.steps.eval_steps import best_k_metrics
+
+    taus = [1.918, 2.721, 3.492, 4.077, 4.493, 4.733, 4.857, 4.946]
+    by_k = [{"k": k, "accept_length": x} for k, x in enumerate(taus, 1)]
+    m = best_k_metrics(by_k, SEEDS_CM, 3, 1.0)
+    assert m["best_k"] == 6 and m["best_k_projected_tok_s"] == pytest.approx(4733 / 33)
+    assert best_k_metrics(by_k, SEEDS_CM, 3, 0.0)["best_k"] == 8  # a free draft token: the deepest

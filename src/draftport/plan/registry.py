@@ -87,7 +87,7 @@ FEATURE_MODULES = (
     "model.target",
     "pipeline.steps.data_steps",
 )
-EVAL_KEYS = ("eval", "costmodel")
+EVAL_KEYS = ("eval", "costmodel", "serving.ms_per_draft_token")  # the last: best_k at batch 1, as R11 has it
 # what an evaluation at eval.k alone reads (learning curves, budget rounds, the card's tau table):
 # eval.k_max and eval.trees edits rerun the phases' evaluations, never a curve's training
 CHAIN_EVAL_KEYS = ("eval.k", "eval.batch_size", "eval.max_samples", "eval.device", "eval.context_buckets")

@@ -54,20 +54,21 @@ def phase_metrics(res: dict, p: dict) -> dict:
     for row in res.get("by_k", []):
         out[f"accept_length_k{row['k']}"] = row["accept_length"]
     if res.get("by_k"):
-        out |= best_k_metrics(res["by_k"], p["costmodel"])
+        out |= best_k_metrics(res["by_k"], p["costmodel"], k, p["serving"]["ms_per_draft_token"])
     for t in res.get("trees", []):
         out[f"accept_length_tree_{t['steps']}_{t['topk']}_{t['num_draft_tokens']}"] = t["accept_length"]
     return out
 
 
-def best_k_metrics(by_k: list[dict], costmodel: dict) -> dict:
-    """The cost model's best k over the measured tau of every k (not tau extrapolated from one k)."""
-    from draftport.evaluation.costmodel import CostModel, best_k_of
+def best_k_metrics(by_k: list[dict], costmodel: dict, k0: int, ms_per_draft_token: float) -> dict:
+    """The best k at batch 1 over the measured tau of every k, step times as rule R11 reads the
+    cost model without a step table (evaluation.serving.seeds_table)."""
+    from draftport.evaluation.serving import seeds_table
 
-    # k: the deepest, only so that a draft_ms > 0 is accepted (tok_s is asked at each k)
-    cm = CostModel(costmodel["baseline_tok_s"], costmodel["verify_ms"], costmodel["draft_ms"], k=by_k[-1]["k"])
-    best = best_k_of([(row["k"], row["accept_length"]) for row in by_k], cm)
-    return {"best_k": best["best_k"], "best_k_projected_tok_s": best["best_tok_s"]}
+    table = seeds_table(costmodel, k0, by_k[-1]["k"], ms_per_draft_token)
+    rows = [(row["k"], row["accept_length"] * 1000.0 / table.step_ms(1, row["k"])[0]) for row in by_k]
+    k, tok_s = max(rows, key=lambda r: r[1])
+    return {"best_k": k, "best_k_projected_tok_s": tok_s}
 
 
 def evaluate_on(s: StepContext, drafter, target, features, name: str = "eval.json", extra: dict | None = None) -> dict:
