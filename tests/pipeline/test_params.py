@@ -734,3 +734,10 @@ def test_the_steps_read_the_new_keys():
     assert "decision" in registry.BY_NAME["decision"].params
     cfg = params.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
     assert cfg["eval"]["context_buckets"] == [0, 32, 64]
+
+
+def test_serving_batch_sizes_beyond_1_need_a_step_table_on_the_embedded_world(base):
+    cfg = bad(base, "serving.batch_sizes", [1, 8])
+    assert error_of(cfg).startswith("serving.batch_sizes: [1, 8]: the embedded world's cost model knows batch 1 only")
+    assert params.validate(bad(cfg, "serving.step_table", "steps.csv"))["serving"]["batch_sizes"] == [1, 8]
+    assert error_of(bad(base, "serving.batch_sizes", [8, 1])).startswith("serving.batch_sizes: ")  # increasing

@@ -1430,6 +1430,13 @@ def _cross_checks(cfg: dict) -> None:
         raise ParamsError("publish.k", f"{pk}: must be ascending, without repeats")
     if cfg["eval"]["k"] > 16:
         raise ParamsError("eval.k", "at most 16 draft tokens")
+    srv = cfg["serving"]
+    if w["build"] and not srv["step_table"] and srv["batch_sizes"] != [1]:
+        raise ParamsError(
+            "serving.batch_sizes",
+            f"{srv['batch_sizes']}: the embedded world's cost model knows batch 1 only; give serving.step_table "
+            "(a CSV of measured steps) to serve larger batches",
+        )
     if cfg["eval"]["k_max"] < cfg["eval"]["k"]:
         raise ParamsError(
             "eval.k_max", f"{cfg['eval']['k_max']} is below eval.k ({cfg['eval']['k']}): the deeper pass must cover k"
