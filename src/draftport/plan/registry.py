@@ -110,6 +110,7 @@ EVAL_MODULES = (
     *DRAFTING_MODULES,
     "data.capture",
     "evaluation.costmodel",
+    "evaluation.serving",  # metrics' best_k at batch 1
     "pipeline.tracking",
     "pipeline.steps.eval_steps",
 )
