@@ -334,7 +334,8 @@ def test_all_and_the_report(repo):
     assert summary.index("<h2>Decision</h2>") == summary.index("<h2>")
     assert (repo.path / "artifacts/report/curves.png").stat().st_size > 0
     printed = repo.run(sys.executable, "-m", "draftport.cli", "decide").stdout
-    assert printed.startswith("Recommendation: init " + rec["init"])
+    assert printed.startswith("Do: ") and printed.splitlines()[0] == rec["headline"]  # the headline first
+    assert printed.splitlines()[1].startswith("Recommendation: init " + rec["init"])
     # MLflow: the parent run `curves`, one nested run per point with its tags and tau
     runs = [r for rs in runs_by_name(repo.uri).values() for r in rs]
     parent = [r for r in runs if r["info"]["run_name"] == "curves"]
