@@ -254,7 +254,7 @@ def rule_r2_data(init: str, smallest: dict, curves_out: dict, break_even: float)
             n,
             f"smallest n with CI lo > break-even {break_even:.3f} for {which}: n={n} "
             f"(tau {row['accept_length']:.3f}, CI {_fmt_ci(row['ci'])})",
-            f"Train on n={n} samples: the smallest measured n at which {which}'s accept length "
+            f"Break-even from n={n} samples: the smallest measured n at which {which}'s accept length "
             f"{row['accept_length']:.3f} (CI {_fmt_ci(row['ci'])}) is above the break-even {break_even:.3f}.",
         )
     ns = sorted({r["n_samples"] for i in (INITS if init == "either" else (init,)) for r in curves_out[i]})
