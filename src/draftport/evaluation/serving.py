@@ -227,6 +227,11 @@ def describe(r: dict) -> str:
     return f"chain k={b['k']}"
 
 
+def label(c: dict) -> str:
+    """A configuration's short name in a table: 'k=3', 'tree 3/2'."""
+    return f"k={c['k']}" if c["kind"] == "chain" else f"tree {c['steps']}/{c['topk']}"
+
+
 def settings_json(cfg: dict | None) -> str:
     return json.dumps(cfg, separators=(", ", ": ")) if cfg else "none (the target alone is faster)"
 
@@ -350,11 +355,7 @@ def render(block: dict | None) -> list[str]:
     out = [f"Serving (step times: {block['step_table']['source']}; {'; '.join(block['notes']) or 'measured'}):"]
     for role, dr in block["drafters"].items():
         for r in dr["per_batch"]:
-            cells = "  ".join(
-                f"{'k=' + str(c['k']) if c['kind'] == 'chain' else 'tree ' + str(c['steps']) + '/' + str(c['topk'])}"
-                f" {c['accept_length']:.2f}/{c['tok_s']:.0f}"
-                for c in r["configs"]
-            )
+            cells = "  ".join(f"{label(c)} {c['accept_length']:.2f}/{c['tok_s']:.0f}" for c in r["configs"])
             best = describe(r) if r["speculate"] else "off"
             out.append(
                 f"  {role:<11} ({dr['phase']}) batch {r['batch_size']:<4} alone {r['target_alone_tok_s']:.0f} tok/s | "

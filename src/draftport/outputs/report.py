@@ -781,16 +781,12 @@ def _serving_tables(block: dict | None) -> list[str]:
     its best configuration, and the engine settings of the recommended one."""
     if not block:
         return []
-    from draftport.evaluation.serving import describe, settings_json
+    from draftport.evaluation.serving import describe, label, settings_json
 
     rows = []
     for role, dr in block["drafters"].items():
         for r in dr["per_batch"]:
-            cells = ", ".join(
-                f"{c['k'] if c['kind'] == 'chain' else 'tree ' + str(c['steps']) + '/' + str(c['topk'])}: "
-                f"{c['accept_length']:.2f} / {c['tok_s']:.0f}"
-                for c in r["configs"]
-            )
+            cells = ", ".join(f"{label(c)}: {c['accept_length']:.2f} / {c['tok_s']:.0f}" for c in r["configs"])
             rows.append(
                 {
                     "drafter": f"{role} ({dr['phase']})",
@@ -801,7 +797,7 @@ def _serving_tables(block: dict | None) -> list[str]:
                 }
             )
     cols = ["drafter", "batch", "alone", "by_k", "best"]
-    heads = ["drafter", "batch size", "target alone tok/s", "k: tau / tok/s a request", "best"]
+    heads = ["drafter", "batch size", "target alone tok/s", "tau / tok/s a request", "best"]
     parts = [
         "<h3>Serving (R11)</h3>",
         f"<p>Step times: {html.escape(block['step_table']['source'])}"
