@@ -9,8 +9,8 @@ import torch
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import accepted_counts, evaluate_drafter, offline_accept_length
 from draftport.evaluation.trees import check_tree, tree_accepted
-from draftport.model.formats import save_drafter, save_safetensors
-from toys import make_features, toy_batch, toy_cfg, toy_drafter
+from tests.evaluation.test_eval_sets import save_toy_pair
+from toys import toy_batch, toy_cfg, toy_drafter
 
 
 def agreeing_world(seed=0, B=3, T=48, k=8):
@@ -68,14 +68,7 @@ def test_every_k_from_one_deep_pass_equals_a_run_at_that_k():
 
 @pytest.fixture
 def saved(tmp_path):
-    fs, head = make_features(tmp_path, n=24)
-    d = toy_drafter(seed=5)
-    save_drafter(tmp_path / "drafter", d.cfg, d.export_state())
-    target = tmp_path / "target"
-    target.mkdir()
-    weights = {"model.embed_tokens.weight": d.embed_tokens.weight.detach().clone(), "lm_head.weight": head}
-    save_safetensors(weights, target / "model.safetensors")
-    (target / "config.json").write_text(json.dumps({"hidden_size": d.cfg.hidden_size, "vocab_size": d.cfg.vocab_size}))
+    save_toy_pair(tmp_path)
     sets = [
         {"name": "chat", "share": 0.7, "start": 0, "count": 16},
         {"name": "long", "share": 0.3, "start": 16, "count": 8},

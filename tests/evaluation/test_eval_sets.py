@@ -26,6 +26,11 @@ def test_buckets_take_the_last_edge_at_or_below():
 
 @pytest.fixture
 def saved(tmp_path):
+    return save_toy_pair(tmp_path)
+
+
+def save_toy_pair(tmp_path):
+    """A saved toy drafter, its target (embedding and head) and 24 samples of features in tmp_path."""
     fs, head = make_features(tmp_path, n=24)
     d = toy_drafter(seed=5)
     save_drafter(tmp_path / "drafter", d.cfg, d.export_state())
