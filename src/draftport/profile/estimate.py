@@ -268,7 +268,7 @@ def target_config(cfg: dict, path=None) -> tuple[dict, str]:
     if path is not None:
         return _read_text_config(path), str(path)
     new = cfg["targets"]["new"]
-    local = Path(new) if Path(new).is_absolute() else ROOT / new
+    local = Path(new)  # relative paths in params are the project's, where the plan runs (the cwd)
     if (local / "config.json").is_file():
         return _read_text_config(local), f"{new}/config.json"
     if new in KNOWN_TARGETS:
