@@ -660,7 +660,7 @@ def _decide(
     groups = _curve_groups(curves)
     secs, answers_of = _arm_facts(curves)
     curves_out = _curves_table(groups, cm, be, opts, secs, rates, answers_of)
-    gain = _source_gains(groups, opts)
+    gain = _arm_gain(groups, "source", "scratch", opts)
     smallest = {i: next((r["n_samples"] for r in curves_out[i] if r["beats_break_even"] == "yes"), None) for i in INITS}
     counts = _phase_counts(phases)
     phases_out = _phases_table(counts, cm, be, popts, hours)
@@ -802,31 +802,6 @@ def _curves_table(groups: dict, cm, be: float, opts: dict, secs: dict, rates, an
         arm: [{key: r[key] for key in CURVE_ROW_KEYS if key in r} for r in sorted(rows, key=lambda r: r["n_samples"])]
         for arm, rows in out.items()
     }
-
-
-def _source_gains(groups: dict, opts: dict) -> list[dict]:
-    """Fine-tuning the source minus scratch, paired over prompts, at every n both measured."""
-    gain = []
-    for n in sorted({n for (i, n) in groups if i == "source"} & {n for (i, n) in groups if i == "scratch"}):
-        s, c = groups[("source", n)], groups[("scratch", n)]
-        d = paired_diff_ci(
-            [r[1] for r in s],
-            [r[2] for r in s],
-            [r[1] for r in c],
-            [r[2] for r in c],
-            where=f"curves: gain at n={n}",
-            **opts,
-        )
-        gain.append(
-            {
-                "n_samples": n,
-                "diff": d["diff"],
-                "ci": d["ci"],
-                "significant": d["significant"],
-                "better": {"a": "source", "b": "scratch", None: None}[d["better"]],
-            }
-        )
-    return gain
 
 
 def _phase_counts(phases) -> dict:
