@@ -398,15 +398,7 @@ def _arm_gain(groups: dict, a: str, b: str, opts: dict, names: tuple[str, str] |
             where=f"curves: {a} - {b} at n={n}",
             **opts,
         )
-        out.append(
-            {
-                "n_samples": n,
-                "diff": d["diff"],
-                "ci": d["ci"],
-                "significant": d["significant"],
-                "better": {"a": names[0], "b": names[1], None: None}[d["better"]],
-            }
-        )
+        out.append({"n_samples": n, **named_diff(d, names)})
     return out
 
 
@@ -837,7 +829,7 @@ def _phase_gains(counts: dict, opts: dict) -> tuple[dict | None, dict | None]:
 
     p1 = pair("phase1", "phase1_scratch")
     if p1 is not None:
-        p1["better"] = {"a": "phase1", "b": "phase1_scratch", None: None}[p1["better"]]
+        p1 = named_diff(p1, ("phase1", "phase1_scratch"))
     p2 = pair("phase2", "phase1")
     p2 = None if p2 is None else {"diff": p2["diff"], "ci": p2["ci"], "significant": p2["significant"]}
     return p1, p2
