@@ -74,3 +74,23 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {f: i for i, f in enumerate(HEAVY_FIRST)}
         items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(HEAVY_FIRST)))
+
+
+# ---- shared artifacts: built once per run, only read by the tests that take them --------------------
+@pytest.fixture(scope="session")
+def micro_world(tmp_path_factory) -> Path:
+    """The micro profile's world base (configs/micro.yaml's world group over params.yaml: corpus,
+    tokenizer, the two targets), as build_world_base writes it. Read only: a test that writes
+    does so in its own folder."""
+    from shared import shared_dir
+
+    def build(out: Path) -> None:
+        from draftport.plan.params import load
+        from draftport.world import build_world_base
+
+        root = Path(__file__).resolve().parents[1]
+        build_world_base(
+            out / "w", load(root / "configs/micro.yaml", base=root / "params.yaml")["world"], progress=False
+        )
+
+    return shared_dir(tmp_path_factory, "micro-world", build) / "w"

@@ -23,9 +23,8 @@ from draftport.engines.openai import regenerate_openai
 from draftport.model.bind import new_drafter_config
 from draftport.model.config import target_text_config
 from draftport.data.draftmap import build_vocab
-from draftport.plan.params import TrainConfig, load
+from draftport.plan.params import TrainConfig
 from draftport.training.phases import train_phase
-from draftport.world import build_world_base
 from mlflow_server import free_port
 
 HAVE_VLLM = default_vllm_python().exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
@@ -42,14 +41,14 @@ def test_layer_ids_asked_of_vllm():
 
 
 @pytest.fixture(scope="module")
-def micro(tmp_path_factory):
+def micro(tmp_path_factory, micro_world):
     if not HAVE_VLLM:
         if REQUIRE:
             pytest.fail(f"DRAFTPORT_REQUIRE_VLLM is set but {default_vllm_python()} is missing")
         pytest.skip("no vLLM venv (make vllm-venv; DRAFTPORT_REQUIRE_VLLM=1 makes this a failure)")
 
     root = tmp_path_factory.mktemp("vllm-features")
-    build_world_base(root / "w", load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"], progress=False)
+    (root / "w").symlink_to(micro_world, target_is_directory=True)  # the session's micro world, read only
     return root
 
 

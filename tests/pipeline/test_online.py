@@ -26,7 +26,6 @@ from draftport.engines.export import validate_export
 from draftport.plan.params import load
 from draftport.training.loop import TrainConfig
 from draftport.training.phases import train_phase
-from draftport.world import build_world_base
 
 VLLM_PY = default_vllm_python()
 HAVE_VLLM = VLLM_PY.exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
@@ -135,7 +134,7 @@ def test_the_in_venv_scripts_ship_inside_the_package():
 
 # ---- end to end on the micro world ----------------------------------------------------------
 @pytest.fixture(scope="module")
-def micro(tmp_path_factory):
+def micro(tmp_path_factory, micro_world):
     if not HAVE_VLLM:
         if REQUIRE:
             pytest.fail(f"DRAFTPORT_REQUIRE_VLLM is set but {VLLM_PY} is missing: run `make vllm-venv`")
@@ -145,7 +144,7 @@ def micro(tmp_path_factory):
     p = load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"]  # the micro profile's world
     # vLLM's CPU attention kernels exist for head sizes >= 32 only: the preset has 32.
     assert p["model"]["head_dim"] >= 32
-    build_world_base(root / "w", p, progress=False)
+    (root / "w").symlink_to(micro_world, target_is_directory=True)  # the session's micro world, read only
     target = root / "w" / "target_new"
     tcfg = json.loads((target / "config.json").read_text())
     L = tcfg["num_hidden_layers"]

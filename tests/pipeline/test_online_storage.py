@@ -22,10 +22,9 @@ from draftport.data.shards import FeatureSet, SequenceSet, open_set
 from draftport.data.draftmap import build_vocab
 from draftport.errors import DraftportError
 from draftport.data.features import build_features
-from draftport.plan.params import TrainConfig, load
+from draftport.plan.params import TrainConfig
 from draftport.training.phases import train_phase
-from draftport.world import build_world_base
-from repo import ROOT, micro_copy
+from repo import micro_copy
 from resume_copy import EVERY, STEP, STEPS, Copy, assert_same_result, kill_after_first_checkpoint
 
 KW = dict(
@@ -41,10 +40,10 @@ SPOOL = {"gb": 0.0005}  # 500 KB: about two shards of 8 samples, the producer wa
 
 
 @pytest.fixture(scope="module")
-def micro(tmp_path_factory):
+def micro(tmp_path_factory, micro_world):
     """The micro world's new target, its answers to 24 prompts stored each way, the draft map."""
     root = tmp_path_factory.mktemp("online-storage")
-    build_world_base(root / "w", load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")["world"], progress=False)
+    (root / "w").symlink_to(micro_world, target_is_directory=True)  # the session's, read only
     target, prompts = root / "w" / "target_new", root / "w" / "corpus" / "new.jsonl"
     for mode in ("disk", "online", "hybrid"):
         build_features(target, prompts, root / mode, storage=mode, **KW)
