@@ -29,32 +29,35 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 # built once, on one worker. Every fixture writes under tmp_path_factory (a folder per worker) and
 # serves on a port from mlflow_server.free_port (one per worker).
 
-# The files that take longest, longest first (seconds of the serial suite on the 2-core CI machine,
-# 2026-12): the workers take them before the rest (in collection order), so that the run does not
-# end with one worker on a long file and the other idle. A new long file belongs here.
+# The files that take longest, longest first (seconds of the serial suite, before the shared
+# fixtures below, on the 2-core machine with another job beside it, 2026-12): the workers take them
+# before the rest (in collection order), so that the run does not end with one worker on a long
+# file and the other idle. A new long file belongs here.
 HEAVY_FIRST = (
-    "tests/pipeline/test_pipeline.py",  # 847 s
-    "tests/pipeline/test_own_pair.py",  # 321 s
-    "tests/pipeline/test_online_storage.py",  # 235 s
-    "tests/data/test_vllm_features.py",  # 220 s
-    "tests/pipeline/test_bad_inputs.py",  # 213 s
-    "tests/pipeline/test_resume.py",  # 184 s
-    "tests/pipeline/test_rules_variants.py",  # 163 s
-    "tests/pipeline/test_budget.py",  # 159 s
-    "tests/pipeline/test_gpu_profile.py",  # 152 s
-    "tests/training/test_fsdp.py",  # 86 s
-    "tests/pipeline/test_online.py",  # 79 s
-    "tests/profile/test_init.py",  # 73 s
-    "tests/pipeline/test_ui.py",  # 59 s
-    "tests/bench/test_bench_train.py",  # 53 s
-    "tests/outputs/test_speculators.py",  # 48 s
-    "tests/bench/test_bench_capture.py",  # 36 s
-    "tests/training/test_train.py",  # 36 s
-    "tests/data/test_packing.py",  # 36 s
-    "tests/pipeline/test_tracking_hiccup.py",  # 35 s
+    "tests/pipeline/test_pipeline.py",  # 1284 s
+    "tests/pipeline/test_own_pair.py",  # 398 s
+    "tests/pipeline/test_resume.py",  # 296 s
+    "tests/pipeline/test_online_storage.py",  # 237 s
+    "tests/pipeline/test_bad_inputs.py",  # 200 s
+    "tests/data/test_vllm_features.py",  # 199 s
+    "tests/pipeline/test_rules_variants.py",  # 165 s
+    "tests/pipeline/test_budget.py",  # 151 s
+    "tests/pipeline/test_gpu_profile.py",  # 133 s
+    "tests/pipeline/test_ui.py",  # 91 s
+    "tests/training/test_fsdp.py",  # 87 s
+    "tests/profile/test_init.py",  # 82 s
+    "tests/pipeline/test_online.py",  # 66 s
+    "tests/model/test_fast_path.py",  # 61 s
+    "tests/bench/test_bench_train.py",  # 47 s
+    "tests/outputs/test_speculators.py",  # 45 s
+    "tests/bench/test_bench_capture.py",  # 42 s
+    "tests/pipeline/test_tracking_hiccup.py",  # 41 s
+    "tests/data/test_packing.py",  # 35 s
+    "tests/training/test_train.py",  # 34 s
+    "tests/bench/test_side_by_side.py",  # 30 s
 )
 # -n auto: at most this many workers. No run can end before test_pipeline.py, which one worker runs
-# alone (14 of the serial suite's 55 minutes): 4 workers already finish the rest in that time.
+# alone (about a third of the serial suite): 4 workers already finish the rest in that time.
 MAX_WORKERS = 4
 
 
@@ -94,3 +97,28 @@ def micro_world(tmp_path_factory) -> Path:
         )
 
     return shared_dir(tmp_path_factory, "micro-world", build) / "w"
+
+
+@pytest.fixture(scope="session")
+def micro_upstream(tmp_path_factory) -> Path:
+    """A copy of the repository on the micro profile (repo.micro_copy, no edit), a git repository
+    with its first commit, whose steps up to the trainings' data ran under Snakemake: world, fetch,
+    features_new, features_eval, features_monitor, vocab_new (dvc.lock written by the run). Read
+    only: a test copies it (shutil.copytree(..., symlinks=True), resume_copy.Copy.clone) and works
+    in its copy."""
+    from shared import shared_dir
+
+    def build(out: Path) -> None:
+        from repo import BIN, micro_copy
+        from resume_copy import Copy
+
+        micro_copy(out / "repo")
+        c = Copy(out / "repo")
+        c.run("git", "init", "-q")
+        if not (c.path / ".dvc").is_dir():
+            c.run(BIN / "dvc", "init", "-q")
+        c.run("git", "add", "-A")
+        c.run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "test copy")
+        c.run(BIN / "snakemake", "--cores", "2", "features_new", "features_eval", "features_monitor", "vocab_new")
+
+    return shared_dir(tmp_path_factory, "micro-upstream", build) / "repo"

@@ -33,7 +33,7 @@ import yaml
 from safetensors.numpy import load_file, save_file
 
 from draftport.data.shards import FeatureSet, Sequence, capture_meta, write_sequences
-from repo import BIN, ROOT, micro_copy
+from repo import BIN, ROOT
 
 PY = sys.executable
 # Run once for the fixture; Phase 0 and Phase 1 are left out (no case needs their outputs).
@@ -710,13 +710,17 @@ def env_for(repo: Path, tmp: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A repository copy whose params.yaml is the micro profile, with the steps a case needs run."""
+def world(tmp_path_factory, micro_upstream):
+    """A repository copy whose params.yaml is the micro profile, with the steps a case needs run:
+    those up to the training data once for the session (conftest's micro_upstream, the same micro
+    copy), the others here through their scripts."""
     tmp = tmp_path_factory.mktemp("bad_inputs")
     repo = tmp / "world"
-    micro_copy(repo)
+    shutil.copytree(micro_upstream, repo, symlinks=True)
     env = env_for(repo, tmp)
     for s in FIXTURE_STEPS:
+        if (repo / "artifacts" / s / "metrics.json").is_file():
+            continue  # run in micro_upstream
         r = subprocess.run(step(s), cwd=repo, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"{s}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return repo, tmp

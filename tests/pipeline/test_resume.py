@@ -21,26 +21,27 @@ from draftport.pipeline import bridge
 from draftport.pipeline import runner
 from draftport.progress import Logger
 from draftport.training.loop import TrainConfig, latest_checkpoint, resumable, train
-from repo import BIN, micro_copy
+from repo import BIN
 from resume_copy import EVERY, STEP, STEPS, Copy, assert_same_result, kill_after_first_checkpoint
 from toys import make_features, toy_drafter
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """The micro profile with a longer control phase; everything upstream of it built once."""
+def base(tmp_path_factory, micro_upstream):
+    """The micro profile with a longer control phase; everything upstream of it built once (for the
+    session: conftest's micro_upstream, a git and DVC copy whose data steps ran under Snakemake)."""
     root = tmp_path_factory.mktemp("resume")
-    path = root / "base"
-    micro_copy(
-        path, lambda cfg: cfg["phase1"]["train"].update(steps=STEPS, checkpoint_every=EVERY, log_every=EVERY // 2)
-    )
-    c = Copy(path)
-    c.run("git", "init", "-q")
-    if not (path / ".dvc").is_dir():
-        c.run(BIN / "dvc", "init", "-q")
+    c = Copy(micro_upstream).clone(root / "base")
+    params = c.path / "params.yaml"
+    cfg = yaml.safe_load(params.read_text())
+    # the control's training values: no step upstream of it reads them
+    cfg["phase1"]["train"].update(steps=STEPS, checkpoint_every=EVERY, log_every=EVERY // 2)
+    params.write_text("# the micro profile, merged (test copy)\n" + yaml.safe_dump(cfg, sort_keys=False))
     c.run("git", "add", "-A")
-    c.run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "test copy")
-    c.run(BIN / "snakemake", "--cores", "2", "features_new", "features_eval", "features_monitor", "vocab_new")
+    c.run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a longer control phase")
+    # nothing upstream of the control reruns for the edit: the data steps are done
+    plan = c.run(BIN / "snakemake", "-n", "vocab_new", "features_eval", "features_monitor").stdout
+    assert "Nothing to be done" in plan, plan[-3000:]
     return c
 
 
