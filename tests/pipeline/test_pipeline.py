@@ -56,6 +56,13 @@ class Repo:
             raise AssertionError(f"{' '.join(cmd)} -> {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}")
         return r
 
+    def start(self, *cmd, log: Path) -> subprocess.Popen:
+        """cmd in the repo, not waited for: its output written to log."""
+        with open(log, "w") as f:
+            return subprocess.Popen(
+                list(cmd), cwd=self.path, text=True, env=self.env, stdout=f, stderr=subprocess.STDOUT
+            )
+
     def smk(self, *args, **kw):
         return self.run(str(BIN / "snakemake"), *args, **kw)
 
@@ -109,11 +116,23 @@ def repo(tmp_path_factory):
     r.run("git", "add", "-A")
     r.run("git", "commit", "-qm", "test copy")
     server.env = env
+    again = None
     try:
         server.start()
         r.uri = uri
+        # test_identical_runs_give_identical_bytes's second clean copy runs the same plan beside
+        # this one's (while test_phase1_from_scratch runs it), not after it: its own folder and store
+        other = clean_copy(
+            tmp_path_factory.mktemp("again") / "repo", {**env, "MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}
+        )
+        t0, log = time.time(), other.path.parent / "phase1.log"
+        again = other.start(str(BIN / "snakemake"), "--cores", "2", "phase1", log=log)
+        r.again = other, again, log, t0
         yield r
     finally:
+        if again is not None and again.poll() is None:
+            again.kill()
+            again.wait()
         server.stop()
         print("\ntimings (s):", json.dumps({k: round(v, 1) for k, v in TIMES.items()}, indent=1))
 
@@ -170,18 +189,26 @@ def test_phase1_from_scratch(repo):
     assert p0["reference_accept_length"] == pytest.approx(p0["accept_length"])
 
 
-def test_identical_runs_give_identical_bytes(repo, tmp_path_factory):
-    """A second clean copy runs the same plan on this machine: every step's folder has the same
-    DVC hash (timings and MLflow run ids stay out of artifacts/)."""
-    other = Repo(tmp_path_factory.mktemp("again") / "repo", {**repo.env, "MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"})
+def clean_copy(path: Path, env: dict) -> Repo:
+    """Another copy as the fixture makes its own: the same params, a git repository, DVC."""
+    other = Repo(path, {**env, "PYTHONPATH": str(path / "src")})
     micro_copy(other.path, _online_and_reference)
     other.run("git", "init", "-q")
     if not (other.path / ".dvc").is_dir():
         other.dvc("init", "-q")
     other.run("git", "add", "-A")
     other.run("git", "commit", "-qm", "test copy")
-    other.env["PYTHONPATH"] = str(other.path / "src")
-    other.smk("--cores", "2", "phase1")
+    return other
+
+
+def test_identical_runs_give_identical_bytes(repo):
+    """A second clean copy runs the same plan on this machine (`snakemake phase1`, started by the
+    fixture beside the first copy's run): every step's folder has the same DVC hash (timings and
+    MLflow run ids stay out of artifacts/)."""
+    other, proc, log, t0 = repo.again
+    rc = proc.wait(timeout=1200)
+    TIMES["snakemake --cores 2 phase1 (again, beside)"] = time.time() - t0
+    assert rc == 0, f"snakemake phase1 in the second copy -> {rc}\n{log.read_text()[-6000:]}"
     a = yaml.safe_load((repo.path / "dvc.lock").read_text())["stages"]
     b = yaml.safe_load((other.path / "dvc.lock").read_text())["stages"]
     assert set(a) == set(b) and len(a) >= 9
