@@ -205,3 +205,60 @@ def test_the_phase_metrics_best_k_is_r11s_at_batch_1():
     m = best_k_metrics(by_k, SEEDS_CM, 3, 1.0)
     assert m["best_k"] == 6 and m["best_k_projected_tok_s"] == pytest.approx(4733 / 33)
     assert best_k_metrics(by_k, SEEDS_CM, 3, 0.0)["best_k"] == 8  # a free draft token: the deepest
+
+
+def curves_at_depth(taus: dict, seeds=(0, 1)):
+    """taus: {init: {n: {k: tau}}} -> curves.json points measured to depth (per_sample.by_k), their
+    counts at eval.k (3) the k=3 entry's."""
+    from tests.evaluation.test_decision import point
+
+    pts = []
+    for init, by_n in taus.items():
+        for n, by_k in by_n.items():
+            for s in seeds:
+                ks = [
+                    {
+                        "k": k,
+                        **dict(zip(("accepted", "cycles"), counts(x, seed=zlib.crc32(f"{init}/{n}/{s}/{k}".encode())))),
+                    }
+                    for k, x in by_k.items()
+                ]
+                at3 = next(c for c in ks if c["k"] == 3)
+                pt = point(init, n, s, at3["accepted"], at3["cycles"])
+                pt["per_sample"]["by_k"] = ks
+                pts.append(pt)
+    return {"points": pts}
+
+
+def test_break_even_is_taken_at_each_ns_best_configuration():
+    """R2 with curves measured to depth: n=100 is below break-even at eval.k (3) but beats the target
+    alone at k=6, where draft tokens cost 1 ms each (seeds' table: 30 ms a cycle at k=3, 33 at k=6)."""
+    cm = {"baseline_tok_s": 82.0, "verify_ms": 30.0, "draft_ms": 0.0}
+    t = serving.seeds_table(cm, k0=3, k_max=6, ms_per_draft_token=1.0)
+    srv = {"table": t, "batch_sizes": [1], "k": 3, "ttt_steps": {"recommended": 3}, "models": {}}
+    deep = {1: 1.5, 3: 2.3, 6: 3.4}  # k=3: 2.3 < 30 ms x 82 tok/s = 2.46; k=6: 3.4 / 33 ms = 103 tok/s > 82
+    curves = curves_at_depth({"source": {100: deep, 400: {1: 1.7, 3: 2.9, 6: 3.8}}, "scratch": {100: deep, 400: deep}})
+
+    def run(c, **kw):
+        return decision.decide(c, {}, costmodel=cm, k=3, n_boot=300, **kw)
+
+    at_k = run(curves)  # no serving inputs: R2 at eval.k, as before
+    assert at_k["recommendation"]["n_samples"] == 400
+    assert "best_config" not in at_k["curves"]["source"][0]
+    d = run(curves, serving=srv)
+    row = d["curves"]["source"][0]
+    assert row["beats_break_even"] == "no"  # at eval.k, kept beside
+    bc = row["best_config"]
+    assert (bc["k"], bc["batch_size"], bc["beats_target_alone"]) == (6, 1, "yes")
+    assert bc["tok_s"] == pytest.approx(bc["accept_length"] * 1000 / 33.0)
+    assert bc["target_alone_tok_s"] == pytest.approx(82.0)
+    rec = d["recommendation"]
+    assert rec["n_samples"] == 100 and d["smallest_n_beating_break_even"]["source"] == 100
+    assert any(x.startswith("Break-even from n=100 samples") and "chain k=6 at batch 1" in x for x in rec["text"])
+    # curves without depths (a budget's rounds, an older curves.json): R2 at eval.k even with serving
+    flat = {
+        "points": [
+            {**p, "per_sample": {k: v for k, v in p["per_sample"].items() if k != "by_k"}} for p in curves["points"]
+        ]
+    }
+    assert run(flat, serving=srv)["recommendation"]["n_samples"] == 400

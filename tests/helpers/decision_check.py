@@ -34,7 +34,11 @@ def says_what_the_numbers_show(dec: dict) -> list[str]:
         if rec["init"] != init:
             bad.append(f"init {rec['init']} but the gains say {init}")
 
-    ok = {arm: [r["n_samples"] for r in rows if r["ci"][0] > be] for arm, rows in dec["curves"].items()}
+    def beats(r):  # R2: at the row's best configuration when it has one, else at eval.k
+        c = r.get("best_config")
+        return c["tok_s_ci"][0] > c["target_alone_tok_s"] if c else r["ci"][0] > be
+
+    ok = {arm: [r["n_samples"] for r in rows if beats(r)] for arm, rows in dec["curves"].items()}
     which = ("source", "scratch") if rec["init"] == "either" else (rec["init"],)
     found = [min(ok[a]) for a in which if ok.get(a)]
     if rec["n_samples"] != (min(found) if found else None):

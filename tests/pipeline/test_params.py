@@ -733,7 +733,10 @@ def test_the_steps_read_the_new_keys():
         assert "eval" in registry.BY_NAME[step].params, step  # the whole group: eval.context_buckets with it
     for step in ("eval_curves", "budget", "publish"):  # chains of eval.k: k_max and trees edits retrain nothing
         ps = registry.BY_NAME[step].params
-        assert "eval.context_buckets" in ps and "eval" not in ps and "eval.k_max" not in ps, step
+        assert "eval.context_buckets" in ps and "eval" not in ps and "eval.trees" not in ps, step
+        # the curves' evaluation drafts to eval.k_max (R2 at the best k); a training step never reads it
+        assert ("eval.k_max" in ps) == (step == "eval_curves"), step
+    assert not any(k.startswith("eval") for k in registry.BY_NAME["train_curves"].params)
     assert "decision" in registry.BY_NAME["decision"].params
     cfg = params.load(ROOT / "configs/micro.yaml", base=ROOT / "params.yaml")
     assert cfg["eval"]["context_buckets"] == [0, 32, 64]

@@ -50,7 +50,9 @@ RULES = {
     "R2": 'data: n_samples = smallest_n_beating_break_even of the recommended init; for "either" the '
     "smaller of the two (null if neither). When it is null, the text says that none of the measured "
     "n reaches break-even with significance and that more data than the largest n is needed (or a "
-    "cheaper verify).",
+    "cheaper verify). With the serving inputs (R11) and curves measured to depth (eval.k_max), an n beats "
+    "break-even when its best chain k at the smallest served batch size projects a tok/s CI wholly above the "
+    "target alone's; the text names that configuration.",
     "R3": 'phase2: phase2_gain significant and > 0 -> "helps"; significant and < 0 -> "hurts"; not '
     'significant -> "no significant gain"; missing -> "not measured".',
     "R4": 'deploy_source_now: phases.phase0.beats_break_even == "yes" (false when phase0 is missing). With '
@@ -153,9 +155,29 @@ def _per_sample(ev, where: str):
     return acc, cyc
 
 
-def _curve_groups(curves) -> dict:
+def _curve_depths(curves) -> list[int]:
+    """The chain depths every curve point measured (per_sample.by_k; eval.k_max), ascending; []
+    when a point has none (curves evaluated at eval.k alone)."""
+    pts = (curves or {}).get("points") or []
+    common = None
+    for pt in pts:
+        by_k = ((pt.get("per_sample") if isinstance(pt, dict) else None) or {}).get("by_k") or []
+        ks = {int(c["k"]) for c in by_k if isinstance(c, dict) and "k" in c}
+        common = ks if common is None else common & ks
+    return sorted(common or ())
+
+
+def _at_depth(pt: dict, depth: int) -> dict:
+    """A curve point with its per-prompt counts at chain depth `depth` (from per_sample.by_k)."""
+    c = next(c for c in pt["per_sample"]["by_k"] if int(c["k"]) == depth)
+    return {**pt, "per_sample": {"accepted": c["accepted"], "cycles": c["cycles"]}}
+
+
+def _curve_groups(curves, depth: int | None = None) -> dict:
     """{(arm, n): [(seed, accepted, cycles), ...] sorted by seed}, every row on the same P prompts
-    (a point's arm: its `arm`, else its init)."""
+    (a point's arm: its `arm`, else its init); depth: the counts at that chain depth (_curve_depths)."""
+    if curves is not None and depth is not None:
+        curves = {**curves, "points": [_at_depth(pt, depth) for pt in curves.get("points", [])]}
     if curves is None:
         return {}
     if not isinstance(curves, dict) or not isinstance(curves.get("points", []), list):
@@ -277,6 +299,46 @@ def rule_r2_data(init: str, smallest: dict, curves_out: dict, break_even: float)
         f"{break_even:.3f} with significance (best: tau {best['accept_length']:.3f}, CI "
         f"{_fmt_ci(best['ci'])} at n={best['n_samples']}): more data than n={ns[-1]} is needed, "
         "or a cheaper verify.",
+    )
+
+
+def _cfg_fig(c: dict) -> str:
+    return (
+        f"chain k={c['k']} at batch {c['batch_size']}: {c['tok_s']:.1f} tok/s a request "
+        f"(CI {_fmt_ci(c['tok_s_ci'])}) against the target alone's {c['target_alone_tok_s']:.1f}"
+    )
+
+
+def rule_r2_best(init: str, smallest: dict, curves_out: dict, break_even: float) -> tuple[int | None, str, str]:
+    """R2 with the serving inputs and curves measured to depth: break-even at each n's best chain
+    configuration (its row's best_config: the target alone's tok/s stands for break_even) ->
+    (n_samples, fired, sentence)."""
+    arms = INITS if init == "either" else (init,)
+    if init == "either":
+        cands = [(n, i) for i, n in smallest.items() if n is not None]
+        n, which = min(cands) if cands else (None, None)
+    else:
+        n, which = smallest.get(init), init
+    if n is not None:
+        c = next(r for r in curves_out[which] if r["n_samples"] == n)["best_config"]
+        return (
+            n,
+            f"smallest n whose best configuration beats the target alone for {which}: n={n} ({_cfg_fig(c)})",
+            f"Break-even from n={n} samples: the smallest measured n at which {which}, served at its best "
+            f"configuration, beats the target alone ({_cfg_fig(c)}).",
+        )
+    rows = [r for i in arms for r in curves_out[i]]
+    if not rows:
+        return rule_r2_data(init, smallest, curves_out, break_even)  # no point measured
+    best = max(rows, key=lambda r: r["best_config"]["tok_s_ci"][0] - r["best_config"]["target_alone_tok_s"])
+    top = max(r["n_samples"] for r in rows)
+    return (
+        None,
+        f"no n up to {top} beats the target alone at its best configuration (closest: n={best['n_samples']}, "
+        f"{_cfg_fig(best['best_config'])})",
+        f"None of the measured n (up to n={top}) beats the target alone with significance at its best "
+        f"configuration (closest: n={best['n_samples']}, {_cfg_fig(best['best_config'])}): more data than "
+        f"n={top} is needed, or a cheaper verify.",
     )
 
 
@@ -653,13 +715,15 @@ def _decide(
     secs, answers_of = _arm_facts(curves)
     curves_out = _curves_table(groups, cm, be, opts, secs, rates, answers_of)
     gain = _arm_gain(groups, "source", "scratch", opts)
-    smallest = {i: next((r["n_samples"] for r in curves_out[i] if r["beats_break_even"] == "yes"), None) for i in INITS}
+    at_best = _add_best_configs(curves, curves_out, opts, serving)
+    beats = (lambda r: r["best_config"]["beats_target_alone"]) if at_best else (lambda r: r["beats_break_even"])
+    smallest = {i: next((r["n_samples"] for r in curves_out[i] if beats(r) == "yes"), None) for i in INITS}
     counts = _phase_counts(phases)
     phases_out = _phases_table(counts, cm, be, popts, hours)
     p1, p2 = _phase_gains(counts, popts)
 
     init, init_sig, f1, s1 = rule_r1_init(gain)
-    n_rec, f2, s2 = rule_r2_data(init, smallest, curves_out, be)
+    n_rec, f2, s2 = (rule_r2_best if at_best else rule_r2_data)(init, smallest, curves_out, be)
     ph2, f3, s3 = rule_r3_phase2(p2)
     deploy, f4, s4 = rule_r4_deploy(phases_out, be)
     evidence, f9, s9 = rule_r9_evidence(phases_out, curves_out, phase_n)
@@ -768,6 +832,7 @@ CURVE_ROW_KEYS = (
     "speedup_vs_baseline",
     "beats_break_even",
     "hours",
+    "best_config",
 )
 
 
@@ -794,6 +859,41 @@ def _curves_table(groups: dict, cm, be: float, opts: dict, secs: dict, rates, an
         arm: [{key: r[key] for key in CURVE_ROW_KEYS if key in r} for r in sorted(rows, key=lambda r: r["n_samples"])]
         for arm, rows in out.items()
     }
+
+
+def _add_best_configs(curves, curves_out: dict, opts: dict, serving: dict | None) -> bool:
+    """R2 at R11's configuration: each plain arm's row gets `best_config`, its best chain k at the
+    smallest served batch size from the points' per-depth counts, its projected tok/s a request
+    with CI and whether that beats the target alone ("yes" / "no" / "unclear"). -> whether the rows
+    have it (serving inputs and curves measured to depth)."""
+    depths = _curve_depths(curves)
+    if serving is None or not depths:
+        return False
+    from draftport.evaluation.serving import best_per_batch
+
+    b0 = sorted(serving["batch_sizes"])[0]
+    by_k = {k: _curve_groups(curves, depth=k) for k in depths}
+    for arm in INITS:
+        for row in curves_out[arm]:
+            n = row["n_samples"]
+            taus = {}
+            for k, g in by_k.items():
+                rows = g[(arm, n)]
+                where = f"curves: arm={arm}, n={n}, k={k}"
+                taus[k] = tau_ci([r[1] for r in rows], [r[2] for r in rows], where=where, **opts)
+            r = best_per_batch(taus, [], serving["table"], [b0], None)[0]
+            best, alone = r["best"], r["target_alone_tok_s"]
+            row["best_config"] = {
+                "batch_size": b0,
+                "k": best["k"],
+                "accept_length": best["accept_length"],
+                "ci": best["ci"],
+                "tok_s": best["tok_s"],
+                "tok_s_ci": best["tok_s_ci"],
+                "target_alone_tok_s": alone,
+                "beats_target_alone": _verdict(best["tok_s_ci"], alone),
+            }
+    return True
 
 
 def _phase_counts(phases) -> dict:

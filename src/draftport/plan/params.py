@@ -759,8 +759,8 @@ class EvalParams(Group):
     k: int = F(..., "draft tokens per verify cycle", ge=1, le=16)
     k_max: int = F(
         8,
-        "the phases' evaluations draft this deep once and report every k up to it (by_k: tau, per-position "
-        "acceptance, per set and bucket); at least eval.k; the learning curves keep eval.k",
+        "the phases' and the curves' evaluations draft this deep once and report every k up to it (by_k: tau, "
+        "per-position acceptance, per set and bucket); at least eval.k; R2 takes break-even at each n's best k",
         ge=1,
         le=16,
     )

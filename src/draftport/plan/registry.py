@@ -88,8 +88,8 @@ FEATURE_MODULES = (
     "pipeline.steps.data_steps",
 )
 EVAL_KEYS = ("eval", "costmodel", "serving.ms_per_draft_token")  # the last: best_k at batch 1, as R11 has it
-# what an evaluation at eval.k alone reads (learning curves, budget rounds, the card's tau table):
-# eval.k_max and eval.trees edits rerun the phases' evaluations, never a curve's training
+# what an evaluation at eval.k alone reads (budget rounds, the card's tau table; the learning curves
+# add eval.k_max): eval.k_max and eval.trees edits rerun evaluations, never a curve's training
 CHAIN_EVAL_KEYS = ("eval.k", "eval.batch_size", "eval.max_samples", "eval.device", "eval.context_buckets")
 # the drafter's fast path (training.ttt dispatches to it, so every step that imports ttt runs it)
 FAST_MODULES = ("model.fast.path", "model.fast.attention", "model.fast.linear", "model.fast.unroll", "model.fast.loss")
@@ -505,7 +505,7 @@ STEPS: tuple[Step, ...] = (
         "eval_curves",
         "every learning-curve point's drafter on the new target's held-out set (per-prompt counts)",
         "curve_eval_steps:eval_curves",
-        ("targets.new", *CHAIN_EVAL_KEYS, *CURVE_KEYS),
+        ("targets.new", *CHAIN_EVAL_KEYS, "eval.k_max", *CURVE_KEYS),
         (
             *DRAFTING_MODULES,
             "pipeline.tracking",

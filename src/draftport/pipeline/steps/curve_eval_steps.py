@@ -80,6 +80,7 @@ def eval_curves(s: StepContext) -> dict:
         max_samples=e["max_samples"],
         device=e["device"],
         buckets=e.get("context_buckets"),
+        k_max=e["k_max"],  # every chain depth from one pass: R2's break-even at the best configuration
     )
     jobs = [
         {
