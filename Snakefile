@@ -9,9 +9,12 @@
     snakemake --cores 8 publish    the chosen drafter as a hub-ready folder (publish.enabled: true)
     snakemake --configfile=configs/micro.yaml ...   another profile layered on params.yaml
 
-The steps are the rows of src/draftport/plan/registry.py (rules/steps.smk makes one rule per
-row); dvc.yaml is generated from the same table (python -m draftport.pipeline.bridge dvc-yaml).
-params.yaml is the only parameter file; it is validated before any job.
+The steps are the rows of src/draftport/plan/registry.py. rules/<stage>.smk (world, data, phase0,
+phase1, phase2, curves, decision, report, online) write each row out as a plain rule: its inputs,
+output, params, log, threads, resources and command; rules/common.smk holds their helpers. Both
+they and dvc.yaml are generated from the table (python -m draftport.pipeline.bridge smk-rules,
+... dvc-yaml; --check fails on drift). params.yaml is the only parameter file; it is validated
+before any job.
 """
 
 import os
@@ -34,7 +37,15 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
-include: "rules/steps.smk"
+include: "rules/world.smk"
+include: "rules/data.smk"
+include: "rules/phase0.smk"
+include: "rules/phase1.smk"
+include: "rules/phase2.smk"
+include: "rules/curves.smk"
+include: "rules/decision.smk"
+include: "rules/report.smk"
+include: "rules/online.smk"
 
 
 localrules:

@@ -1,4 +1,4 @@
-# Helpers of the rules (rules/steps.smk) and the Snakefile's hooks.
+# Helpers of the rules (rules/<stage>.smk, generated from the step registry) and the Snakefile's hooks.
 import sys
 
 from draftport.plan import cluster
@@ -6,22 +6,36 @@ from draftport.plan import cluster
 # Software of each step (snakemake --lint wants one per step), as `make setup` installs it in .venv.
 ENV = "../envs/draftport.yaml"
 
-# The report step's files shown by `snakemake --report`: (caption, category)
-REPORT_FILES = {
-    "summary.html": ("../report/summary.rst", "1. Summary"),
-    "tau.png": ("../report/tau.rst", "2. Phases"),
-    "positions.png": ("../report/positions.rst", "2. Phases"),
-    "loss.png": ("../report/loss.rst", "2. Phases"),
-    "phases.csv": ("../report/phases.rst", "2. Phases"),
-    "compare.html": ("../report/compare.rst", "3. Compare"),
-}
+# Each step's threads and resources under these params (params `resources`: draftport.plan.cluster).
+RES = {_s.name: cluster.rule_resources(CFG, _s.name) for _s in R.STEPS}
 
 
-def outputs(step):
-    """A step's metrics.json (written last); the report's files with their captions."""
-    out = [bridge.done(step)]
-    if step == "report":
-        out += [report(bridge.art("report", f), caption=c, category=g) for f, (c, g) in REPORT_FILES.items()]
+def code(step):
+    """A step's code: its script and the library modules it runs (its registry row's modules)."""
+    return R.module_files(R.BY_NAME[step])
+
+
+def values(*keys):
+    """The values at these dotted keys of the params (a rule's `params:`, Snakemake's params trigger)."""
+    return R.values_at(CFG, keys)
+
+
+def command(step):
+    """The step's command: the registry's (DVC's stage runs the same), with --params under another
+    profile and torchrun for a training step that asks for it. It is a param, which the shell
+    directive only formats."""
+    return bridge.shell_command(step, CFG, BASE, cluster.launcher(CFG, step))
+
+
+def target_steps(besides=(), **which):
+    """The finished steps whose folders hold the targets marked true (new=, old=: targets.new,
+    targets.old): the fetch step's copy of a hub id, the world's own targets. None for a folder of
+    the user's, a step that does not run under these params, or one the rule lists already (besides)."""
+    out = []
+    for name, on in which.items():
+        step = R.step_of(R.target_path(CFG, name)) if on else None
+        if step and step not in besides and R.enabled(R.BY_NAME[step], CFG) and bridge.done(step) not in out:
+            out.append(bridge.done(step))
     return out
 
 

@@ -3,7 +3,9 @@ other finds nothing to do (the traps, one per bullet, are below).
 
 * Both tools run the same command per step (draftport.plan.registry.command): dvc.yaml is
   generated from the registry (`python -m draftport.pipeline.bridge dvc-yaml`), never edited by
-  hand; a test fails when it drifts, and another that the Snakefile's rules run the same commands.
+  hand, and so are the Snakefile's rules, rules/<stage>.smk (`... smk-rules`,
+  draftport.pipeline.smk_rules); tests fail when either drifts, and when the parsed rules run
+  other commands or take other inputs than the registry says.
 * Values come from params.yaml. A rule passes its step's values through `params:` (Snakemake's
   params trigger) and dvc.yaml lists the same dotted keys (DVC's params); the script sees exactly
   those. Under another profile (`--configfile`) the Snakemake command gains `--params <file>`
@@ -370,12 +372,37 @@ def snakemake_workflow(snakefile: str = "Snakefile", configfiles: tuple = ()):
         yield wf_api._workflow
 
 
+def write_smk_rules(root: Path, check: bool = False) -> int:
+    """rules/<stage>.smk from the registry; check: 1 and one line naming the first drifted file."""
+    from draftport.pipeline import smk_rules
+
+    texts = smk_rules.texts()
+    if check:
+        for rel, text in texts.items():
+            f = root / rel
+            if not f.is_file() or f.read_text() != text:
+                print(
+                    f"{rel} drifted from the step registry: run `python -m draftport.pipeline.bridge smk-rules`",
+                    file=sys.stderr,
+                )
+                return 1
+        print(f"{', '.join(texts)} match the step registry")
+        return 0
+    for rel, text in texts.items():
+        atomic_write_text(root / rel, text)
+    print(f"wrote {', '.join(texts)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m draftport.pipeline.bridge")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("dvc-yaml", help="write dvc.yaml from the step registry (--check: fail on drift)")
     g.add_argument("--check", action="store_true")
     g.add_argument("--out", default="dvc.yaml")
+    r = sub.add_parser("smk-rules", help="write rules/<stage>.smk from the step registry (--check: fail on drift)")
+    r.add_argument("--check", action="store_true")
+    r.add_argument("--root", default=".", help="the project folder (rules/ is in it)")
     c = sub.add_parser("dvc-commit", help="record finished steps in dvc.lock")
     c.add_argument("stages", nargs="+")
     a = ap.parse_args(argv)
@@ -404,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(a.out, text)
         print(f"wrote {a.out} ({text.count(chr(10))} lines)")
         return 0
+    if a.cmd == "smk-rules":
+        return write_smk_rules(Path(a.root), check=a.check)
     if a.cmd == "dvc-commit":
         dvc_commit(a.stages)
         return 0

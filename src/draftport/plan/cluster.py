@@ -6,7 +6,7 @@ params `resources` holds a `default` entry and per-rule entries that override ke
       default: {gpu: 0, mem_mb: 4000, runtime: 60, threads: 1, torchrun: false}
       phase1:  {gpu: 8, mem_mb: 400000, runtime: 720, threads: 32, torchrun: true}
 
-A rule reads them through `rule_resources(cfg, rule)` (rules/steps.smk),
+A rule reads them through `rule_resources(cfg, rule)` (RES in rules/common.smk),
 so a cluster executor (profiles/slurm/) schedules every job on what it needs: `gpu` becomes
 slurm's --gpus, `mem_mb` --mem, `runtime` (minutes) --time, threads --cpus-per-task.
 `launcher(cfg, rule)` is the program that runs the rule's script: `python`, or for a training

@@ -2,9 +2,11 @@
 
 Per step: its named inputs (paths inside upstream steps' folders, handed to the script as
 arguments), the dotted param keys it reads, the library modules it runs, its flags. The
-Snakefile's rules (rules/steps.smk loops over this table) and dvc.yaml's stages
-(draftport.pipeline.bridge) both come from it. Adding a step is one row here, one script
-(scripts/<name>.py) and one function (the row's `fn`).
+Snakefile's rules (rules/<stage>.smk, one rule per row) and dvc.yaml's stages
+(draftport.pipeline.bridge) are both generated from it. Adding a step is one row here, one script
+(scripts/<name>.py), one function (the row's `fn`) and its stage in
+draftport.pipeline.smk_rules.STAGES; then `python -m draftport.pipeline.bridge smk-rules` and
+`... dvc-yaml` regenerate rules/ and dvc.yaml.
 
 No torch, no snakemake here: the Snakefile imports this at every start.
 """
@@ -799,8 +801,13 @@ def module_files(step: Step) -> list[str]:
 
 def step_params(cfg: dict, name: str) -> dict:
     """The nested sub-dict of cfg holding exactly the step's keys."""
+    return values_at(cfg, BY_NAME[name].params)
+
+
+def values_at(cfg: dict, keys) -> dict:
+    """The nested sub-dict of cfg holding exactly these dotted keys."""
     out: dict = {}
-    for dotted in BY_NAME[name].params:
+    for dotted in keys:
         *parents, last = dotted.split(".")
         cur = out
         for p in parents:
