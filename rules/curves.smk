@@ -70,8 +70,8 @@ if CFG["curves"]["enabled"]:
         params:
             values=values(
                 "targets.new", "eval.k", "eval.batch_size", "eval.max_samples", "eval.device",
-                "eval.context_buckets", "curves.n_samples", "curves.seeds", "curves.inits",
-                "curves.arms_n_samples", "curves.answers", "curves.recipes",
+                "eval.context_buckets", "eval.k_max", "curves.n_samples", "curves.seeds",
+                "curves.inits", "curves.arms_n_samples", "curves.answers", "curves.recipes",
             ),
             cmd=command("eval_curves"),
         conda:
