@@ -262,3 +262,33 @@ def test_break_even_is_taken_at_each_ns_best_configuration():
         ]
     }
     assert run(flat, serving=srv)["recommendation"]["n_samples"] == 400
+
+
+def test_a_deeper_trained_arm_measures_whether_depth_pays_past_the_trained_depth():
+    """The recommended drafter's best k (6) is past its 3 trained steps: with a recipe arm trained to
+    6 steps, R11 states its paired gain over plain fine-tuning at k=6; without one, how to add it."""
+    t = serving.seeds_table(SEEDS_CM, k0=3, k_max=6, ms_per_draft_token=1.0)
+    srv = {"table": t, "batch_sizes": [1], "k": 3, "ttt_steps": {"recommended": 3}, "models": {}}
+    phases = {"phase0": phase_at_depth({3: 1.9, 6: 2.2}, 0), "phase1": phase_at_depth({3: 2.8, 6: 3.9}, 2)}
+    plain = {100: {3: 2.4, 6: 3.0}, 400: {3: 2.9, 6: 3.6}}
+    taus = {"source": plain, "scratch": {n: {3: 1.5, 6: 1.6} for n in plain}}
+    curves = curves_at_depth(taus)
+    deep = curves_at_depth({"source": {400: {3: 2.9, 6: 4.1}}})["points"]
+    curves["points"] += [{**p, "arm": "source-ttt6", "recipe": "ttt6"} for p in deep]
+
+    def run(c):
+        return decision.decide(c, phases, costmodel=SEEDS_CM, k=3, n_boot=300, serving=srv)
+
+    without = run(curves)  # no recipe says what source-ttt6 is: not measured, and how to measure it
+    assert without["serving"]["depth_arm"] == {"k": 6, "measured": False}
+    assert any(
+        "add a recipe such as ttt6: {ttt_steps: 6} to curves.recipes" in x for x in without["recommendation"]["text"]
+    )
+    d = run({**curves, "recipes": {"ttt6": {"ttt_steps": 6}}})
+    arm = d["serving"]["depth_arm"]
+    assert (arm["measured"], arm["recipe"], arm["ttt_steps"], arm["k"], arm["n_samples"]) == (True, "ttt6", 6, 6, 400)
+    assert arm["significant"] and arm["better"] == "ttt6" and arm["diff"] == pytest.approx(0.5, abs=0.1)
+    assert any(
+        x.startswith("Training deeper at k=6: the source fine-tuned to unroll 6 steps (recipe ttt6) pays")
+        for x in d["recommendation"]["text"]
+    )

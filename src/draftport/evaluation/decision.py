@@ -102,7 +102,10 @@ RULES = {
     "vLLM's speculative_config (a num_speculative_tokens_per_batch_size table when the best chain k "
     "differs between sizes, 0 where speculation is off) and SGLang's flags are emitted. The headline "
     "trains on n_train: the measured n whose hours pay back soonest at decision.serving_tokens_per_day, "
-    "else R6's n_enough, never below R2's n.",
+    "else R6's n_enough, never below R2's n. Where the recommended drafter's best k is past train.ttt_steps, a "
+    "curve arm whose recipe raises ttt_steps (curves.recipes), measured to that k, gives its paired gain over "
+    "plain fine-tuning of the source at that k and the largest n both measured (serving.depth_arm); without one "
+    "the text says how to add it.",
 }
 
 # ---------------------------------------------------------------- statistics
@@ -742,6 +745,10 @@ def _decide(
 
         serve, f11, s11 = serving_rule(phases or {}, counts, popts, serving, recommended_phase(init, ph2, counts))
         deploy, f4, s4 = deploy_source(serve) or (deploy, f4, s4)
+        depth_arm, s_depth = _depth_arm(curves, serve, serving, opts)
+        if depth_arm is not None:
+            serve["depth_arm"] = depth_arm
+            s11 = [*s11, s_depth]
     head = _headline(init, recipe, regenerate, n_train, ph2, deploy, serve, conf)
     text = [
         s1,
@@ -894,6 +901,51 @@ def _add_best_configs(curves, curves_out: dict, opts: dict, serving: dict | None
                 "beats_target_alone": _verdict(best["tok_s_ci"], alone),
             }
     return True
+
+
+def _depth_arm(curves, serve: dict, serving: dict, opts: dict) -> tuple[dict | None, str | None]:
+    """R11, past the trained depth: where the recommended drafter's best chain k exceeds its
+    train.ttt_steps, the paired gain of a curve arm trained deeper (a curves.recipes entry raising
+    ttt_steps) over plain fine-tuning of the source at that k, at the largest n both measured ->
+    (the decision's serving.depth_arm, its sentence); (None, None) when no best k is past it."""
+    rec = serve["drafters"].get("recommended")
+    ttt = (serving.get("ttt_steps") or {}).get("recommended")
+    past = [r["best"]["k"] for r in (rec or {}).get("per_batch", []) if r["past_ttt"]]
+    if not past or ttt is None:
+        return None, None
+    k = max(past)
+    deeper = {
+        name: int(keys["ttt_steps"])
+        for name, keys in ((curves or {}).get("recipes") or {}).items()
+        if isinstance(keys, dict) and isinstance(keys.get("ttt_steps"), int) and keys["ttt_steps"] > ttt
+    }
+    if not deeper or k not in _curve_depths(curves):
+        why = "no curve arm trained deeper" if not deeper else f"the curves were not measured to k={k}"
+        return (
+            {"k": k, "measured": False},
+            f"Whether training deeper than {ttt} steps pays at k={k} was not measured ({why}): add a recipe "
+            f"such as ttt{k}: {{ttt_steps: {k}}} to curves.recipes.",
+        )
+    name = max(deeper, key=lambda r: deeper[r])
+    from draftport.plan.curves import arm_name  # lazy (registry): the steps that only read rows lack it
+
+    arm = arm_name("source", recipe=name)
+    gains = _arm_gain(_curve_groups(curves, depth=k), arm, "source", opts, (name, "plain"))
+    if not gains:
+        return {"k": k, "measured": False, "recipe": name}, (
+            f"Whether training deeper pays at k={k} was not measured: the curves have no {arm} point."
+        )
+    g = gains[-1]
+    out = {"k": k, "measured": True, "recipe": name, "ttt_steps": deeper[name], **g}
+    verdict = (
+        f"pays: {g['diff']:+.3f}"
+        if g["significant"] and g["diff"] > 0
+        else (f"costs: {g['diff']:+.3f}" if g["significant"] else f"shows no significant gain: {g['diff']:+.3f}")
+    )
+    return out, (
+        f"Training deeper at k={k}: the source fine-tuned to unroll {deeper[name]} steps (recipe {name}) {verdict} "
+        f"accept length over {ttt} steps (CI {_fmt_ci(g['ci'])}, n={g['n_samples']}, paired over prompts)."
+    )
 
 
 def _phase_counts(phases) -> dict:
