@@ -475,7 +475,7 @@ ALL = (
         ),
         ("src/draftport/evaluation/drift.py", None, {"drift", "decision", "report"}, {"drift"}),
         # the rules read the curves: they rerun the decision, never the curves' evaluation
-        ("src/draftport/evaluation/decision.py", None, {"decision", "report"}, {"decision"}),
+        ("src/draftport/evaluation/decision/rules.py", None, {"decision", "report"}, {"decision"}),
         # the curves' evaluation code reruns their evaluation, never their 60 trainings
         ("src/draftport/pipeline/steps/curve_eval_steps.py", None, CURVE_EVAL | {"report"}, {"eval_curves"}),
         # the plumbing is no step's code: a help text of the params' schema, the runner, the step table

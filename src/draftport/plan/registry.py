@@ -116,6 +116,15 @@ EVAL_MODULES = (
     "pipeline.tracking",
     "pipeline.steps.eval_steps",
 )
+# the decision package: its __init__ (decide) and every module it imports
+DECISION_MODULES = (
+    "evaluation.decision",
+    "evaluation.decision.inputs",
+    "evaluation.decision.rules",
+    "evaluation.decision.tables",
+    "evaluation.decision.text",
+    "evaluation.decision.traffic",
+)
 # what a training step runs: the TTT loss and its fast path, besides drafting (its held-out monitor)
 LOSS_MODULES = (*FAST_MODULES, "training.ttt")
 # spool on: the capture runs in training, hence the features and vLLM modules
@@ -306,7 +315,7 @@ STEPS: tuple[Step, ...] = (
             *TRAIN_MODULES,
             *FEATURE_MODULES,
             "evaluation.budget",
-            "evaluation.decision",
+            *DECISION_MODULES,
             "evaluation.traffic",
             "evaluation.bootstrap",
             "evaluation.hours",
@@ -542,7 +551,7 @@ STEPS: tuple[Step, ...] = (
             "world.build",
         ),
         (
-            "evaluation.decision",
+            *DECISION_MODULES,
             "evaluation.serving",
             # a real target's step times, derived (serving.step_table null)
             "profile.estimate",
@@ -653,7 +662,7 @@ STEPS: tuple[Step, ...] = (
             "engines.vllm.venv",
             "evaluation.roundtrip",
             "engines.speculators",
-            "evaluation.decision",
+            *DECISION_MODULES,
             "evaluation.serving",
             "evaluation.traffic",
             "evaluation.bootstrap",
