@@ -83,10 +83,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from draftport.data import shards as data  # noqa: E402
-from draftport.data.shards import FeatureSet, Sequence, write_features  # noqa: E402
+from draftport.data.capture import capture_dtype, capture_features, compile_layers, padded_length, uncompile_layers  # noqa: E402  # noqa: E402 (the library's)
 from draftport.data.features import featurizer, greedy_choice, greedy_head  # noqa: E402
-from draftport.data.capture import capture_dtype, capture_features  # noqa: E402
-from draftport.data.capture import compile_layers, padded_length, uncompile_layers  # noqa: E402 (the library's)
+from draftport.data.shards import FeatureSet, Sequence, write_features  # noqa: E402
 
 SHAPES = {
     "8b": dict(

@@ -37,8 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from draftport.files import atomic_write_text  # noqa: E402
-from draftport.plan import params  # noqa: E402
-from draftport.plan import registry  # noqa: E402
+from draftport.plan import (
+    params,  # noqa: E402
+    registry,  # noqa: E402
+)
 
 TRAIN_STEPS = ("train_phase1_scratch", "train_phase1", "train_phase2")
 CAPTURE_STEPS = ("features_new", "features_eval", "features_monitor", "features_phase2")

@@ -89,16 +89,16 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from draftport.training import optim  # noqa: E402
-from draftport.model.fast import loss as fast_loss  # noqa: E402
-from draftport.model.config import DrafterConfig  # noqa: E402
-from draftport.files import atomic_write_text  # noqa: E402
+from draftport.data.packing import ROW_MULTIPLE, pack, plan_rows  # noqa: E402
 from draftport.data.shards import Batch, collate  # noqa: E402
+from draftport.files import atomic_write_text  # noqa: E402
+from draftport.model.config import DrafterConfig  # noqa: E402
 from draftport.model.drafter import Attention, Eagle3Drafter  # noqa: E402
+from draftport.model.fast import loss as fast_loss  # noqa: E402
 from draftport.model.fast.attention import Segments, ttt_attention  # noqa: E402
 from draftport.model.fast.path import COMPILE_TUNING, FastPath  # noqa: E402
 from draftport.model.fast.unroll import unroll as fast_unroll  # noqa: E402
-from draftport.data.packing import ROW_MULTIPLE, pack, plan_rows  # noqa: E402
+from draftport.training import optim  # noqa: E402
 from draftport.training.loop import TrainConfig, train_step  # noqa: E402
 from draftport.training.ttt import combine, counted_rows, stats_to_float, ttt_terms  # noqa: E402
 
@@ -607,7 +607,8 @@ def kernel_breakdown(prof, wall_s: float, steps: int) -> dict:
 
 
 def profile(step, path: Path, log):
-    from torch.profiler import ProfilerActivity, profile as tprof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

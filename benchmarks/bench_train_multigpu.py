@@ -48,8 +48,9 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 from bench_train_h200 import SIZES, build, flops_per_token, make_batch  # noqa: E402
-from draftport.training.loop import TrainConfig, fast_path, train_step, trainable, wrap_parallel  # noqa: E402
+
 from draftport.data.shards import Batch  # noqa: E402
+from draftport.training.loop import TrainConfig, fast_path, train_step, trainable, wrap_parallel  # noqa: E402
 
 
 # ---- data: row i of global step s is a pure function of (s, i), wherever it is built ----------

@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 
 from draftport.data.shards import open_set
-from draftport.evaluation.decision import paired_diff_ci, tau_ci
 from draftport.evaluation.accept import evaluate_drafter
+from draftport.evaluation.decision import paired_diff_ci, tau_ci
 
 PHASES = ("phase1_scratch", "phase1", "phase2")
 

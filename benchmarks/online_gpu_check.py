@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from safetensors.torch import load_file  # noqa: E402
 
-from draftport.model.bind import new_drafter_config  # noqa: E402
-from draftport.model.config import target_text_config  # noqa: E402
 from draftport.data.draftmap import build_vocab  # noqa: E402
 from draftport.data.features import build_features  # noqa: E402
+from draftport.model.bind import new_drafter_config  # noqa: E402
+from draftport.model.config import target_text_config  # noqa: E402
 from draftport.plan.params import TrainConfig, load  # noqa: E402
 from draftport.training.phases import train_phase  # noqa: E402
 from draftport.world import build_world_base  # noqa: E402

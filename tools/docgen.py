@@ -28,8 +28,7 @@ import typer.main  # noqa: E402
 import yaml  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
-from draftport.plan import params  # noqa: E402  (after the path: works from a bare checkout)
-from draftport.plan import registry  # noqa: E402
+from draftport.plan import params, registry  # noqa: E402  (after the path: works from a bare checkout)
 
 
 def modules() -> list[tuple[str, Path]]:
@@ -372,8 +371,8 @@ def cli_reference() -> str:
 
 def kimi_estimate() -> str:
     """`draftport estimate --configfile configs/kimi-k2.5.yaml` as printed (the committed benchmarks)."""
-    from draftport.profile import estimate  # torch via data.storage: only this block needs it
     from draftport.plan import params
+    from draftport.profile import estimate  # torch via data.storage: only this block needs it
 
     cwd = Path.cwd()
     try:  # the profile's relative paths (params.yaml, benchmark files) are the repository's

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from inspect import cleandoc
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -360,8 +360,8 @@ def estimate(
     """Wall time and disk of a profile's phases: regenerating the answers, capturing the hidden
     states and training, per storage mode (disk bf16 / fp8, online), every input printed."""
     # lazy: a command imports what it runs when it runs (see the module docstring)
-    from draftport.profile import estimate as estimating
     from draftport.plan.params import load
+    from draftport.profile import estimate as estimating
 
     if params == Path("params.yaml") and not params.is_file():  # outside a checkout: params.yaml as shipped
         params = Path(estimating.__file__).resolve().parents[1] / "plan" / "defaults.yaml"
@@ -469,8 +469,8 @@ def publish(
     if push:  # no token: one line, before anything is read or built
         PUB.hub_token()
     # lazy: a command imports what it runs when it runs (see the module docstring)
-    from draftport.plan.params import load
     from draftport.plan import registry
+    from draftport.plan.params import load
 
     cfg = load(*(configfile or []), base=params)
     pp = cfg["publish"]

@@ -17,7 +17,6 @@ from typing import Any
 
 from draftport.errors import DraftportError
 
-
 _FULL_ERRNOS = {
     errno.ENOSPC: "no space left on device",
     errno.EDQUOT: "disk quota exceeded",

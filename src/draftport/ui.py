@@ -28,8 +28,7 @@ from pathlib import Path
 from draftport.errors import DraftportError
 from draftport.pipeline.runner import RUNS_DIR
 from draftport.pipeline.tracking import check_reachable, client, experiment_name, retry, tracking_uri
-from draftport.plan import params
-from draftport.plan import registry
+from draftport.plan import params, registry
 
 METRIC = "accept_length"  # the phases' headline; by step in each training run (tau during training)
 CURVES = "curves"  # the learning curves' parent run (one nested run per point)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from bench_capture_h200 import (
     SHAPES,
     aux_ids,
@@ -24,6 +23,7 @@ from bench_capture_h200 import (
     roofline,
     uncompile_layers,
 )
+
 from draftport.data.features import featurizer
 from draftport.profile.estimate import capture_bench
 

@@ -5,10 +5,10 @@ and the MFU goal by hidden size. No step runs here (tests/bench/test_bench_train
 import json
 from types import SimpleNamespace
 
+import bench_train_h200 as bench
 import pytest
 import torch
 
-import bench_train_h200 as bench
 from draftport.model.config import DrafterConfig
 
 

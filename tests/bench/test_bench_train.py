@@ -10,17 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bench_train_h200 as bench_mod
 import pytest
 import torch
-
-import bench_train_h200 as bench_mod
 from bench_train_h200 import SIZES, flops_per_token, score
 from bench_train_h200 import main as bench_main
+from toys import toy_batch, toy_cfg, toy_drafter
+
 from draftport.model.config import DrafterConfig
 from draftport.model.fast.path import FastPath
 from draftport.training.loop import TrainConfig, train_step
 from draftport.training.optim import AdamW
-from toys import toy_batch, toy_cfg, toy_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_train_h200.py"

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from toys import make_features, toy_drafter
 
 from draftport.data.shards import FeatureSet, Sequence, write_features
 from draftport.errors import DraftportError
 from draftport.training.loop import TrainConfig, latest_checkpoint, resumable, train
-from toys import make_features, toy_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = ROOT / "tests" / "helpers"  # what the worker (this file, in its own process) imports

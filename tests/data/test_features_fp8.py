@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_targets import LLAMA_AUX, seed_folder, tiny_llama
+from toys import toy_cfg, toy_drafter
 
 from draftport.data.capture import capture_dtype, capture_features, load_target
 from draftport.data.features import greedy_choice, greedy_head
-from draftport.model.formats import save_safetensors
 from draftport.data.shards import FeatureSet, Sequence, bytes_per_token, dequantize_fp8, quantize_fp8, write_features
 from draftport.errors import DraftportError
 from draftport.evaluation.drift import capture_same_tokens
+from draftport.model.formats import save_safetensors
 from draftport.training.loop import TrainConfig, train
-from tiny_targets import LLAMA_AUX, seed_folder, tiny_llama
-from toys import toy_cfg, toy_drafter
 
 E4M3_REL = 2.0**-4  # half an ulp of 3 mantissa bits, relative to the value
 E4M3_SUB = 2.0**-10  # half the subnormal spacing (2^-9), relative to the group's scale

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from draftport.outputs.compare import compare_drafters
-from draftport.errors import DraftportError
 from draftport.data.fetch import fetch, publish_to_cache
+from draftport.errors import DraftportError
 from draftport.model.fixtures import frequency_maps, kimi_k2_config, swap_hot_ids, write_header_only_drafter
+from draftport.outputs.compare import compare_drafters
 
 SRC_REPO = "AQ-MedAI/Kimi-K2-Instruct-eagle3"
 

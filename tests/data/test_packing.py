@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from toys import LossLog, make_features, make_samples, toy_cfg, toy_drafter
 
 from draftport.data.packing import pack, plan_rows
 from draftport.data.shards import Batch, FeatureSet, collate
@@ -24,7 +25,6 @@ from draftport.model.fast.attention import Segments, ttt_attention
 from draftport.model.fast.path import FastPath
 from draftport.training.loop import TrainConfig, init_distributed, train
 from draftport.training.ttt import combine, packed_args, ttt_terms
-from toys import LossLog, make_features, make_samples, toy_cfg, toy_drafter
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # what the torchrun worker (this file) imports
 

@@ -10,15 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from toys import toy_drafter
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftport.data import fetch
-from draftport.plan import params
-from draftport.model.formats import load_drafter_state, save_drafter
-from draftport.errors import DraftportError
-from draftport.plan import registry
 from draftport.data.capture import load_target, trusted
-from toys import toy_drafter
+from draftport.errors import DraftportError
+from draftport.model.formats import load_drafter_state, save_drafter
+from draftport.plan import params, registry
 
 ROOT = Path(__file__).resolve().parents[2]
 

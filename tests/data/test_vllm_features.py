@@ -11,21 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow_server import free_port
 from safetensors.torch import load_file
 
 from draftport.data.capture import load_target, regenerate
-from draftport.data.vllm_capture import vllm_layer_ids
-from draftport.engines.vllm.venv import default_vllm_python, vllm_python
-from draftport.errors import DraftportError
+from draftport.data.draftmap import build_vocab
 from draftport.data.features import build_features, encode_prompt, load_tokenizer, read_samples
 from draftport.data.shards import FeatureSet
+from draftport.data.vllm_capture import vllm_layer_ids
 from draftport.engines.openai import regenerate_openai
+from draftport.engines.vllm.venv import default_vllm_python, vllm_python
+from draftport.errors import DraftportError
 from draftport.model.bind import new_drafter_config
 from draftport.model.config import target_text_config
-from draftport.data.draftmap import build_vocab
 from draftport.plan.params import TrainConfig
 from draftport.training.phases import train_phase
-from mlflow_server import free_port
 
 HAVE_VLLM = default_vllm_python().exists() or bool(os.environ.get("DRAFTPORT_VLLM_PYTHON"))
 REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_VLLM"))

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from draftport.evaluation.costmodel import CostModel, accept_length_from_p, best_k, cond_acc
 from draftport.errors import DraftportError
+from draftport.evaluation.costmodel import CostModel, accept_length_from_p, best_k, cond_acc
 
 SEEDS = {  # tok/s -> (accept length, conditional acceptance), as the seeds quote them
     82: (2.46, 0.59),

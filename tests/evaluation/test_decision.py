@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from draftport.cli import main
-from draftport.evaluation import decision
 from draftport.errors import DraftportError
+from draftport.evaluation import decision
 
 ROOT = Path(__file__).resolve().parents[2]
 # cycle = (18 + 1 * 2) ms = 20 ms -> break-even tau = 100 tok/s * 0.020 s = 2.0; tok/s = 50 * tau

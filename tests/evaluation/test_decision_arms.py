@@ -5,10 +5,9 @@ import zlib
 
 import pytest
 
-from draftport.evaluation import decision
-from draftport.evaluation import hours
 from draftport.errors import DraftportError
-from tests.evaluation.test_decision import CM, K, NB, counts, same_mean
+from draftport.evaluation import decision, hours
+from tests.evaluation.test_decision import CM, NB, K, counts, same_mean
 
 SEEDS = (0, 1)
 

@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
+from toys import toy_batch, toy_cfg, toy_drafter
 
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import accepted_counts, evaluate_drafter, offline_accept_length
 from draftport.evaluation.trees import check_tree, tree_accepted
 from tests.evaluation.test_eval_sets import save_toy_pair
-from toys import toy_batch, toy_cfg, toy_drafter
 
 
 def agreeing_world(seed=0, B=3, T=48, k=8):
@@ -163,9 +163,10 @@ def test_one_online_replay_to_depth_gives_each_k_of_a_replay_at_that_k(tmp_path)
     """The vLLM check's offline side (online._replay on a real tiny Llama target): one replay
     drafting 5 deep gives the engine-exact cycles of a replay at every k <= 5, so vLLM served at
     two k is compared with one replay."""
+    from tiny_targets import LLAMA_AUX, LLAMA_VOCAB, tiny_llama
+
     from draftport.data.shards import Sequence
     from draftport.evaluation import online
-    from tiny_targets import LLAMA_AUX, LLAMA_VOCAB, tiny_llama
 
     model = tiny_llama(tmp_path / "target")
     with torch.no_grad():  # the target's greedy choice: token 0 or 1 by the sign of one direction

@@ -8,16 +8,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from tiny_targets import LLAMA_AUX, LLAMA_VOCAB, H, seed_folder, tiny_llama
 
 from draftport.data.shards import FeatureSet
-from draftport.evaluation.drift import capture_same_tokens, drift_probe, drift_stats, linear_cka
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter
+from draftport.evaluation.drift import capture_same_tokens, drift_probe, drift_stats, linear_cka
 from draftport.model.config import DrafterConfig
 from draftport.model.drafter import Eagle3Drafter
 from draftport.model.formats import save_drafter
 from draftport.model.vocab import build_maps
-from tiny_targets import H, LLAMA_AUX, LLAMA_VOCAB, seed_folder, tiny_llama
 
 
 @pytest.fixture(scope="module")

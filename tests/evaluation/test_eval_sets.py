@@ -4,11 +4,11 @@
 import json
 
 import pytest
+from toys import make_features, toy_drafter
 
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import bucket_counts, bucket_of, cycle_rows, evaluate_drafter, read_sets, walk
 from draftport.model.formats import save_drafter, save_safetensors
-from toys import make_features, toy_drafter
 
 
 def test_cycle_rows_are_walks_rows():

@@ -8,7 +8,7 @@ import pytest
 
 from draftport.errors import DraftportError
 from draftport.evaluation import bootstrap, decision, traffic
-from tests.evaluation.test_decision import CM, K, NB, counts, curves_from
+from tests.evaluation.test_decision import CM, NB, K, counts, curves_from
 
 # ---------------------------------------------------------------- the stratified bootstrap
 

@@ -5,11 +5,10 @@ import sys
 from pathlib import Path
 
 import torch
+from toys import LossLog, toy_drafter
 
 from draftport.data.shards import FeatureSet
 from draftport.training.loop import TrainConfig, init_distributed, train
-from toys import LossLog, toy_drafter
-
 
 if __name__ == "__main__":
     feats, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from toys import LossLog, toy_drafter
 
 from draftport.data.shards import FeatureSet
 from draftport.training.loop import TrainConfig, init_distributed, train
-from toys import LossLog, toy_drafter
-
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -6,20 +6,19 @@ import json
 from pathlib import Path
 
 import torch
+from repo import ROOT
+from tiny_targets import STUB_CTX, STUB_VOCAB, H, stub_target
 
 from draftport.data.capture import target_identity
+from draftport.data.draftmap import build_vocab
 from draftport.data.fetch import fetch, publish_to_cache
 from draftport.data.shards import Sequence, write_features
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.decision import decide
 from draftport.model.bind import new_drafter_config
-from draftport.data.draftmap import build_vocab
-from draftport.plan import params
-from draftport.plan import registry
+from draftport.plan import params, registry
 from draftport.training.loop import TrainConfig
 from draftport.training.phases import train_phase
-from repo import ROOT
-from tiny_targets import H, STUB_CTX, STUB_VOCAB, stub_target
 
 AUX = [1, 2, 3]
 K = 3

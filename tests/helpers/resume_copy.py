@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import torch
+from repo import BIN
 from safetensors.torch import load_file
 
 from draftport.pipeline import runner
-from repo import BIN
 
 STEP = "train_phase1_scratch"  # the control's training step
 STEPS, EVERY = 120, 20  # ~5 s of training on 2 shared cores: a kill lands between checkpoints

@@ -13,8 +13,13 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file as load_np
 from safetensors.torch import load_file, save_file
+from toys import toy_cfg, toy_state
 
 from draftport.data.shards import Sequence, write_features
+from draftport.errors import DraftportError
+from draftport.model.config import parse_config, read_config
+from draftport.model.drafter import Eagle3Drafter
+from draftport.model.fixtures import frequency_maps, kimi_k2_config, small_config, write_header_only_drafter
 from draftport.model.formats import (
     check_keys,
     check_shapes,
@@ -26,11 +31,6 @@ from draftport.model.formats import (
     save_drafter,
     save_safetensors,
 )
-from draftport.model.config import parse_config, read_config
-from draftport.model.drafter import Eagle3Drafter
-from draftport.errors import DraftportError
-from draftport.model.fixtures import frequency_maps, kimi_k2_config, small_config, write_header_only_drafter
-from toys import toy_cfg, toy_state
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # for the process that writes
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-
-from draftport.model.drafter import Eagle3Drafter
-from draftport.evaluation.accept import offline_accept_length, walk
-from draftport.training.ttt import ttt_loss
 from toys import toy_batch, toy_cfg, toy_drafter
+
+from draftport.evaluation.accept import offline_accept_length, walk
+from draftport.model.drafter import Eagle3Drafter
+from draftport.training.ttt import ttt_loss
 
 
 def test_shapes_match_flat_layout():

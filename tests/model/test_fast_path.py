@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+from toys import make_features, make_samples, toy_batch, toy_cfg, toy_drafter
 
 from draftport.data.packing import pack
 from draftport.data.shards import Batch
@@ -22,7 +23,6 @@ from draftport.model.fast.path import FastPath
 from draftport.training import loop
 from draftport.training.loop import TrainConfig, train, train_step
 from draftport.training.ttt import combine, ttt_terms
-from toys import make_features, make_samples, toy_batch, toy_cfg, toy_drafter
 
 # the loss and target side in chunks of 5 rows: several chunks per row at the toy's lengths
 CHUNK5 = FastPath(target_chunk=5, loss_chunk=5)

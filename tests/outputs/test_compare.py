@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 
-from draftport.outputs.compare import CONFIG_FIELDS, compare_drafters
 from draftport.errors import DraftportError
 from draftport.model.fixtures import (
     frequency_maps,
@@ -17,6 +16,7 @@ from draftport.model.fixtures import (
     write_header_only_drafter,
 )
 from draftport.model.vocab import hot_ids
+from draftport.outputs.compare import CONFIG_FIELDS, compare_drafters
 
 # Seed 000: AQ-MedAI's K2 drafter (no embed_tokens) against the team's K2.5 drafter (with it).
 SEED_000 = {

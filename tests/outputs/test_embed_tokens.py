@@ -18,8 +18,11 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tiny_targets import STUB_VOCAB, H, stub_drafter, stub_target
 
-from draftport.plan import params
+from draftport.engines.export import export_problems, validate_export
+from draftport.errors import DraftportError
+from draftport.evaluation.online import for_vllm
 from draftport.model.formats import (
     copy_tensors_safetensors,
     find_target_embedding,
@@ -29,11 +32,7 @@ from draftport.model.formats import (
     tensors_equal_values,
 )
 from draftport.outputs.compare import compare_drafters, embedding_check
-from draftport.evaluation.online import for_vllm
-from draftport.errors import DraftportError
-from draftport.engines.export import export_problems, validate_export
-
-from tiny_targets import H, STUB_VOCAB, stub_drafter, stub_target
+from draftport.plan import params
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_targets import STUB_CTX, STUB_LAYERS, STUB_VOCAB, H, stub_drafter, stub_target
 
-from draftport.evaluation.online import for_vllm
-from draftport.errors import DraftportError
 from draftport.engines.export import export_problems, validate_export
-from tiny_targets import H, STUB_CTX, STUB_LAYERS, STUB_VOCAB, stub_drafter, stub_target
+from draftport.errors import DraftportError
+from draftport.evaluation.online import for_vllm
 
 
 def make_export(folder, target, *, include_embed=False, **cfg_kw):

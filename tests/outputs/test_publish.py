@@ -17,16 +17,16 @@ import sys
 import pytest
 import yaml
 from huggingface_hub import HfApi, ModelCard
-
-from draftport.plan import params
-from draftport.model.formats import find_target_embedding, load_drafter_state, read_header, tensor_sha256
-from draftport.model.config import read_config
-from draftport.errors import DraftportError
-from draftport.engines.export import validate_export
-from draftport.outputs.publish import check_folder, choose_phase, from_pipeline, push
 from publish_pipeline import AUX, build_pipeline
 from repo import ROOT
 from tiny_targets import stub_target
+
+from draftport.engines.export import validate_export
+from draftport.errors import DraftportError
+from draftport.model.config import read_config
+from draftport.model.formats import find_target_embedding, load_drafter_state, read_header, tensor_sha256
+from draftport.outputs.publish import check_folder, choose_phase, from_pipeline, push
+from draftport.plan import params
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,14 @@ import os
 
 import pytest
 import torch
+from publish_pipeline import AUX, K, build_pipeline
+from repo import ROOT
 
-from draftport.evaluation import roundtrip as RT
 from draftport.errors import DraftportError
+from draftport.evaluation import roundtrip as RT
 from draftport.model.config import DrafterConfig, parse_config
 from draftport.model.formats import find_target_embedding, load_drafter_state, read_tensor_np, save_drafter
 from draftport.outputs.publish import from_pipeline
-from publish_pipeline import AUX, K, build_pipeline
-from repo import ROOT
 
 REQUIRE = bool(os.environ.get("DRAFTPORT_REQUIRE_SPECULATORS"))
 SPEC_PY = (

@@ -30,10 +30,10 @@ from typing import Callable
 import numpy as np
 import pytest
 import yaml
+from repo import BIN, ROOT
 from safetensors.numpy import load_file, save_file
 
 from draftport.data.shards import FeatureSet, Sequence, capture_meta, write_sequences
-from repo import BIN, ROOT
 
 PY = sys.executable
 # Run once for the fixture; Phase 0 and Phase 1 are left out (no case needs their outputs).

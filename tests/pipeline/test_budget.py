@@ -16,13 +16,13 @@ import time
 
 import pytest
 import yaml
+from repo import BIN, micro_copy
+from resume_copy import Copy
 
 from draftport.data.shards import FeatureChain, open_set
 from draftport.plan import cluster
 from draftport.plan import params as schema
 from draftport.training.phases import feature_dirs
-from repo import BIN, micro_copy
-from resume_copy import Copy
 
 pytestmark = pytest.mark.slow
 N1, CAP = 32, 256

@@ -5,10 +5,10 @@ tests/pipeline/test_pipeline.py edits the files after a complete run."""
 
 from __future__ import annotations
 
-from draftport.pipeline import bridge
-from draftport.plan import params
-from draftport.plan import registry
 from repo import ROOT
+
+from draftport.pipeline import bridge
+from draftport.plan import params, registry
 
 PLUMBING_FILES = {
     "src/draftport/errors.py",

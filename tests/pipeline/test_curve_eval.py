@@ -4,10 +4,10 @@ of one process evaluating them in turn, in the points' order."""
 import json
 
 import torch
+from toys import make_features, toy_drafter
 
 from draftport.model.formats import save_drafter, save_safetensors
 from draftport.pipeline.steps.curve_eval_steps import eval_jobs
-from toys import make_features, toy_drafter
 
 RUN_KEYS = ("run", "eval_seconds")  # where and how fast it ran: not figures
 

@@ -12,13 +12,11 @@ import subprocess
 import sys
 
 import pytest
-
-from draftport.profile.rates import drafter_shape
-from draftport.pipeline import bridge, local
-from draftport.plan import cluster
-from draftport.plan import params
-from draftport.plan import registry
 from repo import BIN, ROOT, copy_repo, smk
+
+from draftport.pipeline import bridge, local
+from draftport.plan import cluster, params, registry
+from draftport.profile.rates import drafter_shape
 
 GPU = "configs/gpu.yaml"
 TOY = "tests/helpers/gpu-toy.yaml"

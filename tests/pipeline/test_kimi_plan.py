@@ -6,11 +6,9 @@ import re
 
 import pytest
 import yaml
-
-from draftport.plan import cluster
-from draftport.plan import params
-from draftport.plan import registry
 from repo import ROOT, smk
+
+from draftport.plan import cluster, params, registry
 
 KIMI = "configs/kimi-k2.5.yaml"
 JOBS = {

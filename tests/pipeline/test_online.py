@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 import draftport
+from draftport.data.draftmap import build_vocab
 from draftport.data.features import build_features
-from draftport.evaluation import online as serve
+from draftport.engines.export import validate_export
 from draftport.engines.vllm.venv import default_vllm_python, runner, vllm_python
 from draftport.errors import DraftportError
+from draftport.evaluation import online as serve
 from draftport.model.bind import new_drafter_config
-from draftport.data.draftmap import build_vocab
 from draftport.model.formats import find_target_embedding, read_tensor_np, save_safetensors, tensor_sha256
-from draftport.engines.export import validate_export
 from draftport.plan.params import load
 from draftport.training.loop import TrainConfig
 from draftport.training.phases import train_phase

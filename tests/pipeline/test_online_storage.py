@@ -13,19 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from draftport.training import phases
-from draftport.model.bind import new_drafter_config
-from draftport.model.config import target_text_config
-from draftport.data.shards import FeatureSet, SequenceSet, open_set
-from draftport.data.draftmap import build_vocab
-from draftport.errors import DraftportError
-from draftport.data.features import build_features
-from draftport.plan.params import TrainConfig
-from draftport.training.phases import train_phase
 from repo import micro_copy
 from resume_copy import EVERY, STEP, STEPS, Copy, assert_same_result, kill_after_first_checkpoint
+from safetensors.torch import load_file
+
+from draftport.data.draftmap import build_vocab
+from draftport.data.features import build_features
+from draftport.data.shards import FeatureSet, SequenceSet, open_set
+from draftport.errors import DraftportError
+from draftport.model.bind import new_drafter_config
+from draftport.model.config import target_text_config
+from draftport.plan.params import TrainConfig
+from draftport.training import phases
+from draftport.training.phases import train_phase
 
 KW = dict(
     n_samples=24,

@@ -16,9 +16,9 @@ import subprocess
 import sys
 
 import pytest
+from repo import BIN, copy_repo, smk
 
 from draftport.plan import params
-from repo import BIN, copy_repo, smk
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftport.plan import params
-from draftport.plan import registry
 from draftport.errors import DraftportError
+from draftport.plan import params, registry
 from draftport.plan.registry import STEP_NAMES, TRAINING_STEPS
 from draftport.training.loop import TrainConfig
 

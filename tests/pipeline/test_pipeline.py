@@ -19,14 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+import mlflow_ui
 import pytest
 import yaml
-
-import mlflow_ui
-from draftport.plan import registry
-from mlflow_server import MlflowServer, free_port, rest
 from decision_check import says_what_the_numbers_show
+from mlflow_server import MlflowServer, free_port, rest
 from repo import BIN, ROOT, micro_copy
+
+from draftport.plan import registry
 
 pytestmark = pytest.mark.slow
 # The online step (vLLM) runs when the vLLM venv exists; CI sets DRAFTPORT_REQUIRE_VLLM.

@@ -7,16 +7,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from repo import ROOT, smk
 from snakemake.persistence.file import FilePersistence
 
 from draftport.errors import DraftportError
 from draftport.outputs.report import build_report
-from draftport.plan import params
 from draftport.pipeline import bridge
 from draftport.pipeline.steps.eval_steps import cost_metrics
 from draftport.pipeline.tracking import check_reachable, retry
-from draftport.plan import registry
-from repo import ROOT, smk
+from draftport.plan import params, registry
 
 
 @pytest.fixture(scope="module")

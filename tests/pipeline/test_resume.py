@@ -15,15 +15,14 @@ import sys
 import pytest
 import torch
 import yaml
-
-from draftport.errors import DraftportError
-from draftport.pipeline import bridge
-from draftport.pipeline import runner
-from draftport.progress import Logger
-from draftport.training.loop import TrainConfig, latest_checkpoint, resumable, train
 from repo import BIN
 from resume_copy import EVERY, STEP, STEPS, Copy, assert_same_result, kill_after_first_checkpoint
 from toys import make_features, toy_drafter
+
+from draftport.errors import DraftportError
+from draftport.pipeline import bridge, runner
+from draftport.progress import Logger
+from draftport.training.loop import TrainConfig, latest_checkpoint, resumable, train
 
 
 @pytest.fixture(scope="module")

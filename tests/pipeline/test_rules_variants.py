@@ -9,7 +9,6 @@ import json
 import os
 
 import pytest
-
 from decision_check import says_what_the_numbers_show
 from repo import BIN, micro_copy
 

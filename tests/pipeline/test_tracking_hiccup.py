@@ -7,11 +7,11 @@ import os
 
 import pytest
 from mlflow.exceptions import MlflowException
+from mlflow_server import MlflowServer
+from toys import make_features, toy_drafter
 
 from draftport.pipeline.tracking import Logger, PhaseRun, transient
 from draftport.training.loop import TrainConfig, train
-from mlflow_server import MlflowServer
-from toys import make_features, toy_drafter
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from mlflow_server import free_port
 
 from draftport.pipeline.tracking import PhaseRun, ensure_experiment
-from mlflow_server import free_port
 
 BIN = Path(sys.executable).parent
 PROFILE = "tiny"

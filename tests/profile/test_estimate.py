@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from draftport.data import storage
 from draftport.data.fetch import publish_to_cache
+from draftport.errors import DraftportError
 from draftport.model.fixtures import frequency_maps, small_config, write_header_only_drafter
+from draftport.plan import params
 from draftport.profile import estimate
 from draftport.profile import rates as train_rates
-from draftport.plan import params
-from draftport.data import storage
-from draftport.errors import DraftportError
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "configs/kimi-k2.5.yaml"

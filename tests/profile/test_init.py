@@ -17,8 +17,8 @@ import yaml
 
 from draftport.data.fetch import publish_to_cache
 from draftport.model.fixtures import frequency_maps, kimi_k2_config, small_config, write_header_only_drafter
-from draftport.profile.estimate import KIMI_K2_TEXT
 from draftport.plan import params
+from draftport.profile.estimate import KIMI_K2_TEXT
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI_ARGS = [

@@ -6,10 +6,10 @@ import json
 import math
 from pathlib import Path
 
+import bench_train_h200 as bench
 import pytest
 import yaml
 
-import bench_train_h200 as bench
 from draftport.errors import DraftportError
 from draftport.model.config import DrafterConfig
 from draftport.profile import estimate

@@ -4,11 +4,11 @@ uninterrupted one drew."""
 
 import pytest
 import torch
+from helpers.toys import make_features, toy_drafter, weights
 
 from draftport.errors import DraftportError
 from draftport.training.batches import StepBatches, TokenBudget
 from draftport.training.loop import TrainConfig, train
-from helpers.toys import make_features, toy_drafter, weights
 
 
 def test_token_budget_cuts_the_seeded_order_into_parts_that_fit():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from toys import make_features, toy_drafter
 
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter
@@ -14,7 +15,6 @@ from draftport.model import device
 from draftport.model.flops import sample_flops, shape_of
 from draftport.plan.params import TrainConfig
 from draftport.training.loop import OOM_KNOB, init_distributed, train
-from toys import make_features, toy_drafter
 
 requires_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU side of the rule")
 
@@ -102,8 +102,7 @@ def test_training_reports_where_it_ran_and_its_real_token_rate(tmp_path):
 
 @requires_no_gpu
 def test_evaluation_reports_where_it_ran(tmp_path):
-    from draftport.model.formats import save_drafter
-    from draftport.model.formats import save_safetensors
+    from draftport.model.formats import save_drafter, save_safetensors
 
     fs, head = make_features(tmp_path)
     d = toy_drafter(seed=5)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from toys import make_features, toy_drafter
 
 from draftport.errors import DraftportError
 from draftport.training.loop import TrainConfig, train
-from toys import make_features, toy_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = ROOT / "tests" / "helpers"  # the torchrun worker and what it imports

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from toys import toy_batch, toy_cfg, toy_drafter
 
 from draftport.model.fast.path import FastPath
-from draftport.training.optim import AdamW
 from draftport.plan.params import TrainConfig
 from draftport.training.loop import load_model_state, load_optimizer_state, save_checkpoint, train_step, trainable
-from toys import toy_batch, toy_cfg, toy_drafter
+from draftport.training.optim import AdamW
 
 
 def _params(dtype, seed=0):

@@ -10,6 +10,7 @@ import typing
 import pytest
 import torch
 from safetensors.torch import load_file
+from toys import make_features, toy_batch, toy_cfg, toy_drafter, weights
 
 from draftport.errors import DraftportError
 from draftport.plan import params as schema
@@ -17,7 +18,6 @@ from draftport.training import loop
 from draftport.training.loop import TrainConfig, add_l2sp_grad, train
 from draftport.training.phases import train_phase
 from draftport.training.ttt import combine, ttt_terms
-from toys import make_features, toy_batch, toy_cfg, toy_drafter, weights
 
 BASE = dict(steps=8, batch_size=4, lr=3e-3, warmup_steps=1, checkpoint_every=4, log_every=2)
 

@@ -4,14 +4,14 @@ uninterrupted run's samples, and bad input or a failing capture gives one error.
 
 import pytest
 import torch
+from tiny_targets import LLAMA_AUX, LLAMA_VOCAB, H, tiny_llama
+from toys import toy_cfg, toy_drafter, weights
 
+from draftport.data.features import featurizer
 from draftport.data.shards import FeatureSet, Sequence, write_features
 from draftport.errors import DraftportError
-from draftport.data.features import featurizer
-from draftport.training.spool import MARKER, SpoolFeatures, _files_bytes, consumption_order
 from draftport.training.loop import TrainConfig, batch_ids, train
-from tiny_targets import H, LLAMA_AUX, LLAMA_VOCAB, tiny_llama
-from toys import toy_cfg, toy_drafter, weights
+from draftport.training.spool import MARKER, SpoolFeatures, _files_bytes, consumption_order
 
 META = {"aux_layer_ids": LLAMA_AUX, "aux_convention": "vllm"}
 BIG = 10**9

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from toys import make_features, toy_cfg, toy_drafter, weights
 
 from draftport.data.shards import FeatureChain, FeatureSet, Sequence, check_disjoint, write_features
 from draftport.errors import DraftportError
@@ -15,7 +16,6 @@ from draftport.evaluation.accept import held_out_monitor
 from draftport.model.fast.path import FastPath
 from draftport.training import loop
 from draftport.training.loop import TrainConfig, batch_ids, lr_at, train
-from toys import make_features, toy_cfg, toy_drafter, weights
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # the torchrun worker and what it imports
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from draftport.model.target import TEXT_PREFIXES, tensor_names
 from draftport.errors import DraftportError
+from draftport.model.target import TEXT_PREFIXES, tensor_names
 
 
 def decoder_parts(model):

@@ -23,8 +23,8 @@ def count_tokens(features, vocab_size: int) -> np.ndarray:
 
 def build_vocab(features_dir, out_path, *, draft_vocab_size: int, vocab_size: int) -> dict:
     """d2t/t2d from the target's own generations; written as one small safetensors file."""
-    from draftport.model.formats import save_safetensors
     from draftport.data.shards import open_set
+    from draftport.model.formats import save_safetensors
 
     fs = open_set(features_dir)  # the tokens are all it reads: a sequences folder (storage online) serves too
     counts = count_tokens(fs, vocab_size)

@@ -13,9 +13,6 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from draftport.data.shards import Sequence, bytes_per_token, capture_meta, to_device, write_features, write_sequences
-from draftport.errors import DraftportError
-from draftport.progress import progress
 from draftport.data.capture import (
     capture_dtype,
     capture_features,
@@ -27,7 +24,10 @@ from draftport.data.capture import (
     target_identity,
     uncompile_layers,
 )
+from draftport.data.shards import Sequence, bytes_per_token, capture_meta, to_device, write_features, write_sequences
+from draftport.errors import DraftportError
 from draftport.model.config import target_text_config
+from draftport.progress import progress
 
 
 def log(msg: str) -> None:

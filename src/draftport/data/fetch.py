@@ -26,9 +26,9 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-from draftport.model.formats import PICKLE_SUFFIXES, save_safetensors
-from draftport.files import atomic_dir, atomic_write_text, sha256
 from draftport.errors import DraftportError
+from draftport.files import atomic_dir, atomic_write_text, sha256
+from draftport.model.formats import PICKLE_SUFFIXES, save_safetensors
 
 DRAFTER_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 TARGET_PATTERNS = DRAFTER_PATTERNS + [

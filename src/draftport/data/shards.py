@@ -21,18 +21,21 @@ the target's id and revision, and each shard's sha256 (checked before a shard is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from draftport.errors import DraftportError
+from draftport.files import sha256 as sha256_file
 
 # the layout of save_safetensors' files, used to write a shard in place (see _ShardFile)
 from draftport.model.formats import (
@@ -43,8 +46,6 @@ from draftport.model.formats import (
     layout_header,
     save_safetensors,
 )
-from draftport.files import sha256 as sha256_file
-from draftport.errors import DraftportError
 
 FP8 = "fp8_e4m3"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, FP8: torch.float8_e4m3fn}

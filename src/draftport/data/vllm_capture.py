@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draftport.data.shards import Sequence, write_features
-from draftport.errors import DraftportError
 from draftport.data.capture import check_aux_ids
+from draftport.data.shards import Sequence, write_features
+from draftport.engines.vllm.venv import run_runner, vllm_python
+from draftport.errors import DraftportError
 from draftport.model.config import target_text_config
 from draftport.model.target import read_text_tensor
-from draftport.engines.vllm.venv import run_runner, vllm_python
 
 
 def vllm_layer_ids(aux_ids, convention: str, num_layers: int) -> list[int]:

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from draftport.model.target import read_target_tensor
+from draftport.errors import DraftportError
+from draftport.model.config import FLAT_ARCH, parse_config, target_text_config
 from draftport.model.formats import (
     OPTIONAL_KEYS,
     REQUIRED_KEYS,
@@ -30,8 +31,7 @@ from draftport.model.formats import (
     read_tensor_np,
     tensor_sha256,
 )
-from draftport.model.config import FLAT_ARCH, parse_config, target_text_config
-from draftport.errors import DraftportError
+from draftport.model.target import read_target_tensor
 
 
 def _raw_tables(folder: Path) -> dict:

@@ -31,16 +31,17 @@ from pathlib import Path
 
 import torch
 
-from draftport.model.drafter import Eagle3Drafter
-from draftport.errors import DraftportError
 from draftport.data.shards import SETS_FILE, Batch, FeatureSet, iter_batches
-from draftport.model.bind import check_features_fit, drafter_for_target, target_head
-from draftport.model.device import describe as describe_device, out_of_memory
-from draftport.model.device import pick as pick_device
-from draftport.model.formats import load_drafter_state
-from draftport.progress import progress
+from draftport.errors import DraftportError
 from draftport.evaluation.trees import check_tree, tree_accepted
+from draftport.model.bind import check_features_fit, drafter_for_target, target_head
+from draftport.model.device import describe as describe_device
+from draftport.model.device import out_of_memory
+from draftport.model.device import pick as pick_device
+from draftport.model.drafter import Eagle3Drafter
+from draftport.model.formats import load_drafter_state
 from draftport.model.target import target_logits
+from draftport.progress import progress
 
 
 @torch.no_grad()

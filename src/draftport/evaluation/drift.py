@@ -35,17 +35,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draftport.data.shards import FeatureSet, Sequence, collate, write_features
-from draftport.errors import DraftportError
 from draftport.data.capture import capture_dtype, check_aux_ids, load_target, target_identity
-from draftport.model.config import target_text_config
 from draftport.data.features import featurizer, on_gpu
+from draftport.data.shards import FeatureSet, Sequence, collate, write_features
 from draftport.data.vllm_capture import capture_features_vllm
+from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter, offline_accept_length
+from draftport.files import atomic_write_text
 from draftport.model.bind import check_features_fit, drafter_for_target, target_head
+from draftport.model.config import target_text_config
 from draftport.model.device import pick as pick_device
 from draftport.model.formats import load_drafter_state
-from draftport.files import atomic_write_text
 from draftport.progress import progress
 
 DEFAULT_MAX_TOKENS = 4096  # CKA's token sample: Gram matrices of 4096^2 float64 (128 MB each)

@@ -40,12 +40,13 @@ import torch
 
 from draftport.data.capture import capture_features, load_target, regenerate
 from draftport.data.shards import Batch, Sequence
-from draftport.errors import DraftportError
+from draftport.engines.export import EMBED_CHOICES, validate_export
 from draftport.engines.vllm.venv import run_in_vllm_venv, runner, vllm_python
+from draftport.errors import DraftportError
 from draftport.evaluation.accept import acceptance_rate, accepted_counts, simulated_acc_len, summarize, walk
+from draftport.files import load_json
 from draftport.model.bind import drafter_for_target, target_head
 from draftport.model.config import target_text_config
-from draftport.files import load_json
 from draftport.model.formats import (
     atomic_dir,
     atomic_write_text,
@@ -56,7 +57,6 @@ from draftport.model.formats import (
     tensor_sha256,
     to_flat_name,
 )
-from draftport.engines.export import EMBED_CHOICES, validate_export
 
 
 def log(msg: str) -> None:

@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from draftport.data.shards import FeatureSet
 from draftport.engines import require_interpreter
-from draftport.engines.vllm.venv import run_in_vllm_venv
 from draftport.engines.speculators import RUNNERS
+from draftport.engines.vllm.venv import run_in_vllm_venv
 from draftport.errors import DraftportError
 from draftport.model.bind import drafter_for_target
 from draftport.model.config import read_config

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from draftport.model.config import DrafterConfig
-from draftport.model.drafter import Eagle3Drafter
 from draftport.errors import DraftportError
-from draftport.model.config import target_text_config
+from draftport.model.config import DrafterConfig, target_text_config
+from draftport.model.drafter import Eagle3Drafter
 from draftport.model.target import read_target_tensor
 
 

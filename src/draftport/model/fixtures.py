@@ -16,6 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
+from draftport.model.config import DrafterConfig
 from draftport.model.formats import (
     DTYPE_BYTES,
     OPTIONAL_KEYS,
@@ -24,7 +25,6 @@ from draftport.model.formats import (
     speculators_config_dict,
     to_speculators_name,
 )
-from draftport.model.config import DrafterConfig
 
 ST_DTYPES = {
     np.dtype(np.bool_): "BOOL",

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from draftport.model.config import DrafterConfig, read_config
 from draftport.errors import DraftportError
 from draftport.files import (  # noqa: F401 - their old home, re-exported
     atomic_dir,
@@ -35,6 +34,7 @@ from draftport.files import (  # noqa: F401 - their old home, re-exported
     disk_full_error,
     sha256,
 )
+from draftport.model.config import DrafterConfig, read_config
 
 DTYPE_BYTES = {
     "BOOL": 1,

@@ -11,7 +11,6 @@ from safetensors import safe_open
 
 from draftport.errors import DraftportError
 
-
 TEXT_PREFIXES = ("", "language_model.", "model.language_model.")
 
 

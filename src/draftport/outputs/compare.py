@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from draftport.errors import DraftportError
 from draftport.model.formats import (
     LAYER_KEYS,
     OPTIONAL_KEYS,
@@ -42,7 +43,6 @@ from draftport.model.formats import (
     tensor_sha256,
     tensors_equal_values,
 )
-from draftport.errors import DraftportError
 from draftport.model.vocab import check_maps, compare_maps, d2t_format, hot_ids, t2d_consistent
 
 CONFIG_FIELDS = (

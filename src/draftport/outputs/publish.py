@@ -38,18 +38,17 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError
 
 from draftport.data.capture import target_identity
-from draftport.evaluation.roundtrip import convert_command
-from draftport.evaluation.online import for_vllm
+from draftport.engines.export import export_problems
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.costmodel import CostModel
 from draftport.evaluation.decision import load_decision, render_text, tau_ci
+from draftport.evaluation.online import for_vllm
+from draftport.evaluation.roundtrip import convert_command
 from draftport.evaluation.serving import describe
+from draftport.files import atomic_dir, load_json
 from draftport.model.config import read_config
-from draftport.files import load_json
 from draftport.model.formats import find_target_embedding, load_drafter_state, read_header, tensor_sha256
-from draftport.files import atomic_dir
-from draftport.engines.export import export_problems
 
 PHASES = ("phase1_scratch", "phase1", "phase2")
 HOW = {

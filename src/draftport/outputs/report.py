@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from draftport.outputs.style import COLORS, LABELS, PHASES, pyplot
-from draftport.outputs.traffic_report import traffic_section
 from draftport.outputs.tables import _page, compare_html, html_table, write_csv
+from draftport.outputs.traffic_report import traffic_section
 
 
 def _read(path) -> Any:

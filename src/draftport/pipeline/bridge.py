@@ -47,12 +47,12 @@ import sys
 import time
 from base64 import urlsafe_b64decode, urlsafe_b64encode
 from pathlib import Path
+
 import yaml
 
-from draftport.plan import params
 from draftport.errors import DraftportError
 from draftport.files import atomic_write_text
-from draftport.plan import registry
+from draftport.plan import params, registry
 from draftport.plan.registry import art, done
 
 SMK_PARAMS_DIR = ".snakemake/draftport/params"

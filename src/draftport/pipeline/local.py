@@ -22,9 +22,7 @@ from pathlib import Path
 
 from draftport.errors import DraftportError
 from draftport.pipeline import bridge
-from draftport.plan import cluster
-from draftport.plan import params
-from draftport.plan import registry
+from draftport.plan import cluster, params, registry
 
 TRACKING_ENV = "DRAFTPORT_TRACKING"  # "off": the runner opens no MLflow run (draftport.pipeline.runner)
 

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from draftport.plan import params as schema
 from draftport.errors import DraftportError
 from draftport.files import atomic_write_text, load_json
 from draftport.pipeline.bridge import drop_snakemake_records, record_for_snakemake
+from draftport.plan import params as schema
 from draftport.plan import registry
 from draftport.progress import LogWriter
 

@@ -37,17 +37,24 @@ from pathlib import Path
 
 from rich.console import Console, Group
 
+# the estimate's storage terms, read through it (draftport estimate's tests and callers)
+from draftport.data.storage import (  # noqa: F401
+    DISK_MARGIN,
+    MODES,
+    SPOOL_GB,
+    TOKEN_BYTES,
+    _positive,
+    bytes_per_token,
+    check_storage,
+    storage_need,
+)
 from draftport.errors import DraftportError
 from draftport.evaluation.budget import schedule
-from draftport.plan.cluster import rule_resources
-from draftport.plan.params import resolved_eval_sets
-from draftport.plan.curves import budget_steps, points
-from draftport.data.storage import MODES, SPOOL_GB, _positive, bytes_per_token, storage_need
-
-# the estimate's storage terms, read through it (draftport estimate's tests and callers)
-from draftport.data.storage import DISK_MARGIN, TOKEN_BYTES, check_storage  # noqa: F401
 from draftport.model.config import target_text_config
 from draftport.outputs.render import estimate_renderables
+from draftport.plan.cluster import rule_resources
+from draftport.plan.curves import budget_steps, points
+from draftport.plan.params import resolved_eval_sets
 from draftport.profile.rates import _packaged, capture_bench, newest_capture_bench
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository (src/draftport/profile/estimate.py)

@@ -27,12 +27,11 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
 from draftport.data.capture import check_aux_ids
 from draftport.errors import DraftportError
+from draftport.files import atomic_write_text, load_json
 from draftport.model.config import DrafterConfig, parse_config
-from draftport.files import load_json
 from draftport.model.formats import read_header, weight_files
-from draftport.files import atomic_write_text
-from draftport.profile import estimate
 from draftport.plan import params
+from draftport.profile import estimate
 
 # a flat config without draftport's marker: SpecForge / SGLang train most flat drafters (AQ-MedAI's
 # too), and SGLang numbers an aux id k as the state leaving layer k

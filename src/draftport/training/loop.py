@@ -40,18 +40,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from draftport.files import atomic_dir
 from draftport.data.shards import FeatureSet
-from draftport.model.device import describe as describe_device, out_of_memory, peak_tflops, process_age_s
+from draftport.errors import DraftportError
+from draftport.files import atomic_dir
+from draftport.model.device import describe as describe_device
+from draftport.model.device import out_of_memory, peak_tflops, process_age_s
 from draftport.model.device import pick as pick_device
 from draftport.model.drafter import Eagle3Drafter
 from draftport.model.fast.path import FastPath, compile_count
-from draftport.model.flops import sample_flops, shape_of as flops_shape
-from draftport.errors import DraftportError
+from draftport.model.flops import sample_flops
+from draftport.model.flops import shape_of as flops_shape
+from draftport.plan.params import TrainConfig  # the train groups of params.yaml: a pydantic model
 from draftport.progress import Logger
 from draftport.training.batches import StepBatches, batch_ids  # noqa: F401 (batch_ids: the loop's public name)
 from draftport.training.optim import AdamW
-from draftport.plan.params import TrainConfig  # the train groups of params.yaml: a pydantic model
 from draftport.training.ttt import combine, stats_to_float, ttt_terms
 
 
@@ -150,8 +152,8 @@ def save_checkpoint(
     where their capture restarts; step x batch size). anchor: the digest of the L2-SP anchor
     (anchor_digest; None without one).
     A full disk is a DraftportError; the previous checkpoints stay as they were."""
-    from draftport.model.formats import save_safetensors
     from draftport.files import disk_full_error
+    from draftport.model.formats import save_safetensors
 
     if sharded is not None:
         model, moments, steps = _gather_full_state(sharded, opt)

@@ -10,16 +10,16 @@ from typing import Literal
 
 import torch
 
-from draftport.model.bind import check_features_fit, drafter_for_target, target_head
-from draftport.model.formats import load_drafter_state, save_drafter
-from draftport.files import atomic_write_text, sha256
-from draftport.model.config import DrafterConfig, read_config
-from draftport.model.device import pick as pick_device
+from draftport.data.draftmap import cfg_d2t, read_vocab
 from draftport.data.shards import FeatureChain, FeatureSet, chain_parts, check_disjoint, open_set
 from draftport.data.storage import SPOOL_GB
-from draftport.data.draftmap import cfg_d2t, read_vocab
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import held_out_monitor
+from draftport.files import atomic_write_text, sha256
+from draftport.model.bind import check_features_fit, drafter_for_target, target_head
+from draftport.model.config import DrafterConfig, read_config
+from draftport.model.device import pick as pick_device
+from draftport.model.formats import load_drafter_state, save_drafter
 from draftport.model.vocab import check_maps, compare_maps, remap_lm_head
 from draftport.training.loop import train
 

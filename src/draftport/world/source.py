@@ -9,12 +9,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from draftport.data.draftmap import build_vocab
 from draftport.data.features import build_features, read_samples
 from draftport.data.fetch import publish_to_cache
 from draftport.errors import DraftportError
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.model.bind import new_drafter_config, target_sizes
-from draftport.data.draftmap import build_vocab
 from draftport.training.phases import train_phase
 
 

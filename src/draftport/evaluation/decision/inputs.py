@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from draftport.errors import DraftportError
 
-
 INITS = ("source", "scratch")
 PHASES = ("phase0", "phase1_scratch", "phase1", "phase2")
 

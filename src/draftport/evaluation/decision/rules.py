@@ -4,10 +4,9 @@ docs/decision.md states them, and one function per rule returning its value and 
 from __future__ import annotations
 
 from draftport.evaluation.bootstrap import paired_diff_ci
-from draftport.evaluation.traffic import named_diff
 from draftport.evaluation.decision.inputs import INITS
 from draftport.evaluation.decision.text import _fmt_ci
-
+from draftport.evaluation.traffic import named_diff
 
 # The rules, word for word as docs/decision.md states them (a test keeps the two equal).
 RULES = {

@@ -4,11 +4,10 @@ serving configurations, the depth arm, and the drafter to train with its payback
 from __future__ import annotations
 
 from draftport.evaluation.bootstrap import paired_diff_ci, tau_ci
-from draftport.evaluation.traffic import named_diff
-from draftport.evaluation.decision.inputs import _arm_order, _curve_depths, _curve_groups, INITS
+from draftport.evaluation.decision.inputs import INITS, _arm_order, _curve_depths, _curve_groups
 from draftport.evaluation.decision.rules import _arm_gain, _verdict
 from draftport.evaluation.decision.text import _fmt_ci
-
+from draftport.evaluation.traffic import named_diff
 
 # ---------------------------------------------------------------- the decision
 

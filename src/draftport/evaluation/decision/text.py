@@ -7,7 +7,6 @@ import math
 
 from draftport.evaluation.decision.inputs import _arm_order
 
-
 # ---------------------------------------------------------------- formatting
 
 

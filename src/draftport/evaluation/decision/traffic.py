@@ -7,23 +7,22 @@ import json
 
 from draftport.errors import DraftportError
 from draftport.evaluation.bootstrap import paired_diff_ci
+from draftport.evaluation.decision.inputs import _arm_order, _curve_groups, _phase_counts
+from draftport.evaluation.decision.text import _fmt_ci, _pct
 from draftport.evaluation.traffic import (
+    DEFAULT_SET,
     bucket_counts,
     bucket_diffs,
     bucket_names,
     bucket_taus,
     check_context_limit,
     check_edges,
-    DEFAULT_SET,
     fit_sets,
     named_diff,
     set_diffs,
     set_taus,
     strata_of,
 )
-from draftport.evaluation.decision.inputs import _arm_order, _curve_groups, _phase_counts
-from draftport.evaluation.decision.text import _fmt_ci, _pct
-
 
 # ---------------------------------------------------------------- the traffic (R10)
 

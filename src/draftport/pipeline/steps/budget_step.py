@@ -21,8 +21,8 @@ from draftport.data.fetch import place
 from draftport.data.shards import write_chain
 from draftport.evaluation.accept import evaluate_drafter
 from draftport.evaluation.budget import explain, next_n, project_next_gain, stop_reason
-from draftport.evaluation.traffic import strata_of
 from draftport.evaluation.hours import devices
+from draftport.evaluation.traffic import strata_of
 from draftport.pipeline.runner import StepContext, checkpoints, read_json, write_json
 from draftport.plan.cluster import rule_resources
 from draftport.plan.curves import train_config

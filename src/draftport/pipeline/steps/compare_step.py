@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from draftport.model.config import DrafterConfig, read_config, target_text_config
 from draftport.data.draftmap import read_vocab
+from draftport.model.config import DrafterConfig, read_config, target_text_config
 from draftport.model.fixtures import write_header_only_drafter
 from draftport.model.formats import inspect_drafter
 from draftport.outputs.compare import compare_drafters

@@ -11,9 +11,9 @@ import torch
 
 from draftport.errors import DraftportError
 from draftport.model.config import read_config, target_text_config
-from draftport.plan.registry import is_hub_id
 from draftport.pipeline.runner import StepContext, write_json
 from draftport.plan.params import TrainConfig
+from draftport.plan.registry import is_hub_id
 
 
 def world(s: StepContext) -> dict:
@@ -161,8 +161,8 @@ def _features(
     only); held-out and evaluation sets are always stored with their states. regenerate false:
     the prompts file's own answers, teacher-forced (one prefill per sample)."""
     # lazy (registry): fetch and vocab_new run this module without the capture
-    from draftport.data.features import build_features
     from draftport.data.capture import trusted
+    from draftport.data.features import build_features
     from draftport.model.device import out_of_memory
 
     f = s.p["features"]

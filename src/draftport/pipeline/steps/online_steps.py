@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftport.evaluation import online as online_check
 from draftport.errors import DraftportError
+from draftport.evaluation import online as online_check
 from draftport.pipeline.runner import StepContext, read_json, run_file
 from draftport.pipeline.tracking import PhaseRun
 
