@@ -236,7 +236,7 @@ def test_report_builds_from_metrics(tmp_path):
     assert "data:image/png;base64," in (out / "summary.html").read_text()
 
 
-# The kimi profile's plan (jobs, resources, torchrun commands): tests/pipeline/test_kimi_plan.py
+# The kimi profile's plan (jobs, resources, torchrun commands): tests/plan/test_kimi_plan.py
 
 # The world takes its values from the params' world group (no copy of them in draftport.world):
 # tests/data/test_world.py::test_the_world_is_built_from_the_params_world_group

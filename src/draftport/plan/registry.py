@@ -55,7 +55,7 @@ class Step:
 # imports (the step's lifecycle, the params' schema, the step table, the tools' records, progress,
 # atomic files). No step's code dependency: rewording a param's help or editing the runner reruns
 # nothing. A step's values are its params (every value a step uses is written in params.yaml:
-# tests/pipeline/test_params.py), its code the modules its row lists.
+# tests/plan/test_params.py), its code the modules its row lists.
 PLUMBING_MODULES = ("errors", "files", "plan.params", "progress", "plan.registry", "pipeline.runner", "pipeline.bridge")
 
 FEATURE_KEYS = (

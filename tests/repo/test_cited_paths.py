@@ -56,8 +56,8 @@ def cited_paths() -> dict[str, list[str]]:
 
 
 def test_the_finder_sees_paths_and_skips_patterns():
-    assert CITED.findall("see tests/pipeline/test_docs.py and docs/decision.md#rules.") == [
-        "tests/pipeline/test_docs.py",
+    assert CITED.findall("see tests/repo/test_docs.py and docs/decision.md#rules.") == [
+        "tests/repo/test_docs.py",
         "docs/decision.md",
     ]
     assert PATTERN.search("benchmarks/results/<date>-h200-train") and PATTERN.search("tests/{model,data}")

@@ -213,7 +213,7 @@ def test_the_docs_have_commands():
 def test_command_runs_as_written(where, argv):
     check = CHECKS.get(argv[0])
     assert check is not None, (
-        f"{where}: no cheap form known for {argv[0]!r}: teach tests/pipeline/test_docs.py "
+        f"{where}: no cheap form known for {argv[0]!r}: teach tests/repo/test_docs.py "
         f"one, or put the command in a ```text block if it cannot run here"
     )
     for call in check(argv):
