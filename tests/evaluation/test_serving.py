@@ -254,7 +254,9 @@ def test_break_even_is_taken_at_each_ns_best_configuration():
     assert bc["target_alone_tok_s"] == pytest.approx(82.0)
     rec = d["recommendation"]
     assert rec["n_samples"] == 100 and d["smallest_n_beating_break_even"]["source"] == 100
-    assert any(x.startswith("Break-even from n=100 samples") and "chain k=6 at batch 1" in x for x in rec["text"])
+    r2 = next(x for x in rec["text"] if x.startswith("Break-even from n=100 samples"))
+    lo, hi = bc["tok_s_ci"]
+    assert f"chain k=6 at batch 1: {bc['tok_s']:.1f} tok/s a request (CI [{lo:.1f}, {hi:.1f}])" in r2
     # curves without depths (a budget's rounds, an older curves.json): R2 at eval.k even with serving
     flat = {
         "points": [

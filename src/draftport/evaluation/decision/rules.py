@@ -169,9 +169,10 @@ def rule_r2_data(init: str, smallest: dict, curves_out: dict, break_even: float)
 
 
 def _cfg_fig(c: dict) -> str:
+    lo, hi = c["tok_s_ci"]
     return (
         f"chain k={c['k']} at batch {c['batch_size']}: {c['tok_s']:.1f} tok/s a request "
-        f"(CI {_fmt_ci(c['tok_s_ci'])}) against the target alone's {c['target_alone_tok_s']:.1f}"
+        f"(CI [{lo:.1f}, {hi:.1f}]) against the target alone's {c['target_alone_tok_s']:.1f}"
     )
 
 
