@@ -98,6 +98,8 @@ from draftport.model.fast import loss as fast_loss  # noqa: E402
 from draftport.model.fast.attention import Segments, ttt_attention  # noqa: E402
 from draftport.model.fast.path import COMPILE_TUNING, FastPath  # noqa: E402
 from draftport.model.fast.unroll import unroll as fast_unroll  # noqa: E402
+from draftport.model.flops import flops_per_token as model_flops  # noqa: E402
+from draftport.model.flops import shape_of  # noqa: E402
 from draftport.training import optim  # noqa: E402
 from draftport.training.loop import TrainConfig, train_step  # noqa: E402
 from draftport.training.ttt import combine, counted_rows, stats_to_float, ttt_terms  # noqa: E402
@@ -253,7 +255,7 @@ def flops_per_token(cfg: DrafterConfig, T: int, steps: int, lm_head_trainable: b
     attn = [2 * 2 * q * ((T + 1) / 2 + j) for j in range(steps)]
     fc = 2 * cfg.fc_in * H
     per_step_fwd = qkv + o + mlp + head
-    train = steps * 3 * (qkv + o + mlp) + 3 * sum(attn) + steps * (3 if lm_head_trainable else 2) * head + 2 * fc + head
+    train = model_flops(shape_of(cfg), T, steps, lm_head_trainable)  # the count MFU is measured with: one copy
     emb_half = 2 * H * (q + 2 * kv)
     executed = train - 3 * emb_half * (steps - (T - 1 + steps) / T)
     return {

@@ -55,13 +55,27 @@ SMALL = {
 }
 
 
-def test_flop_count_is_the_benchmarks():
-    for name in ("kimi", "llama70b", "qwen3-30b-a3b"):
-        cfg = DrafterConfig(**bench.SIZES[name], aux_layer_ids=[2, 30, 58])
-        for T, tr in ((2048, False), (4096, True)):
-            assert train_rates.flops_per_token(bench.SIZES[name], T, 7, tr) == pytest.approx(
-                bench.flops_per_token(cfg, T, 7, tr)["train"]
-            )
+def test_flop_count_by_hand():
+    """The one FLOP count (model.flops; the benchmark's MFU reads it too), term by term on a toy
+    shape: H 4, I 8, 2 heads and 1 kv head of 2, draft vocab 10, fc input 12; T 3, 2 TTT steps."""
+    toy = {
+        "hidden_size": 4,
+        "intermediate_size": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 2,
+        "draft_vocab_size": 10,
+        "fc_in": 12,
+    }
+    qkv, o, mlp, head = 2 * 2 * 4 * (4 + 2 * 2), 2 * 4 * 4, 2 * 3 * 4 * 8, 2 * 4 * 10  # 128, 32, 192, 80
+    attn = 2 * 2 * 4 * ((3 + 1) / 2 + 0) + 2 * 2 * 4 * ((3 + 1) / 2 + 1)  # 32 + 48
+    fc = 2 * 12 * 4
+    trained_head = 2 * 3 * (qkv + o + mlp) + 3 * attn + 2 * 3 * head + 2 * fc + head
+    assert trained_head == 3104
+    assert train_rates.flops_per_token(toy, 3, 2, True) == 3104
+    assert train_rates.flops_per_token(toy, 3, 2, False) == 3104 - 2 * head  # a frozen head: 2x, not 3x
+    cfg = DrafterConfig(**{k: v for k, v in toy.items() if k != "fc_in"}, vocab_size=16, aux_layer_ids=[0, 1, 2])
+    assert bench.flops_per_token(cfg, 3, 2, True)["train"] == 3104  # fc_in 3H = 12
 
 
 def test_measured_interpolated_nearest(tmp_path):
