@@ -96,20 +96,7 @@ from draftport.evaluation.decision.traffic import (  # noqa: F401 - re-exported
     recommended_phase,
     rule_r10_traffic,
 )
-from draftport.evaluation.traffic import (  # noqa: F401 - re-exported, as the single module imported them
-    DEFAULT_SET,
-    bucket_counts,
-    bucket_diffs,
-    bucket_names,
-    bucket_taus,
-    check_context_limit,
-    check_edges,
-    fit_sets,
-    named_diff,
-    set_diffs,
-    set_taus,
-    strata_of,
-)
+from draftport.evaluation.traffic import strata_of
 
 SCHEMA = "draftport.decision/1"  # the file format's name, not a module path: it stays when code moves
 DEFAULT_PATH = Path("artifacts/decision/decision.json")

@@ -129,13 +129,17 @@ def rule_r1_init(gain: list[dict]) -> tuple[str, bool, str, str]:
     )
 
 
+def _r2_pick(init: str, smallest: dict) -> tuple[int | None, str | None]:
+    """R2's n and the arm it comes from: the init's smallest n, for "either" the smaller of the two."""
+    if init != "either":
+        return smallest.get(init), init
+    cands = [(n, i) for i, n in smallest.items() if n is not None]
+    return min(cands) if cands else (None, None)
+
+
 def rule_r2_data(init: str, smallest: dict, curves_out: dict, break_even: float) -> tuple[int | None, str, str]:
     """(n_samples, fired, sentence)."""
-    if init == "either":
-        cands = [(n, i) for i, n in smallest.items() if n is not None]
-        n, which = min(cands) if cands else (None, None)
-    else:
-        n, which = smallest.get(init), init
+    n, which = _r2_pick(init, smallest)
     if n is not None:
         row = next(r for r in curves_out[which] if r["n_samples"] == n)
         return (
@@ -181,11 +185,7 @@ def rule_r2_best(init: str, smallest: dict, curves_out: dict, break_even: float)
     configuration (its row's best_config: the target alone's tok/s stands for break_even) ->
     (n_samples, fired, sentence)."""
     arms = INITS if init == "either" else (init,)
-    if init == "either":
-        cands = [(n, i) for i, n in smallest.items() if n is not None]
-        n, which = min(cands) if cands else (None, None)
-    else:
-        n, which = smallest.get(init), init
+    n, which = _r2_pick(init, smallest)
     if n is not None:
         c = next(r for r in curves_out[which] if r["n_samples"] == n)["best_config"]
         return (
