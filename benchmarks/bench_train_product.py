@@ -251,8 +251,11 @@ def smoke(a, device, tmp: Path, log) -> list[dict]:
     lengths = [17, 200, 1, 64, 130, 255, 2, 90, 300, 48, 77, 129] * 2
     fs, head = synthetic_features(tmp / "feats-smoke", shape, lengths, device)
     rows = []
+    only = set(a.only.split(",")) if a.only else None
     for attention in attention_choices():
         for packed in ("padded", "varlen", "segments"):
+            if only is not None and f"{attention}:{packed}" not in only:
+                continue
             row = {"attention": attention, "packing": packed}
             t0 = time.perf_counter()
             try:
@@ -295,6 +298,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="flash")
     p.add_argument("--tuning", action="store_true", help="compile_tuning on (off: inductor's defaults)")
     p.add_argument("--smoke-steps", type=int, default=4)
+    p.add_argument("--only", default=None, help="smoke: these attention:packing choices (e.g. cudnn:varlen,cudnn:segments)")
     p.add_argument("--out", default=None)
     p.add_argument("--which", choices=("product", "bench"), help=argparse.SUPPRESS)
     p.add_argument("--folder", default=None, help=argparse.SUPPRESS)

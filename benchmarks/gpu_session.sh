@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/gpu.txt"
 case "${1:-kernels}" in
 kernels)
-    timeout "${SMOKE_S:-560}" python3 benchmarks/bench_train_product.py smoke --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
+    timeout "${SMOKE_S:-560}" python3 benchmarks/bench_train_product.py smoke ${ONLY:+--only "$ONLY"} --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
     grep -E "^(flash|cudnn|fa4) " "$OUT/smoke.log"
     ;;
 product)

@@ -411,7 +411,7 @@ def test_host_loss_share_spares_the_count_when_few_rows_are_out(monkeypatch):
     assert full.loss_share == pytest.approx(float((b.loss_mask & b.valid).sum()) / b.loss_mask.numel())
     calls = []
     real = fast_loss.count_rows
-    monkeypatch.setattr(fast_loss, "count_rows", lambda oks: calls.append(len(oks)) or real(oks))
+    monkeypatch.setattr(fast_loss, "count_rows", lambda oks, fixed=False: calls.append(len(oks)) or real(oks, fixed))
     d = toy_drafter(cfg, seed=7).double()
     for loss_share, counted in ((1.0, False), (0.5, True), (None, True)):
         calls.clear()
@@ -485,7 +485,28 @@ def test_live_rows_are_nested_prefixes_rounded_up_and_spare_dense_batches():
     assert fast_loss.live_rows(oks, 1.0) is None and fast_loss.live_rows(oks[:1], None) is None
 
 
-def test_compiled_regions_give_the_eager_regions_terms_and_gradients(step_rows):
+def test_compiled_paths_select_rows_at_every_step_whatever_the_batch():
+    """fixed (FastPath.compile): the counted and live rows are selected at every step, dense
+    batches too, so the first batch past SKIP_MIN compiles no second set of graphs mid-training
+    (an H100's trainings did at steps 19 and 26); the counts round up to the multiple."""
+    N = 32
+    full = torch.ones(1, N, dtype=torch.bool)
+    few_off = full.clone()
+    few_off[0, :1] = False  # 1 of 32 < 32 / 16: unfixed, every row
+    none = torch.zeros(1, N, dtype=torch.bool)
+    idx = fast_loss.count_rows([full, few_off, none], fixed=True).rows_to_run()
+    assert idx[0].tolist() == list(range(N)) and idx[1].tolist() == list(range(1, N))
+    assert idx[2].tolist() == [0]
+    counts = fast_loss.count_rows([few_off], fixed=True)
+    counts.multiple = 8
+    assert counts.rows_to_run()[0].numel() == N  # 31 -> 32
+    assert fast_loss.count_rows([few_off]).rows_to_run() == [None]
+    assert fast_loss.LiveRows([full, few_off], multiple=1, fixed=True).rows(1).numel() == N - 1
+    assert fast_loss.LiveRows([full, few_off], multiple=1).rows(1) is None
+    assert fast_loss.live_rows([full, few_off], 1.0, fixed=True) is not None
+
+
+def test_compiled_regions_give_the_eager_regions_terms_and_gradients(step_rows, monkeypatch):
     """FastPath(compile=True) (what train() and the benchmark run on the GPU, the rope's cos/sin
     a region of their own) on the CPU: the fast TTT loss and gradients of the eager regions (fp64
     data; six samples packed, TTT 3, so token fills, the per-sample positions and the dead rows'
@@ -493,6 +514,8 @@ def test_compiled_regions_give_the_eager_regions_terms_and_gradients(step_rows):
     fp32 cos/sin may differ from eager's in the last bits."""
     cfg = toy_cfg()
     head, batch = _fp64_problem(cfg, True, seed=11)
+    # the selected rows rounded up as on CUDA (the rows past a step's count weigh 0)
+    monkeypatch.setattr(fast_loss, "row_multiple", lambda t: 8)
     out = []
     for compile_, apart in ((False, True), (False, False), (True, True)):
         d = toy_drafter(cfg, seed=7).double()

@@ -204,6 +204,11 @@ SKIP_MIN = 1 / 16
 LIVE_MULTIPLE = 128
 
 
+def row_multiple(t: torch.Tensor) -> int:
+    """What a step's selected rows are rounded up to: LIVE_MULTIPLE on CUDA, 1 on the CPU."""
+    return LIVE_MULTIPLE if t.is_cuda else 1
+
+
 class _HostCounts:
     """A small device tensor's values on the host without stalling the GPU: on CUDA an
     asynchronous copy into pinned memory behind an event, so tolist() waits for that copy alone,
@@ -233,19 +238,25 @@ class RowCounts:
     no host sync); rows_to_run() waits for the copy alone, which the GPU reaches before the
     drafter's forward queued in between."""
 
-    def __init__(self, oks: list[torch.Tensor]):
+    def __init__(self, oks: list[torch.Tensor], fixed: bool = False):
         ok_all = torch.stack([ok.reshape(-1) for ok in oks])  # [S, B*T]
-        self.rows = ok_all.shape[1]
+        self.rows, self.fixed = ok_all.shape[1], fixed
         self.order = torch.argsort((~ok_all).to(torch.int8), dim=1, stable=True)  # counted rows first
         self.counts = _HostCounts(ok_all.sum(1))
+        self.multiple = row_multiple(ok_all)
 
     def rows_to_run(self) -> list[torch.Tensor | None]:
         """Per step: the counted rows' indices in the flattened [B*T] (ascending) when at least
         SKIP_MIN of its rows are not counted, else None (every row); a step with no counted row
-        runs row 0, at weight 0."""
+        runs row 0, at weight 0. fixed (compiled regions): always the rows, their count rounded
+        up to LIVE_MULTIPLE on CUDA (the extra rows weigh 0), so that every step takes the one
+        path and the first step past the threshold compiles nothing new."""
         out = []
         for j, n in enumerate(self.counts.tolist()):
-            if n > (1 - SKIP_MIN) * self.rows:
+            if self.fixed:
+                m = self.multiple
+                out.append(self.order[j, : min(self.rows, max(m, -(-n // m) * m))])
+            elif n > (1 - SKIP_MIN) * self.rows:
                 out.append(None)
             elif n == 0:
                 out.append(self.order[j, :1])
@@ -254,12 +265,12 @@ class RowCounts:
         return out
 
 
-def count_rows(oks: list[torch.Tensor]) -> RowCounts | None:
+def count_rows(oks: list[torch.Tensor], fixed: bool = False) -> RowCounts | None:
     """The rows counted, read back asynchronously (None: every row runs, as under CUDA-graph
-    capture or with no steps)."""
+    capture or with no steps). fixed: see RowCounts.rows_to_run."""
     if not oks or (oks[0].is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    return RowCounts(oks)
+    return RowCounts(oks, fixed)
 
 
 class LiveRows:
@@ -270,34 +281,36 @@ class LiveRows:
     that row's own later steps, so rows no step >= j scores (a sample's prompt, padding, a
     sample's last rows) need step 0 alone, for the causal keys every row reads."""
 
-    def __init__(self, oks: list[torch.Tensor], multiple: int | None = None):
+    def __init__(self, oks: list[torch.Tensor], multiple: int | None = None, fixed: bool = False):
         ok_all = torch.stack([ok.reshape(-1) for ok in oks])  # [S, N]
         S, self.n = ok_all.shape
         step = torch.arange(S, device=ok_all.device)
         last = torch.where(ok_all, step[:, None], -1).amax(0)  # [N], -1: never
         self.order = torch.argsort(-last, stable=True)
         counts = (last[None, :] >= step[:, None]).sum(1)  # [S]
-        self.multiple = multiple or (LIVE_MULTIPLE if ok_all.is_cuda else 1)
+        self.multiple = multiple or row_multiple(ok_all)
         self.counts = _HostCounts(counts)
+        self.fixed = fixed
 
     def rows(self, j: int) -> torch.Tensor | None:
-        """Step j's rows (a prefix of self.order), or None to keep every row."""
+        """Step j's rows (a prefix of self.order), or None to keep every row (never when fixed:
+        compiled regions see one path at every step, see RowCounts.rows_to_run)."""
         m = self.multiple
         n = min(self.n, max(m, -(-self.counts.tolist()[j] // m) * m))
-        return None if n > (1 - SKIP_MIN) * self.n else self.order[:n]
+        return None if (n > (1 - SKIP_MIN) * self.n and not self.fixed) else self.order[:n]
 
 
-def live_rows(oks: list[torch.Tensor], share: float | None) -> LiveRows | None:
+def live_rows(oks: list[torch.Tensor], share: float | None, fixed: bool = False) -> LiveRows | None:
     """The rows each step needs (None: every row, when the host-side share of loss rows leaves
     too few out, under CUDA-graph capture or with fewer than 2 steps). A batch without a
-    host-side share (built on the device) is counted."""
+    host-side share (built on the device) is counted. fixed: the rows at every step."""
     if (
         len(oks) < 2
-        or (share is not None and share > 1 - SKIP_MIN)
+        or (share is not None and share > 1 - SKIP_MIN and not fixed)
         or (oks[0].is_cuda and torch.cuda.is_current_stream_capturing())
     ):
         return None
-    return LiveRows(oks)
+    return LiveRows(oks, fixed=fixed)
 
 
 def _step_loss_counted(xn, w, t_prob, ok, idx, j: int, fast: FastPath):
@@ -342,9 +355,12 @@ def ttt_terms(drafter, batch, target_head: torch.Tensor, steps: int, fast: FastP
     # forward is queued
     oks = [counted_rows(batch, in_draft, j + 1) for j in range(steps)]
     share = getattr(batch, "loss_share", None)
-    few_out = share is not None and share > 1 - SKIP_MIN  # known on the host: nothing to wait for
-    counted = count_rows(oks) if (fast.skip_uncounted and not few_out) else None
-    live = live_rows(oks, share) if fast.skip_dead_rows else None
+    # compiled: the row selections at every step, whatever the batch (a first batch past the
+    # threshold would compile a second set of graphs mid-training)
+    fixed = fast.compile
+    few_out = share is not None and share > 1 - SKIP_MIN and not fixed  # known on the host: nothing to wait for
+    counted = count_rows(oks, fixed) if (fast.skip_uncounted and not few_out) else None
+    live = live_rows(oks, share, fixed) if fast.skip_dead_rows else None
     normed = drafter(
         batch.aux,
         batch.tokens,

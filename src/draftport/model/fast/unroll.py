@@ -312,8 +312,8 @@ def _hold_rows(h, held, rows):
         return h, held
     if held is None:
         h = select_rows(h, rows)
-    elif rows.numel() < held.numel():
-        h = h[:, : rows.numel()]  # a prefix of the rows held
+    else:  # a prefix of the rows held (a view even when all: one input layout for compiled regions)
+        h = h[:, : rows.numel()]
     return h, rows
 
 
