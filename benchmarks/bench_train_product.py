@@ -298,7 +298,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="flash")
     p.add_argument("--tuning", action="store_true", help="compile_tuning on (off: inductor's defaults)")
     p.add_argument("--smoke-steps", type=int, default=4)
-    p.add_argument("--only", default=None, help="smoke: these attention:packing choices (e.g. cudnn:varlen,cudnn:segments)")
+    p.add_argument("--only", default=None, help="smoke: these attention:packing choices only (cudnn:varlen,...)")
     p.add_argument("--out", default=None)
     p.add_argument("--which", choices=("product", "bench"), help=argparse.SUPPRESS)
     p.add_argument("--folder", default=None, help=argparse.SUPPRESS)
