@@ -257,6 +257,13 @@ def smoke(a, device, tmp: Path, log) -> list[dict]:
             if only is not None and f"{attention}:{packed}" not in only:
                 continue
             row = {"attention": attention, "packing": packed}
+            try:  # refused before any compute (the params refuse it the same way)
+                FastPath(attention=attention, packed_attention="auto" if packed == "padded" else packed)
+            except ValueError as e:
+                row.update(status="refused", error=str(e))
+                log(f"{attention:6s} {packed:9s} refused {e}")
+                rows.append(row)
+                continue
             t0 = time.perf_counter()
             try:
                 row["kernel_rel_err"] = kernel_check(attention, packed, device)

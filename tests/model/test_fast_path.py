@@ -30,13 +30,16 @@ CHUNK5 = FastPath(target_chunk=5, loss_chunk=5)
 
 # ---- FastPath ----------------------------------------------------------------------------------
 def test_fast_path_takes_known_names_and_picks_each_variant():
-    """Its names are checked; packed_attention auto runs segments under cudnn and varlen under
-    flash and fa4; it is frozen; kernel() hands back the function itself, or one compiled
-    version per (function, tuning) when the path compiles."""
-    for attention, packed in (("cudnn", "segments"), ("flash", "varlen"), ("fa4", "varlen")):
-        assert FastPath(attention=attention).packed == packed
+    """Its names are checked; packed_attention auto runs varlen under every attention, and
+    segments is refused under cudnn (cuDNN rejects a one-token segment: s_q = s_kv = 1 on an
+    H100); it is frozen; kernel() hands back the function itself, or one compiled version per
+    (function, tuning) when the path compiles."""
+    for attention in ("cudnn", "flash", "fa4"):
+        assert FastPath(attention=attention).packed == "varlen"
     assert FastPath(attention="cudnn", packed_attention="varlen").packed == "varlen"
     assert FastPath(packed_attention="segments").packed == "segments"
+    with pytest.raises(ValueError, match="one-token segments"):
+        FastPath(attention="cudnn", packed_attention="segments")
     with pytest.raises(ValueError, match="auto, varlen or segments"):
         FastPath(packed_attention="ragged")
     with pytest.raises(ValueError, match="flash, cudnn or fa4"):

@@ -514,6 +514,11 @@ def test_train_config_is_the_train_group():
         ({"lr": True}, "train.lr: expected a number, got True"),
         ({"parallel": "zero3"}, 'train.parallel: must be one of ddp, fsdp; got "zero3"'),
         ({"stesp": 3}, "train.stesp: unknown key (did you mean train.steps?)"),
+        (
+            {"fast": {"attention": "cudnn", "packed_attention": "segments"}},
+            "train.fast.packed_attention: segments under attention cudnn: cuDNN refuses a one-token segment "
+            "(s_q = s_kv = 1, measured on an H100); use varlen or auto",
+        ),
     ]:
         with pytest.raises(params.ParamsError) as e:
             TrainConfig(**kw)

@@ -147,7 +147,7 @@ def test_fast_params_describe_each_step_and_a_change_of_them_still_resumes(tmp_p
     )
     # 4 steps: under fast.tune_min_steps, so compiled without the tuning search
     assert seen[-1] == FastPath(attention="cudnn", compile_tuning=False, accumulate_wgrad=True)
-    assert seen[-1].packed == "segments"
+    assert seen[-1].packed == "varlen"
     other = {"attention": "fa4", "packed_attention": "segments", "compile_tuning": False}
     res = train(toy_drafter(seed=5), fs, head, tmp_path / "run", TrainConfig(**base, fast=other), progress=False)
     assert res["resumed_from"] == 2 and res["steps"] == 4

@@ -159,7 +159,8 @@ class FastParams(Group):
     packed_attention: Literal["auto", "varlen", "segments"] = F(
         "auto",
         "packed rows' causal attention on CUDA: varlen (the kernel's variable-length form, one call for "
-        "all samples), segments (the dense kernel once per sample); auto: segments under cudnn, else varlen",
+        "all samples; flash's kernel under every attention), segments (the dense kernel once per sample; "
+        "refused under cudnn, which rejects one-token segments); auto: varlen",
     )
     compile_tuning: bool = F(
         True,
@@ -173,6 +174,17 @@ class FastParams(Group):
         "phases) never earns back",
         ge=0,
     )
+
+
+    @field_validator("packed_attention")
+    @classmethod
+    def _kernel_takes_it(cls, v: str, info) -> str:
+        if v == "segments" and info.data.get("attention") == "cudnn":
+            raise _problem(
+                "segments under attention cudnn: cuDNN refuses a one-token segment (s_q = s_kv = 1, "
+                "measured on an H100); use varlen or auto"
+            )
+        return v
 
 
 class TrainConfig(Group):

@@ -232,7 +232,11 @@ class _SelectRows(torch.autograd.Function):
         ctx.shape = x.shape
         ctx.save_for_backward(idx)
         B, T = x.shape[:2]
-        return x.reshape(B * T, *x.shape[2:]).index_select(0, idx).unsqueeze(0)
+        # written into a fresh [1, n, ...], not a view of a 2-D result: compiled regions guard
+        # a view's base strides, and inputs of one layout at every step compile once
+        out = x.new_empty(1, idx.numel(), *x.shape[2:])
+        torch.index_select(x.reshape(B * T, *x.shape[2:]), 0, idx, out=out[0])
+        return out
 
     @staticmethod
     def backward(ctx, g):

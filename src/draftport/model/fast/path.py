@@ -34,8 +34,8 @@ class FastPath:
     # flash (FlashAttention 2 in torch), cudnn (cuDNN's fused attention), fa4 (FlashAttention-4,
     # package flash-attn-4, Hopper/Blackwell)
     attention: Literal["flash", "cudnn", "fa4"] = "flash"
-    # packed rows on CUDA: varlen (the kernel's variable-length form, one call for all samples),
-    # segments (the dense kernel once per sample), auto (segments under cudnn, else varlen)
+    # packed rows on CUDA: varlen (flash's variable-length kernel, one call for all samples),
+    # segments (the dense kernel once per sample; not under cudnn), auto (varlen)
     packed_attention: Literal["auto", "varlen", "segments"] = "auto"
     # the elementwise regions and kernels through torch.compile (impl: compiled)
     compile: bool = False
@@ -70,15 +70,15 @@ class FastPath:
             raise ValueError(f"attention {self.attention!r}: flash, cudnn or fa4")
         if self.packed_attention not in PACKED_ATTENTION:
             raise ValueError(f"packed attention {self.packed_attention!r}: auto, varlen or segments")
+        if self.attention == "cudnn" and self.packed_attention == "segments":
+            raise ValueError("packed attention segments under cudnn: cuDNN refuses one-token segments")
         if self.target_chunk < 1 or self.loss_chunk < 1:
             raise ValueError(f"chunks must hold a row at least: {self.target_chunk}, {self.loss_chunk}")
 
     @property
     def packed(self) -> str:
-        """varlen or segments: how packed rows' causal part runs on CUDA under this attention."""
-        if self.packed_attention == "auto":
-            return "segments" if self.attention == "cudnn" else "varlen"
-        return self.packed_attention
+        """varlen or segments: how packed rows' causal part runs on CUDA."""
+        return "varlen" if self.packed_attention == "auto" else self.packed_attention
 
     def kernel(self, fn):
         """fn, or its compiled version when this path compiles."""
@@ -108,9 +108,14 @@ def allow_recompiles(n: int = 64) -> None:
             setattr(cfg, name, max(getattr(cfg, name), n))
     # two sizes equal by chance (a row's count and a vocab slice) become one symbol under duck
     # sizing, and the first step where they differ recompiles (an H100's steps 19 and 26)
+    import torch._inductor.config as inductor_cfg
     import torch.fx.experimental._config as fx_cfg
 
     fx_cfg.use_duck_shape = False
+    # its fusion test guards each graph on 1280 <= rows < 8192 (H100: a TTT step's live rows
+    # crossing 1280 recompiled at step 19); it fuses only at rows >= 8192 anyway
+    if hasattr(inductor_cfg.triton, "mix_order_reduction"):
+        inductor_cfg.triton.mix_order_reduction = False
 
 
 def compile_count() -> int:

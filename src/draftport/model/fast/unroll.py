@@ -312,8 +312,9 @@ def _hold_rows(h, held, rows):
         return h, held
     if held is None:
         h = select_rows(h, rows)
-    else:  # a prefix of the rows held (a view even when all: one input layout for compiled regions)
-        h = h[:, : rows.numel()]
+    else:  # a prefix of the rows held, copied: a slice's strides are its parent's, and a
+        # compiled region guards them (each new row count would compile again)
+        h = h[:, : rows.numel()].clone()
     return h, rows
 
 
