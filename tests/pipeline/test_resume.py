@@ -151,6 +151,36 @@ def test_non_finite_loss_names_the_step_and_keeps_the_last_good_checkpoint(tmp_p
     assert resumable(latest_checkpoint(ck), cfg)
 
 
+def test_a_finished_curve_point_s_record_replaces_its_checkpoints(tmp_path, monkeypatch):
+    """A curve point (or budget seed) that finished writes its result beside the step's
+    checkpoints and removes its own (a real-shape point's weights and moments filled a 64 GB GPU
+    node by the sixth point); a killed step that runs again reads the record instead of training
+    the point, and a record of another job (other steps) is not taken."""
+    from draftport.pipeline.steps import curve_steps
+    from draftport.training import phases
+
+    ckpt = tmp_path / "checkpoints" / "train_curves" / "source_n8_s0"
+    pt = {"name": "source_n8_s0", "arm": "source", "init": "source", "n_samples": 8, "seed": 0}
+    kw = {"features_dir": [str(tmp_path / "feats")], "n_samples": 8, "init": "source", "ckpt_dir": ckpt}
+    job = {"i": 1, "of": 1, "point": pt, "kw": kw, "train": {"steps": 4}, "out": str(tmp_path / "p"), "parent": None}
+    trained = []
+
+    def fake_train_phase(out, logger=None, progress=True, **kw):  # the checkpoint a training leaves
+        trained.append(kw["train_cfg"].steps)
+        (kw["ckpt_dir"] / "step_0000004").mkdir(parents=True)
+        return {"train_steps": 4, "stopped_early": False, "curve": [[4, 1.0]], "final": {"loss": 1.0}, "run": {}}
+
+    monkeypatch.setattr(phases, "train_phase", fake_train_phase)
+    res = curve_steps._train_point(job)
+    assert trained == [4] and not ckpt.exists() and res["train_steps"] == 4
+    assert json.loads(curve_steps.done_path(job).read_text())["result"] == res
+    assert curve_steps._train_point(job) == res and trained == [4]  # read, not trained again
+    other = {**job, "train": {"steps": 5}}
+    assert curve_steps.finished(other) is None
+    curve_steps._train_point(other)
+    assert trained == [4, 5]
+
+
 @pytest.mark.slow
 def test_torchrun_training_rule_two_ranks_match_one_process(copies, tmp_path):
     """resources.<rule>.torchrun: Snakemake launches the step under torchrun (gloo on the CPU);

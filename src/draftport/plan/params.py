@@ -175,7 +175,6 @@ class FastParams(Group):
         ge=0,
     )
 
-
     @field_validator("packed_attention")
     @classmethod
     def _kernel_takes_it(cls, v: str, info) -> str:

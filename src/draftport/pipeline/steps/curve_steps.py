@@ -8,6 +8,8 @@ arm, init, answers, recipe, n_samples, seed)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 import tempfile
 import time
@@ -25,6 +27,10 @@ def _train_point(job: dict) -> dict:
     from draftport.training.phases import train_phase
 
     pt, kw = job["point"], dict(job["kw"])
+    done = finished(job)
+    if done is not None:  # a killed step's finished point (budget rounds; train_curves skips them itself)
+        print(f"{job.get('label', 'curves')}: point {job['i']}/{job['of']} ({pt['name']}) finished before", flush=True)
+        return done
     cfg = TrainConfig(**job["train"])
     kw["train_cfg"] = cfg
     what = job.get("label", "curves")
@@ -52,7 +58,7 @@ def _train_point(job: dict) -> dict:
     print(f"{what}: point {job['i']}/{job['of']} ({pt['name']}) done in {seconds:.1f} s", flush=True)
     if child is not None:
         child.finish(ok=True)
-    return {
+    res = {
         **pt,
         "dir": f"points/{pt['name']}",
         "train_steps": rep["train_steps"],
@@ -63,6 +69,33 @@ def _train_point(job: dict) -> dict:
         "run_id": child.run_id if child else None,
         "run": rep["run"],
     }
+    # the point's drafter is saved: its record replaces its checkpoints (a drafter's weights and
+    # moments, ~6 GB at a real shape each; on a 64 GB GPU node the sixth point filled the disk)
+    write_json(done_path(job), {"job": job_key(job), "result": res})
+    shutil.rmtree(kw["ckpt_dir"], ignore_errors=True)
+    return res
+
+
+def done_path(job: dict) -> Path:
+    """A finished point's record, beside the step's checkpoints (which go once the step finishes)."""
+    ckpt = Path(job["kw"]["ckpt_dir"])
+    return ckpt.parent / f"{ckpt.name}.done.json"
+
+
+def job_key(job: dict) -> str:
+    """What a point's training depends on: its point, training config, data and init."""
+    kw = job["kw"]
+    what = {"point": job["point"], "train": job["train"], "init": kw["init"], "n_samples": kw["n_samples"]}
+    return json.dumps({**what, "features": [str(f) for f in kw["features_dir"]]}, sort_keys=True, default=str)
+
+
+def finished(job: dict) -> dict | None:
+    """The result of a point a killed step had finished (its record matches the job), else None."""
+    try:
+        rec = json.loads(done_path(job).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec["result"] if rec.get("job") == job_key(job) else None
 
 
 def train_jobs(jobs: list[dict], world: int) -> tuple[list[dict], int]:
@@ -133,6 +166,8 @@ def _run_job_file(path: str) -> int:
         kw["monitor"] = {**kw["monitor"], "features": Path(kw["monitor"]["features"])}
     rank, world = init_distributed(job["train"].get("device", "auto"))
     if rank > 0:
+        if finished(job) is not None:  # rank 0 reads its record and trains nothing either
+            return 0
         with tempfile.TemporaryDirectory(prefix=f".curves-rank{rank}-") as scratch:
             train_phase(scratch, logger=None, progress=False, train_cfg=TrainConfig(**job["train"]), **kw)
         return 0
@@ -143,8 +178,8 @@ def _run_job_file(path: str) -> int:
 def train_curves(s: StepContext) -> dict:
     """Train every point (arm x n x seed; draftport.plan.curves) on the first n samples of Phase 1's
     + Phase 2's capture (the dataset arms: of features_dataset); on the CPU the step's threads
-    train that many points at once. A killed step resumes: finished points continue from their
-    last checkpoint (0 steps left), the interrupted ones from their own."""
+    train that many points at once. A killed step resumes: finished points are read from their
+    records (their checkpoints are gone by then), the interrupted ones continue from their own."""
     # lazy (registry): eval_curves runs this module and trains nothing
     from draftport.model.device import pick as pick_device
     from draftport.training.loop import init_distributed
@@ -164,9 +199,14 @@ def train_curves(s: StepContext) -> dict:
             "(the adaptive data budget stopped there)",
             flush=True,
         )
-    jobs = []
+    jobs, earlier = [], {}
     for i, pt in enumerate(pts, 1):
         job = _curve_job(s, i, len(pts), pt, regenerated)
+        done = finished(job)
+        if done is not None:  # every rank skips it (rank 0 wrote the record before the next point)
+            print(f"curves: point {i}/{len(pts)} ({pt['name']}) finished before the step was stopped", flush=True)
+            earlier[pt["name"]] = done
+            continue
         if rank > 0:  # rank 0 writes the files, logs and checkpoints
             with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
                 train_phase(scratch, logger=None, progress=False, train_cfg=TrainConfig(**job["train"]), **job["kw"])
@@ -174,7 +214,9 @@ def train_curves(s: StepContext) -> dict:
         jobs.append(job)
     if rank > 0:
         return {}
-    out, n_workers = train_jobs(jobs, world)
+    trained, n_workers = train_jobs(jobs, world)
+    by_name = {**earlier, **{r["name"]: r for r in trained}}
+    out = [by_name[pt["name"]] for pt in pts]
     runs = {r["name"]: r.pop("run_id") for r in out}
     s.timing["points"] = {r["name"]: r.pop("train_seconds") for r in out}  # the decision's hours
     s.timing["points_run"] = {r["name"]: r.pop("run") for r in out}  # device and rate: never artifacts
