@@ -34,7 +34,7 @@ plan)
     timeout "${PLAN_S:-560}" python3 benchmarks/bench_pipeline_gpu.py --runner local --no-tracking \
         --plan-timeout-s "${PLAN_TIMEOUT_S:-500}" --bench-s 40 --json "$OUT/pipeline.json" > "$OUT/plan.log" 2>&1
     tail -40 "$OUT/plan.log"
-    tar czf "$OUT/logs.tgz" logs artifacts/decision 2>/dev/null
+    tar czf "$OUT/logs.tgz" logs artifacts/*/metrics.json artifacts/decision 2>/dev/null  # the figures; weights stay
     ;;
 faults)
     # a real CUDA OOM: Phase 2's step sized far past the card; one line naming the knob, exit 2
