@@ -106,8 +106,8 @@ def allow_recompiles(n: int = 64) -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), n))
-    # two sizes equal by chance (a row's count and a vocab slice) become one symbol under duck
-    # sizing, and the first step where they differ recompiles (an H100's steps 19 and 26)
+    # two sizes equal by chance become one symbol under duck sizing, and the first step where
+    # they differ recompiles (a CPU probe: a loss slice's offset and a logits width)
     import torch._inductor.config as inductor_cfg
     import torch.fx.experimental._config as fx_cfg
 

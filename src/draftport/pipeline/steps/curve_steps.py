@@ -28,7 +28,7 @@ def _train_point(job: dict) -> dict:
 
     pt, kw = job["point"], dict(job["kw"])
     done = finished(job)
-    if done is not None:  # a killed step's finished point (budget rounds; train_curves skips them itself)
+    if done is not None:  # a point a killed step had finished
         print(f"{job.get('label', 'curves')}: point {job['i']}/{job['of']} ({pt['name']}) finished before", flush=True)
         return done
     cfg = TrainConfig(**job["train"])
@@ -199,24 +199,19 @@ def train_curves(s: StepContext) -> dict:
             "(the adaptive data budget stopped there)",
             flush=True,
         )
-    jobs, earlier = [], {}
+    jobs = []
     for i, pt in enumerate(pts, 1):
         job = _curve_job(s, i, len(pts), pt, regenerated)
-        done = finished(job)
-        if done is not None:  # every rank skips it (rank 0 wrote the record before the next point)
-            print(f"curves: point {i}/{len(pts)} ({pt['name']}) finished before the step was stopped", flush=True)
-            earlier[pt["name"]] = done
-            continue
         if rank > 0:  # rank 0 writes the files, logs and checkpoints
-            with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
-                train_phase(scratch, logger=None, progress=False, train_cfg=TrainConfig(**job["train"]), **job["kw"])
+            if finished(job) is None:  # rank 0 reads a finished point's record (_train_point)
+                with tempfile.TemporaryDirectory(prefix=f".{s.name}-rank{rank}-") as scratch:
+                    cfg = TrainConfig(**job["train"])
+                    train_phase(scratch, logger=None, progress=False, train_cfg=cfg, **job["kw"])
             continue
         jobs.append(job)
     if rank > 0:
         return {}
-    trained, n_workers = train_jobs(jobs, world)
-    by_name = {**earlier, **{r["name"]: r for r in trained}}
-    out = [by_name[pt["name"]] for pt in pts]
+    out, n_workers = train_jobs(jobs, world)
     runs = {r["name"]: r.pop("run_id") for r in out}
     s.timing["points"] = {r["name"]: r.pop("train_seconds") for r in out}  # the decision's hours
     s.timing["points_run"] = {r["name"]: r.pop("run") for r in out}  # device and rate: never artifacts
