@@ -27,13 +27,13 @@ def _train_point(job: dict) -> dict:
     from draftport.training.phases import train_phase
 
     pt, kw = job["point"], dict(job["kw"])
+    what = job.get("label", "curves")
     done = finished(job)
     if done is not None:  # a point a killed step had finished
-        print(f"{job.get('label', 'curves')}: point {job['i']}/{job['of']} ({pt['name']}) finished before", flush=True)
+        print(f"{what}: point {job['i']}/{job['of']} ({pt['name']}) finished before", flush=True)
         return done
     cfg = TrainConfig(**job["train"])
     kw["train_cfg"] = cfg
-    what = job.get("label", "curves")
     print(
         f"{what}: point {job['i']}/{job['of']}: {pt['arm']} n={pt['n_samples']} seed={pt['seed']}, {cfg.steps} steps",
         flush=True,
